@@ -1,0 +1,60 @@
+"""The node agent's configuration: one JSON file per node (agent.json), written by the
+local provider or rendered by the SSH bootstrap. Secrets are not in it: the head token is
+read from `token_file` (0600), never passed on a command line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+METADATA_STYLES = ("local", "aws", "gcp", "file", "none")
+
+
+@dataclass
+class AgentConfig:
+    cluster: str
+    node_id: str
+    head_url: str  # coordinator API, e.g. http://10.0.0.5:7470
+    store_host: str  # head's TCPStore (torchrun c10d rendezvous)
+    store_port: int
+    token_file: str  # file holding the cluster token (0600)
+    workdir: str  # node's working directory: logs, worker status files
+    script: str  # training script path on the node
+    args: list[str] = field(default_factory=list)
+    nproc_per_node: int = 1
+    max_nodes: int = 1
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 20
+    keep_last: int = 3
+    max_steps: int = 0
+    python: str = ""  # interpreter for torchrun; "" = the agent's own
+    env: dict[str, str] = field(default_factory=dict)
+    local_addr: str = "127.0.0.1"  # address peers and the head reach this node at
+    # Where preemption notices come from: local emulator (both protocols), aws, gcp,
+    # a notice file (ssh hosts with their own eviction signal), or none.
+    metadata: str = "none"
+    metadata_url: str = ""  # e.g. http://169.254.169.254 (aws) or http://metadata.google.internal
+    notice_file: str = ""
+    poll_interval_s: float = 2.0  # metadata poll interval (aws spec: 2 s)
+
+    def __post_init__(self) -> None:
+        if self.metadata not in METADATA_STYLES:
+            raise ValueError(f"metadata must be one of {METADATA_STYLES}, got {self.metadata!r}")
+        if self.nproc_per_node < 1:
+            raise ValueError("nproc_per_node must be >= 1")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> AgentConfig:
+        return cls(**json.loads(Path(path).read_text()))
+
+    def token(self) -> str:
+        return Path(self.token_file).read_text().strip()

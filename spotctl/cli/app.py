@@ -1,0 +1,63 @@
+"""The spotctl command line. One module per command (`cmd_*.py`), each with `register(app)`.
+
+Commands parse flags and call one core function; renderers are pure. Typed errors become
+one line on stderr and the error's exit code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+
+import typer
+
+from spotctl.errors import SpotctlError
+
+app = typer.Typer(
+    name="spotctl",
+    help="Keep elastic PyTorch training alive and progressing on spot VMs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register_commands() -> None:
+    import spotctl.cli as pkg
+
+    for mod in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        if mod.name.startswith("cmd_"):
+            importlib.import_module(f"spotctl.cli.{mod.name}").register(app)
+
+
+_register_commands()
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        app(args=argv, standalone_mode=False)
+    except SpotctlError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    except SystemExit:
+        raise
+    except Exception as e:  # click usage errors and the like
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(e.exit_code if e.exit_code else 2)
+        if isinstance(e, click.exceptions.Abort):
+            print("aborted", file=sys.stderr)
+            sys.exit(1)
+        if isinstance(e, click.exceptions.Exit):
+            sys.exit(e.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

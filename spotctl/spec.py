@@ -1,0 +1,261 @@
+"""The cluster spec: `spotctl.toml`, validated by pydantic, with CLI flags layered on top.
+
+Every validation failure becomes one SpecError line that names the field, e.g.
+`spotctl.toml: gpus: range 8..4 is inverted (MIN must be <= MAX)`.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from spotctl.errors import SpecError
+
+PROVIDERS = ("local", "aws", "gcp", "ssh")
+SPEC_FILE = "spotctl.toml"
+_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,38}[a-z0-9]$|^[a-z]$")
+
+
+class GpuRange(BaseModel):
+    """Total GPUs the job may use: start with at least `min`, grow toward `max`."""
+
+    model_config = ConfigDict(frozen=True)
+    min: int
+    max: int
+
+    def __str__(self) -> str:
+        return str(self.min) if self.min == self.max else f"{self.min}..{self.max}"
+
+
+def parse_gpu_range(text: str | int) -> GpuRange:
+    """Parse `MIN..MAX` or `N`. Raises ValueError with a sentence saying what is wrong."""
+    if isinstance(text, bool):
+        raise ValueError(f"expected MIN..MAX or N, got {text!r}")
+    if isinstance(text, int):
+        lo = hi = text
+    else:
+        s = str(text).strip()
+        m = re.fullmatch(r"(\d+)\s*\.\.\s*(\d+)", s)
+        if m:
+            lo, hi = int(m.group(1)), int(m.group(2))
+        elif re.fullmatch(r"\d+", s):
+            lo = hi = int(s)
+        else:
+            raise ValueError(f"expected MIN..MAX or N (e.g. 8..64), got {s!r}")
+    if lo <= 0 or hi <= 0:
+        raise ValueError(f"range {lo}..{hi} must be positive (at least 1 GPU)")
+    if lo > hi:
+        raise ValueError(f"range {lo}..{hi} is inverted (MIN must be <= MAX)")
+    if hi > 10_000:
+        raise ValueError(f"range {lo}..{hi} is larger than 10000 GPUs")
+    return GpuRange(min=lo, max=hi)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TrainSpec(_Strict):
+    script: str = "train.py"
+    args: list[str] = Field(default_factory=list)
+    # A directory every node can reach (local: the cluster directory; cloud: a shared mount).
+    checkpoint_dir: str = ""
+    checkpoint_every: int = Field(default=20, ge=1, le=1_000_000)
+    keep_last: int = Field(default=3, ge=1, le=1000)
+    max_steps: int = Field(default=0, ge=0)
+    # Per-node interpreter; empty means the controller's own (local and ssh providers).
+    python: str = ""
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class BudgetSpec(_Strict):
+    # USD per hour for the whole cluster; 0 means no cap.
+    max_usd_per_hour: float = Field(default=0.0, ge=0)
+
+
+class CapacityStep(_Strict):
+    """From `at_s` seconds after the cluster was created, at most `nodes` local nodes exist."""
+
+    at_s: float = Field(ge=0)
+    nodes: int = Field(ge=0)
+
+
+class LocalSpec(_Strict):
+    gpus_per_node: int = Field(default=1, ge=1, le=64)
+    zones: list[str] = Field(default_factory=lambda: ["local-a", "local-b"])
+    price_per_node: float = Field(default=0.0, ge=0)
+    on_demand_price_per_node: float = Field(default=0.0, ge=0)
+    capacity: list[CapacityStep] = Field(default_factory=list)
+
+    @field_validator("capacity")
+    @classmethod
+    def _sorted(cls, v: list[CapacityStep]) -> list[CapacityStep]:
+        times = [s.at_s for s in v]
+        if times != sorted(times):
+            raise ValueError("capacity steps must be in increasing at_s order")
+        return v
+
+
+class AwsSpec(_Strict):
+    region: str = "us-east-1"
+    zones: list[str] = Field(default_factory=list)
+    instance_types: list[str] = Field(default_factory=list)
+    gpu: str = ""
+    ami: str = ""
+    head_instance_type: str = "t3.small"
+    ssh_user: str = "ubuntu"
+    # CIDR allowed to reach SSH; empty means the caller's own address.
+    ssh_cidr: str = ""
+
+
+class GcpSpec(_Strict):
+    project: str = ""
+    region: str = "us-central1"
+    zones: list[str] = Field(default_factory=list)
+    machine_types: list[str] = Field(default_factory=list)
+    gpu: str = ""
+    image: str = "projects/debian-cloud/global/images/family/debian-12"
+    head_machine_type: str = "e2-small"
+    ssh_user: str = "spotctl"
+    ssh_cidr: str = ""
+
+
+class SshHost(_Strict):
+    address: str
+    port: int = Field(default=22, ge=1, le=65535)
+    user: str = "root"
+    key: str = ""
+    gpus: int = Field(default=1, ge=1, le=64)
+    # A file whose appearance means the host is about to be taken away.
+    notice_file: str = ""
+
+
+class SshSpec(_Strict):
+    hosts: list[SshHost] = Field(default_factory=list)
+
+
+class RebalanceSpec(_Strict):
+    cooldown_s: float = Field(default=900.0, ge=0)
+    replace_saving_pct: float = Field(default=30.0, ge=0, le=100)
+    lost_after_observations: int = Field(default=3, ge=1)
+    lost_after_s: float = Field(default=60.0, ge=0)
+
+
+class ClusterSpec(_Strict):
+    name: str = "spotctl"
+    provider: Literal["local", "aws", "gcp", "ssh"] = "local"
+    gpus: GpuRange = Field(default_factory=lambda: GpuRange(min=1, max=1))
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    budget: BudgetSpec = Field(default_factory=BudgetSpec)
+    local: LocalSpec = Field(default_factory=LocalSpec)
+    aws: AwsSpec = Field(default_factory=AwsSpec)
+    gcp: GcpSpec = Field(default_factory=GcpSpec)
+    ssh: SshSpec = Field(default_factory=SshSpec)
+    rebalance: RebalanceSpec = Field(default_factory=RebalanceSpec)
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpus(cls, v: Any) -> Any:
+        if isinstance(v, GpuRange | dict):
+            return v
+        return parse_gpu_range(v)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError(
+                f"{v!r} is not a valid cluster name (lowercase letters, digits and '-', "
+                "starting with a letter, at most 40 characters)"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _provider_fields(self) -> ClusterSpec:
+        if self.provider == "ssh" and not self.ssh.hosts:
+            raise ValueError("provider 'ssh' needs at least one [[ssh.hosts]] entry")
+        return self
+
+    @property
+    def gpus_per_node(self) -> int:
+        if self.provider == "local":
+            return self.local.gpus_per_node
+        if self.provider == "ssh" and self.ssh.hosts:
+            return min(h.gpus for h in self.ssh.hosts)
+        return 1
+
+    def resolved_script(self, base: Path) -> Path:
+        p = Path(self.train.script).expanduser()
+        return p if p.is_absolute() else (base / p)
+
+
+def _format_validation(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(x) for x in first["loc"] if not isinstance(x, int) or True)
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    msg = msg.removeprefix("Value error, ")
+    more = len(err.errors()) - 1
+    tail = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
+    where = f"{source}: " if source else ""
+    return f"{where}{loc or 'spec'}: {msg}{tail}"
+
+
+def load_spec(
+    path: Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    *,
+    require_file: bool = False,
+    check_script: bool = True,
+) -> ClusterSpec:
+    """Read `path` (or ./spotctl.toml when present), apply flag overrides, validate.
+
+    `overrides` uses dotted keys: {"gpus": "2..4", "train.script": "x.py"}.
+    The training script path is made absolute relative to the spec file's folder.
+    """
+    data: dict[str, Any] = {}
+    source = ""
+    base = Path.cwd()
+    if path is None and (Path.cwd() / SPEC_FILE).exists():
+        path = Path.cwd() / SPEC_FILE
+    if path is not None:
+        path = Path(path)
+        source = str(path.name)
+        if not path.exists():
+            raise SpecError(f"config file {path} not found")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise SpecError(f"{source}: not valid TOML: {e}") from None
+        except UnicodeDecodeError:
+            raise SpecError(f"{source}: not valid UTF-8 text") from None
+        base = path.resolve().parent
+    elif require_file:
+        raise SpecError(f"no {SPEC_FILE} here; run `spotctl init` or pass --config")
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        node = data
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise SpecError(f"{key}: {p} must be a table")
+        node[parts[-1]] = value
+    try:
+        spec = ClusterSpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(_format_validation(e, source or "flags")) from None
+    script = spec.resolved_script(base)
+    if check_script and spec.provider in ("local", "ssh") and not script.is_file():
+        raise SpecError(f"train.script: training script {script} not found")
+    spec.train.script = str(script)
+    if spec.train.checkpoint_dir:
+        ck = Path(spec.train.checkpoint_dir).expanduser()
+        spec.train.checkpoint_dir = str(ck if ck.is_absolute() else base / ck)
+    return spec
