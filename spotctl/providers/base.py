@@ -37,6 +37,8 @@ class Offer:
     on_demand_price: float | None = None  # USD per instance-hour, None when unknown
     interruption_band: int | None = None  # Spot Advisor bucket 0 (<5%) .. 4 (>20%)
     gpu_memory_gib: float = 0.0  # per GPU
+    # Instances purchasable now (e.g. a local capacity schedule); None when unknown.
+    available: int | None = None
 
     @property
     def price_per_gpu_hour(self) -> float:
