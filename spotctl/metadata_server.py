@@ -186,10 +186,12 @@ class MetadataServer:
         with self._cond:
             return dict(self._faults)
 
-    def preempt(self, style: str = "aws", in_s: float | None = None) -> float:
+    def preempt(
+        self, style: str = "aws", in_s: float | None = None, action: str = "terminate"
+    ) -> float:
         """Announce a preemption the way `style`'s cloud would; returns the deadline.
 
-        aws: instance-action `terminate` at now+in_s (default 120 s). gcp: `preempted`
+        aws: instance-action `action` at now+in_s (default 120 s). gcp: `preempted`
         turns TRUE now and the node goes 30 s later. The earliest deadline stands;
         `on_deadline(deadline)` runs from a timer thread when it passes.
         """
@@ -199,7 +201,7 @@ class MetadataServer:
             if wait < 0:
                 raise ValueError("in_s must be >= 0")
             deadline = now + wait
-            self.set_aws_notice("terminate", deadline)
+            self.set_aws_notice(action, deadline)
         elif style == "gcp":
             deadline = now + GCP_PREEMPT_GRACE_S
             self.set_gcp_preempted(True)
@@ -380,7 +382,8 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ValueError("body must be a JSON object")
             style = str(body.get("style", "aws"))
             in_s = body.get("in_s")
-            deadline = self.meta.preempt(style, None if in_s is None else float(in_s))
+            action = str(body.get("action", "terminate"))
+            deadline = self.meta.preempt(style, None if in_s is None else float(in_s), action)
         except (ValueError, TypeError) as exc:
             self._send(400, json.dumps({"error": str(exc)}), "application/json")
             return
@@ -481,3 +484,54 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(401, json.dumps({"error": "unauthorized"}), "application/json")
             return False
         return True
+
+
+# --- client side of the control endpoint (for `spotctl preempt`) -----------------------------
+
+
+def _control_request(
+    url: str, token: str, method: str, path: str, body: dict[str, Any] | None, timeout_s: float
+) -> dict[str, Any]:
+    from spotctl.agent.monitors import FetchError, http_request
+    from spotctl.errors import AuthError, SpotctlError, TransientError
+
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    try:
+        reply = http_request(method, url.rstrip("/") + path, headers, timeout_s, data=data)
+    except FetchError as exc:
+        raise TransientError(f"metadata endpoint unreachable: {exc}") from exc
+    if reply.status == 401:
+        raise AuthError(f"metadata endpoint {url} refused the node token")
+    if reply.status != 200:
+        text = reply.body.decode("utf-8", "replace")[:200]
+        raise SpotctlError(f"metadata endpoint {url}{path}: HTTP {reply.status}: {text}")
+    try:
+        result = json.loads(reply.body)
+    except ValueError as exc:
+        raise SpotctlError(f"metadata endpoint {url}{path} sent non-JSON") from exc
+    if not isinstance(result, dict):
+        raise SpotctlError(f"metadata endpoint {url}{path} sent {result!r}")
+    return result
+
+
+def request_preempt(
+    url: str,
+    token: str,
+    style: str = "aws",
+    in_s: float | None = None,
+    action: str = "terminate",
+    timeout_s: float = 5.0,
+) -> float:
+    """POST /_spotctl/preempt on a node's emulator; returns the deadline (unix time).
+    Raises AuthError (bad token), TransientError (unreachable), SpotctlError (other)."""
+    body: dict[str, Any] = {"style": style, "action": action}
+    if in_s is not None:
+        body["in_s"] = in_s
+    result = _control_request(url, token, "POST", "/_spotctl/preempt", body, timeout_s)
+    return float(result["deadline"])
+
+
+def request_state(url: str, token: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    """GET /_spotctl/state: {"deadline": ts|None, "aws": {...}, "gcp": {...}}."""
+    return _control_request(url, token, "GET", "/_spotctl/state", None, timeout_s)

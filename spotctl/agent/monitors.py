@@ -161,12 +161,16 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def http_request(
-    method: str, url: str, headers: Mapping[str, str] | None, timeout_s: float
+    method: str,
+    url: str,
+    headers: Mapping[str, str] | None,
+    timeout_s: float,
+    data: bytes | None = None,
 ) -> Reply:
     """One request; any HTTP status is a Reply, only transport failures raise FetchError."""
-    req = urllib.request.Request(url, method=method, headers=dict(headers or {}))
-    if method == "PUT":
-        req.data = b""
+    if data is None and method in ("PUT", "POST"):
+        data = b""  # urllib sends Content-Length only with a body; IMDS wants it on PUT
+    req = urllib.request.Request(url, data=data, method=method, headers=dict(headers or {}))
     try:
         with _OPENER.open(req, timeout=timeout_s) as resp:
             return Reply(resp.status, _lower_headers(resp.headers), resp.read())
@@ -609,6 +613,7 @@ class MonitorLoop:
                 log.exception("monitor %s crashed in poll", monitor.name)
                 notices = []
                 monitor.errors += 1
+                monitor.last_error = "poll crashed (see the traceback logged first)"
             first = False
             if monitor.errors > before:
                 self._note_error(monitor.name, monitor.last_error)

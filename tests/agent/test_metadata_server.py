@@ -6,11 +6,13 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from spotctl.agent.monitors import http_request
-from spotctl.metadata_server import MetadataServer
+from spotctl.errors import AuthError, SpotctlError, TransientError
+from spotctl.metadata_server import MetadataServer, request_preempt, request_state
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,25 +55,13 @@ def _aws(srv: MetadataServer, path: str, token: str | None) -> tuple[int, bytes]
     return reply.status, reply.body
 
 
-def _control(srv: MetadataServer, method: str, path: str, body: dict | None, auth: str | None):  # type: ignore[no-untyped-def]
-    import urllib.request
-
-    headers = {"Content-Type": "application/json"}
-    if auth is not None:
-        headers["Authorization"] = auth
-    req = urllib.request.Request(
-        srv.url + path,
-        method=method,
-        headers=headers,
-        data=None if body is None else json.dumps(body).encode(),
-    )
-    from spotctl.agent.monitors import _OPENER
-
-    try:
-        with _OPENER.open(req, timeout=5) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
+def _control(
+    srv: MetadataServer, method: str, path: str, body: dict | None, auth: str | None
+) -> tuple[int, Any]:
+    headers = {} if auth is None else {"Authorization": auth}
+    data = None if body is None else json.dumps(body).encode()
+    reply = http_request(method, srv.url + path, headers, 5.0, data=data)
+    return reply.status, json.loads(reply.body) if reply.status == 200 else reply.body
 
 
 # --- IMDSv2 -------------------------------------------------------------------------------
@@ -242,3 +232,29 @@ def test_clear_cancels_deadline() -> None:
         srv.clear()
         time.sleep(0.6)
         assert fired == [] and srv.deadline is None
+
+
+def test_client_helpers(server: MetadataServer, clock: FakeClock) -> None:
+    with pytest.raises(AuthError):
+        request_preempt(server.url, "wrong")
+    deadline = request_preempt(server.url, "secret", "aws", in_s=5, action="stop")
+    assert deadline == clock.now + 5
+    state = request_state(server.url, "secret")
+    assert state["deadline"] == deadline
+    assert state["aws"]["instance_action"]["action"] == "stop"
+    with pytest.raises(SpotctlError, match="HTTP 400"):
+        request_preempt(server.url, "secret", "aws", action="explode")
+
+
+def test_client_helper_unreachable() -> None:
+    srv = MetadataServer(control_token="t").start()
+    url = srv.url
+    srv.stop()
+    with pytest.raises(TransientError):
+        request_state(url, "t", timeout_s=1.0)
+
+
+def test_earliest_deadline_stands(server: MetadataServer, clock: FakeClock) -> None:
+    first = server.preempt("aws", in_s=100)
+    assert server.preempt("aws", in_s=200) == first
+    assert server.preempt("gcp") == clock.now + 30 == server.deadline

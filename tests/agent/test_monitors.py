@@ -113,10 +113,17 @@ def test_aws_persistent_401_is_counted_not_raised(server: MetadataServer) -> Non
     assert mon.errors == 1 and "401" in mon.last_error
 
 
-def test_server_rejects_bad_ttl_and_expired_token(server: MetadataServer) -> None:
-    assert AwsImdsMonitor(server.url, token_ttl_s=1).poll() == []
+def test_aws_ttl_validated_and_short_token_renewed(server: MetadataServer) -> None:
     with pytest.raises(ValueError):
         AwsImdsMonitor(server.url, token_ttl_s=0)
+    with pytest.raises(ValueError):
+        AwsImdsMonitor(server.url, token_ttl_s=21601)
+    now = [0.0]
+    mon = AwsImdsMonitor(server.url, token_ttl_s=1, clock=lambda: now[0])
+    mon.poll()
+    now[0] += 0.8  # past the refresh margin of a 1 s token
+    mon.poll()
+    assert server.token_puts == 2 and mon.errors == 0
 
 
 @pytest.mark.parametrize("fault", ["5xx", "garbage", "timeout", "401"])
@@ -126,8 +133,7 @@ def test_aws_faults_give_no_notice_and_no_exception(server: MetadataServer, faul
     mon = AwsImdsMonitor(server.url, timeout_s=0.5, rebalance=False)
     assert mon.poll() == []
     assert mon.errors >= 1 and mon.last_error
-    # After the faults are spent the notice comes through.
-    server.inject(fault, 0)
+    # After the faults are cleared the notice comes through.
     server.clear()
     server.set_aws_notice("terminate", at=time.time() + 60)
     assert len(mon.poll()) == 1
