@@ -1,0 +1,460 @@
+"""Make hosts spotctl nodes over SSH (fabric), many at a time.
+
+For each host, in a bounded thread pool: wait for SSH (backoff while the VM boots), upload
+the rendered files (bootstrap script, systemd unit, agent config, token), run the script
+(installs what is missing, starts the agent under systemd or a setsid fallback), and
+optionally confirm the agent's first heartbeat at the head.
+
+Idempotent: uploads are compared by SHA-256 and skipped when equal; an agent already
+running with the same files is left alone, and the host reports changed=False.
+Secrets: the token travels only over SFTP into a 0600 file; it is never on a command
+line, in the script's output, or in a log line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import shlex
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from spotctl.agent.config import AgentConfig
+from spotctl.errors import BootstrapError
+from spotctl.sshutil import HostTarget, RemoteResult, connect, run
+
+if TYPE_CHECKING:
+    from fabric import Connection
+
+__all__ = [
+    "AGENT_CONFIG",
+    "BootstrapFiles",
+    "HeadProbe",
+    "HeartbeatProbe",
+    "HostResult",
+    "HostTarget",
+    "TOKEN_FILE",
+    "bootstrap_hosts",
+    "release_hosts",
+    "render_bootstrap",
+]
+
+log = logging.getLogger("spotctl.bootstrap")
+
+SCRIPT = "bootstrap.sh"
+UNIT_FILE = "spotctl-agent.service"
+AGENT_CONFIG = "agent.json"
+TOKEN_FILE = "token"
+# torch pinned: the bootstrap must never pull a newer (multi-GB) build onto a node.
+DEFAULT_PIP_SPEC = "spotctl[train] torch==2.13.0"
+
+
+@dataclass
+class RemoteFile:
+    """One file uploaded into the node's directory."""
+
+    name: str  # relative to the node directory
+    content: bytes
+    mode: int = 0o600
+    # Whether a change to this file needs the running agent restarted.
+    restarts_agent: bool = True
+
+
+@dataclass
+class BootstrapFiles:
+    """Everything rendered for one host. Build it with `render_bootstrap`."""
+
+    remote_dir: str  # absolute node directory on the host
+    files: list[RemoteFile]
+
+    def get(self, name: str) -> RemoteFile:
+        for f in self.files:
+            if f.name == name:
+                return f
+        raise KeyError(name)
+
+
+@dataclass
+class HostResult:
+    """Per-host outcome; one failing host never hides the others."""
+
+    node_id: str
+    ok: bool
+    reason: str  # "" when ok; otherwise one line naming what failed
+    changed: bool  # anything uploaded, installed, started or restarted
+    seconds: float
+    agent: str = ""  # e.g. "started mode=fallback pid=123", "running"
+    uploaded: list[str] = field(default_factory=list)  # names of files that changed
+
+
+class HeartbeatProbe(Protocol):
+    """Where the bootstrap looks for the agent's heartbeats (the head, in production)."""
+
+    def last_heartbeat(self, node_id: str) -> float | None:
+        """The node's latest heartbeat time as the head recorded it, None if never."""
+
+
+class HeadProbe:
+    """Reads heartbeats from the head's coordinator API (`GET /api/status`)."""
+
+    def __init__(self, url: str, token: str, timeout_s: float = 5.0):
+        self.url = url.rstrip("/")
+        self._token = token
+        self.timeout_s = timeout_s
+
+    def last_heartbeat(self, node_id: str) -> float | None:
+        req = urllib.request.Request(
+            self.url + "/api/status", headers={"Authorization": f"Bearer {self._token}"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                status = json.load(r)
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+        node = (status.get("nodes") or {}).get(node_id) or {}
+        hb = node.get("last_heartbeat")
+        return float(hb) if hb else None
+
+
+def _templates_dir() -> Path:
+    """templates/ inside the installed package, else the source checkout's."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "templates", here.parent / "templates"):
+        if (cand / SCRIPT).is_file():
+            return cand
+    raise BootstrapError(f"bootstrap templates not found (looked in {here}/templates)")
+
+
+def _fill(template: str, values: dict[str, str]) -> str:
+    for k, v in values.items():
+        template = template.replace(f"@@{k}@@", v)
+    if "@@" in template:
+        left = template[template.index("@@") :].split("\n", 1)[0]
+        raise BootstrapError(f"bootstrap template has an unfilled placeholder: {left}")
+    return template
+
+
+def unit_name(cluster: str, node_id: str) -> str:
+    """One unit per node, so several nodes (or clusters) can share a machine."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in f"{cluster}-{node_id}")
+    return f"spotctl-agent-{safe}"
+
+
+def render_bootstrap(
+    target: HostTarget,
+    config: AgentConfig,
+    token: str,
+    *,
+    python: str = "python3",
+    venv: str = "",
+    pip_spec: str = DEFAULT_PIP_SPEC,
+    agent_argv: Sequence[str] | None = None,
+    extra: dict[str, bytes] | None = None,
+) -> BootstrapFiles:
+    """Render the templates for one host.
+
+    The node directory is `target.remote_dir` (absolute). The config's token_file is set
+    to `<dir>/token` and a relative workdir is placed under the node directory.
+    `agent_argv` defaults to `<python> -m spotctl.cli.app agent --config <dir>/agent.json`.
+    `extra` files (e.g. the training script) are uploaded next to them.
+    """
+    d = target.remote_dir.rstrip("/")
+    if not d.startswith("/"):
+        raise BootstrapError(f"{target.label}: remote_dir must be absolute, got {d!r}")
+    if not token or "\n" in token.strip():
+        raise BootstrapError("cluster token is empty or not one line")
+    py = f"{venv.rstrip('/')}/bin/python" if venv else python
+    workdir = config.workdir or "work"
+    if not workdir.startswith("/"):
+        workdir = f"{d}/{workdir}"
+    config = dataclasses.replace(config, token_file=f"{d}/{TOKEN_FILE}", workdir=workdir)
+    argv = list(agent_argv or [py, "-m", "spotctl.cli.app", "agent", "--config"])
+    if agent_argv is None:
+        argv.append(f"{d}/{AGENT_CONFIG}")
+    tdir = _templates_dir()
+    unit = unit_name(config.cluster, target.node_id)
+    values = {
+        "DIR": shlex.quote(d),
+        "PYTHON": shlex.quote(py),
+        "VENV": shlex.quote(venv),
+        "PIP_SPEC": shlex.quote(pip_spec),
+        "UNIT": shlex.quote(unit),
+        "AGENT_ARGV": shlex.join(argv),
+    }
+    script = _fill((tdir / SCRIPT).read_text(), values)
+    unit_text = _fill(
+        (tdir / UNIT_FILE).read_text(),
+        {
+            "CLUSTER": config.cluster,
+            "NODE": target.node_id,
+            "USER": target.user,
+            "DIR": d,
+            "AGENT_ARGV": shlex.join(argv),
+        },
+    )
+    files = [
+        RemoteFile(SCRIPT, script.encode(), 0o700, restarts_agent=False),
+        RemoteFile(UNIT_FILE, unit_text.encode(), 0o644),
+        # 0600: train.env may carry credentials the user put there.
+        RemoteFile(AGENT_CONFIG, (json.dumps(config.to_json(), indent=2) + "\n").encode()),
+        RemoteFile(TOKEN_FILE, (token.strip() + "\n").encode()),
+    ]
+    for name, content in (extra or {}).items():
+        files.append(RemoteFile(name, content, 0o644))
+    return BootstrapFiles(remote_dir=d, files=files)
+
+
+@dataclass
+class _Opts:
+    wait_s: float
+    attempt_timeout_s: float
+    command_timeout_s: float
+    heartbeat_timeout_s: float
+    probe: HeartbeatProbe | None
+
+
+def bootstrap_hosts(
+    hosts: list[HostTarget],
+    render: Callable[[HostTarget], BootstrapFiles],
+    known_hosts: Path,
+    parallel: int = 8,
+    progress: bool = True,
+    *,
+    wait_s: float = 300.0,
+    attempt_timeout_s: float = 10.0,
+    command_timeout_s: float = 1800.0,
+    probe: HeartbeatProbe | None = None,
+    heartbeat_timeout_s: float = 120.0,
+) -> list[HostResult]:
+    """Bootstrap every host; results in the order of `hosts`.
+
+    `wait_s` bounds the wait for SSH per host (a booting VM); `command_timeout_s` bounds
+    the install; with a `probe`, a host is ok only once its agent heartbeats at the head
+    within `heartbeat_timeout_s`.
+    """
+    opts = _Opts(wait_s, attempt_timeout_s, command_timeout_s, heartbeat_timeout_s, probe)
+    results: dict[int, HostResult] = {}
+    if not hosts:
+        return []
+    bar = None
+    task = None
+    if progress:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        from spotctl.cli.common import console
+
+        bar = Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console(stderr=True),
+            transient=False,
+        )
+        bar.start()
+        task = bar.add_task("bootstrapping", total=len(hosts))
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(hosts)))) as pool:
+            futs = {
+                pool.submit(_bootstrap_one, h, render, known_hosts, opts): i
+                for i, h in enumerate(hosts)
+            }
+            for fut in as_completed(futs):
+                i = futs[fut]
+                results[i] = fut.result()
+                if bar is not None and task is not None:
+                    r = results[i]
+                    bar.update(task, advance=1, description=f"{r.node_id}: {_short(r)}")
+    finally:
+        if bar is not None:
+            bar.stop()
+    return [results[i] for i in range(len(hosts))]
+
+
+def _short(r: HostResult) -> str:
+    if not r.ok:
+        return "failed"
+    return "changed" if r.changed else "unchanged"
+
+
+def _bootstrap_one(
+    target: HostTarget,
+    render: Callable[[HostTarget], BootstrapFiles],
+    known_hosts: Path,
+    opts: _Opts,
+) -> HostResult:
+    t0 = time.monotonic()
+    try:
+        res = _bootstrap(target, render, known_hosts, opts)
+        res.seconds = time.monotonic() - t0
+        return res
+    except Exception as e:  # one host's failure is data, never an exception for the others
+        reason = str(e) if isinstance(e, BootstrapError) else f"{type(e).__name__}: {e}"
+        if not reason.startswith(target.node_id):
+            reason = f"{target.label}: {reason}"
+        log.warning("bootstrap failed: %s", reason)
+        return HostResult(target.node_id, False, reason, False, time.monotonic() - t0)
+
+
+def _check(target: HostTarget, what: str, r: RemoteResult) -> RemoteResult:
+    if not r.ok:
+        lines = (r.stdout + "\n" + r.stderr).strip().splitlines()
+        tail = lines[-1] if lines else f"exit {r.exit_code}"
+        raise BootstrapError(f"{target.label}: {what} failed: {tail}")
+    return r
+
+
+def _resolve_dir(conn: Connection, target: HostTarget) -> HostTarget:
+    d = target.remote_dir or f".spotctl/{target.node_id}"
+    if d.startswith("/"):
+        return target
+    home = _check(target, "reading $HOME", run(conn, 'printf %s "$HOME"')).stdout.strip()
+    if not home.startswith("/"):
+        raise BootstrapError(f"{target.label}: remote $HOME is not an absolute path")
+    return dataclasses.replace(target, remote_dir=f"{home.rstrip('/')}/{d}")
+
+
+def _remote_sums(conn: Connection, target: HostTarget, files: BootstrapFiles) -> dict[str, str]:
+    d = shlex.quote(files.remote_dir)
+    names = " ".join(shlex.quote(f.name) for f in files.files)
+    # Modes are re-asserted on every run, so a token someone made readable is fixed even
+    # when its content is unchanged.
+    modes = "".join(
+        f"if [ -e {shlex.quote(f.name)} ]; then chmod {f.mode:o} {shlex.quote(f.name)}; fi; "
+        for f in files.files
+    )
+    cmd = (
+        f"umask 077; mkdir -p {d} && chmod 700 {d} && cd {d} && {modes}"
+        f"{{ sha256sum -- {names} 2>/dev/null || true; }}"
+    )
+    out = _check(target, "preparing the node directory", run(conn, cmd, 60)).stdout
+    sums: dict[str, str] = {}
+    for line in out.splitlines():
+        parts = line.split(None, 1)
+        if len(parts) == 2:
+            sums[parts[1].lstrip("*")] = parts[0]
+    return sums
+
+
+def _upload(conn: Connection, files: BootstrapFiles, f: RemoteFile) -> None:
+    sftp = conn.sftp()
+    path = f"{files.remote_dir}/{f.name}"
+    parent = path.rsplit("/", 1)[0]
+    if parent != files.remote_dir:
+        run(conn, f"umask 077; mkdir -p {shlex.quote(parent)}")
+    tmp = f"{path}.spotctl-tmp"
+    # Mode first, content second: the file is never readable by others, even briefly
+    # (and the node directory itself is 0700).
+    with sftp.open(tmp, "wb") as fh:
+        sftp.chmod(tmp, f.mode)
+        fh.write(f.content)
+    sftp.posix_rename(tmp, path)
+
+
+def _parse_result(stdout: str) -> dict[str, str]:
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("spotctl-result "):
+            return dict(kv.split("=", 1) for kv in line.split()[1:] if "=" in kv)
+    return {}
+
+
+def _bootstrap(
+    target: HostTarget,
+    render: Callable[[HostTarget], BootstrapFiles],
+    known_hosts: Path,
+    opts: _Opts,
+) -> HostResult:
+    conn = connect(
+        target, known_hosts, wait_s=opts.wait_s, attempt_timeout_s=opts.attempt_timeout_s
+    )
+    try:
+        target = _resolve_dir(conn, target)
+        files = render(target)
+        sums = _remote_sums(conn, target, files)
+        uploaded: list[str] = []
+        restart = False
+        for f in files.files:
+            if sums.get(f.name) != hashlib.sha256(f.content).hexdigest():
+                _upload(conn, files, f)
+                uploaded.append(f.name)
+                restart = restart or f.restarts_agent
+        if uploaded:
+            log.info("%s: uploaded %s", target.label, ", ".join(uploaded))
+        baseline = opts.probe.last_heartbeat(target.node_id) if opts.probe else None
+        script = shlex.quote(f"{files.remote_dir}/{SCRIPT}")
+        cmd = f"sh {script} ensure{' restart' if restart else ''}"
+        r = _check(target, "bootstrap script", run(conn, cmd, opts.command_timeout_s))
+        result = _parse_result(r.stdout)
+        if not result:
+            raise BootstrapError(f"{target.label}: bootstrap script gave no result line")
+        started = result.get("agent") == "started"
+        agent = "running"
+        if started:
+            agent_lines = [ln for ln in r.stdout.splitlines() if ln.startswith("spotctl: agent")]
+            agent = "started " + (agent_lines[-1].split("agent ", 1)[-1] if agent_lines else "")
+        changed = bool(uploaded) or result.get("installed") == "1" or started
+    finally:
+        conn.close()
+    if opts.probe is not None:
+        _await_heartbeat(target, opts.probe, baseline, opts.heartbeat_timeout_s)
+    return HostResult(target.node_id, True, "", changed, 0.0, agent.strip(), uploaded)
+
+
+def _await_heartbeat(
+    target: HostTarget, probe: HeartbeatProbe, baseline: float | None, timeout_s: float
+) -> None:
+    """A heartbeat newer than the one seen before (re)starting: compares head timestamps
+    with head timestamps only, so controller/head clock skew cannot fool it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        hb = probe.last_heartbeat(target.node_id)
+        if hb is not None and (baseline is None or hb > baseline):
+            return
+        if time.monotonic() >= deadline:
+            raise BootstrapError(
+                f"{target.label}: agent started but no heartbeat reached the head within "
+                f"{timeout_s:.0f}s (see agent.log in {target.remote_dir})"
+            )
+        time.sleep(0.5)
+
+
+def release_hosts(
+    hosts: list[HostTarget], known_hosts: Path, parallel: int = 8, *, wait_s: float = 0.0
+) -> list[HostResult]:
+    """Stop the agent, disable its unit and delete the token on each host. Never powers
+    anything off. A host whose node directory holds no bootstrap script is already clean."""
+
+    def one(t: HostTarget) -> HostResult:
+        t0 = time.monotonic()
+        try:
+            conn = connect(t, known_hosts, wait_s=wait_s)
+            try:
+                t = _resolve_dir(conn, t)
+                s = shlex.quote(f"{t.remote_dir}/{SCRIPT}")
+                r = run(conn, f"if [ -f {s} ]; then sh {s} release; else echo absent; fi", 300)
+                _check(t, "release", r)
+            finally:
+                conn.close()
+            return HostResult(t.node_id, True, "", "absent" not in r.stdout, time.monotonic() - t0)
+        except Exception as e:
+            reason = str(e) if isinstance(e, BootstrapError) else f"{type(e).__name__}: {e}"
+            return HostResult(t.node_id, False, reason, False, time.monotonic() - t0)
+
+    if not hosts:
+        return []
+    with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(hosts)))) as pool:
+        return list(pool.map(one, hosts))
+
+
+def default_python() -> str:
+    """The controller's interpreter: right for loopback and for hosts that mirror it."""
+    return sys.executable

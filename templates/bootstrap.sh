@@ -1,0 +1,154 @@
+#!/bin/sh
+# spotctl node bootstrap, rendered by spotctl.bootstrap for one node. Safe to run any
+# number of times: it installs only what is missing and starts the agent only when it is
+# not already running (or when asked to restart because its configuration changed).
+#
+#   bootstrap.sh ensure [restart]   install deps if missing, (re)start the agent
+#   bootstrap.sh status             is the agent running?
+#   bootstrap.sh stop               stop the agent (and its torchrun) if running
+#   bootstrap.sh release            stop, disable, and remove the token from this host
+#
+# Output is `spotctl:` lines only; nothing secret is ever printed (the token stays in
+# its 0600 file and the agent reads it from there).
+set -eu
+umask 077
+
+DIR=@@DIR@@
+PY=@@PYTHON@@
+VENV=@@VENV@@
+PIP_SPEC=@@PIP_SPEC@@
+UNIT=@@UNIT@@
+CONFIG="$DIR/agent.json"
+PIDFILE="$DIR/agent.pid"
+LOG="$DIR/agent.log"
+
+SUDO=""
+if [ "$(id -u)" != 0 ]; then
+    if command -v sudo >/dev/null 2>&1 && sudo -n true >/dev/null 2>&1; then SUDO="sudo -n"; fi
+fi
+
+mkdir -p "$DIR" "$DIR/work"
+chmod 700 "$DIR"
+
+have_systemd() {
+    [ -d /run/systemd/system ] && command -v systemctl >/dev/null 2>&1 \
+        && { [ "$(id -u)" = 0 ] || [ -n "$SUDO" ]; }
+}
+
+install_deps() {
+    if [ -n "$VENV" ] && [ ! -x "$VENV/bin/python" ]; then
+        python3 -m venv "$VENV" >>"$DIR/bootstrap.log" 2>&1
+    fi
+    if "$PY" -c 'import spotctl, torch' >/dev/null 2>&1; then
+        echo "spotctl: deps present"
+        return 1
+    fi
+    # torch is pinned: an open range would pull a newer (multi-GB) build.
+    # shellcheck disable=SC2086
+    "$PY" -m pip install --quiet $PIP_SPEC >>"$DIR/bootstrap.log" 2>&1 \
+        || { echo "spotctl: pip install failed (see $DIR/bootstrap.log)"; exit 3; }
+    echo "spotctl: deps installed"
+    return 0
+}
+
+fallback_pid() {
+    # The recorded pid counts only if that process still runs this node's agent config.
+    [ -s "$PIDFILE" ] || return 1
+    pid=$(cat "$PIDFILE")
+    kill -0 "$pid" 2>/dev/null || return 1
+    tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$CONFIG" || return 1
+    echo "$pid"
+}
+
+running() {
+    if have_systemd && [ -f "/etc/systemd/system/$UNIT.service" ]; then
+        systemctl is-active --quiet "$UNIT"
+    else
+        fallback_pid >/dev/null
+    fi
+}
+
+start_agent() {
+    if have_systemd; then
+        dst="/etc/systemd/system/$UNIT.service"
+        if ! cmp -s "$DIR/spotctl-agent.service" "$dst" 2>/dev/null; then
+            $SUDO install -m 0644 "$DIR/spotctl-agent.service" "$dst"
+            $SUDO systemctl daemon-reload
+        fi
+        $SUDO systemctl enable --quiet "$UNIT" >/dev/null 2>&1 || true
+        $SUDO systemctl restart "$UNIT"
+        echo "spotctl: agent mode=systemd unit=$UNIT"
+        return
+    fi
+    # No systemd: a session of its own (setsid) so the agent and its torchrun outlive this
+    # SSH session and can be stopped as one process group. It writes its own pid before
+    # exec, so the pid file names the agent and not a wrapper.
+    # shellcheck disable=SC2016
+    setsid sh -c 'echo $$ >"$0"; exec "$@"' "$PIDFILE" @@AGENT_ARGV@@ \
+        >>"$LOG" 2>&1 </dev/null &
+    i=0
+    while [ $i -lt 50 ]; do
+        if pid=$(fallback_pid); then
+            echo "spotctl: agent mode=fallback pid=$pid"
+            return
+        fi
+        i=$((i + 1))
+        sleep 0.1
+    done
+    echo "spotctl: agent did not start (see $LOG)"
+    exit 4
+}
+
+stop_agent() {
+    if have_systemd && [ -f "/etc/systemd/system/$UNIT.service" ]; then
+        $SUDO systemctl stop "$UNIT" || true
+    fi
+    if pid=$(fallback_pid); then
+        # The whole process group: the agent and the torchrun it supervises.
+        kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+        i=0
+        while kill -0 "$pid" 2>/dev/null && [ $i -lt 300 ]; do
+            i=$((i + 1))
+            sleep 0.1
+        done
+        kill -KILL -- "-$pid" 2>/dev/null || true
+    fi
+    rm -f "$PIDFILE"
+    echo "spotctl: agent stopped"
+}
+
+case "${1:-ensure}" in
+ensure)
+    install_deps && installed=1 || installed=0
+    if [ "${2:-}" = restart ] && running; then
+        stop_agent >/dev/null
+    fi
+    if running; then
+        echo "spotctl: agent already running"
+        echo "spotctl-result installed=$installed agent=running"
+    else
+        start_agent
+        echo "spotctl-result installed=$installed agent=started"
+    fi
+    ;;
+status)
+    if running; then echo "spotctl-result agent=running"; else echo "spotctl-result agent=stopped"; fi
+    ;;
+stop)
+    stop_agent
+    ;;
+release)
+    stop_agent
+    if have_systemd && [ -f "/etc/systemd/system/$UNIT.service" ]; then
+        $SUDO systemctl disable --quiet "$UNIT" >/dev/null 2>&1 || true
+        $SUDO rm -f "/etc/systemd/system/$UNIT.service"
+        $SUDO systemctl daemon-reload || true
+    fi
+    rm -f "$DIR/token"
+    echo "spotctl: released"
+    ;;
+*)
+    echo "usage: bootstrap.sh ensure [restart] | status | stop | release" >&2
+    exit 2
+    ;;
+esac
