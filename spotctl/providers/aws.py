@@ -17,6 +17,7 @@ import builtins
 import hashlib
 import ipaddress
 import random
+import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -126,6 +127,12 @@ def error_code(err: BaseException) -> str:
     return str(getattr(err, "code", ""))
 
 
+def _listed(message: str) -> str:
+    """The bracketed list in an error message ("... do not exist: [a, b]"), or ""."""
+    m = re.search(r"\[([^\]]*)\]", message)
+    return m.group(1) if m else ""
+
+
 def _one_line(text: str, limit: int = 200) -> str:
     line = " ".join(str(text).split())
     return line if len(line) <= limit else line[: limit - 3] + "..."
@@ -161,7 +168,7 @@ class AwsProvider:
     """Spot workers and an on-demand head in one region, tagged by cluster.
 
     Launch path: `run_instances` with `InstanceMarketOptions` spot, one offer (type and
-    zone) per call, MinCount=1 so partial capacity is taken. Chosen over an instant EC2
+    zone) per call, MinCount=MaxCount=count (all or nothing). Chosen over an instant EC2
     Fleet because the planner already picks the offer (type, zone) and
     `launch_with_failover` walks the alternatives, so the fleet's own allocation strategy
     would have one choice; run_instances raises the capacity error codes synchronously
@@ -269,24 +276,38 @@ class AwsProvider:
             )
         return types
 
-    def _describe_types(self, types: Sequence[str]) -> dict[str, dict[str, Any]]:
+    def _describe_types(
+        self, types: Sequence[str], strict: bool = True
+    ) -> dict[str, dict[str, Any]]:
+        """Type descriptions by name. `strict=False` drops types EC2 does not know.
+
+        The catalog lists types that AWS has since retired (p3 at the time of writing),
+        so its defaults are allowed to shrink; types the user named are not.
+        """
         missing = [t for t in types if t not in self._types]
         for i in range(0, len(missing), 100):
             chunk = missing[i : i + 100]
-            try:
-                found = self._paged(
-                    "describe_instance_types",
-                    f"describe instance types in {self.region}",
-                    "InstanceTypes",
-                    InstanceTypes=chunk,
-                )
-            except ProviderError as e:
-                if error_code(e) == "InvalidInstanceType":
-                    raise SpecError(
-                        f"aws.instance_types: not instance types in {self.region}: "
-                        f"{', '.join(chunk)} ({str(e).split(': ', 3)[-1]})"
-                    ) from None
-                raise
+            while chunk:
+                try:
+                    found = self._paged(
+                        "describe_instance_types",
+                        f"describe instance types in {self.region}",
+                        "InstanceTypes",
+                        InstanceTypes=chunk,
+                    )
+                    break
+                except ProviderError as e:
+                    if error_code(e) != "InvalidInstanceType":
+                        raise
+                    unknown = set(re.findall(r"[a-z0-9-]+\.[a-z0-9-]+", _listed(str(e))))
+                    if strict or not unknown & set(chunk):
+                        raise SpecError(
+                            f"aws.instance_types: {str(e).split(': ', 3)[-1]} "
+                            f"(region {self.region})"
+                        ) from None
+                    chunk = [t for t in chunk if t not in unknown]
+            else:
+                found = []
             for t in found:
                 self._types[t["InstanceType"]] = t
         return {t: self._types[t] for t in types if t in self._types}
@@ -314,7 +335,7 @@ class AwsProvider:
     def offers(self) -> list[Offer]:
         """Live spot offers per (type, zone) in the spec's region, filtered by gpu/zones."""
         explicit = bool(self.spec.instance_types)
-        types = self._describe_types(self._wanted_types())
+        types = self._describe_types(self._wanted_types(), strict=explicit)
         gpu_types: dict[str, tuple[str, int, float]] = {}
         for name, info in types.items():
             gpus = (info.get("GpuInfo") or {}).get("Gpus") or []
@@ -594,7 +615,9 @@ class AwsProvider:
         kwargs: dict[str, Any] = dict(
             ImageId=self._ami(),
             InstanceType=instance_type,
-            MinCount=1,  # take partial capacity; the next reconcile grows further
+            # All or nothing: a launch yields exactly what the plan counted, and a zone
+            # that cannot fit the whole count fails over to the next offer.
+            MinCount=count,
             MaxCount=count,
             KeyName=key,
             SecurityGroupIds=[group],
@@ -623,7 +646,7 @@ class AwsProvider:
         return [self._to_instance(i) for i in resp.get("Instances", [])]
 
     def launch(self, offer: Offer, count: int, request_id: str) -> list[Instance]:
-        """Start up to `count` spot workers of `offer`; idempotent by `request_id`.
+        """Start `count` spot workers of `offer`; idempotent by `request_id`.
 
         Instances already tagged with this request id are returned instead of launching
         (covers a retried `up`); the ClientToken covers the window where a just-launched

@@ -1,0 +1,207 @@
+"""AWS test rig: moto in server mode over HTTP, and a fault proxy in front of it.
+
+moto never raises capacity, quota, auth or throttling errors, so `FaultProxy` forwards
+EC2 query-protocol requests to moto and answers chosen ones with a real EC2 error body
+instead (matched by Action and a substring of the form body, e.g. the zone).
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+import pytest
+
+REGION = "us-east-1"
+ERROR_XML = (
+    '<?xml version="1.0" encoding="UTF-8"?>\n<Response><Errors><Error><Code>{code}</Code>'
+    "<Message>{message}</Message></Error></Errors><RequestID>{rid}</RequestID></Response>"
+)
+
+
+@pytest.fixture(scope="session")
+def moto_url() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    saved = {k: os.environ.get(k) for k in _ENV_KEYS}
+    os.environ.update(
+        AWS_ENDPOINT_URL=url,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION=REGION,
+        AWS_EC2_METADATA_DISABLED="true",
+        AWS_CONFIG_FILE="/nonexistent/aws-config",
+        AWS_SHARED_CREDENTIALS_FILE="/nonexistent/aws-credentials",
+    )
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        os.environ.pop(k, None)
+    try:
+        yield url
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+_ENV_KEYS = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_DEFAULT_REGION",
+    "AWS_EC2_METADATA_DISABLED",
+    "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_PROFILE",
+    "AWS_SESSION_TOKEN",
+)
+
+
+@pytest.fixture(scope="session")
+def ec2(moto_url: str) -> Any:
+    import boto3
+
+    return boto3.client("ec2", region_name=REGION, endpoint_url=moto_url)
+
+
+@pytest.fixture(scope="session")
+def ami(ec2: Any) -> str:
+    return str(ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"])
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("SPOTCTL_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+FAST = {"poll_s": 0.01, "retry_base_s": 0.001, "wait_timeout_s": 10.0}
+
+
+@pytest.fixture
+def make_provider(moto_url: str, ami: str, home: Path) -> Callable[..., Any]:
+    """Build an AwsProvider for a fresh cluster name (moto's state is session-wide)."""
+    from spotctl.providers import ProviderContext
+    from spotctl.providers.aws import create
+    from spotctl.spec import ClusterSpec
+    from spotctl.state import Store
+
+    store = Store()
+
+    def make(name: str | None = None, options: dict[str, Any] | None = None, **aws: Any) -> Any:
+        name = name or f"t{uuid.uuid4().hex[:10]}"
+        section = {"region": REGION, "ami": ami, "ssh_cidr": "198.51.100.7/32", **aws}
+        spec = ClusterSpec.model_validate({"name": name, "provider": "aws", "aws": section})
+        ctx = ProviderContext(
+            cluster=name,
+            spec=spec,
+            cluster_dir=store.cluster_dir(name).ensure(),
+            options={**FAST, **(options or {})},
+        )
+        return create(ctx)
+
+    return make
+
+
+@dataclass
+class Rule:
+    action: str  # EC2 Action, e.g. "RunInstances"
+    code: str  # error code to answer with
+    status: int = 400
+    match: str = ""  # substring of the decoded form body, e.g. "us-east-1a"
+    times: int = -1  # how many requests to fail; -1 = all
+
+
+@dataclass
+class FaultProxy:
+    """Forwards to moto; answers requests matching a rule with an EC2 error instead."""
+
+    upstream: str
+    rules: list[Rule] = field(default_factory=list)
+    seen: list[tuple[str, str, bool]] = field(default_factory=list)  # (action, body, faulted)
+    url: str = ""
+    _server: ThreadingHTTPServer | None = None
+
+    def calls(self, action: str, faulted: bool | None = None) -> list[str]:
+        return [b for a, b, f in self.seen if a == action and (faulted is None or f == faulted)]
+
+    def _pick(self, action: str, body: str) -> Rule | None:
+        for r in self.rules:
+            if r.action == action and r.match in body and r.times != 0:
+                if r.times > 0:
+                    r.times -= 1
+                return r
+        return None
+
+    def start(self) -> FaultProxy:
+        proxy = self
+        up_host, up_port = self.upstream.removeprefix("http://").split(":")
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                form = parse_qs(raw.decode())
+                action = form.get("Action", [""])[0]
+                body = " ".join(f"{k}={v[0]}" for k, v in form.items())
+                rule = proxy._pick(action, body)
+                proxy.seen.append((action, body, rule is not None))
+                if rule is not None:
+                    payload = ERROR_XML.format(
+                        code=rule.code, message=f"injected {rule.code}", rid=uuid.uuid4()
+                    ).encode()
+                    self.send_response(rule.status)
+                    self.send_header("Content-Type", "text/xml")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                conn = http.client.HTTPConnection(up_host, int(up_port), timeout=30)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                conn.request("POST", self.path, body=raw, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                conn.close()
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+
+
+@pytest.fixture
+def fault_proxy(moto_url: str) -> Iterator[FaultProxy]:
+    proxy = FaultProxy(upstream=moto_url).start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
