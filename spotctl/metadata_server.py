@@ -2,8 +2,9 @@
 
 Local nodes get one each, so the agent runs the same monitors as on a cloud VM, and
 tests drive preemptions and faults through it over real HTTP. Everything is in memory;
-control methods are thread-safe. `spotctl preempt` reaches it through the token-protected
-control endpoint POST /_spotctl/preempt.
+control methods are thread-safe. `spotctl preempt` and chaos scripts reach it through
+token-protected control endpoints: POST /_spotctl/preempt {"style", "in_s", "action"},
+POST /_spotctl/inject {"kind", "count"}, POST /_spotctl/clear, GET /_spotctl/state.
 """
 
 from __future__ import annotations
@@ -91,7 +92,11 @@ class MetadataServer:
         self._httpd = ThreadingHTTPServer((self.host, self._requested_port), handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="metadata-server", daemon=True
+            # A short poll interval keeps stop() quick (shutdown waits for one tick).
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name="metadata-server",
+            daemon=True,
         )
         self._thread.start()
         return self
@@ -369,7 +374,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         path = urllib.parse.urlsplit(self.path).path
         self.meta._count(path)
-        if path != "/_spotctl/preempt":
+        if path not in ("/_spotctl/preempt", "/_spotctl/inject", "/_spotctl/clear"):
             self._send(404, "Not Found")
             return
         if not self._control_auth():
@@ -380,14 +385,23 @@ class _Handler(BaseHTTPRequestHandler):
             body = json.loads(raw or b"{}")
             if not isinstance(body, dict):
                 raise ValueError("body must be a JSON object")
-            style = str(body.get("style", "aws"))
-            in_s = body.get("in_s")
-            action = str(body.get("action", "terminate"))
-            deadline = self.meta.preempt(style, None if in_s is None else float(in_s), action)
+            result: dict[str, Any]
+            if path == "/_spotctl/preempt":
+                style = str(body.get("style", "aws"))
+                in_s = body.get("in_s")
+                action = str(body.get("action", "terminate"))
+                deadline = self.meta.preempt(style, None if in_s is None else float(in_s), action)
+                result = {"deadline": deadline, "style": style}
+            elif path == "/_spotctl/inject":
+                self.meta.inject(str(body.get("kind", "")), int(body.get("count", 1)))
+                result = {"faults": self.meta.faults_pending()}
+            else:
+                self.meta.clear()
+                result = self.meta.state()
         except (ValueError, TypeError) as exc:
             self._send(400, json.dumps({"error": str(exc)}), "application/json")
             return
-        self._send(200, json.dumps({"deadline": deadline, "style": style}), "application/json")
+        self._send(200, json.dumps(result), "application/json")
 
     # --- AWS ------------------------------------------------------------------------------
 

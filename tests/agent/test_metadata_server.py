@@ -258,3 +258,19 @@ def test_earliest_deadline_stands(server: MetadataServer, clock: FakeClock) -> N
     first = server.preempt("aws", in_s=100)
     assert server.preempt("aws", in_s=200) == first
     assert server.preempt("gcp") == clock.now + 30 == server.deadline
+
+
+def test_control_inject_and_clear(server: MetadataServer) -> None:
+    assert _control(server, "POST", "/_spotctl/inject", {"kind": "5xx", "count": 2}, None)[0] == 401
+    status, body = _control(
+        server, "POST", "/_spotctl/inject", {"kind": "5xx", "count": 2}, "Bearer secret"
+    )
+    assert status == 200 and body["faults"]["5xx"] == 2
+    assert _gcp(server, "preempted").status == 503
+    bad = _control(server, "POST", "/_spotctl/inject", {"kind": "meteor"}, "Bearer secret")
+    assert bad[0] == 400
+    server.preempt("gcp")
+    status, state = _control(server, "POST", "/_spotctl/clear", {}, "Bearer secret")
+    assert status == 200 and state["deadline"] is None and state["gcp"]["preempted"] is False
+    assert server.faults_pending()["5xx"] == 0
+    assert _gcp(server, "preempted").body == b"FALSE"
