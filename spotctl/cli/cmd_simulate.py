@@ -19,6 +19,8 @@ def _trace_path(text: str) -> Path:
     p = Path(text).expanduser()
     if p.exists():
         return p
+    if p.name != text:  # a path that does not exist, not a shipped trace's name
+        raise SpecError(f"--trace {text}: no such file")
     for cand in (SHIPPED_TRACES / text, *sorted(SHIPPED_TRACES.glob(f"{text}.*"))):
         if cand.is_file():
             return cand
