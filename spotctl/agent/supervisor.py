@@ -1,0 +1,308 @@
+"""The node agent: watches for notices, reports to the head, supervises torchrun and drives
+the drain cycle on its node.
+
+States (the agent's, reported to the head as agent_state):
+  waiting  -> registered, not yet told to start (a join waits for the group to checkpoint)
+  running  -> torchrun is up
+  leaving  -> a notice came: its workers drained, torchrun is being stopped
+  left     -> out of the rendezvous; waits to be terminated
+  finished -> training ended (workers exited 0)
+Worker contract: environment variables (SPOTCTL_*) in, one status JSON file per local rank
+out; SIGUSR1 asks workers to drain; SIGTERM ends them (they exit non-zero, so torchrun
+restarts them into the next rendezvous round).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from spotctl.agent.config import AgentConfig
+from spotctl.head.client import HeadClient, HeadUnavailable
+
+log = logging.getLogger("spotctl.agent")
+TICK_S = 0.25
+RDZV_CONF = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=900,read_timeout=30"
+
+
+def torchrun_command(cfg: AgentConfig) -> list[str]:
+    py = cfg.python or sys.executable
+    return [
+        py, "-m", "torch.distributed.run",
+        f"--nnodes=1:{max(1, cfg.max_nodes)}",
+        f"--nproc-per-node={cfg.nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={cfg.store_host}:{cfg.store_port}",
+        f"--rdzv-id={cfg.cluster}",
+        f"--rdzv-conf={RDZV_CONF}",
+        # every departure counts as a restart; the job must never run out of them
+        "--max-restarts=1000000",
+        "--monitor-interval=0.2",
+        f"--local-addr={cfg.local_addr}",
+        cfg.script, *cfg.args,
+    ]
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig):
+        self.cfg = cfg
+        self.workdir = Path(cfg.workdir)
+        self.status_dir = self.workdir / "status"
+        self.status_dir.mkdir(parents=True, exist_ok=True)
+        self.head = HeadClient(cfg.head_url, cfg.token(), timeout_s=2.0)
+        self.state = "waiting"
+        self.torchrun: subprocess.Popen[bytes] | None = None
+        self.drain_gen = 0  # last drain gen signalled to workers
+        self.release_gen = 0
+        self.kill_gen = 0
+        self.notice: dict[str, Any] | None = None
+        self.notice_lock = threading.Lock()
+        self.head_errors = 0
+        self.monitors: Any = None
+        self._stop = threading.Event()
+        self.torchrun_restarts = 0
+        self._warm = threading.Thread(target=self._import_torch, daemon=True)
+
+    @staticmethod
+    def _import_torch() -> None:
+        # leave_rendezvous imports torch; do it early so leaving takes no import time
+        try:
+            import torch.distributed.elastic.rendezvous.dynamic_rendezvous  # noqa: F401
+        except Exception:  # pragma: no cover - torch missing on a controller-only host
+            pass
+
+    # -- notices
+    def on_notice(self, notice: Any) -> None:
+        d = {
+            "id": notice.id, "source": notice.source, "kind": notice.kind,
+            "action": getattr(notice, "action", ""), "deadline": notice.deadline,
+            "received_at": notice.received_at,
+        }
+        if d["deadline"] == float("inf"):
+            # a rebalance recommendation is advice, not an eviction: report only
+            try:
+                self.head.event("rebalance-recommendation", node=self.cfg.node_id)
+            except HeadUnavailable:
+                pass
+            return
+        with self.notice_lock:
+            if self.notice is not None:
+                return
+            self.notice = d
+        log.info("notice %s (%s), deadline in %.1fs", d["kind"], d["source"],
+                 d["deadline"] - time.time())
+        try:
+            self.head.notice(self.cfg.node_id, d)
+        except HeadUnavailable as e:
+            log.warning("could not report notice: %s", e)
+
+    def _start_monitors(self) -> None:
+        cfg = self.cfg
+        if cfg.metadata == "none":
+            return
+        from spotctl.agent import monitors as m
+
+        mons: list[Any] = []
+        if cfg.metadata in ("aws", "local"):
+            mons.append(m.AwsImdsMonitor(cfg.metadata_url))
+        if cfg.metadata in ("gcp", "local"):
+            mons.append(m.GcpMetadataMonitor(cfg.metadata_url))
+        if cfg.metadata == "file":
+            mons.append(m.FileNoticeMonitor(cfg.notice_file))
+        interval = cfg.poll_interval_s
+        self.monitors = m.MonitorLoop(mons, on_notice=self.on_notice, interval_s=interval)
+        self.monitors.start()
+
+    # -- workers
+    def read_workers(self) -> list[dict[str, Any]]:
+        out = []
+        for p in sorted(self.status_dir.glob("worker-*.json")):
+            try:
+                out.append(json.loads(p.read_text()))
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def _live_workers(self, workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        live = []
+        for w in workers:
+            pid = int(w.get("pid") or 0)
+            if pid and Path(f"/proc/{pid}").exists():
+                live.append(w)
+        return live
+
+    def signal_workers(self, sig: int, workers: list[dict[str, Any]]) -> None:
+        for w in workers:
+            try:
+                os.kill(int(w["pid"]), sig)
+            except (ProcessLookupError, KeyError, ValueError, PermissionError):
+                pass
+
+    def start_torchrun(self) -> None:
+        cfg = self.cfg
+        for p in self.status_dir.glob("worker-*.json"):
+            p.unlink(missing_ok=True)
+        env = dict(os.environ)
+        env.update(cfg.env)
+        env.update(
+            TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+            SPOTCTL_NODE_ID=cfg.node_id,
+            SPOTCTL_STATUS_DIR=str(self.status_dir),
+            SPOTCTL_CHECKPOINT_DIR=cfg.checkpoint_dir,
+            SPOTCTL_CHECKPOINT_EVERY=str(cfg.checkpoint_every),
+            SPOTCTL_KEEP_LAST=str(cfg.keep_last),
+            SPOTCTL_MAX_STEPS=str(cfg.max_steps),
+            OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+            PYTHONUNBUFFERED="1",
+        )
+        log_path = self.workdir / "torchrun.log"
+        out = open(log_path, "ab")
+        self.torchrun = subprocess.Popen(
+            torchrun_command(cfg), cwd=str(Path(cfg.script).parent), env=env,
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        out.close()
+        self.state = "running"
+        log.info("torchrun started (pid %s)", self.torchrun.pid)
+
+    def stop_torchrun(self, timeout_s: float = 15.0) -> int | None:
+        tr = self.torchrun
+        if tr is None:
+            return None
+        if tr.poll() is None:
+            tr.send_signal(signal.SIGTERM)
+            try:
+                tr.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                tr.kill()
+                tr.wait(5)
+        # any worker that outlived torchrun (they run in their own sessions)
+        self.signal_workers(signal.SIGKILL, self._live_workers(self.read_workers()))
+        return tr.returncode
+
+    def leave(self) -> None:
+        """Stop torchrun without closing the rendezvous, then leave the rendezvous."""
+        self.state = "leaving"
+        self._heartbeat()
+        pid = self.torchrun.pid if self.torchrun else None
+        self.stop_torchrun()
+        if pid is not None:
+            try:
+                from spotctl.elastic.rdzv import leave_rendezvous
+
+                ok = leave_rendezvous(self.cfg.store_host, self.cfg.store_port, self.cfg.cluster,
+                                      self.cfg.local_addr, pid)
+                log.info("left the rendezvous (%s)", "ok" if ok else "still listed")
+            except Exception as e:  # the keep-alive expiry removes it anyway
+                log.warning("rendezvous leave failed: %s", e)
+        self.torchrun = None
+        self.state = "left"
+        self._heartbeat()
+
+    # -- main loop
+    def _heartbeat(self, workers: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
+        body = {
+            "node_id": self.cfg.node_id,
+            "agent_state": self.state,
+            "addr": self.cfg.local_addr,
+            "workers": workers if workers is not None else self._live_workers(self.read_workers()),
+            "drain_gen": self.drain_gen,
+            "notice": self.notice,
+        }
+        try:
+            reply = self.head.heartbeat(body)
+            self.head_errors = 0
+            return reply
+        except HeadUnavailable as e:
+            self.head_errors += 1
+            if self.head_errors in (1, 10) or self.head_errors % 100 == 0:
+                log.warning("heartbeat failed (%d in a row): %s", self.head_errors, e)
+            return None
+
+    def step(self) -> None:
+        workers = self._live_workers(self.read_workers())
+        reply = self._heartbeat(workers)
+        tr = self.torchrun
+        if tr is not None and tr.poll() is not None and self.state == "running":
+            code = tr.returncode
+            self.torchrun = None
+            if code == 0:
+                self.state = "finished"
+                log.info("training finished")
+            else:
+                # torchrun gives up when the store (head) is gone: come back when it is
+                self.torchrun_restarts += 1
+                log.warning("torchrun exited %s; restarting when the head answers", code)
+                self.state = "waiting"
+        if reply is None:
+            return
+        if self.state == "waiting" and reply.get("go") and self.notice is None:
+            if self.torchrun_restarts:
+                time.sleep(min(5.0, 0.5 * self.torchrun_restarts))
+            self.start_torchrun()
+            return
+        if self.state == "waiting" and self.notice is not None:
+            self.state = "left"
+            return
+        if self.state != "running":
+            return
+        drain = reply.get("drain")
+        if drain and drain["gen"] > self.drain_gen:
+            self.drain_gen = drain["gen"]
+            self.signal_workers(signal.SIGUSR1, workers)
+        if reply.get("leave"):
+            self.leave()
+            return
+        if reply.get("release_gen", 0) > self.release_gen:
+            if self.release_gen or self.drain_gen:
+                drained = [w for w in workers if w.get("phase") == "drained"]
+                self.signal_workers(signal.SIGTERM, drained)
+            self.release_gen = reply["release_gen"]
+        if reply.get("kill_gen", 0) > self.kill_gen:
+            inc = reply.get("kill_incarnation")
+            doomed = [w for w in workers if w.get("incarnation") == inc]
+            if self.kill_gen or doomed:
+                self.signal_workers(signal.SIGKILL, doomed)
+            self.kill_gen = reply["kill_gen"]
+
+    def run(self) -> int:
+        self._warm.start()
+        self._start_monitors()
+        # first contact: take the head's current generations so old ones are not replayed
+        while not self._stop.is_set():
+            reply = self._heartbeat([])
+            if reply is not None:
+                self.release_gen = reply.get("release_gen", 0)
+                self.kill_gen = reply.get("kill_gen", 0)
+                break
+            time.sleep(0.5)
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            try:
+                self.step()
+            except Exception:
+                log.exception("agent step failed")
+            if self.state == "finished":
+                self._heartbeat([])
+            self._stop.wait(max(0.0, TICK_S - (time.monotonic() - t0)))
+        self.stop_torchrun()
+        return 0
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def run_agent(config_path: Path) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(message)s")
+    cfg = AgentConfig.load(config_path)
+    agent = Agent(cfg)
+    signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    return agent.run()

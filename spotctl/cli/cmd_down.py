@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import typer
+
+from spotctl.cli.common import console, open_store, print_json
+from spotctl.errors import SpotctlError
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def down(
+        name: str = typer.Option("spotctl", "--name", help="Cluster name."),
+        yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask."),
+        json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+    ) -> None:
+        """Stop every node and the head; remove what the cluster created."""
+        from spotctl import reconcile
+
+        store = open_store()
+        store.get_cluster(name)
+        if not yes and not typer.confirm(f"Tear down cluster {name}?"):
+            raise typer.Abort()
+        leaks = reconcile.down(store, name)
+        if json_out:
+            print_json({"cluster": name, "leaks": leaks})
+        else:
+            console().print(f"cluster {name} is down" + ("" if not leaks else f"; LEAKS: {leaks}"))
+        if leaks:
+            raise SpotctlError(f"cluster {name}: {len(leaks)} leftover resource(s): {leaks}")

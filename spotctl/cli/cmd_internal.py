@@ -1,0 +1,29 @@
+"""Commands the system runs itself: the head and the node agent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(hidden=True)
+    def head(
+        dir: Path = typer.Option(..., "--dir"),
+        token_file: Path = typer.Option(..., "--token-file"),
+        host: str = typer.Option("127.0.0.1", "--host"),
+        http_port: int = typer.Option(0, "--http-port"),
+        store_port: int = typer.Option(0, "--store-port"),
+    ) -> None:
+        """Run the head (rendezvous store + coordinator API)."""
+        from spotctl.head.server import run_head
+
+        run_head(dir, token_file, host, http_port, store_port)
+
+    @app.command(hidden=True)
+    def agent(config: Path = typer.Option(..., "--config")) -> None:
+        """Run the node agent."""
+        from spotctl.agent.supervisor import run_agent
+
+        raise typer.Exit(run_agent(config))

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import time
+
+import typer
+
+from spotctl.cli.common import console, open_store, print_json
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def status(
+        name: str = typer.Option("spotctl", "--name", help="Cluster name."),
+        once: bool = typer.Option(False, "--once", help="Print one snapshot and exit."),
+        json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+        interval: float = typer.Option(1.0, "--interval", min=0.2, max=60),
+    ) -> None:
+        """Live table of the cluster: nodes, world size, step, checkpoint, cost."""
+        from spotctl import status as st
+        from spotctl.reconcile import sync_events
+
+        store = open_store()
+        store.get_cluster(name)
+        if json_out:
+            sync_events(store, name)
+            return print_json(st.collect(store, name))
+        con = console()
+        if once or not con.is_terminal:
+            con.print(st.render(st.collect(store, name)))
+            return
+        from rich.live import Live
+
+        with Live(st.render(st.collect(store, name)), console=con, refresh_per_second=4) as live:
+            try:
+                while True:
+                    time.sleep(interval)
+                    live.update(st.render(st.collect(store, name)))
+            except KeyboardInterrupt:
+                pass

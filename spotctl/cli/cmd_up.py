@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from spotctl.cli.common import console, open_store, print_json
+from spotctl.errors import SpotctlError
+from spotctl.spec import load_spec
+
+
+def spec_from_flags(config: Path | None, **flags: Any):
+    overrides = {
+        "name": flags.get("name"), "provider": flags.get("provider"), "gpus": flags.get("gpus"),
+        "train.script": flags.get("script"), "train.max_steps": flags.get("max_steps"),
+        "train.checkpoint_every": flags.get("checkpoint_every"),
+        "budget.max_usd_per_hour": flags.get("budget"),
+    }
+    return load_spec(config, overrides, check_script=not flags.get("dry_run", False))
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def up(
+        gpus: str = typer.Option(None, "--gpus", help="Total GPUs: MIN..MAX or N."),
+        provider: str = typer.Option(None, "--provider", help="local | aws | gcp | ssh"),
+        name: str = typer.Option(None, "--name", help="Cluster name."),
+        config: Path = typer.Option(None, "--config", help="Spec file (default ./spotctl.toml)."),
+        script: str = typer.Option(None, "--script", help="Training script."),
+        max_steps: int = typer.Option(None, "--max-steps", min=0),
+        checkpoint_every: int = typer.Option(None, "--checkpoint-every", min=1),
+        budget: float = typer.Option(None, "--budget", min=0, help="USD/h cap (0 = none)."),
+        dry_run: bool = typer.Option(False, "--dry-run", help="Plan only; launch nothing."),
+        json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+        wait: float = typer.Option(180.0, "--wait", min=0, help="Seconds to wait for nodes."),
+    ) -> None:
+        """Start (or reconcile) a cluster: head, nodes, and the elastic training job."""
+        from spotctl import reconcile
+
+        spec = spec_from_flags(config, name=name, provider=provider, gpus=gpus, script=script,
+                               max_steps=max_steps, checkpoint_every=checkpoint_every,
+                               budget=budget, dry_run=dry_run)
+        store = open_store()
+        if dry_run:
+            res = reconcile.reconcile(store, spec, dry_run=True)
+            if json_out:
+                return print_json(res.to_json())
+            con = console()
+            if not res.plan.actions:
+                con.print("nothing to launch: " + "; ".join(res.plan.notes))
+            for a in res.plan.actions:
+                o = a.offer
+                con.print(f"launch {a.count} x {o.instance_type} ({o.gpus} GPU) in {o.zone} "
+                          f"at ${o.spot_price:.4f}/h each: {a.reason}")
+            return
+        con = console(stderr=True)
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                      console=con, transient=not con.is_terminal) as prog:
+            task = prog.add_task("reconciling", total=None)
+
+            def report(msg: str, frac: float | None = None) -> None:
+                prog.update(task, description=msg)
+
+            res = reconcile.reconcile(store, spec, progress=report)
+            seen, want = reconcile.wait_for_nodes(store, spec.name, wait, report)
+        out = res.to_json()
+        out["nodes_reporting"] = seen
+        if json_out:
+            print_json(out)
+        else:
+            console().print(
+                f"cluster {spec.name}: {len(res.launched)} node(s) launched, "
+                f"{seen}/{want} reporting; `spotctl status --name {spec.name}` to watch"
+            )
+            for e in res.errors:
+                console().print(f"warning: {e}")
+        if want and seen < want:
+            raise SpotctlError(f"only {seen} of {want} nodes reported within {wait:.0f}s "
+                               f"(see `spotctl logs NODE --name {spec.name}`)")

@@ -1,0 +1,59 @@
+"""A small client of the head's coordinator API (urllib: no extra dependency on nodes)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from spotctl.errors import SpotctlError
+
+
+class HeadUnavailable(SpotctlError):
+    exit_code = 9
+
+
+class HeadClient:
+    def __init__(self, url: str, token: str, timeout_s: float = 3.0):
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Authorization", f"Bearer {self.token}")
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+                return json.loads(r.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            raise HeadUnavailable(f"head at {self.url} answered {e.code} to {path}") from None
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise HeadUnavailable(f"head at {self.url} is not reachable: {e}") from None
+
+    def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", "/api/heartbeat", body)
+
+    def notice(self, node_id: str, notice: dict[str, Any]) -> None:
+        self._call("POST", "/api/notice", {"node_id": node_id, "notice": notice})
+
+    def status(self) -> dict[str, Any]:
+        return self._call("GET", "/api/status")
+
+    def events(self, since: int = 0) -> list[dict[str, Any]]:
+        return self._call("GET", f"/api/events?since={since}")["events"]
+
+    def drain(self, reason: str, leavers: list[str]) -> int:
+        return int(self._call("POST", "/api/drain", {"reason": reason, "leavers": leavers})["gen"])
+
+    def forget(self, nodes: list[str]) -> None:
+        self._call("POST", "/api/forget", {"nodes": nodes})
+
+    def event(self, type_: str, **data: Any) -> None:
+        self._call("POST", "/api/event", {"type": type_, **data})
+
+    def health(self) -> dict[str, Any]:
+        return self._call("GET", "/api/health")

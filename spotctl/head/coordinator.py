@@ -1,0 +1,412 @@
+"""The head's coordinator: cluster membership, drains and rescale accounting.
+
+It is a state machine driven by agents' heartbeats and notices; the clock is passed in,
+so tests can script sequences. The HTTP layer (server.py) only parses and serializes.
+
+Drain cycle (see DESIGN.md):
+  notice(X) or join(Y) -> drain gen G starts; every member agent signals its workers;
+  workers agree on a step S, save and commit S, then block and report phase "drained".
+  notice: leavers stop torchrun and leave the rendezvous, report "left"; then the
+          coordinator releases the survivors (they restart their workers, load S).
+  join:   when all members are drained the joiner is told to go; its torchrun joins the
+          rendezvous and torchrun itself restarts the survivors' workers.
+Node states: waiting (not yet allowed to start torchrun) -> running -> leaving -> left;
+a node whose heartbeat stops for `dead_after_s` is "unresponsive" (peers' workers of the
+current incarnation are killed so nobody waits in a collective for it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+DEAD_AFTER_S = 4.0  # heartbeats every 0.25 s: 16 missed beats, well past scheduling jitter
+DRAIN_TIMEOUT_S = 20.0  # a drain not complete by then is abandoned (leavers leave anyway)
+JOIN_GO_TIMEOUT_S = 25.0  # after `go`, survivors still blocked this long are released
+
+
+@dataclass
+class WorkerReport:
+    rank: int
+    local_rank: int
+    world_size: int
+    step: int  # optimizer steps completed (global step)
+    phase: str  # "init" | "train" | "draining" | "drained" | "done"
+    incarnation: str  # one id per worker-group formation (rank 0 makes it)
+    resume_step: int  # the committed step this incarnation started from
+    first_step_at: float | None  # unix time the first step at this world size completed
+    last_ckpt: int  # highest committed checkpoint step this worker knows
+    loss: float | None = None
+    throughput: float | None = None  # samples/s of the whole job (rank 0's view)
+    drain_step: int | None = None
+    pid: int = 0
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> WorkerReport:
+        fields = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in d.items() if k in fields})
+
+
+@dataclass
+class NodeInfo:
+    node_id: str
+    state: str = "waiting"
+    registered_at: float = 0.0
+    last_heartbeat: float = 0.0
+    addr: str = ""
+    workers: list[WorkerReport] = field(default_factory=list)
+    notice: dict[str, Any] | None = None
+    unresponsive: bool = False
+    go_at: float | None = None
+
+    def training(self, incarnation: str | None) -> bool:
+        return any(w.phase == "train" and w.incarnation == incarnation for w in self.workers)
+
+    def drained_at(self, gen: int, drained_gen: int) -> bool:
+        return drained_gen >= gen and bool(self.workers) and all(
+            w.phase == "drained" for w in self.workers
+        )
+
+
+@dataclass
+class Drain:
+    gen: int
+    reason: str  # "notice" | "join" | "rebalance"
+    started_at: float
+    members: list[str]
+    leavers: list[str]
+    joiners: list[str]
+    drained: dict[str, int] = field(default_factory=dict)  # node -> drain step S
+    left: set[str] = field(default_factory=set)
+    released: bool = False
+    go_at: float | None = None
+    deadline: float = math.inf
+
+
+@dataclass
+class Cause:
+    reason: str  # notice | join | failure | restart
+    at: float
+
+
+class Coordinator:
+    def __init__(self, clock: Any, dead_after_s: float = DEAD_AFTER_S):
+        self.clock = clock
+        self.dead_after_s = dead_after_s
+        self.nodes: dict[str, NodeInfo] = {}
+        self.drain: Drain | None = None
+        self.gens = itertools.count(1)
+        self.release_gen = 0
+        self.kill_gen = 0
+        self.kill_incarnation: str | None = None
+        self.node_drain_gen: dict[str, int] = {}  # gen each node's agent acknowledged
+        self.incarnation: dict[str, Any] | None = None  # current worker group
+        self.max_step = 0  # highest step any rank reported completing
+        self.last_ckpt = 0
+        self.cause: Cause | None = None
+        self.events: list[dict[str, Any]] = []
+        self.seq = itertools.count(1)
+        self.queued_notices: list[str] = []
+
+    # -- events
+    def record(self, type_: str, **data: Any) -> dict[str, Any]:
+        ev = {"seq": next(self.seq), "ts": self.clock(), "type": type_, **data}
+        self.events.append(ev)
+        return ev
+
+    # -- inputs
+    def heartbeat(self, body: dict[str, Any]) -> dict[str, Any]:
+        now = self.clock()
+        nid = str(body["node_id"])
+        node = self.nodes.get(nid)
+        if node is None:
+            node = self.nodes[nid] = NodeInfo(node_id=nid, registered_at=now)
+            self.record("join-request" if self._group_training() else "register", node=nid)
+        if node.unresponsive:
+            node.unresponsive = False
+            self.record("node-back", node=nid)
+        node.last_heartbeat = now
+        node.addr = body.get("addr", node.addr)
+        agent_state = body.get("agent_state", "waiting")
+        if node.state not in ("left",) or agent_state == "waiting":
+            node.state = agent_state
+        node.workers = [WorkerReport.from_json(w) for w in body.get("workers", [])]
+        if "drain_gen" in body:
+            self.node_drain_gen[nid] = int(body["drain_gen"])
+        for w in node.workers:
+            self._observe_worker(w, now)
+        if body.get("notice") and node.notice is None:
+            self.notice(nid, body["notice"])
+        self.tick()
+        return self._reply(node)
+
+    def notice(self, nid: str, notice: dict[str, Any]) -> None:
+        now = self.clock()
+        node = self.nodes.setdefault(nid, NodeInfo(node_id=nid, registered_at=now))
+        if node.notice is not None:
+            return
+        node.notice = dict(notice)
+        self.record("notice", node=nid, **{k: v for k, v in notice.items() if k != "node"})
+        if self.cause is None or self.cause.reason != "notice":
+            self.cause = Cause("notice", now)
+        self.queued_notices.append(nid)
+        self.tick()
+
+    def request_drain(self, reason: str = "rebalance", leavers: list[str] | None = None) -> int:
+        """Drain on request (rebalance replace). Returns the drain gen or 0 if busy."""
+        if self.drain is not None:
+            return 0
+        d = self._start_drain(reason, leavers or [], [])
+        return d.gen if d else 0
+
+    # -- the state machine
+    def tick(self) -> None:
+        now = self.clock()
+        self._liveness(now)
+        if self.drain is None:
+            self._maybe_start_drain(now)
+        if self.drain is not None:
+            self._advance_drain(now)
+
+    def _group_training(self) -> bool:
+        inc = self.incarnation["id"] if self.incarnation else None
+        return any(n.training(inc) for n in self.nodes.values() if not n.unresponsive)
+
+    def _members(self) -> list[str]:
+        inc = self.incarnation["id"] if self.incarnation else None
+        return sorted(
+            n.node_id
+            for n in self.nodes.values()
+            if not n.unresponsive and n.state == "running" and n.training(inc)
+        )
+
+    def _liveness(self, now: float) -> None:
+        for n in self.nodes.values():
+            if n.state in ("left", "down") or n.unresponsive:
+                continue
+            if n.last_heartbeat and now - n.last_heartbeat > self.dead_after_s:
+                n.unresponsive = True
+                inc = self.incarnation["id"] if self.incarnation else None
+                was_member = any(w.incarnation == inc for w in n.workers)
+                self.record("node-unresponsive", node=n.node_id,
+                            silent_s=round(now - n.last_heartbeat, 2))
+                if was_member and inc is not None:
+                    # Peers may be blocked in a collective waiting for this node; a signal
+                    # handler cannot run there, so their agents kill the workers.
+                    self.kill_gen += 1
+                    self.kill_incarnation = inc
+                    if self.cause is None:
+                        self.cause = Cause("failure", n.last_heartbeat)
+
+    def _maybe_start_drain(self, now: float) -> None:
+        members = self._members()
+        # notices first: a leaving node has a deadline
+        while self.queued_notices:
+            nid = self.queued_notices[0]
+            node = self.nodes[nid]
+            if nid in members:
+                self._start_drain("notice", [nid], [])
+                self.queued_notices.pop(0)
+                return
+            # Not training (forming, or already gone): it just leaves.
+            self.queued_notices.pop(0)
+            node.state = "leaving" if node.state != "left" else node.state
+        waiting = sorted(
+            n.node_id
+            for n in self.nodes.values()
+            if n.state == "waiting" and not n.unresponsive and n.notice is None
+            and n.go_at is None
+        )
+        if not waiting:
+            return
+        if not members:
+            # nothing to protect: let them start now
+            for nid in waiting:
+                self.nodes[nid].go_at = now
+            return
+        self._start_drain("join", [], waiting)
+
+    def _start_drain(self, reason: str, leavers: list[str], joiners: list[str]) -> Drain | None:
+        now = self.clock()
+        members = self._members()
+        if not members:
+            return None
+        deadline = now + DRAIN_TIMEOUT_S
+        for nid in leavers:
+            nd = self.nodes[nid].notice or {}
+            if nd.get("deadline"):
+                deadline = min(deadline, float(nd["deadline"]) - 2.0)
+        self.drain = Drain(
+            gen=next(self.gens), reason=reason, started_at=now, members=members,
+            leavers=leavers, joiners=joiners, deadline=deadline,
+        )
+        if reason == "join" and (self.cause is None or self.cause.reason == "restart"):
+            self.cause = Cause("join", now)
+        self.record("drain-start", gen=self.drain.gen, reason=reason, members=members,
+                    leavers=leavers, joiners=joiners)
+        return self.drain
+
+    def _advance_drain(self, now: float) -> None:
+        d = self.drain
+        assert d is not None
+        live_members = [m for m in d.members if not self.nodes[m].unresponsive]
+        for m in live_members:
+            node = self.nodes[m]
+            if m not in d.drained and self.node_drain_gen.get(m, 0) >= d.gen and node.workers \
+                    and all(w.phase == "drained" for w in node.workers):
+                d.drained[m] = max(w.drain_step or w.step for w in node.workers)
+        all_drained = all(m in d.drained for m in live_members)
+        for nid in d.leavers:
+            if self.nodes[nid].state == "left" or self.nodes[nid].unresponsive:
+                d.left.add(nid)
+        timed_out = now >= d.deadline
+        if d.reason == "join":
+            if all_drained and d.go_at is None:
+                d.go_at = now
+                for j in d.joiners:
+                    self.nodes[j].go_at = now
+                self.record("drain-committed", gen=d.gen, step=max(d.drained.values(), default=0))
+            if d.go_at is not None and self._reformed(d):
+                self._finish_drain("reformed")
+            elif (d.go_at is not None and now - d.go_at > JOIN_GO_TIMEOUT_S) or (
+                timed_out and d.go_at is None
+            ):
+                for j in d.joiners:
+                    self.nodes[j].go_at = self.nodes[j].go_at or now
+                self._release(d, "join timed out")
+            return
+        # notice / rebalance: leavers go first, then survivors are released
+        if all_drained and "committed" not in d.__dict__.get("_flags", ()):
+            d.__dict__.setdefault("_flags", set()).add("committed")
+            self.record("drain-committed", gen=d.gen, step=max(d.drained.values(), default=0))
+        if (all_drained and all(nid in d.left for nid in d.leavers)) or timed_out:
+            self._release(d, "timed out" if timed_out and not all_drained else "leavers gone")
+
+    def _reformed(self, d: Drain) -> bool:
+        inc = self.incarnation
+        return bool(inc and inc["first_seen"] > d.started_at and inc.get("first_step_at"))
+
+    def _release(self, d: Drain, why: str) -> None:
+        if not d.released:
+            d.released = True
+            self.release_gen = d.gen
+            self.record("drain-release", gen=d.gen, why=why)
+        self._finish_drain(why)
+
+    def _finish_drain(self, why: str) -> None:
+        d = self.drain
+        if d is not None:
+            self.record("drain-end", gen=d.gen, why=why)
+        self.drain = None
+
+    # -- worker reports and rescale accounting
+    def _observe_worker(self, w: WorkerReport, now: float) -> None:
+        self.last_ckpt = max(self.last_ckpt, w.last_ckpt)
+        inc = self.incarnation
+        if inc is not None and w.incarnation == inc["id"]:
+            self.max_step = max(self.max_step, w.step)
+            if w.rank == 0 and w.first_step_at and not inc.get("first_step_at"):
+                inc["first_step_at"] = w.first_step_at
+                self._record_rescale(inc)
+            return
+        if w.rank != 0 or not w.incarnation or w.phase not in ("train", "drained", "done"):
+            return
+        if inc is not None and w.incarnation in inc.get("old", ()):
+            return
+        # a new worker group formed
+        old = set(inc.get("old", ())) | {inc["id"]} if inc else set()
+        prev_world = inc["world_size"] if inc else 0
+        prev_max = self.max_step
+        self.incarnation = {
+            "id": w.incarnation, "world_size": w.world_size, "resume_step": w.resume_step,
+            "first_seen": now, "first_step_at": w.first_step_at, "old": old,
+            "prev_world": prev_world, "prev_max": prev_max,
+        }
+        self.max_step = max(self.max_step, w.step)
+        if w.first_step_at:
+            self._record_rescale(self.incarnation)
+
+    def _record_rescale(self, inc: dict[str, Any]) -> None:
+        if inc.get("recorded"):
+            return
+        inc["recorded"] = True
+        cause = self.cause or Cause("restart", inc["first_seen"])
+        if inc["prev_world"] == 0:
+            self.record("train-start", world_size=inc["world_size"],
+                        resume_step=inc["resume_step"])
+            self.cause = None
+            return
+        lost = max(0, inc["prev_max"] - inc["resume_step"])
+        self.record(
+            "rescale",
+            from_world_size=inc["prev_world"],
+            to_world_size=inc["world_size"],
+            reason=cause.reason,
+            checkpoint_step=inc["resume_step"],
+            resume_step=inc["resume_step"],
+            lost_steps=lost,
+            notice_to_resume_s=round(inc["first_step_at"] - cause.at, 3),
+        )
+        self.cause = None
+
+    # -- outputs
+    def _reply(self, node: NodeInfo) -> dict[str, Any]:
+        d = self.drain
+        drain = None
+        if d is not None and (node.node_id in d.members):
+            drain = {"gen": d.gen, "leave": node.node_id in d.leavers, "reason": d.reason}
+        leave_now = node.notice is not None and (
+            d is None or node.node_id not in d.members
+        ) and node.state not in ("left",)
+        return {
+            "drain": drain,
+            "leave": leave_now or bool(drain and drain["leave"] and node.node_id in d.drained
+                                       if d else False),
+            "release_gen": self.release_gen,
+            "kill_gen": self.kill_gen,
+            "kill_incarnation": self.kill_incarnation,
+            "go": node.go_at is not None,
+        }
+
+    def status(self) -> dict[str, Any]:
+        now = self.clock()
+        inc = self.incarnation or {}
+        rank0 = None
+        for n in self.nodes.values():
+            for w in n.workers:
+                if w.rank == 0 and w.incarnation == inc.get("id"):
+                    rank0 = w
+        return {
+            "world_size": inc.get("world_size", 0) if self._group_training() else 0,
+            "step": self.max_step,
+            "last_checkpoint_step": self.last_ckpt,
+            "loss": rank0.loss if rank0 else None,
+            "throughput": rank0.throughput if rank0 else None,
+            "incarnation": inc.get("id"),
+            "drain": None if self.drain is None else {
+                "gen": self.drain.gen, "reason": self.drain.reason,
+                "members": self.drain.members, "leavers": self.drain.leavers,
+                "joiners": self.drain.joiners,
+            },
+            "nodes": {
+                n.node_id: {
+                    "state": "unresponsive" if n.unresponsive else n.state,
+                    "last_heartbeat": n.last_heartbeat,
+                    "heartbeat_age_s": round(now - n.last_heartbeat, 2) if n.last_heartbeat else None,
+                    "addr": n.addr,
+                    "notice": n.notice,
+                    "step": max((w.step for w in n.workers), default=None),
+                    "world_size": max((w.world_size for w in n.workers), default=None),
+                    "workers": [w.__dict__ for w in n.workers],
+                }
+                for n in self.nodes.values()
+            },
+        }
+
+    def forget(self, nid: str) -> None:
+        """The node is gone for good (terminated): drop it from membership."""
+        n = self.nodes.get(nid)
+        if n is not None:
+            n.state = "left"

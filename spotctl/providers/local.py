@@ -1,0 +1,348 @@
+"""The local provider: nodes are detached process trees on this machine.
+
+Each node is a `local_vm` process (its own metadata endpoint speaking the AWS and GCP
+protocols) running the node agent, which runs torchrun and the workers. Nodes outlive the
+CLI. The head is a local process too. Everything lives under the cluster directory:
+
+    <cluster>/head/{head.json, head.log, events.jsonl}
+    <cluster>/nodes/<id>/{vm.json, agent.json, token, node.log, agent.log, torchrun.log}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from spotctl import proctree
+from spotctl.agent.config import AgentConfig
+from spotctl.errors import CapacityError, NotFoundError, SpotctlError
+from spotctl.providers.base import HeadInfo, Instance, Offer, ProviderContext
+from spotctl.state import write_json_atomic, write_private
+
+HEAD_START_TIMEOUT_S = 60.0
+
+
+def create(ctx: ProviderContext) -> LocalProvider:
+    return LocalProvider(ctx)
+
+
+def _spawn(args: list[str], log: Path, tag: str, cwd: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ)
+    env[proctree.TAG_VAR] = tag
+    out = open(log, "ab")
+    try:
+        return subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=str(cwd), env=env, start_new_session=True, close_fds=True,
+        )
+    finally:
+        out.close()
+
+
+class LocalProvider:
+    name = "local"
+
+    def __init__(self, ctx: ProviderContext):
+        self.ctx = ctx
+        self.spec = ctx.spec
+        self.cdir = ctx.cluster_dir
+        self.nodes_dir = self.cdir.nodes_dir
+        self.head_dir = self.cdir.head_dir
+
+    # -- tags
+    def tag(self, node_id: str) -> str:
+        return f"{self.cdir.path}/{node_id}"
+
+    # -- capacity
+    def capacity_now(self, now: float | None = None) -> int | None:
+        """Nodes the local "cloud" can hold now, from spec.local.capacity (None = unlimited)."""
+        steps = self.spec.local.capacity
+        if not steps:
+            return None
+        created = self._created_at()
+        t = (now or time.time()) - created
+        cap = None
+        for s in steps:
+            if s.at_s <= t:
+                cap = s.nodes
+        return cap if cap is not None else steps[0].nodes
+
+    def _created_at(self) -> float:
+        p = self.cdir.path / "created_at"
+        if not p.exists():
+            p.write_text(str(time.time()))
+        return float(p.read_text())
+
+    # -- protocol
+    def offers(self) -> list[Offer]:
+        lp = self.spec.local
+        return [
+            Offer(
+                provider="local", region="local", zone=z, instance_type="local",
+                gpus=lp.gpus_per_node, gpu_name="cpu", spot_price=lp.price_per_node,
+                on_demand_price=lp.on_demand_price_per_node or None, interruption_band=None,
+            )
+            for z in lp.zones
+        ]
+
+    def _vm(self, node_id: str) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.nodes_dir / node_id / "vm.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _node_ids(self) -> list[str]:
+        if not self.nodes_dir.exists():
+            return []
+        ids = [p.name for p in self.nodes_dir.iterdir() if (p / "vm.json").exists()]
+        return sorted(ids, key=lambda s: (len(s), s))
+
+    def _alive(self, vm: dict[str, Any]) -> bool:
+        pid = int(vm.get("pid") or 0)
+        if not pid or not proctree.alive(pid):
+            return False
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            return False
+        return f"{proctree.TAG_VAR}={self.tag(vm['node_id'])}".encode() in env.split(b"\0")
+
+    def _instance(self, vm: dict[str, Any]) -> Instance:
+        state = vm.get("state", "pending")
+        if state in ("running", "pending") and not self._alive(vm):
+            # a process that died without saying so (SIGKILL, crash): the VM is gone
+            state = "gone" if state == "running" or time.time() - vm["launched_at"] > 30 else state
+        elif state not in ("running", "pending"):
+            state = "gone"
+        return Instance(
+            id=vm["node_id"], cluster=self.ctx.cluster, role="worker", zone=vm["zone"],
+            instance_type="local", gpus=vm["gpus"], state=state, request_id=vm["request_id"],
+            price=vm.get("price", 0.0), on_demand_price=vm.get("on_demand_price", 0.0),
+            launched_at=vm["launched_at"], address="127.0.0.1", spot=True,
+            meta={"dir": str(self.nodes_dir / vm["node_id"]), "pid": vm.get("pid"),
+                  "metadata_url": vm.get("metadata_url", ""), "end_state": vm.get("state")},
+        )
+
+    def list(self, cluster: str) -> list[Instance]:
+        out = []
+        for nid in self._node_ids():
+            vm = self._vm(nid)
+            if vm is None:
+                continue
+            inst = self._instance(vm)
+            if inst.state != "gone":
+                out.append(inst)
+        return out
+
+    def all_instances(self) -> list[Instance]:
+        """Live and gone, for status and accounting."""
+        return [self._instance(vm) for nid in self._node_ids() if (vm := self._vm(nid))]
+
+    def launch(self, offer: Offer, count: int, request_id: str) -> list[Instance]:
+        existing = [
+            vm for nid in self._node_ids()
+            if (vm := self._vm(nid)) and vm.get("request_id") == request_id
+        ]
+        if existing:
+            return [self._instance(vm) for vm in existing]
+        cap = self.capacity_now()
+        live = len(self.list(self.ctx.cluster))
+        if cap is not None and live + count > cap:
+            raise CapacityError(
+                f"local capacity is {cap} node(s) now and {live} run: no room for {count} more "
+                f"in {offer.zone}"
+            )
+        head = self.head_info()
+        self.nodes_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        taken = self._node_ids()
+        n = max((int(x[1:]) for x in taken if x[1:].isdigit()), default=0)
+        out = []
+        for _ in range(count):
+            n += 1
+            nid = f"n{n}"
+            d = self.nodes_dir / nid
+            d.mkdir(mode=0o700)
+            write_private(d / "token", self.cdir.token())
+            tr = self.spec.train
+            cfg = AgentConfig(
+                cluster=self.ctx.cluster, node_id=nid, head_url=head.url,
+                store_host=head.store_host, store_port=head.store_port,
+                token_file=str(d / "token"), workdir=str(d), script=tr.script, args=tr.args,
+                nproc_per_node=offer.gpus, max_nodes=max(1, self.spec.gpus.max // offer.gpus),
+                checkpoint_dir=tr.checkpoint_dir or str(self.cdir.checkpoints),
+                checkpoint_every=tr.checkpoint_every, keep_last=tr.keep_last,
+                max_steps=tr.max_steps, python=tr.python, env=tr.env,
+                local_addr="127.0.0.1", metadata="local", poll_interval_s=0.2,
+            )
+            cfg.save(d / "agent.json")
+            vm = {
+                "node_id": nid, "request_id": request_id, "zone": offer.zone,
+                "gpus": offer.gpus, "price": offer.spot_price,
+                "on_demand_price": offer.on_demand_price or 0.0,
+                "launched_at": time.time(), "state": "pending", "pid": None,
+            }
+            write_json_atomic(d / "vm.json", vm)
+            p = _spawn(
+                [sys.executable, "-m", "spotctl.providers.local_vm", str(d)],
+                d / "node.log", self.tag(nid), d,
+            )
+            vm["pid"] = p.pid
+            # the vm rewrites vm.json when it is up; record the pid now so a crash is visible
+            cur = self._vm(nid) or vm
+            if cur.get("state") == "pending":
+                cur["pid"] = p.pid
+                write_json_atomic(d / "vm.json", cur)
+            out.append(self._instance(cur))
+        return out
+
+    def terminate(self, ids: Sequence[str]) -> None:
+        for nid in ids:
+            vm = self._vm(nid)
+            if vm is None:
+                continue
+            proctree.kill_tag(self.tag(nid), root=int(vm.get("pid") or 0) or None)
+            if vm.get("state") in ("running", "pending"):
+                vm["state"] = "terminated"
+                vm["ended_at"] = time.time()
+                write_json_atomic(self.nodes_dir / nid / "vm.json", vm)
+
+    # -- head
+    def head_info(self) -> HeadInfo:
+        p = self.head_dir / "head.json"
+        if not p.exists():
+            raise SpotctlError("the cluster's head is not running")
+        h = json.loads(p.read_text())
+        return HeadInfo(url=h["url"], store_host=h["store_host"], store_port=h["store_port"])
+
+    def _head_ok(self) -> bool:
+        p = self.head_dir / "head.json"
+        if not p.exists():
+            return False
+        try:
+            h = json.loads(p.read_text())
+        except ValueError:
+            return False
+        if not proctree.alive(int(h.get("pid", 0))):
+            return False
+        req = urllib.request.Request(h["url"] + "/api/health")
+        req.add_header("Authorization", f"Bearer {self.cdir.token()}")
+        try:
+            with urllib.request.urlopen(req, timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def prepare(self) -> None:
+        self.cdir.ensure()
+        self.cdir.token(create=True)
+        self._created_at()
+
+    def ensure_head(self) -> HeadInfo:
+        if self._head_ok():
+            return self.head_info()
+        self.head_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        old_pid = None
+        p = self.head_dir / "head.json"
+        if p.exists():
+            try:
+                old_pid = json.loads(p.read_text()).get("pid")
+            except ValueError:
+                pass
+            # keep the same ports across a restart so running agents find it again
+        ports = self._head_ports()
+        args = [
+            sys.executable, "-m", "spotctl.cli.app", "head", "--dir", str(self.head_dir),
+            "--token-file", str(self.cdir.token_file), "--host", "127.0.0.1",
+            "--http-port", str(ports[0]), "--store-port", str(ports[1]),
+        ]
+        _spawn(args, self.head_dir / "head.log", self.tag("head"), self.head_dir)
+        deadline = time.monotonic() + HEAD_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if p.exists():
+                try:
+                    pid = json.loads(p.read_text()).get("pid")
+                except ValueError:
+                    pid = None
+                if pid and pid != old_pid and self._head_ok():
+                    return self.head_info()
+            time.sleep(0.2)
+        log = (self.head_dir / "head.log").read_text()[-2000:]
+        raise SpotctlError(f"the head did not start within {HEAD_START_TIMEOUT_S:.0f}s: {log}")
+
+    def _head_ports(self) -> tuple[int, int]:
+        p = self.head_dir / "ports.json"
+        if p.exists():
+            d = json.loads(p.read_text())
+            return int(d["http"]), int(d["store"])
+        import socket
+
+        socks = []
+        ports = []
+        for _ in range(2):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+        for s in socks:
+            s.close()
+        write_json_atomic(p, {"http": ports[0], "store": ports[1]})
+        return ports[0], ports[1]
+
+    def stop_head(self) -> list[int]:
+        p = self.head_dir / "head.json"
+        pid = None
+        if p.exists():
+            try:
+                pid = json.loads(p.read_text()).get("pid")
+            except ValueError:
+                pid = None
+        return proctree.kill_tag(self.tag("head"), root=pid)
+
+    def cleanup(self) -> list[str]:
+        leaks = []
+        for nid in self._node_ids():
+            self.terminate([nid])
+            left = proctree.tagged(self.tag(nid))
+            if left:
+                leaks.append(f"node {nid}: processes {left} still alive")
+        left_head = self.stop_head()
+        if left_head:
+            leaks.append(f"head: processes {left_head} still alive")
+        return leaks
+
+    # -- local-only controls
+    def preempt(self, node_id: str, style: str, in_s: float | None) -> dict[str, Any]:
+        vm = self._vm(node_id)
+        if vm is None:
+            raise NotFoundError(f"no node {node_id!r} in cluster {self.ctx.cluster}")
+        if not vm.get("metadata_url") or not self._alive(vm):
+            raise SpotctlError(f"node {node_id} is not running")
+        body: dict[str, Any] = {"style": style}
+        if in_s is not None:
+            body["in_s"] = in_s
+        req = urllib.request.Request(
+            vm["metadata_url"] + "/_spotctl/preempt", data=json.dumps(body).encode(),
+            method="POST",
+        )
+        req.add_header("Authorization", f"Bearer {self.cdir.token()}")
+        req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return json.loads(r.read() or b"{}")
+        except (urllib.error.URLError, OSError) as e:
+            raise SpotctlError(f"node {node_id}: metadata endpoint did not answer: {e}") from None
+
+    def kill(self, node_id: str) -> None:
+        """Hard failure: SIGKILL the node's whole process tree, no notice."""
+        vm = self._vm(node_id)
+        if vm is None:
+            raise NotFoundError(f"no node {node_id!r} in cluster {self.ctx.cluster}")
+        proctree.kill_tag(self.tag(node_id), root=int(vm.get("pid") or 0) or None)

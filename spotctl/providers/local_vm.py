@@ -1,0 +1,79 @@
+"""One local "VM": the process that stands for a spot instance in local mode.
+
+It owns the node's metadata endpoint (IMDSv2 and GCP protocols, via MetadataServer), runs
+the node agent as a child, and plays the cloud's part when a preemption deadline passes:
+it kills the whole node hard (every process tagged with this node), like a reclaimed VM.
+
+    python -m spotctl.providers.local_vm NODE_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from spotctl import proctree
+from spotctl.state import write_json_atomic
+
+
+def main(node_dir: Path) -> int:
+    vm_path = node_dir / "vm.json"
+    vm = json.loads(vm_path.read_text())
+    token = (node_dir / "token").read_text().strip()
+    from spotctl.metadata_server import MetadataServer
+
+    dead = threading.Event()
+
+    def reclaim(*_: object) -> None:
+        vm["state"] = "preempted"
+        vm["ended_at"] = time.time()
+        write_json_atomic(vm_path, vm)
+        dead.set()
+        tag = os.environ.get(proctree.TAG_VAR, "")
+        # SIGKILL the agent, torchrun and workers; then ourselves
+        proctree.kill_tag(tag, root=os.getpid(), timeout_s=5) if tag else None
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    md = MetadataServer(
+        host="127.0.0.1", port=0, control_token=token, on_deadline=reclaim,
+        instance_id=vm["node_id"], zone=vm.get("zone", "local-a"), instance_type="local",
+    )
+    md.start()
+    vm["metadata_url"] = md.url
+    vm["pid"] = os.getpid()
+    vm["state"] = "running"
+    write_json_atomic(vm_path, vm)
+    cfg_path = node_dir / "agent.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["metadata_url"] = md.url
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    log = open(node_dir / "agent.log", "ab")
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "spotctl.cli.app", "agent", "--config", str(cfg_path)],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=str(node_dir),
+    )
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    while not stopping.is_set() and agent.poll() is None:
+        stopping.wait(0.5)
+    if agent.poll() is None:
+        agent.terminate()
+        try:
+            agent.wait(20)
+        except subprocess.TimeoutExpired:
+            agent.kill()
+    vm["state"] = "stopped"
+    vm["ended_at"] = time.time()
+    write_json_atomic(vm_path, vm)
+    md.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))

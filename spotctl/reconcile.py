@@ -1,0 +1,307 @@
+"""Reconcile a cluster toward its spec: observe -> plan -> act. Used by `up` and `rebalance`.
+
+- One run at a time per cluster (file lock in the cluster dir).
+- Idempotent: a launch intent (request id, offer, count) is journaled in the cluster dir
+  before the provider is called, and providers dedupe by request id, so a run killed at
+  any point and run again launches nothing twice.
+- Capacity errors block the zone for a cool-down and the plan is redone without it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from spotctl.errors import CapacityError, NotFoundError, SpotctlError
+from spotctl.head.client import HeadClient, HeadUnavailable
+from spotctl.planner import Observed, ObservedNode, Plan, plan
+from spotctl.providers import get_provider
+from spotctl.providers.base import HeadInfo, Instance, ProviderContext
+from spotctl.spec import ClusterSpec
+from spotctl.state import NodeRow, Store, write_json_atomic
+
+Progress = Callable[[str, float | None], None]  # (message, fraction or None)
+MAX_FAILOVERS = 20
+
+
+def _noop(msg: str, frac: float | None = None) -> None:
+    pass
+
+
+@dataclass
+class ReconcileResult:
+    cluster: str
+    plan: Plan
+    launched: list[Instance] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    head: HeadInfo | None = None
+    dry_run: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        out = self.plan.to_json()
+        out.update(
+            cluster=self.cluster, dry_run=self.dry_run, errors=self.errors,
+            launched=[i.id for i in self.launched],
+        )
+        return out
+
+
+def context(store: Store, spec: ClusterSpec, options: dict[str, Any] | None = None) -> ProviderContext:
+    return ProviderContext(cluster=spec.name, spec=spec, cluster_dir=store.cluster_dir(spec.name),
+                           options=options or {})
+
+
+def provider_for(store: Store, spec: ClusterSpec, options: dict[str, Any] | None = None) -> Any:
+    return get_provider(spec.provider, context(store, spec, options))
+
+
+def head_client(store: Store, name: str, timeout_s: float = 3.0) -> HeadClient:
+    row = store.get_cluster(name)
+    url = row.head.get("public_url") or row.head.get("url")
+    if not url:
+        raise HeadUnavailable(f"cluster {name} has no head recorded")
+    return HeadClient(url, store.cluster_dir(name).token(), timeout_s=timeout_s)
+
+
+def blocked_zones(store: Store, spec: ClusterSpec, now: float) -> dict[str, float]:
+    """Zones cooling down after a capacity error or a preemption there."""
+    out: dict[str, float] = {}
+    cool = spec.rebalance.cooldown_s
+    for ev in store.events(spec.name):
+        if ev["type"] in ("capacity-error", "preempted") and ev.get("zone"):
+            until = ev["ts"] + cool
+            if until > now:
+                out[ev["zone"]] = max(out.get(ev["zone"], 0.0), until)
+    return out
+
+
+def observe(store: Store, spec: ClusterSpec, provider: Any) -> tuple[list[Instance], Observed]:
+    """List the provider's instances, journal arrivals and departures, build Observed."""
+    name = spec.name
+    live = [i for i in provider.list(name) if i.role == "worker"]
+    ids = {i.id for i in live}
+    known = {n.id: n for n in store.nodes(name)}
+    for inst in live:
+        row = known.get(inst.id)
+        if row is None or row.state != inst.state or row.ended_at is not None:
+            store.upsert_node(_row(inst, name, spec.provider))
+    for nid, row in known.items():
+        if row.ended_at is None and nid not in ids:
+            end = _end_state(provider, nid)
+            store.set_node_state(name, nid, end, ended=True)
+            store.add_event(name, "preempted" if end == "preempted" else "node-gone",
+                            {"node": nid, "zone": row.zone, "state": end})
+    draining = False
+    try:
+        st = head_client(store, name, timeout_s=2).status()
+        draining = st.get("drain") is not None
+        head_nodes = st.get("nodes", {})
+    except (HeadUnavailable, NotFoundError):
+        head_nodes = {}
+    obs_nodes = []
+    for i in live:
+        hs = head_nodes.get(i.id, {}).get("state", "")
+        state = "draining" if hs in ("leaving", "left") else i.state
+        if state == "pending" or state == "running" or state == "draining":
+            obs_nodes.append(ObservedNode(
+                id=i.id, zone=i.zone, region=_region(i, spec), instance_type=i.instance_type,
+                gpus=i.gpus, price=i.price, state=state,
+            ))
+    return live, Observed(nodes=tuple(obs_nodes), drain_in_progress=draining)
+
+
+def _region(i: Instance, spec: ClusterSpec) -> str:
+    return i.meta.get("region") or {"aws": spec.aws.region, "gcp": spec.gcp.region}.get(
+        spec.provider, spec.provider)
+
+
+def _end_state(provider: Any, nid: str) -> str:
+    for inst in getattr(provider, "all_instances", lambda: [])():
+        if inst.id == nid:
+            return "preempted" if inst.meta.get("end_state") == "preempted" else "lost"
+    return "lost"
+
+
+def _row(inst: Instance, cluster: str, provider: str) -> NodeRow:
+    return NodeRow(
+        id=inst.id, cluster=cluster, provider=provider, zone=inst.zone,
+        instance_type=inst.instance_type, gpus=inst.gpus, state=inst.state, price=inst.price,
+        on_demand_price=inst.on_demand_price, launched_at=inst.launched_at or time.time(),
+        ended_at=None, request_id=inst.request_id,
+        address=inst.public_address or inst.address,
+        meta={k: v for k, v in inst.meta.items() if isinstance(v, str | int | float | None)}
+        | {"ssh_port": inst.ssh_port, "ssh_user": inst.ssh_user},
+    )
+
+
+def reconcile(
+    store: Store,
+    spec: ClusterSpec,
+    *,
+    dry_run: bool = False,
+    options: dict[str, Any] | None = None,
+    progress: Progress = _noop,
+    create: bool = True,
+    now: Callable[[], float] = time.time,
+) -> ReconcileResult:
+    """Bring the cluster toward spec. `create` False (rebalance) refuses unknown clusters."""
+    name = spec.name
+    cdir = store.cluster_dir(name)
+    provider = provider_for(store, spec, options)
+    if dry_run:
+        obs = Observed()
+        try:
+            store.get_cluster(name)
+            _, obs = observe(store, spec, provider)
+        except NotFoundError:
+            pass
+        p = plan(spec, obs, provider.offers(), blocked_zones(store, spec, now()), now())
+        return ReconcileResult(cluster=name, plan=p, dry_run=True)
+    if not create:
+        store.get_cluster(name)
+    with cdir.lock():
+        store.upsert_cluster(name, spec.provider, spec.model_dump(mode="json"), "starting")
+        progress("preparing cluster resources", None)
+        if hasattr(provider, "prepare"):
+            provider.prepare()
+        progress("starting the head", None)
+        head = provider.ensure_head() if hasattr(provider, "ensure_head") else None
+        if head is not None:
+            store.set_head(name, head.__dict__)
+        result = ReconcileResult(cluster=name, plan=Plan(), head=head)
+        _resume_intent(store, spec, provider, result)
+        for _ in range(MAX_FAILOVERS):
+            live, obs = observe(store, spec, provider)
+            blocked = blocked_zones(store, spec, now())
+            p = plan(spec, obs, provider.offers(), blocked, now())
+            result.plan.notes = p.notes
+            if not p.launches:
+                break
+            act = p.launches[0]
+            result.plan.actions.append(act)
+            assert act.offer is not None
+            req = f"{name}-{uuid.uuid4().hex[:10]}"
+            intent = {"request_id": req, "offer": act.offer.__dict__, "count": act.count,
+                      "reason": act.reason}
+            write_json_atomic(cdir.path / "launch-intent.json", intent)
+            progress(f"launching {act.count} x {act.offer.instance_type} in {act.offer.zone}", None)
+            try:
+                insts = provider.launch(act.offer, act.count, req)
+            except CapacityError as e:
+                (cdir.path / "launch-intent.json").unlink(missing_ok=True)
+                store.add_event(name, "capacity-error", {"zone": act.offer.zone,
+                                "instance_type": act.offer.instance_type, "error": str(e)})
+                result.errors.append(str(e))
+                continue
+            _journal_launch(store, spec, insts, act.reason, req)
+            (cdir.path / "launch-intent.json").unlink(missing_ok=True)
+            result.launched.extend(insts)
+            if hasattr(provider, "bootstrap") and insts:
+                progress(f"bootstrapping {len(insts)} node(s)", None)
+                _bootstrap(store, spec, provider, insts, head, result)
+        store.set_cluster_state(name, "running")
+        return result
+
+
+def _journal_launch(store: Store, spec: ClusterSpec, insts: list[Instance], reason: str,
+                    req: str) -> None:
+    for inst in insts:
+        store.upsert_node(_row(inst, spec.name, spec.provider))
+        store.add_event(spec.name, "launch", {
+            "node": inst.id, "zone": inst.zone, "instance_type": inst.instance_type,
+            "gpus": inst.gpus, "price": inst.price, "request_id": req, "reason": reason,
+        })
+
+
+def _resume_intent(store: Store, spec: ClusterSpec, provider: Any, result: ReconcileResult) -> None:
+    """A previous run died between journaling an intent and recording its result: replay
+    the same request id (the provider dedupes) so nothing is launched twice or leaked."""
+    p = store.cluster_dir(spec.name).path / "launch-intent.json"
+    if not p.exists():
+        return
+    intent = json.loads(p.read_text())
+    from spotctl.providers.base import Offer
+
+    offer = Offer(**intent["offer"])
+    try:
+        insts = provider.launch(offer, int(intent["count"]), intent["request_id"])
+    except SpotctlError as e:
+        result.errors.append(f"replaying interrupted launch: {e}")
+        insts = []
+    _journal_launch(store, spec, insts, intent.get("reason", "resume"), intent["request_id"])
+    p.unlink(missing_ok=True)
+    result.launched.extend(insts)
+
+
+def _bootstrap(store: Store, spec: ClusterSpec, provider: Any, insts: list[Instance],
+               head: HeadInfo | None, result: ReconcileResult) -> None:
+    try:
+        results = provider.bootstrap(insts)
+    except SpotctlError as e:
+        result.errors.append(str(e))
+        return
+    for r in results or []:
+        if not getattr(r, "ok", True):
+            result.errors.append(f"{r.node_id}: {r.reason}")
+            store.add_event(spec.name, "bootstrap-failed", {"node": r.node_id, "reason": r.reason})
+
+
+def wait_for_nodes(store: Store, name: str, timeout_s: float,
+                   progress: Progress = _noop) -> tuple[int, int]:
+    """Wait until every live node (not leaving) heartbeats to the head: (seen, expected)."""
+    deadline = time.monotonic() + timeout_s
+    seen = count = 0
+    while time.monotonic() < deadline:
+        expected = {n.id for n in store.nodes(name, include_ended=False)}
+        try:
+            st = head_client(store, name).status()
+            hn = st["nodes"]
+            expected -= {k for k, v in hn.items() if v["state"] in ("leaving", "left")}
+            seen = sum(1 for k in expected if k in hn and hn[k]["state"] in ("running", "waiting")
+                       and (hn[k].get("heartbeat_age_s") or 99) < 5)
+        except HeadUnavailable:
+            seen = 0
+        count = len(expected)
+        progress(f"{seen}/{count} nodes reporting", seen / count if count else 1.0)
+        if seen >= count:
+            return seen, count
+        time.sleep(0.3)
+    return seen, count
+
+
+def sync_events(store: Store, name: str) -> None:
+    """Import the head's events into the journal (deduped by the head's sequence number)."""
+    try:
+        client = head_client(store, name, timeout_s=3)
+        evs = client.events(0)
+    except (HeadUnavailable, NotFoundError):
+        return
+    for e in evs:
+        e = dict(e)
+        seq = e.pop("seq")
+        ts = e.pop("ts")
+        typ = e.pop("type")
+        store.add_event(name, typ, e, ts=ts, source_key=f"head:{name}:{seq}:{int(ts)}")
+
+
+def down(store: Store, name: str, options: dict[str, Any] | None = None,
+         progress: Progress = _noop) -> list[str]:
+    """Stop everything the cluster runs or owns; returns leak descriptions."""
+    row = store.get_cluster(name)
+    spec = ClusterSpec.model_validate(row.spec)
+    provider = provider_for(store, spec, options)
+    with store.cluster_dir(name).lock():
+        sync_events(store, name)
+        progress("stopping nodes and head", None)
+        leaks = provider.cleanup() if hasattr(provider, "cleanup") else []
+        if not hasattr(provider, "cleanup"):
+            provider.terminate([i.id for i in provider.list(name)])
+        for n in store.nodes(name, include_ended=False):
+            store.set_node_state(name, n.id, "terminated", ended=True)
+        store.set_cluster_state(name, "down")
+        store.add_event(name, "down", {"leaks": leaks})
+        return leaks

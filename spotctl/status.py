@@ -1,0 +1,143 @@
+"""Cluster status: one snapshot dict from the journal, the provider and the head, and a
+pure renderer to a rich renderable (the same rows feed `--json`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from spotctl.head.client import HeadUnavailable
+from spotctl.reconcile import head_client, provider_for
+from spotctl.spec import ClusterSpec
+from spotctl.state import Store
+
+
+def collect(store: Store, name: str, now: float | None = None) -> dict[str, Any]:
+    now = now or time.time()
+    row = store.get_cluster(name)
+    spec = ClusterSpec.model_validate(row.spec)
+    head: dict[str, Any] = {}
+    head_error = None
+    if row.state != "down":
+        try:
+            head = head_client(store, name, timeout_s=2).status()
+        except HeadUnavailable as e:
+            head_error = str(e)
+    live_ids: set[str] = set()
+    if row.state != "down":
+        try:
+            live_ids = {i.id for i in provider_for(store, spec).list(name)}
+        except Exception as e:  # status must render even when the cloud API fails
+            head_error = head_error or f"provider: {e}"
+    hnodes = head.get("nodes", {})
+    nodes = []
+    for n in store.nodes(name):
+        h = hnodes.get(n.id, {})
+        ended = n.ended_at is not None or (row.state != "down" and n.id not in live_ids)
+        if ended:
+            state = n.state if n.state in ("preempted", "terminated", "lost") else "lost"
+            if n.ended_at is None:
+                state = "lost"
+        else:
+            hs = h.get("state")
+            state = {
+                None: "booting", "waiting": "joining", "running": "running",
+                "leaving": "draining", "left": "left", "unresponsive": "unresponsive",
+                "finished": "finished",
+            }.get(hs, hs or "booting")
+            if state == "running" and h.get("workers") and all(
+                w.get("phase") in ("drained", "draining") for w in h["workers"]
+            ):
+                state = "draining"
+        end = n.ended_at or now
+        nodes.append({
+            "id": n.id, "provider": n.provider, "zone": n.zone,
+            "instance_type": n.instance_type, "gpus": n.gpus, "state": state,
+            "uptime_s": round(max(0.0, end - n.launched_at), 1),
+            "heartbeat_age_s": h.get("heartbeat_age_s"), "step": h.get("step"),
+            "price": n.price, "notice": bool(h.get("notice")),
+        })
+    live = [x for x in nodes if x["state"] not in ("lost", "preempted", "terminated", "left")]
+    cost = None
+    try:
+        from spotctl import cost as cost_mod
+
+        cost = cost_mod.cluster_cost(store, name, now).to_json()
+    except Exception:
+        cost = None
+    return {
+        "cluster": name,
+        "provider": row.provider,
+        "state": row.state,
+        "gpus": {"now": sum(x["gpus"] for x in live), "min": spec.gpus.min, "max": spec.gpus.max},
+        "world_size": head.get("world_size", 0),
+        "step": head.get("step", 0),
+        "last_checkpoint_step": head.get("last_checkpoint_step", 0),
+        "loss": head.get("loss"),
+        "throughput": head.get("throughput"),
+        "cost_per_hour": round(sum(x["price"] for x in live), 6),
+        "cost": cost,
+        "drain": head.get("drain"),
+        "head_error": head_error,
+        "nodes": nodes,
+    }
+
+
+def _age(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 60:
+        return f"{s:.1f}s"
+    if s < 3600:
+        return f"{s / 60:.1f}m"
+    return f"{s / 3600:.1f}h"
+
+
+STATE_STYLE = {"running": "green", "joining": "cyan", "draining": "yellow", "lost": "red",
+               "preempted": "magenta", "unresponsive": "red", "left": "dim"}
+
+
+def render(snap: dict[str, Any], show_ended: bool = True) -> Group:
+    g = snap["gpus"]
+    tput = snap.get("throughput")
+    head = Text.assemble(
+        ("cluster ", "bold"), snap["cluster"], "  ",
+        ("provider ", "bold"), snap["provider"], "  ",
+        ("GPUs ", "bold"), f"{g['now']} (min {g['min']}, max {g['max']})", "  ",
+        ("world ", "bold"), str(snap["world_size"]), "  ",
+        ("step ", "bold"), str(snap["step"]), "  ",
+        ("checkpoint ", "bold"), str(snap["last_checkpoint_step"]), "  ",
+        ("samples/s ", "bold"), f"{tput:.0f}" if tput else "-", "  ",
+        ("$/h ", "bold"), f"{snap['cost_per_hour']:.4f}",
+    )
+    parts: list[Any] = [head]
+    c = snap.get("cost")
+    if c:
+        parts.append(Text(
+            f"spent ${c.get('spent_usd', 0):.4f}  on-demand ${c.get('on_demand_usd', 0):.4f}  "
+            f"saved ${c.get('saved_usd', 0):.4f}"
+        ))
+    if snap.get("drain"):
+        d = snap["drain"]
+        parts.append(Text(f"drain in progress: {d['reason']} (gen {d['gen']})", style="yellow"))
+    if snap.get("head_error"):
+        parts.append(Text(snap["head_error"], style="red"))
+    t = Table(show_edge=False, header_style="bold")
+    for col in ("node", "provider", "zone", "type", "GPUs", "state", "uptime", "heartbeat", "step"):
+        t.add_column(col, justify="right" if col in ("GPUs", "uptime", "heartbeat", "step") else "left")
+    for n in snap["nodes"]:
+        if not show_ended and n["state"] in ("lost", "preempted", "terminated"):
+            continue
+        t.add_row(
+            n["id"], n["provider"], n["zone"], n["instance_type"], str(n["gpus"]),
+            Text(n["state"] + (" (notice)" if n["notice"] else ""),
+                 style=STATE_STYLE.get(n["state"], "")),
+            _age(n["uptime_s"]), _age(n["heartbeat_age_s"]),
+            "-" if n["step"] is None else str(n["step"]),
+        )
+    parts.append(t)
+    return Group(*parts)
