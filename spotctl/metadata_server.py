@@ -80,6 +80,7 @@ class MetadataServer:
         self._stopping = threading.Event()
         self.requests: dict[str, int] = {}  # path -> count, for tests and debugging
         self.token_puts = 0
+        self.waiters = 0  # GCP requests parked in wait_for_change right now
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -292,11 +293,15 @@ class MetadataServer:
             if wait:
                 target = last_etag if last_etag is not None else self._gcp_etag(key)
                 end = time.monotonic() + timeout_s
-                while self._gcp_etag(key) == target and not self._stopping.is_set():
-                    left = end - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._cond.wait(left)
+                self.waiters += 1
+                try:
+                    while self._gcp_etag(key) == target and not self._stopping.is_set():
+                        left = end - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._cond.wait(left)
+                finally:
+                    self.waiters -= 1
             return str(self._gcp[key][0]), self._gcp_etag(key)
 
     def _count(self, path: str) -> None:
