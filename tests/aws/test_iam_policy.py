@@ -1,0 +1,50 @@
+"""The shipped IAM policy allows exactly the EC2 calls the provider makes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from spotctl.errors import SpecError
+from spotctl.providers.aws import AwsProvider
+
+from .conftest import FaultProxy
+
+pytestmark = pytest.mark.aws
+
+POLICY = Path(__file__).parents[2] / "templates" / "aws-iam-policy.json"
+# Allowed for what EC2 does on the provider's behalf, not called by it directly.
+IMPLICIT = {"ec2:CreateTags", "iam:CreateServiceLinkedRole"}
+
+
+def _policy_actions() -> set[str]:
+    actions: set[str] = set()
+    for st in json.loads(POLICY.read_text())["Statement"]:
+        assert st["Effect"] == "Allow"
+        a = st["Action"]
+        actions.update([a] if isinstance(a, str) else a)
+    return actions
+
+
+def test_policy_matches_the_calls_of_a_whole_lifecycle(
+    make_provider: Callable[..., AwsProvider], fault_proxy: FaultProxy
+) -> None:
+    p = make_provider(instance_types=["g5.xlarge"], options={"endpoint_url": fault_proxy.url})
+    offer = p.offers()[0]
+    (inst,) = p.launch(offer, 1, "req-iam")
+    p.list(p.ctx.cluster)
+    p.ensure_head()
+    p.terminate([inst.id])
+    assert p.cleanup() == []
+    with pytest.raises(SpecError, match="aws.ami"):  # the default-AMI lookup
+        make_provider(ami="", options={"endpoint_url": fault_proxy.url})._ami()
+    called = {f"ec2:{action}" for action, _, _ in fault_proxy.seen}
+    allowed = _policy_actions()
+    assert called <= allowed, f"calls missing from the policy: {called - allowed}"
+    assert allowed - IMPLICIT <= called, (
+        f"policy allows unused calls: {allowed - IMPLICIT - called}"
+    )
+    assert not any(a.endswith("*") for a in allowed)
