@@ -165,6 +165,9 @@ def classify(exc: Exception, what: str) -> ProviderError:
         return AuthError(f"gcp: {what}: no usable credentials ({_one_line(str(exc))})")
     if name in ("ConnectionError", "Timeout", "ReadTimeout", "ConnectTimeout", "TransportError"):
         return TransientError(f"gcp: {what}: cannot reach the Compute API ({name})")
+    if type(exc).__module__.startswith("google.auth"):
+        # e.g. a 401 made the transport refresh credentials that cannot be refreshed.
+        return AuthError(f"gcp: {what}: not authenticated: {_one_line(str(exc))}")
     code, reasons, msg = _api_error_parts(exc)
     text = msg + " " + " ".join(sorted(reasons))
     capacity = sorted(c for c in CAPACITY_CODES if c in text)

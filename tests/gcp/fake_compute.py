@@ -1,0 +1,467 @@
+"""A local fake of the Compute Engine v1 REST API, for the real google-cloud-compute client.
+
+It implements exactly the calls spotctl uses: instances insert / get / list / delete /
+aggregatedList, zone and global operations get / wait, firewalls insert / list / delete.
+Error bodies have the real shape {"error": {"code", "message", "errors": [{"reason", ...}]}},
+operation errors the real {"error": {"errors": [{"code", "message"}]}} with
+httpErrorStatusCode. Every request is recorded (method, call key, path, query, JSON body)
+so tests can assert what the provider sent.
+
+Fault injection:
+- `exhaust(zone, style)`: inserts in `zone` fail with ZONE_RESOURCE_POOL_EXHAUSTED*, as an
+  operation error ("operation"), an HTTP 503 body ("http503") or HTTP 400 ("http400").
+- `quota(style)`: every insert fails with QUOTA_EXCEEDED ("http403" or "operation").
+- `fail(key, status, reason, times)`: the next `times` calls of `key` (e.g.
+  "instances.insert") answer `status` with `reason` (5xx once, 429, 401, 403 ...).
+- `pending_polls = N`: new operations come back PENDING and turn DONE on the N-th poll.
+
+Filters supported: `labels.K = "V"`, `(labels.K = "V") AND (labels.K2 = "V2")`,
+`name eq "REGEX"` (full match). Anything else is a 400, as the real API would do for
+a filter it cannot parse, so a provider typo shows up in tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+P = r"/compute/v1/projects/(?P<project>[^/]+)"
+ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
+    (m, key, re.compile(rx + "$"))
+    for m, key, rx in [
+        ("POST", "instances.insert", P + r"/zones/(?P<zone>[^/]+)/instances"),
+        ("GET", "instances.list", P + r"/zones/(?P<zone>[^/]+)/instances"),
+        ("GET", "instances.get", P + r"/zones/(?P<zone>[^/]+)/instances/(?P<name>[^/]+)"),
+        ("DELETE", "instances.delete", P + r"/zones/(?P<zone>[^/]+)/instances/(?P<name>[^/]+)"),
+        ("GET", "instances.aggregatedList", P + r"/aggregated/instances"),
+        ("GET", "zoneOperations.get", P + r"/zones/(?P<zone>[^/]+)/operations/(?P<op>[^/]+)"),
+        (
+            "POST",
+            "zoneOperations.wait",
+            P + r"/zones/(?P<zone>[^/]+)/operations/(?P<op>[^/]+)/wait",
+        ),
+        ("GET", "globalOperations.get", P + r"/global/operations/(?P<op>[^/]+)"),
+        ("POST", "globalOperations.wait", P + r"/global/operations/(?P<op>[^/]+)/wait"),
+        ("POST", "firewalls.insert", P + r"/global/firewalls"),
+        ("GET", "firewalls.list", P + r"/global/firewalls"),
+        ("DELETE", "firewalls.delete", P + r"/global/firewalls/(?P<name>[^/]+)"),
+    ]
+]
+
+_LABEL_TERM = r'labels\.([a-z0-9_-]+)\s*=\s*"([^"]*)"'
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, reason: str, message: str, domain: str = "global"):
+        super().__init__(message)
+        self.status, self.reason, self.message, self.domain = status, reason, message, domain
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "code": self.status,
+                "message": self.message,
+                "errors": [{"message": self.message, "domain": self.domain, "reason": self.reason}],
+            }
+        }
+
+
+@dataclass
+class Recorded:
+    method: str
+    key: str
+    path: str
+    query: dict[str, str]
+    body: dict[str, Any] | None
+
+
+@dataclass
+class Fault:
+    key: str
+    status: int
+    reason: str
+    times: int
+    message: str
+
+
+@dataclass
+class _Op:
+    resource: dict[str, Any]
+    polls_left: int
+    on_done: Callable[[], None] | None = None
+    error: dict[str, Any] | None = field(default=None)
+
+
+def parse_filter(text: str) -> Callable[[dict[str, Any]], bool]:
+    """The filter subset spotctl uses; raises ApiError(400) on anything else."""
+    text = text.strip()
+    if not text:
+        return lambda r: True
+    m = re.fullmatch(r'name\s+eq\s+"([^"]*)"', text)
+    if m:
+        rx = re.compile(m.group(1))
+        return lambda r: bool(rx.fullmatch(r.get("name", "")))
+    m = re.fullmatch(_LABEL_TERM, text)
+    terms: list[tuple[str, str]] = []
+    if m:
+        terms = [(m.group(1), m.group(2))]
+    else:
+        parts = re.split(r"\s+AND\s+", text)
+        for part in parts:
+            pm = re.fullmatch(r"\(\s*" + _LABEL_TERM + r"\s*\)", part.strip())
+            if not pm:
+                raise ApiError(400, "invalid", f"Invalid value for field 'filter': '{text}'.")
+            terms.append((pm.group(1), pm.group(2)))
+    return lambda r: all(r.get("labels", {}).get(k) == v for k, v in terms)
+
+
+class FakeCompute:
+    def __init__(self) -> None:
+        self.instances: dict[tuple[str, str], dict[str, Any]] = {}
+        self.firewalls: dict[str, dict[str, Any]] = {}
+        self.operations: dict[str, _Op] = {}
+        self.requests: list[Recorded] = []
+        self.exhausted: dict[str, str] = {}
+        self.quota_style: str = ""
+        self.faults: list[Fault] = []
+        self.pending_polls = 0
+        self._by_request_id: dict[str, str] = {}
+        self._ids = itertools.count(1000)
+        self._lock = threading.RLock()
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -------------------------------------------------------------- lifecycle
+
+    def start(self) -> FakeCompute:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _handle(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(n) if n else b""
+                status, payload = fake.handle(self.command, self.path, raw)
+                out = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json; charset=UTF-8")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            do_GET = do_POST = do_DELETE = _handle
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    @property
+    def endpoint(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.server_port}"
+
+    def __enter__(self) -> FakeCompute:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # -------------------------------------------------------------- fault injection
+
+    def exhaust(self, zone: str, style: str = "operation") -> None:
+        assert style in ("operation", "http503", "http400")
+        self.exhausted[zone] = style
+
+    def quota(self, style: str = "http403") -> None:
+        assert style in ("http403", "operation")
+        self.quota_style = style
+
+    def fail(
+        self, key: str, status: int, reason: str = "backendError", times: int = 1, message: str = ""
+    ) -> None:
+        self.faults.append(Fault(key, status, reason, times, message or f"injected {status}"))
+
+    # -------------------------------------------------------------- queries for tests
+
+    def calls(self, key: str) -> list[Recorded]:
+        return [r for r in self.requests if r.key == key]
+
+    # -------------------------------------------------------------- dispatch
+
+    def handle(self, method: str, raw_path: str, raw_body: bytes) -> tuple[int, dict[str, Any]]:
+        url = urlsplit(raw_path)
+        query = {k: v[0] for k, v in parse_qs(url.query).items()}
+        body = json.loads(raw_body) if raw_body else None
+        found = next(
+            ((key, mt) for m, key, rx in ROUTES if m == method and (mt := rx.match(url.path))),
+            None,
+        )
+        if found is None:
+            return 404, ApiError(404, "notFound", f"no route {method} {url.path}").body()
+        key, match = found
+        with self._lock:
+            self.requests.append(Recorded(method, key, url.path, query, body))
+            try:
+                self._inject(key)
+                handler = getattr(self, "_" + key.replace(".", "_"))
+                return 200, handler(body=body, query=query, **match.groupdict())
+            except ApiError as e:
+                return e.status, e.body()
+
+    def _inject(self, key: str) -> None:
+        for f in self.faults:
+            if f.key == key and f.times > 0:
+                f.times -= 1
+                raise ApiError(f.status, f.reason, f.message)
+
+    # -------------------------------------------------------------- operations
+
+    def _base(self, project: str) -> str:
+        return f"{self.endpoint}/compute/v1/projects/{project}"
+
+    def _new_op(
+        self,
+        project: str,
+        zone: str | None,
+        kind: str,
+        target: str,
+        on_done: Callable[[], None] | None = None,
+        error: dict[str, Any] | None = None,
+        http_status: int = 0,
+    ) -> dict[str, Any]:
+        n = next(self._ids)
+        name = f"operation-{n}"
+        scope = f"zones/{zone}" if zone else "global"
+        res: dict[str, Any] = {
+            "kind": "compute#operation",
+            "id": str(n),
+            "name": name,
+            "operationType": kind,
+            "targetLink": target,
+            "status": "PENDING",
+            "progress": 0,
+            "insertTime": time.strftime("%Y-%m-%dT%H:%M:%S.000-00:00", time.gmtime()),
+            "selfLink": f"{self._base(project)}/{scope}/operations/{name}",
+        }
+        if zone:
+            res["zone"] = f"{self._base(project)}/zones/{zone}"
+        op = _Op(res, self.pending_polls, on_done)
+        if error is not None:
+            op.error = {"error": error, "httpErrorStatusCode": http_status}
+        self.operations[name] = op
+        if op.polls_left <= 0:
+            self._finish(op)
+        return dict(op.resource)
+
+    def _finish(self, op: _Op) -> None:
+        if op.resource["status"] == "DONE":
+            return
+        op.resource.update(status="DONE", progress=100)
+        if op.error is not None:
+            op.resource.update(op.error)
+        elif op.on_done is not None:
+            op.on_done()
+
+    def _poll(self, name: str) -> dict[str, Any]:
+        op = self.operations.get(name)
+        if op is None:
+            raise ApiError(404, "notFound", f"The resource 'operations/{name}' was not found")
+        if op.resource["status"] != "DONE":
+            op.polls_left -= 1
+            op.resource["status"] = "RUNNING"
+            if op.polls_left <= 0:
+                self._finish(op)
+        return dict(op.resource)
+
+    def _zoneOperations_get(self, op: str, **_: Any) -> dict[str, Any]:
+        return self._poll(op)
+
+    _zoneOperations_wait = _zoneOperations_get
+
+    def _globalOperations_get(self, op: str, **_: Any) -> dict[str, Any]:
+        return self._poll(op)
+
+    _globalOperations_wait = _globalOperations_get
+
+    # -------------------------------------------------------------- instances
+
+    def _instances_insert(
+        self, project: str, zone: str, body: dict[str, Any], query: dict[str, str], **_: Any
+    ) -> dict[str, Any]:
+        rid = query.get("requestId", "")
+        if rid and rid in self._by_request_id:
+            return dict(self.operations[self._by_request_id[rid]].resource)
+        name = body["name"]
+        target = f"{self._base(project)}/zones/{zone}/instances/{name}"
+        if (zone, name) in self.instances:
+            raise ApiError(
+                409,
+                "alreadyExists",
+                f"The resource 'projects/{project}/zones/{zone}/instances/{name}' already exists",
+            )
+        exhausted = self.exhausted.get(zone)
+        pool_msg = (
+            f"The zone 'projects/{project}/zones/{zone}' does not have enough resources "
+            "available to fulfill the request.  Try a different zone, or try again later."
+        )
+        if exhausted == "http503":
+            raise ApiError(503, "ZONE_RESOURCE_POOL_EXHAUSTED", pool_msg)
+        if exhausted == "http400":
+            raise ApiError(400, "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS", pool_msg)
+        quota_msg = "Quota 'GPUS_ALL_REGIONS' exceeded.  Limit: 0.0 globally."
+        if self.quota_style == "http403":
+            raise ApiError(403, "quotaExceeded", quota_msg, domain="usageLimits")
+        error: dict[str, Any] | None = None
+        status = 0
+        if exhausted == "operation":
+            error = {
+                "errors": [
+                    {"code": "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS", "message": pool_msg}
+                ]
+            }
+            status = 503
+        elif self.quota_style == "operation":
+            error = {"errors": [{"code": "QUOTA_EXCEEDED", "message": quota_msg}]}
+            status = 403
+        n = next(self._ids)
+        vm = dict(body)
+        vm.update(
+            kind="compute#instance",
+            id=str(n),
+            zone=f"{self._base(project)}/zones/{zone}",
+            selfLink=target,
+            status="PROVISIONING",
+            creationTimestamp=time.strftime("%Y-%m-%dT%H:%M:%S.000-07:00", time.localtime()),
+            machineType=f"{self._base(project)}/{body['machineType']}",
+        )
+        nics = [dict(nic) for nic in vm.get("networkInterfaces") or [{}]]
+        nics[0]["networkIP"] = f"10.128.{n // 250 % 250}.{n % 250 + 2}"
+        for ac in nics[0].get("accessConfigs") or []:
+            ac["natIP"] = f"198.51.{n // 250 % 250}.{n % 250 + 2}"
+        vm["networkInterfaces"] = nics
+
+        def create() -> None:
+            vm["status"] = "RUNNING"
+
+        if error is None:
+            # The VM is visible (PROVISIONING) while its insert operation runs, as in GCP.
+            self.instances[(zone, name)] = vm
+        op = self._new_op(project, zone, "insert", target, create, error, status)
+        if rid:
+            self._by_request_id[rid] = op["name"]
+        return op
+
+    def _instances_get(self, project: str, zone: str, name: str, **_: Any) -> dict[str, Any]:
+        vm = self.instances.get((zone, name))
+        if vm is None:
+            raise ApiError(
+                404,
+                "notFound",
+                f"The resource 'projects/{project}/zones/{zone}/instances/{name}' was not found",
+            )
+        return vm
+
+    def _instances_list(
+        self, project: str, zone: str, query: dict[str, str], **_: Any
+    ) -> dict[str, Any]:
+        keep = parse_filter(query.get("filter", ""))
+        items = [vm for (z, _n), vm in sorted(self.instances.items()) if z == zone and keep(vm)]
+        out: dict[str, Any] = {
+            "kind": "compute#instanceList",
+            "id": f"projects/{project}/zones/{zone}/instances",
+        }
+        if items:
+            out["items"] = items
+        return out
+
+    def _instances_aggregatedList(
+        self, project: str, query: dict[str, str], **_: Any
+    ) -> dict[str, Any]:
+        keep = parse_filter(query.get("filter", ""))
+        items: dict[str, Any] = {}
+        for (zone, _name), vm in sorted(self.instances.items()):
+            if keep(vm):
+                items.setdefault(f"zones/{zone}", {"instances": []})["instances"].append(vm)
+        # The real API lists every zone; empty ones carry a warning instead of instances.
+        items.setdefault(
+            "zones/us-east1-b",
+            {
+                "warning": {
+                    "code": "NO_RESULTS_ON_PAGE",
+                    "message": "There are no results for scope 'zones/us-east1-b' on this page.",
+                }
+            },
+        )
+        return {
+            "kind": "compute#instanceAggregatedList",
+            "id": f"projects/{project}/aggregated/instances",
+            "items": items,
+        }
+
+    def _instances_delete(self, project: str, zone: str, name: str, **_: Any) -> dict[str, Any]:
+        vm = self._instances_get(project=project, zone=zone, name=name)
+        vm["status"] = "STOPPING"
+
+        def gone() -> None:
+            self.instances.pop((zone, name), None)
+
+        return self._new_op(project, zone, "delete", vm["selfLink"], gone)
+
+    # -------------------------------------------------------------- firewalls
+
+    def _firewalls_insert(self, project: str, body: dict[str, Any], **_: Any) -> dict[str, Any]:
+        name = body["name"]
+        if name in self.firewalls:
+            raise ApiError(
+                409,
+                "alreadyExists",
+                f"The resource 'projects/{project}/global/firewalls/{name}' already exists",
+            )
+        target = f"{self._base(project)}/global/firewalls/{name}"
+        rule = dict(body, kind="compute#firewall", id=str(next(self._ids)), selfLink=target)
+
+        def create() -> None:
+            self.firewalls[name] = rule
+
+        return self._new_op(project, None, "insert", target, create)
+
+    def _firewalls_list(self, project: str, query: dict[str, str], **_: Any) -> dict[str, Any]:
+        keep = parse_filter(query.get("filter", ""))
+        items = [fw for _n, fw in sorted(self.firewalls.items()) if keep(fw)]
+        out: dict[str, Any] = {
+            "kind": "compute#firewallList",
+            "id": f"projects/{project}/global/firewalls",
+        }
+        if items:
+            out["items"] = items
+        return out
+
+    def _firewalls_delete(self, project: str, name: str, **_: Any) -> dict[str, Any]:
+        if name not in self.firewalls:
+            raise ApiError(
+                404,
+                "notFound",
+                f"The resource 'projects/{project}/global/firewalls/{name}' was not found",
+            )
+        target = self.firewalls[name]["selfLink"]
+        return self._new_op(project, None, "delete", target, lambda: self.firewalls.pop(name, None))

@@ -1,0 +1,216 @@
+"""The GCP provider through the real google-cloud-compute client against the fake REST server."""
+
+from __future__ import annotations
+
+import pytest
+
+from spotctl.errors import AuthError, CapacityError, QuotaError, SpecError, TransientError
+from spotctl.providers.gcp import GcpProvider, instance_name
+
+from .conftest import CIDR, PROJECT, make_ctx
+
+pytestmark = pytest.mark.gcp
+
+
+def _offer(
+    p: GcpProvider, zone: str = "us-central1-a", machine: str = "n1-standard-8", gpu: str = "T4"
+):
+    return next(
+        o
+        for o in p.offers()
+        if o.zone == zone and o.instance_type == machine and o.gpu_name == gpu and o.gpus == 1
+    )
+
+
+def test_launch_sends_spot_scheduling_labels_key_and_accelerator(fake, provider):
+    offer = _offer(provider)
+    out = provider.launch(offer, 2, "Req-1")
+    assert [i.id for i in out] == [instance_name("demo", "Req-1", k) for k in range(2)]
+    assert {i.zone for i in out} == {"us-central1-a"}
+    assert all(i.state == "running" and i.spot and i.gpus == 1 for i in out)
+    assert all(i.address.startswith("10.") and i.public_address for i in out)
+    assert out[0].price == pytest.approx(offer.spot_price)
+    inserts = fake.calls("instances.insert")
+    assert len(inserts) == 2
+    body = inserts[0].body
+    assert body["scheduling"] == {
+        "provisioningModel": "SPOT",
+        "instanceTerminationAction": "DELETE",
+        "onHostMaintenance": "TERMINATE",
+        "automaticRestart": False,
+    }
+    assert body["labels"] == {
+        "spotctl-cluster": "demo",
+        "spotctl-role": "worker",
+        "spotctl-request-id": "req-1",
+    }
+    assert body["tags"]["items"] == ["spotctl-demo"]
+    assert body["guestAccelerators"] == [
+        {
+            "acceleratorCount": 1,
+            "acceleratorType": f"projects/{PROJECT}/zones/us-central1-a/acceleratorTypes/nvidia-tesla-t4",
+        }
+    ]
+    meta = {i["key"]: i["value"] for i in body["metadata"]["items"]}
+    assert meta["ssh-keys"].startswith("spotctl:ssh-ed25519 ")
+    assert body["machineType"] == "zones/us-central1-a/machineTypes/n1-standard-8"
+    assert inserts[0].query["requestId"]  # server-side dedupe of a re-sent insert
+    # The private half of the key stays on the controller, mode 0600.
+    key = provider.ctx.path / "ssh" / "id_ed25519"
+    assert key.exists() and (key.stat().st_mode & 0o777) == 0o600
+
+
+def test_bundled_machine_type_has_no_guest_accelerator(fake, provider):
+    offer = _offer(provider, machine="a2-highgpu-1g", gpu="A100")
+    [inst] = provider.launch(offer, 1, "r-a2")
+    assert "guestAccelerators" not in fake.calls("instances.insert")[0].body
+    assert inst.gpus == 1 and inst.instance_type == "a2-highgpu-1g"
+
+
+def test_launch_is_idempotent_by_request_id(fake, provider):
+    offer = _offer(provider)
+    first = provider.launch(offer, 2, "same")
+    again = provider.launch(offer, 2, "same")
+    assert sorted(i.id for i in again) == sorted(i.id for i in first)
+    assert len(fake.calls("instances.insert")) == 2
+    assert len(fake.instances) == 2
+
+
+def test_operations_pending_then_done_are_waited_on_the_same_endpoint(fake, provider):
+    fake.pending_polls = 3
+    [inst] = provider.launch(_offer(provider), 1, "slow")
+    assert inst.state == "running"
+    assert len(fake.calls("zoneOperations.wait")) >= 3
+
+
+@pytest.mark.parametrize("style", ["operation", "http503", "http400"])
+def test_zone_exhaustion_fails_over_to_next_zone(fake, provider, style):
+    fake.exhaust("us-central1-a", style)
+    out = provider.launch(_offer(provider), 2, f"fo-{style}")
+    assert len(out) == 2 and all(i.zone != "us-central1-a" for i in out)
+    zones = [c.path.split("/zones/")[1].split("/")[0] for c in fake.calls("instances.insert")]
+    assert zones[0] == "us-central1-a" and zones[-1] != "us-central1-a"
+    assert {z for (z, _n) in fake.instances} == {out[0].zone}
+    # No backoff retries on the exhausted zone: at most one insert per name there.
+    assert zones.count("us-central1-a") <= 2
+
+
+def test_every_zone_exhausted_raises_capacity_error(fake, spotctl_home):
+    p = GcpProvider(make_ctx(fake, spotctl_home, zones=["us-central1-a", "us-central1-b"]))
+    fake.exhaust("us-central1-a")
+    fake.exhaust("us-central1-b", "http503")
+    with pytest.raises(CapacityError) as e:
+        p.launch(_offer(p), 1, "none")
+    msg = str(e.value)
+    assert "\n" not in msg and "us-central1-a" in msg and "us-central1-b" in msg
+    assert fake.instances == {}
+
+
+@pytest.mark.parametrize("style", ["http403", "operation"])
+def test_quota_stops_with_one_clear_line(fake, provider, style):
+    fake.quota(style)
+    with pytest.raises(QuotaError) as e:
+        provider.launch(_offer(provider), 1, "q")
+    assert "\n" not in str(e.value) and "quota exceeded" in str(e.value)
+    assert "GPUS_ALL_REGIONS" in str(e.value)
+    # Quota is not a zone problem: no failover to other zones.
+    assert len(fake.calls("instances.insert")) == 1
+
+
+@pytest.mark.parametrize(
+    "status,reason", [(503, "backendError"), (500, "internalError"), (429, "rateLimitExceeded")]
+)
+def test_transient_errors_are_retried_then_succeed(fake, provider, status, reason):
+    fake.fail("instances.insert", status, reason, times=1)
+    fake.fail("instances.aggregatedList", status, reason, times=1)
+    [inst] = provider.launch(_offer(provider), 1, "t")
+    assert inst.state == "running"
+    assert len(fake.calls("instances.insert")) == 2
+    assert len(fake.calls("instances.aggregatedList")) == 2
+
+
+def test_persistent_5xx_gives_up_with_transient_error(fake, provider):
+    fake.fail("instances.aggregatedList", 503, "backendError", times=100)
+    with pytest.raises(TransientError) as e:
+        provider.list("demo")
+    assert "gave up after 5 attempts" in str(e.value)
+    assert len(fake.calls("instances.aggregatedList")) == 5
+
+
+@pytest.mark.parametrize("status,reason", [(401, "authError"), (403, "forbidden")])
+def test_auth_errors_stop_at_once(fake, provider, status, reason):
+    fake.fail("instances.aggregatedList", status, reason, times=5)
+    with pytest.raises(AuthError):
+        provider.list("demo")
+    assert len(fake.calls("instances.aggregatedList")) == 1
+
+
+def test_list_uses_label_filter_and_sees_only_this_cluster(fake, spotctl_home):
+    a = GcpProvider(make_ctx(fake, spotctl_home, cluster="demo"))
+    b = GcpProvider(make_ctx(fake, spotctl_home, cluster="demo-2"))
+    a.launch(_offer(a), 1, "ra")
+    b.launch(_offer(b), 2, "rb")
+    assert [i.cluster for i in a.list("demo")] == ["demo"]
+    assert len(b.list("demo-2")) == 2
+    assert (
+        fake.calls("instances.aggregatedList")[-1].query["filter"]
+        == 'labels.spotctl-cluster = "demo-2"'
+    )
+
+
+def test_terminate_and_delete_of_gone_instance_is_noop(fake, provider):
+    [inst] = provider.launch(_offer(provider), 1, "d")
+    provider.terminate([inst.id])
+    assert fake.instances == {}
+    provider.terminate([inst.id])  # already gone: no error
+    fresh = GcpProvider(provider.ctx)
+    fresh._zone_of[inst.id] = inst.zone  # a stale cache still must not raise on the 404
+    fresh.terminate([inst.id, "never-existed"])
+    assert [c for c in fake.requests if c.method == "DELETE"][-1].path.endswith(inst.id)
+
+
+def test_prepare_creates_firewall_rules_idempotently(fake, provider):
+    provider.prepare()
+    provider.prepare()
+    assert set(fake.firewalls) == {"spotctl-demo-ssh", "spotctl-demo-internal"}
+    assert len(fake.calls("firewalls.insert")) == 2
+    ssh = fake.firewalls["spotctl-demo-ssh"]
+    assert ssh["sourceRanges"] == [CIDR] and ssh["targetTags"] == ["spotctl-demo"]
+    assert ssh["allowed"] == [{"IPProtocol": "tcp", "ports": ["22"]}]
+    internal = fake.firewalls["spotctl-demo-internal"]
+    assert internal["sourceTags"] == ["spotctl-demo"] and internal["targetTags"] == ["spotctl-demo"]
+    assert "sourceRanges" not in internal
+
+
+def test_prepare_without_cidr_is_a_spec_error(fake, spotctl_home):
+    p = GcpProvider(make_ctx(fake, spotctl_home, ssh_cidr=""))
+    with pytest.raises(SpecError, match="gcp.ssh_cidr"):
+        p.prepare()
+
+
+def test_head_is_standard_vm_and_reused(fake, provider):
+    head = provider.ensure_head()
+    again = provider.ensure_head()
+    assert head == again and head.instance_id == "demo-head"
+    assert head.store_host.startswith("10.") and head.url.startswith("http://10.")
+    [ins] = fake.calls("instances.insert")
+    assert ins.body["scheduling"]["provisioningModel"] == "STANDARD"
+    assert ins.body["labels"]["spotctl-role"] == "head"
+    assert ins.body["machineType"].endswith("/e2-small")
+
+
+def test_cleanup_leaves_nothing(fake, provider):
+    provider.prepare()
+    provider.ensure_head()
+    provider.launch(_offer(provider), 2, "c1")
+    assert len(fake.instances) == 3
+    assert provider.cleanup() == []
+    assert fake.instances == {} and fake.firewalls == {}
+    assert provider.cleanup() == []  # twice is fine
+
+
+def test_missing_project_is_a_spec_error(fake, spotctl_home, monkeypatch):
+    monkeypatch.delenv("GOOGLE_CLOUD_PROJECT", raising=False)
+    p = GcpProvider(make_ctx(fake, spotctl_home, project=""))
+    with pytest.raises(SpecError, match="gcp.project"):
+        p.list("demo")
