@@ -26,7 +26,9 @@ def write_plot(result: SimResult, path: str | Path) -> Path:
         xs = [t / 3600 for t, _ in tr.timeline] + [tr.span_s / 3600]
         ys = [n for _, n in tr.timeline] + [tr.timeline[-1][1]]
         ax_n.fill_between(xs, ys, step="post", color="0.85", label="trace capacity")
-        for r in result.results:
+        # spotctl drawn last so the line it is compared against never hides it.
+        order = {"ondemand": 0, "restart": 1, "spotctl": 2}
+        for r in sorted(result.results, key=lambda r: order.get(r.policy, -1)):
             ts = [s.t_s / 3600 for s in r.samples]
             color = _COLORS.get(r.policy)
             ax_n.step(
@@ -48,6 +50,7 @@ def write_plot(result: SimResult, path: str | Path) -> Path:
             oracle_y.append(done)
         ax_p.plot(oracle_x, oracle_y, color="0.4", linestyle="--", label="oracle")
         ax_n.set_ylabel("nodes")
+        ax_n.yaxis.get_major_locator().set_params(integer=True)
         ax_n.set_title(f"{tr.name}: {result.nodes} x {result.gpus_per_node} GPU nodes")
         ax_n.legend(loc="upper right", fontsize="small")
         ax_p.set_ylabel("progress (full-size steps)")
