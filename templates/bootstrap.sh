@@ -39,7 +39,9 @@ install_deps() {
     if [ -n "$VENV" ] && [ ! -x "$VENV/bin/python" ]; then
         python3 -m venv "$VENV" >>"$DIR/bootstrap.log" 2>&1
     fi
-    if "$PY" -c 'import spotctl, torch' >/dev/null 2>&1; then
+    # find_spec, not import: importing torch costs seconds on every idempotent re-run.
+    if "$PY" -c 'import importlib.util as u, sys
+sys.exit(0 if u.find_spec("spotctl") and u.find_spec("torch") else 1)' >/dev/null 2>&1; then
         echo "spotctl: deps present"
         return 1
     fi

@@ -13,12 +13,12 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -158,75 +158,82 @@ def sshd(sshd_factory: SshdFactory) -> Sshd:
     return sshd_factory.start()
 
 
-class StandinHead:
-    """A stand-in for the head's coordinator API: token-checked heartbeats and status.
+class Head:
+    """The real head (`spotctl head`) as a child process on loopback."""
 
-    Used while the lead's head (spotctl/head) is not there; it speaks the planned API:
-    `POST /api/heartbeat {"node_id": ...}` and `GET /api/status` -> {"nodes": {...}}.
-    """
+    def __init__(self, base: Path):
+        import secrets
 
-    def __init__(self, token: str):
-        self.token = token
-        self.nodes: dict[str, dict[str, float]] = {}
-        self.rejected = 0
-        head = self
+        self.dir = base / "head"
+        self.dir.mkdir(mode=0o700)
+        self.token = secrets.token_urlsafe(32)
+        self.token_file = base / "head-token"
+        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, self.token.encode())
+        os.close(fd)
+        # What the agents' torchrun runs in bootstrap tests: nothing, for a long time.
+        self.script = base / "idle_train.py"
+        self.script.write_text("import time\ntime.sleep(3600)\n")
+        http_port, store_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{http_port}"
+        self.store_port = store_port
+        self.log = self.dir / "head.log"
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "spotctl.cli.app",
+                "head",
+                "--dir",
+                str(self.dir),
+                "--token-file",
+                str(self.token_file),
+                "--host",
+                "127.0.0.1",
+                "--http-port",
+                str(http_port),
+                "--store-port",
+                str(store_port),
+            ],
+            stdout=open(self.log, "ab"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 60
+        while not self.healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"head did not start: {self.log.read_text()[-2000:]}")
+            time.sleep(0.2)
 
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a: object) -> None:
-                pass
+    def _get(self, path: str) -> dict[str, Any]:
+        req = urllib.request.Request(
+            self.url + path, headers={"Authorization": f"Bearer {self.token}"}
+        )
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return dict(json.load(r))
 
-            def _auth(self) -> bool:
-                if self.headers.get("Authorization") != f"Bearer {head.token}":
-                    head.rejected += 1
-                    self.send_response(401)
-                    self.end_headers()
-                    return False
-                return True
+    def healthy(self) -> bool:
+        try:
+            return bool(self._get("/api/health").get("ok"))
+        except OSError:
+            return False
 
-            def do_GET(self) -> None:
-                if not self._auth():
-                    return
-                body = json.dumps({"nodes": head.nodes}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_POST(self) -> None:
-                if not self._auth():
-                    return
-                n = int(self.headers.get("Content-Length") or 0)
-                data = json.loads(self.rfile.read(n) or b"{}")
-                head.nodes[data["node_id"]] = {"last_heartbeat": time.time(), "state": "up"}
-                self.send_response(200)
-                self.send_header("Content-Length", "2")
-                self.end_headers()
-                self.wfile.write(b"{}")
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def status(self) -> dict[str, Any]:
+        return self._get("/api/status")
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 @pytest.fixture
-def head() -> Iterator[StandinHead]:
-    h = StandinHead("tok-" + os.urandom(16).hex())
+def head(tmp_path: Path) -> Iterator[Head]:
+    h = Head(tmp_path)
     try:
         yield h
     finally:
         h.close()
-
-
-def agent_argv(node_dir: str) -> list[str]:
-    """How the test agents are started: the stand-in (see standin_agent.py)."""
-    return [
-        sys.executable,
-        str(Path(__file__).with_name("standin_agent.py")),
-        "--config",
-        f"{node_dir}/agent.json",
-    ]

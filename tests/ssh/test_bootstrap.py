@@ -24,7 +24,7 @@ from spotctl.bootstrap import (
 )
 from spotctl.sshutil import run_remote, ssh_argv, tail_log
 
-from .conftest import Sshd, SshdFactory, StandinHead, agent_argv, free_port
+from .conftest import Head, Sshd, SshdFactory, free_port
 
 pytestmark = pytest.mark.ssh
 
@@ -33,22 +33,23 @@ def _target(sshd_port: int, node: str, tmp: Path, key: Path) -> HostTarget:
     return HostTarget(node, "127.0.0.1", sshd_port, "root", str(key), str(tmp / "remote" / node))
 
 
-def _renderer(head: StandinHead, args: list[str] | None = None):
+def _renderer(head: Head, args: list[str] | None = None):
+    """The real agent (`<python> -m spotctl.cli.app agent --config ...`), real head."""
+
     def render(t: HostTarget) -> BootstrapFiles:
         cfg = AgentConfig(
             cluster="c1",
             node_id=t.node_id,
             head_url=head.url,
             store_host="127.0.0.1",
-            store_port=1,
+            store_port=head.store_port,
             token_file="",
             workdir="",
-            script="train.py",
+            script=str(head.script),
             args=args or [],
+            max_nodes=2,
         )
-        return render_bootstrap(
-            t, cfg, head.token, python=sys.executable, agent_argv=agent_argv(t.remote_dir)
-        )
+        return render_bootstrap(t, cfg, head.token, python=sys.executable)
 
     return render
 
@@ -90,7 +91,7 @@ def test_two_hosts_parallel_then_idempotent(
     sshd_factory: SshdFactory,
     client_key: Path,
     tmp_path: Path,
-    head: StandinHead,
+    head: Head,
     cleanup_agents: list[int],
 ) -> None:
     a, b = sshd_factory.start(), sshd_factory.start()
@@ -115,7 +116,7 @@ def test_two_hosts_parallel_then_idempotent(
     cleanup_agents.extend(_pid(h) for h in hosts)
     assert [r.node_id for r in first] == ["n1", "n2"]
     assert all(r.changed for r in first)
-    assert set(head.nodes) == {"n1", "n2"}
+    assert set(head.status()["nodes"]) == {"n1", "n2"}
     pids = [_pid(h) for h in hosts]
     assert all(_alive(p) for p in pids)
 
@@ -159,7 +160,7 @@ def test_two_hosts_parallel_then_idempotent(
 
 
 def test_secrets_are_private_and_off_command_lines(
-    sshd: Sshd, client_key: Path, tmp_path: Path, head: StandinHead, cleanup_agents: list[int]
+    sshd: Sshd, client_key: Path, tmp_path: Path, head: Head, cleanup_agents: list[int]
 ) -> None:
     t = _target(sshd.port, "n1", tmp_path, client_key)
     kh = tmp_path / "known_hosts"
@@ -209,7 +210,7 @@ def test_secrets_are_private_and_off_command_lines(
 
 
 def test_one_host_down_the_other_fine(
-    sshd: Sshd, client_key: Path, tmp_path: Path, head: StandinHead, cleanup_agents: list[int]
+    sshd: Sshd, client_key: Path, tmp_path: Path, head: Head, cleanup_agents: list[int]
 ) -> None:
     dead_port = free_port()  # nothing listens here
     hosts = [
@@ -236,7 +237,7 @@ def test_changed_host_key_is_refused(
     sshd_factory: SshdFactory,
     client_key: Path,
     tmp_path: Path,
-    head: StandinHead,
+    head: Head,
     cleanup_agents: list[int],
 ) -> None:
     from .conftest import keygen
@@ -295,7 +296,7 @@ def test_wait_for_ssh_while_host_boots(
     sshd_factory: SshdFactory,
     client_key: Path,
     tmp_path: Path,
-    head: StandinHead,
+    head: Head,
     cleanup_agents: list[int],
 ) -> None:
     """The host's sshd comes up a little after the bootstrap starts (a booting VM)."""
