@@ -21,13 +21,14 @@ provider work without google-cloud-compute installed.
 
 Test seams (ctx.options, never set by users): gcp_endpoint (or env SPOTCTL_GCP_ENDPOINT),
 gcp_backoff_base, gcp_backoff_max, gcp_attempts, gcp_poll_interval, gcp_op_timeout,
-ssh_public_key, caller_cidr, head_api_port, head_store_port, gcp_disk_gb, region.
+ssh_public_key, ssh_cidr, head_api_port, head_store_port, gcp_disk_gb, region.
 """
 
 from __future__ import annotations
 
 import builtins
 import hashlib
+import ipaddress
 import os
 import random
 import re
@@ -57,6 +58,9 @@ LABEL_CLUSTER = "spotctl-cluster"
 LABEL_ROLE = "spotctl-role"
 LABEL_REQUEST = "spotctl-request-id"
 HEAD_REQUEST_ID = "head"
+# Same ports as the AWS head (spotctl/providers/aws.py).
+COORDINATOR_PORT = 7470  # head HTTP coordinator API
+STORE_PORT = 29400  # head TCPStore for the c10d rendezvous
 COMPUTE_SCOPE = "https://www.googleapis.com/auth/compute"
 
 # Error codes (operation errors) and reasons (HTTP error bodies) by what they mean to us.
@@ -463,7 +467,7 @@ class GcpProvider:
             meta={
                 "gcp_status": str(vm.status),
                 "gpu_name": gpu_name,
-                "ssh_key": str(self._key_path()),
+                "key_file": str(self._key_path()),
                 "project": self.project,
             },
         )
@@ -726,12 +730,7 @@ class GcpProvider:
         """Firewall rules: SSH only from the controller's CIDR; all ports between members."""
         from google.cloud import compute_v1
 
-        cidr = self.spec.ssh_cidr or str(self.ctx.options.get("caller_cidr") or "")
-        if not cidr:
-            raise SpecError(
-                "gcp.ssh_cidr: set the address range allowed to reach SSH "
-                "(e.g. 203.0.113.7/32, your public address)"
-            )
+        cidr = self._ssh_cidr()
         tag = network_tag(self.cluster)
         ssh_name, internal_name = firewall_names(self.cluster)
         wanted = {
@@ -863,8 +862,8 @@ class GcpProvider:
         else:
             vm = live[0]
         head = self._to_instance(vm)
-        api_port = int(self.ctx.options.get("head_api_port", 8470))
-        store_port = int(self.ctx.options.get("head_store_port", 29400))
+        api_port = int(self.ctx.options.get("head_api_port", COORDINATOR_PORT))
+        store_port = int(self.ctx.options.get("head_store_port", STORE_PORT))
         return HeadInfo(
             url=f"http://{head.address}:{api_port}",
             store_host=head.address,
@@ -904,6 +903,19 @@ class GcpProvider:
         if not pub:
             pub = self._ensure_key()
         return f"{self.spec.ssh_user}:{pub.strip()}"
+
+    def _ssh_cidr(self) -> str:
+        """gcp.ssh_cidr, else the caller's address the CLI passed; never SSH open to all."""
+        raw = self.spec.ssh_cidr or str(self.ctx.options.get("ssh_cidr") or "")
+        if not raw:
+            raise SpecError(
+                "gcp.ssh_cidr: not set and the caller's address is unknown; set it to the "
+                'address spotctl runs from, e.g. ssh_cidr = "203.0.113.7/32"'
+            )
+        try:
+            return str(ipaddress.ip_network(raw, strict=False))
+        except ValueError:
+            raise SpecError(f"gcp.ssh_cidr: {raw!r} is not an IP address or CIDR") from None
 
     def _ensure_key(self) -> str:
         """The cluster's own SSH key (created once, private part 0600)."""
