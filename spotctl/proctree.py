@@ -99,3 +99,17 @@ def kill_tag(tag: str, root: int | None = None, timeout_s: float = 10.0) -> list
             signal_all(more, signal.SIGKILL)
             left += more
     return left
+
+
+def tagged_prefix(prefix: str) -> list[int]:
+    """Pids whose SPOTCTL_NODE_TAG starts with `prefix` (every process of a cluster)."""
+    needle = f"{TAG_VAR}={prefix}".encode()
+    found = []
+    for pid in _pids():
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if any(v.startswith(needle) for v in env.split(b"\0")) and alive(pid):
+            found.append(pid)
+    return found

@@ -110,15 +110,10 @@ class Agent:
             return
         from spotctl.agent import monitors as m
 
-        mons: list[Any] = []
-        if cfg.metadata in ("aws", "local"):
-            mons.append(m.AwsImdsMonitor(cfg.metadata_url))
-        if cfg.metadata in ("gcp", "local"):
-            mons.append(m.GcpMetadataMonitor(cfg.metadata_url))
-        if cfg.metadata == "file":
-            mons.append(m.FileNoticeMonitor(cfg.notice_file))
-        interval = cfg.poll_interval_s
-        self.monitors = m.MonitorLoop(mons, on_notice=self.on_notice, interval_s=interval)
+        mons = m.build_monitors(cfg.metadata, cfg.metadata_url, cfg.notice_file,
+                                cfg.poll_interval_s)
+        self.monitors = m.MonitorLoop(mons, on_notice=self.on_notice,
+                                      interval_s=cfg.poll_interval_s)
         self.monitors.start()
 
     # -- workers
