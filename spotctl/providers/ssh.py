@@ -1,0 +1,293 @@
+"""The `ssh` provider: machines the user already has, listed in `[[ssh.hosts]]`.
+
+Nothing is bought, launched or powered off. `launch` *joins* free hosts to the cluster
+(recorded in `<cluster dir>/ssh_nodes.json`), `bootstrap` makes them nodes over SSH, and
+`terminate` *releases* them: the agent is stopped and the token removed, the machine stays.
+The head runs on the controller, as for the local provider.
+
+Node ids are stable per host (`ssh-<address>-<port>`, with `-2`, `-3` for repeats), so a
+host keeps its id and its pinned host key across `down`/`up`.
+A host with `notice_file` is preemptible: its agent watches that file for an eviction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from spotctl.agent.config import AgentConfig
+from spotctl.bootstrap import (
+    BootstrapFiles,
+    HeadProbe,
+    HostResult,
+    bootstrap_hosts,
+    release_hosts,
+    render_bootstrap,
+)
+from spotctl.errors import CapacityError, TransientError
+from spotctl.providers.base import HeadInfo, Instance, Offer, ProviderContext
+from spotctl.spec import SshHost
+from spotctl.sshutil import HostTarget
+from spotctl.state import write_json_atomic
+
+STATE_FILE = "ssh_nodes.json"
+REMOTE_ROOT_VAR = "SPOTCTL_SSH_REMOTE_ROOT"
+# the class defines a method named `list`, which shadows the builtin in its annotations
+_HostResults = list[HostResult]
+_Strs = list[str]
+
+
+def create(ctx: ProviderContext) -> SshProvider:
+    return SshProvider(ctx)
+
+
+def host_ids(hosts: Sequence[SshHost]) -> list[tuple[str, SshHost]]:
+    """Stable node ids: from address and port, numbered when a host is listed twice."""
+    seen: dict[str, int] = {}
+    out = []
+    for h in hosts:
+        base = "ssh-" + re.sub(r"[^a-z0-9]+", "-", f"{h.address}-{h.port}".lower()).strip("-")
+        seen[base] = seen.get(base, 0) + 1
+        out.append((base if seen[base] == 1 else f"{base}-{seen[base]}", h))
+    return out
+
+
+class SshProvider:
+    name = "ssh"
+
+    def __init__(self, ctx: ProviderContext):
+        self.ctx = ctx
+        self.spec = ctx.spec
+        self.cluster = ctx.cluster
+        self.cdir = ctx.cluster_dir
+        self.hosts = dict(host_ids(ctx.spec.ssh.hosts))
+        opts = ctx.options
+        # Node directories on the hosts; relative = under the remote user's $HOME.
+        # SPOTCTL_SSH_REMOTE_ROOT moves them (loopback tests, hosts with a read-only $HOME).
+        self.remote_root = str(
+            opts.get("ssh_remote_root") or os.environ.get(REMOTE_ROOT_VAR) or ".spotctl"
+        )
+        self.wait_s = float(opts.get("ssh_wait_s", 120.0))
+        self.heartbeat_timeout_s = float(opts.get("ssh_heartbeat_timeout_s", 120.0))
+        self.parallel = int(opts.get("ssh_parallel", 8))
+        # Upload the training script next to the agent (hosts without the project on disk).
+        self.upload_script = bool(opts.get("ssh_upload_script", True))
+        self._local: Any = None
+
+    # -- joined hosts, recorded in the cluster directory
+    @property
+    def state_path(self) -> Path:
+        return self.cdir.path / STATE_FILE
+
+    @contextmanager
+    def _locked(self) -> Iterator[dict[str, Any]]:
+        """Read-modify-write of the joined-hosts record, one process at a time."""
+        self.cdir.ensure()
+        with open(self.cdir.path / (STATE_FILE + ".lock"), "w") as lk:
+            fcntl.flock(lk, fcntl.LOCK_EX)
+            data = self._read()
+            yield data
+            write_json_atomic(self.state_path, data, mode=0o600)
+
+    def _read(self) -> dict[str, Any]:
+        if not self.state_path.exists():
+            return {"nodes": {}}
+        return dict(json.loads(self.state_path.read_text()))
+
+    def _record(self, node_id: str, h: SshHost, request_id: str) -> dict[str, Any]:
+        return {
+            "node_id": node_id, "address": h.address, "port": h.port, "user": h.user,
+            "key": h.key, "gpus": h.gpus, "notice_file": h.notice_file,
+            "request_id": request_id, "joined_at": time.time(), "state": "running",
+            "remote_dir": f"{self.remote_root.rstrip('/')}/{self.cluster}/{node_id}",
+        }  # fmt: skip
+
+    def _instance(self, rec: dict[str, Any]) -> Instance:
+        return Instance(
+            id=rec["node_id"], cluster=self.cluster, role="worker", zone=rec["address"],
+            instance_type="ssh", gpus=int(rec["gpus"]), state=rec.get("state", "running"),
+            request_id=rec["request_id"], price=0.0, on_demand_price=0.0,
+            launched_at=float(rec["joined_at"]), address=rec["address"],
+            public_address=rec["address"], spot=bool(rec.get("notice_file")),
+            ssh_port=int(rec["port"]), ssh_user=rec["user"],
+            meta={k: rec[k] for k in ("address", "port", "user", "key", "remote_dir",
+                                      "notice_file")},
+        )  # fmt: skip
+
+    @staticmethod
+    def _target(inst: Instance) -> HostTarget:
+        m = inst.meta
+        return HostTarget(
+            node_id=inst.id, address=str(m.get("address") or inst.public_address),
+            port=int(m.get("port") or inst.ssh_port), user=str(m.get("user") or inst.ssh_user),
+            key_path=str(m.get("key") or ""), remote_dir=str(m.get("remote_dir") or ""),
+        )  # fmt: skip
+
+    # -- the provider protocol
+    def offers(self) -> list[Offer]:
+        """One offer per host not yet joined (a joined host is no longer purchasable)."""
+        joined = self._read()["nodes"]
+        return [
+            Offer(
+                provider="ssh",
+                region="ssh",
+                zone=h.address,
+                instance_type="ssh",
+                gpus=h.gpus,
+                gpu_name="ssh",
+                spot_price=0.0,
+                on_demand_price=0.0,
+                available=1,
+            )  # fmt: skip
+            for nid, h in self.hosts.items()
+            if nid not in joined
+        ]
+
+    def launch(self, offer: Offer, count: int, request_id: str) -> list[Instance]:
+        """Join up to `count` free hosts at `offer.zone`; idempotent by request id."""
+        with self._locked() as data:
+            nodes = data["nodes"]
+            mine = [r for r in nodes.values() if r["request_id"] == request_id]
+            if mine:
+                return [self._instance(r) for r in mine]
+            free = [
+                (nid, h) for nid, h in self.hosts.items()
+                if nid not in nodes and h.address == offer.zone and h.gpus == offer.gpus
+            ]  # fmt: skip
+            if not free:
+                raise CapacityError(
+                    f"ssh: no free host at {offer.zone} with {offer.gpus} GPU(s) "
+                    "(every listed host there is already joined)"
+                )
+            out = []
+            for nid, h in free[: max(0, count)]:
+                nodes[nid] = self._record(nid, h, request_id)
+                out.append(self._instance(nodes[nid]))
+            return out
+
+    def list(self, cluster: str) -> list[Instance]:
+        if cluster != self.cluster:
+            return []
+        return [self._instance(r) for r in self._read()["nodes"].values()]
+
+    def terminate(self, ids: Sequence[str]) -> None:
+        """Release hosts: stop the agent over SSH and delete the token there. The record is
+        dropped even when a host is unreachable (it is the user's machine, not ours to
+        chase); those hosts are named in a TransientError afterwards."""
+        nodes = self._read()["nodes"]
+        targets = [self._target(self._instance(nodes[i])) for i in ids if i in nodes]
+        if not targets:
+            return
+        results = release_hosts(
+            targets, self.cdir.known_hosts, self.parallel, wait_s=min(self.wait_s, 10.0)
+        )
+        with self._locked() as data:
+            for t in targets:
+                data["nodes"].pop(t.node_id, None)
+        failed = [r for r in results if not r.ok]
+        if failed:
+            raise TransientError(
+                "released, but could not stop the agent on: "
+                + "; ".join(f"{r.node_id}: {r.reason}" for r in failed)
+            )
+
+    # -- bootstrap (called by the reconciler for providers that have it)
+    def agent_config(self, inst: Instance, head: HeadInfo) -> AgentConfig:
+        """The node's agent config; token_file and workdir are placed by the bootstrap."""
+        tr = self.spec.train
+        notice = str(inst.meta.get("notice_file") or "")
+        return AgentConfig(
+            cluster=self.cluster, node_id=inst.id, head_url=head.url,
+            store_host=head.store_host, store_port=head.store_port, token_file="",
+            workdir="work", script=tr.script, args=list(tr.args), nproc_per_node=inst.gpus,
+            max_nodes=max(1, self.spec.gpus.max // max(1, inst.gpus)),
+            checkpoint_dir=tr.checkpoint_dir or str(self.cdir.checkpoints),
+            checkpoint_every=tr.checkpoint_every, keep_last=tr.keep_last,
+            max_steps=tr.max_steps, python=tr.python, env=dict(tr.env),
+            local_addr=inst.address, metadata="file" if notice else "none",
+            notice_file=notice,
+        )  # fmt: skip
+
+    def bootstrap(
+        self,
+        instances: Sequence[Instance],
+        agent_config_for: Callable[[Instance], AgentConfig] | None = None,
+        token: str | None = None,
+        *,
+        progress: bool = False,
+    ) -> _HostResults:
+        """Make joined hosts nodes: upload, install if missing, start the agent, and wait
+        for its first heartbeat at the head. Per-host results; never raises for one host."""
+        token = token or self.cdir.token()
+        head: HeadInfo | None = None
+        if agent_config_for is None:
+            head = self.head_info()
+            agent_config_for = lambda i: self.agent_config(i, head)  # noqa: E731
+        by_id = {i.id: i for i in instances}
+        python = self.spec.train.python or sys.executable
+
+        def render(t: HostTarget) -> BootstrapFiles:
+            inst = by_id[t.node_id]
+            cfg = dataclasses.replace(agent_config_for(inst))
+            notice = self._notice_hosts().get(t.node_id) or str(inst.meta.get("notice_file") or "")
+            if notice:
+                cfg.metadata, cfg.notice_file = "file", notice
+            extra: dict[str, bytes] = {}
+            script = Path(cfg.script)
+            if self.upload_script and script.is_file():
+                extra[f"train/{script.name}"] = script.read_bytes()
+                cfg.script = f"{t.remote_dir}/train/{script.name}"
+            return render_bootstrap(t, cfg, token, python=python, extra=extra)
+
+        probe_url = (head.public_url or head.url) if head else ""
+        if not probe_url:
+            first = next(iter(instances), None)
+            probe_url = agent_config_for(first).head_url if first else ""
+        probe = HeadProbe(probe_url, token) if probe_url else None
+        return bootstrap_hosts(
+            [self._target(i) for i in instances], render, self.cdir.known_hosts,
+            self.parallel, progress, wait_s=self.wait_s, probe=probe,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+        )  # fmt: skip
+
+    def _notice_hosts(self) -> dict[str, str]:
+        return {nid: h.notice_file for nid, h in self.hosts.items() if h.notice_file}
+
+    # -- the head runs on the controller, exactly as for the local provider
+    def _head(self) -> Any:
+        if self._local is None:
+            from spotctl.providers.local import LocalProvider
+
+            self._local = LocalProvider(self.ctx)
+        return self._local
+
+    def prepare(self) -> None:
+        self._head().prepare()
+
+    def ensure_head(self) -> HeadInfo:
+        return self._head().ensure_head()  # type: ignore[no-any-return]
+
+    def head_info(self) -> HeadInfo:
+        return self._head().head_info()  # type: ignore[no-any-return]
+
+    def cleanup(self) -> _Strs:
+        """Release every joined host and stop the head; returns what could not be stopped."""
+        leaks: _Strs = []
+        ids = [i.id for i in self.list(self.cluster)]
+        try:
+            self.terminate(ids)
+        except TransientError as e:
+            leaks.append(str(e))
+        left = self._head().stop_head()
+        if left:
+            leaks.append(f"head: processes {left} still alive")
+        return leaks
