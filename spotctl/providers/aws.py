@@ -99,6 +99,8 @@ THROTTLE_CODES = frozenset(
         "Unavailable",
     }
 )
+_ID_CHUNK = 100  # ids per filter / terminate call, well under EC2's limits
+_ZONE_ID_RE = re.compile(r"[a-z]{2,4}\d+-az\d+")
 _NOT_FOUND_CODES = frozenset({"InvalidInstanceID.NotFound", "InvalidInstanceID.Malformed"})
 
 T = TypeVar("T")
@@ -208,6 +210,7 @@ class AwsProvider:
             raise SpecError(f"aws: cannot create an EC2 client: {_one_line(str(e))}") from None
         self._types: dict[str, dict[str, Any]] = {}
         self._prepared: tuple[str, str] | None = None  # (security group id, key name)
+        self._default_ami = ""  # looked up once when aws.ami is empty
 
     # ---- API calls ------------------------------------------------------------------
 
@@ -520,6 +523,8 @@ class AwsProvider:
     def _ami(self) -> str:
         if self.spec.ami:
             return self.spec.ami
+        if self._default_ami:
+            return self._default_ami
         images = self._call(
             f"find a Deep Learning AMI in {self.region}",
             self.ec2.describe_images,
@@ -536,7 +541,8 @@ class AwsProvider:
                 f"{self.region}; set aws.ami"
             )
         newest = max(images, key=lambda i: str(i.get("CreationDate", "")))
-        return str(newest["ImageId"])
+        self._default_ami = str(newest["ImageId"])
+        return self._default_ami
 
     # ---- instances ------------------------------------------------------------------
 
@@ -659,6 +665,11 @@ class AwsProvider:
                 f"aws: offer {offer.instance_type} in {offer.zone} is in {offer.region}, "
                 f"not the cluster's region {self.region}"
             )
+        if _ZONE_ID_RE.fullmatch(offer.zone):
+            raise SpecError(
+                f"aws: offer {offer.instance_type} in {offer.zone} comes from the catalog "
+                "(a zone ID); launches need a live offer with a zone name"
+            )
         existing = self._by_request(request_id)
         if existing:
             return existing
@@ -695,29 +706,35 @@ class AwsProvider:
         someone else's machine.
         """
         ids = [i for i in dict.fromkeys(ids) if i]
-        if not ids:
-            return
-        live = self._describe(
-            self._cluster_filter()
-            + [
-                {"Name": "instance-id", "Values": ids},
-                {"Name": "instance-state-name", "Values": list(LIVE_STATES)},
-            ],
-            f"look up {len(ids)} instance(s) to terminate",
-        )
-        targets = [str(i["InstanceId"]) for i in live]
-        if not targets:
-            return
-        try:
-            self._call(
-                f"terminate {', '.join(targets)}",
-                self.ec2.terminate_instances,
-                InstanceIds=targets,
+        targets = self._live_ids(ids, f"look up {len(ids)} instance(s) to terminate")
+        for i in range(0, len(targets), _ID_CHUNK):
+            chunk = targets[i : i + _ID_CHUNK]
+            try:
+                self._call(
+                    f"terminate {', '.join(chunk)}",
+                    self.ec2.terminate_instances,
+                    InstanceIds=chunk,
+                )
+            except ProviderError as e:
+                # Gone between the lookup and the call: that is what was asked for.
+                if error_code(e) not in _NOT_FOUND_CODES:
+                    raise
+
+    def _live_ids(self, ids: Sequence[str], what: str) -> builtins.list[str]:
+        """Which of these ids are live instances of this cluster (filters, so unknown
+        ids are simply absent instead of failing the whole call)."""
+        live: builtins.list[str] = []
+        for i in range(0, len(ids), _ID_CHUNK):
+            raw = self._describe(
+                self._cluster_filter()
+                + [
+                    {"Name": "instance-id", "Values": list(ids[i : i + _ID_CHUNK])},
+                    {"Name": "instance-state-name", "Values": list(LIVE_STATES)},
+                ],
+                what,
             )
-        except ProviderError as e:
-            # Gone between the lookup and the call: that is what was asked for.
-            if error_code(e) not in _NOT_FOUND_CODES:
-                raise
+            live.extend(str(x["InstanceId"]) for x in raw)
+        return live
 
     # ---- head -----------------------------------------------------------------------
 
@@ -801,14 +818,7 @@ class AwsProvider:
         ids = list(ids)
         deadline = time.monotonic() + self._wait_timeout_s
         while ids:
-            raw = self._describe(
-                [
-                    {"Name": "instance-id", "Values": ids},
-                    {"Name": "instance-state-name", "Values": list(LIVE_STATES)},
-                ],
-                "wait for instances to terminate",
-            )
-            ids = [str(i["InstanceId"]) for i in raw]
+            ids = self._live_ids(ids, "wait for instances to terminate")
             if not ids or time.monotonic() >= deadline:
                 break
             time.sleep(self._poll_s)

@@ -252,3 +252,20 @@ def test_key_pair_with_lost_private_key_is_replaced(make_provider: MakeProvider)
     again.prepare()
     assert again.key_path.exists() and again.key_path.read_text() != first
     assert again.cleanup() == []
+
+
+def test_catalog_offers_cannot_be_launched(make_provider: MakeProvider) -> None:
+    p = make_provider(instance_types=TYPES)
+    offer = next(o for o in catalog_aws.load_offers("us-east-1") if o.instance_type == "g5.xlarge")
+    with pytest.raises(SpecError, match="zone ID"):
+        p.launch(offer, 1, "req-cat")
+    assert p.list(p.ctx.cluster) == []
+
+
+def test_terminate_many_unknown_ids_in_chunks(make_provider: MakeProvider) -> None:
+    p = make_provider(instance_types=TYPES)
+    (keep,) = p.launch(_offer(p), 1, "req-many")
+    p.terminate([f"i-{n:017x}" for n in range(250)])
+    assert [i.id for i in p.list(p.ctx.cluster)] == [keep.id]
+    p.terminate([f"i-{n:017x}" for n in range(150)] + [keep.id])
+    assert p.list(p.ctx.cluster) == []
