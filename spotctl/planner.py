@@ -1,21 +1,46 @@
 """The capacity planner: a pure function from what is observed to what to do.
 
 `plan(spec, observed, offers, blocked, now) -> Plan`: no I/O, no clock reads, no
-randomness. Every action carries a reason. Rules, in order:
-1. restore the minimum GPUs; 2. grow toward the maximum within the budget;
-prefer lower $/GPU-h, then lower interruption band; keep the job in one region;
-skip zones that are cooling down after a capacity error or a preemption.
+randomness (same input, same plan). Every action carries a reason. Rules, in order:
+
+1. Lost nodes are released (terminate; not a drain: they are already out of the job).
+2. Above the maximum, or above the budget, shed one node (a drain) - never below the
+   minimum: the minimum is never given up to save money.
+3. Restore the minimum, then grow toward the maximum while the $/h budget allows
+   (`spec.budget.max_usd_per_hour`, 0 = no cap). Offers are taken cheapest $/GPU-h
+   first, then lowest interruption band; one plan may mix zones of one region (and
+   instance sizes) when one offer cannot fill the gap alone (availability, budget, or
+   sizes that do not divide the range). GPUs never exceed the maximum.
+4. One job lives in one region (network locality). When its region cannot hold the
+   minimum (offers missing, too small for the range, over budget, or every zone cooling
+   down), plan a "move" to the region (possibly another provider) that can: the job
+   stops at a committed checkpoint, the old nodes go, the new ones resume from it.
+5. When nothing else is to be done, replace one running node by a cheaper offer when
+   the $/h saving reaches `spec.rebalance.replace_saving_pct` (launch new, then drain
+   old). At most one drain per plan, and none while a drain is in progress.
+
+Zones with `blocked[zone] > now` are never launched in (cool-down after a capacity error
+or a preemption there; the reconciler fills `blocked` from events).
+
+GPU and budget figures in the invariants refer to the state after the plan completes
+(a replace briefly runs old and new side by side until the old node drains).
+Cost: O((nodes + offers) log) plus, only when the greedy fill falls short, a small
+knapsack over GPU counts (bounded by the maximum and by what the budget can buy).
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from spotctl.providers.base import Offer
 from spotctl.spec import ClusterSpec
+
+EPS = 1e-9  # float slack for $ comparisons, so 0.1+0.2 never "exceeds" a 0.3 budget
+VIA_CHECKPOINT = "committed-checkpoint"
 
 
 @dataclass(frozen=True)
@@ -47,14 +72,45 @@ class Observed:
     def cost_per_hour(self) -> float:
         return sum(n.price for n in self.live)
 
+    @property
+    def draining(self) -> bool:
+        """A drain is under way: the head says so or a node is still leaving."""
+        return self.drain_in_progress or any(n.state == "draining" for n in self.nodes)
+
 
 @dataclass(frozen=True)
 class Action:
+    """One step of a plan.
+
+    launch:    start `count` instances of `offer`.
+    terminate: stop `node_ids` (`drain` says whether they are in the job and must drain).
+    replace:   launch `count` x `offer`, then drain `node_ids` (the old node) once it runs.
+    move:      commit a checkpoint, drain every node in `node_ids` (the old region), launch
+               `launches` in `region`/`provider`; they resume from that checkpoint.
+    """
+
     type: str  # "launch" | "terminate" | "replace" | "move"
     reason: str
     offer: Offer | None = None
     count: int = 0
     node_ids: tuple[str, ...] = ()
+    drain: bool = False  # stops nodes that are part of the job (at most one per plan)
+    launches: tuple[Action, ...] = ()  # move only: launches in the target region
+    region: str = ""  # move only: target region
+    provider: str = ""  # move only: target provider
+    from_region: str = ""  # move only: the region being left ("" when nothing ran)
+
+    @property
+    def gpus_added(self) -> int:
+        if self.type == "move":
+            return sum(a.gpus_added for a in self.launches)
+        return self.count * self.offer.gpus if self.offer is not None else 0
+
+    @property
+    def usd_per_hour_added(self) -> float:
+        if self.type == "move":
+            return sum(a.usd_per_hour_added for a in self.launches)
+        return self.count * self.offer.spot_price if self.offer is not None else 0.0
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"type": self.type, "reason": self.reason}
@@ -71,6 +127,16 @@ class Action:
             )
         if self.node_ids:
             d["node_ids"] = list(self.node_ids)
+        if self.drain:
+            d["drain"] = True
+        if self.type == "move":
+            d.update(
+                provider=self.provider,
+                region=self.region,
+                from_region=self.from_region,
+                via=VIA_CHECKPOINT,
+                launches=[a.to_json() for a in self.launches],
+            )
         return d
 
 
@@ -78,24 +144,296 @@ class Action:
 class Plan:
     actions: list[Action] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # why nothing (more) was done
+    region: str = ""  # where the job lives once the plan is done ("" when unknown)
+    gpus_before: int = 0
+    gpus_after: int = 0
+    usd_per_hour_before: float = 0.0
+    usd_per_hour_after: float = 0.0
 
     @property
     def launches(self) -> list[Action]:
         return [a for a in self.actions if a.type == "launch"]
 
+    @property
+    def drains(self) -> list[Action]:
+        return [a for a in self.actions if a.drain]
+
     def to_json(self) -> dict[str, Any]:
-        return {"actions": [a.to_json() for a in self.actions], "notes": list(self.notes)}
+        return {
+            "actions": [a.to_json() for a in self.actions],
+            "notes": list(self.notes),
+            "region": self.region,
+            "gpus_before": self.gpus_before,
+            "gpus_after": self.gpus_after,
+            "usd_per_hour_before": round(self.usd_per_hour_before, 6),
+            "usd_per_hour_after": round(self.usd_per_hour_after, 6),
+        }
 
 
 def offer_rank(o: Offer) -> tuple[float, int, str, str]:
+    """Preference order: $/GPU-h, then interruption band (unknown counts as middling)."""
     band = o.interruption_band if o.interruption_band is not None else 2
     return (round(o.price_per_gpu_hour, 6), band, o.zone, o.instance_type)
 
 
+def _total_rank(o: Offer) -> tuple[Any, ...]:
+    """offer_rank made total, so the order of `offers` never changes the plan."""
+    return (
+        *offer_rank(o),
+        o.spot_price,
+        o.gpus,
+        o.provider,
+        o.region,
+        -1 if o.available is None else o.available,
+        o.gpu_name,
+        o.on_demand_price or 0.0,
+        o.gpu_memory_gib,
+    )
+
+
 def _usable(offers: Sequence[Offer], blocked: Mapping[str, float], now: float) -> list[Offer]:
     return sorted(
-        (o for o in offers if o.gpus > 0 and blocked.get(o.zone, -math.inf) <= now),
-        key=offer_rank,
+        (
+            o
+            for o in offers
+            if o.gpus > 0
+            and o.spot_price >= 0
+            and (o.available is None or o.available > 0)
+            and blocked.get(o.zone, -math.inf) <= now
+        ),
+        key=_total_rank,
+    )
+
+
+# --- filling a GPU gap from a region's offers ------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Fill:
+    picks: tuple[tuple[Offer, int], ...] = ()  # (offer, count) in preference order
+    gpus: int = 0
+    cost: float = 0.0
+
+
+EXACT_ROOM = 1024  # GPUs searched exactly; beyond it greedy fixes the head (bounded time)
+
+
+def _cap(o: Offer, room: int, budget_left: float, available: int | None) -> int:
+    """Most instances of `o` that fit the GPU room, its availability and the budget."""
+    n = room // o.gpus
+    if available is not None:
+        n = min(n, available)
+    if o.spot_price > 0 and budget_left < math.inf:
+        n = min(n, int((budget_left + EPS) // o.spot_price))
+    return max(n, 0)
+
+
+def _greedy(ranked: Sequence[Offer], room: int, budget_left: float) -> list[int]:
+    """Counts per offer, cheapest $/GPU-h first."""
+    counts = [0] * len(ranked)
+    gpus, cost = 0, 0.0
+    for i, o in enumerate(ranked):
+        n = _cap(o, room - gpus, budget_left - cost, o.available)
+        counts[i] = n
+        gpus += n * o.gpus
+        cost += n * o.spot_price
+        if gpus == room:
+            break
+    return counts
+
+
+def _exact(
+    ranked: Sequence[Offer], room: int, budget_left: float, limits: Sequence[int | None]
+) -> list[int]:
+    """Counts per offer: most GPUs (<= room) within the budget, then the cheapest way.
+
+    A bounded knapsack over GPU counts (`limits[i]` instances of offer i at most, None =
+    unbounded). Only offers that can matter are kept: per instance size, the cheapest
+    ones until their availability covers the room (an unbounded one covers it alone).
+    Counts are split in powers of two.
+    """
+    counts = [0] * len(ranked)
+    if budget_left < math.inf:
+        ppg = min((o.price_per_gpu_hour for o in ranked), default=0.0)
+        if ppg > 0:
+            room = min(room, int((budget_left + EPS) / ppg))
+    if room <= 0:
+        return counts
+    covered: dict[int, float] = {}
+    items: list[tuple[int, int, int, float]] = []  # (offer index, count, gpus, cost)
+    for i, o in enumerate(ranked):  # same size => $/GPU-h order is price order
+        if covered.get(o.gpus, 0) >= room // o.gpus:
+            continue
+        lim = limits[i]
+        covered[o.gpus] = covered.get(o.gpus, 0) + (math.inf if lim is None else lim)
+        n, k = _cap(o, room, budget_left, lim), 1
+        while n > 0:
+            t = min(k, n)
+            items.append((i, t, t * o.gpus, t * o.spot_price))
+            n -= t
+            k *= 2
+    best = [math.inf] * (room + 1)
+    best[0] = 0.0
+    took: list[bytearray] = []
+    for _, _, w, c in items:
+        # 0/1 step over the whole array at C speed: min() keeps the old value on ties (so
+        # earlier, preferred offers win), and identity tells which cells took the item.
+        old = best[w:]
+        new = list(map(min, old, [v + c for v in best[: room + 1 - w]]))
+        took.append(bytearray(w) + bytearray(map(operator.is_not, new, old)))
+        best = best[:w] + new
+    d = max(x for x in range(room + 1) if best[x] < math.inf and best[x] <= budget_left + EPS)
+    for j in range(len(items) - 1, -1, -1):
+        if took[j][d]:
+            i, t, w, _ = items[j]
+            counts[i] += t
+            d -= w
+    return counts
+
+
+def _as_fill(ranked: Sequence[Offer], counts: Sequence[int]) -> _Fill:
+    picks = tuple((o, n) for o, n in zip(ranked, counts, strict=True) if n > 0)
+    return _Fill(picks, sum(o.gpus * n for o, n in picks), sum(o.spot_price * n for o, n in picks))
+
+
+def _fill(ranked: Sequence[Offer], room: int, budget_left: float) -> _Fill:
+    """Greedy (cheapest first) when it reaches the room; otherwise an exact search, which
+    finds what greedy misses (sizes that don't divide the range, budget edges). For a big
+    room, greedy's head is kept and only the last EXACT_ROOM GPUs are searched exactly."""
+    if room <= 0 or not ranked:
+        return _Fill()
+    greedy = _greedy(ranked, room, budget_left)
+    g = _as_fill(ranked, greedy)
+    if g.gpus == room:
+        return g
+    head = [0] * len(ranked)
+    keep = max(0, g.gpus - EXACT_ROOM // 2) if room > EXACT_ROOM else 0
+    got, spent = 0, 0.0
+    for i, o in enumerate(ranked):
+        n = min(greedy[i], (keep - got) // o.gpus)
+        head[i] = n
+        got += n * o.gpus
+        spent += n * o.spot_price
+    limits = [
+        None if o.available is None else o.available - h for o, h in zip(ranked, head, strict=True)
+    ]
+    tail = _exact(ranked, min(room - got, EXACT_ROOM), budget_left - spent, limits)
+    e = _as_fill(ranked, [h + t for h, t in zip(head, tail, strict=True)])
+    return e if e.gpus > g.gpus else g
+
+
+# --- the plan --------------------------------------------------------------------------
+
+
+def _money(x: float) -> str:
+    return f"${x:.4g}/h"
+
+
+def _launch_actions(fill: _Fill, have: int, lo: int, hi: int, label: str = "") -> list[Action]:
+    out: list[Action] = []
+    for o, n in fill.picks:
+        after = have + n * o.gpus
+        why = label or ("restore minimum" if have < lo else "grow toward maximum")
+        out.append(
+            Action(
+                "launch",
+                f"{why}: {have}->{after} of {lo}..{hi} GPUs with {n}x {o.instance_type} "
+                f"in {o.zone} at ${o.price_per_gpu_hour:.4g}/GPU-h",
+                o,
+                n,
+            )
+        )
+        have = after
+    return out
+
+
+def _home_region(observed: Observed) -> str:
+    """The region the job lives in: most live GPUs; else where it last ran."""
+    weight: dict[str, int] = {}
+    for n in observed.live or observed.nodes:
+        weight[n.region] = weight.get(n.region, 0) + n.gpus
+    if not weight:
+        return ""
+    return min(weight, key=lambda r: (-weight[r], r))
+
+
+def _shed(
+    observed: Observed, have: int, cost: float, lo: int, hi: int, cap: float
+) -> Action | None:
+    over_max = have > hi
+    nodes = sorted(
+        observed.live,
+        key=lambda n: (n.state != "pending", -(n.price / n.gpus if n.gpus else 0), -n.gpus, n.id),
+    )
+    for n in nodes:
+        if have - n.gpus < lo:
+            continue
+        why = (
+            f"above maximum ({have} > {hi} GPUs)"
+            if over_max
+            else f"above budget ({_money(cost)} > {_money(cap)})"
+        )
+        return Action(
+            "terminate",
+            f"{why}: drain {n.id} ({n.gpus} GPUs, {_money(n.price)}); "
+            f"{have}->{have - n.gpus} GPUs, never below minimum {lo}",
+            node_ids=(n.id,),
+            drain=n.state != "pending",
+        )
+    return None
+
+
+def _replace(
+    spec: ClusterSpec,
+    observed: Observed,
+    ranked: Sequence[Offer],
+    have: int,
+    cost: float,
+    cap: float,
+) -> Action | None:
+    """Best single replacement: most $/h saved, with at least the node's GPUs."""
+    pct = spec.rebalance.replace_saving_pct
+    hi = spec.gpus.max
+    by_size: dict[int, list[Offer]] = {}
+    for o in ranked:
+        by_size.setdefault(o.gpus, []).append(o)
+    best: tuple[Any, ...] | None = None
+    choice: tuple[ObservedNode, Offer, int] | None = None
+    for n in sorted(observed.live, key=lambda n: n.id):
+        if n.state != "running" or n.gpus <= 0 or n.price <= 0:
+            continue
+        limit = n.price * (1 - pct / 100.0)
+        for size, lst in sorted(by_size.items()):
+            k = -(-n.gpus // size)
+            if have - n.gpus + k * size > hi:
+                continue
+            for o in lst:  # same size, so cheapest first
+                new = k * o.spot_price
+                if new > limit + EPS or new >= n.price - EPS:
+                    break  # every later offer of this size costs at least as much
+                if o.available is not None and o.available < k:
+                    continue
+                after = cost - n.price + new
+                if after > max(cap, cost) + EPS:
+                    continue
+                key = (-(n.price - new), n.id, _total_rank(o))
+                if best is None or key < best:
+                    best, choice = key, (n, o, k)
+                break
+    if choice is None:
+        return None
+    n, o, k = choice
+    new = k * o.spot_price
+    saved = 100.0 * (1 - new / n.price)
+    return Action(
+        "replace",
+        f"{n.id} ({n.instance_type} in {n.zone}, {_money(n.price)}) -> {k}x {o.instance_type} "
+        f"in {o.zone} ({_money(new)}): saves {saved:.1f}% >= {pct:g}%; launch first, then "
+        "drain the old node",
+        o,
+        k,
+        node_ids=(n.id,),
+        drain=True,
     )
 
 
@@ -106,46 +444,130 @@ def plan(
     blocked: Mapping[str, float],
     now: float,
 ) -> Plan:
-    """Decide launches toward [min, max] GPUs. `blocked` maps zone -> cool-down end time."""
-    out = Plan()
-    have = observed.gpus
+    """Decide what to do toward [min, max] GPUs. `blocked` maps zone -> cool-down end time."""
     lo, hi = spec.gpus.min, spec.gpus.max
-    budget = spec.budget.max_usd_per_hour or math.inf
-    cost = observed.cost_per_hour
+    cap = spec.budget.max_usd_per_hour or math.inf
+    have, cost = observed.gpus, observed.cost_per_hour
+    home = _home_region(observed)
+    out = Plan(
+        region=home,
+        gpus_before=have,
+        gpus_after=have,
+        usd_per_hour_before=cost,
+        usd_per_hour_after=cost,
+    )
+    draining = observed.draining
+
+    lost = tuple(sorted(n.id for n in observed.nodes if n.state == "lost"))
+    if lost:
+        out.actions.append(
+            Action("terminate", f"{len(lost)} node(s) declared lost: release them", node_ids=lost)
+        )
+    strays = sorted({n.region for n in observed.live} - {home})
+    if strays:
+        out.notes.append(f"live nodes outside region {home} ({', '.join(strays)}) left alone")
+
+    # 2. Shed above the maximum or the budget, one drain at a time, never below minimum.
+    if have > hi or (cost > cap + EPS and have > lo):
+        if draining:
+            out.notes.append("above maximum or budget; waiting for the drain in progress")
+            return out
+        act = _shed(observed, have, cost, lo, hi, cap)
+        if act is None:
+            out.notes.append(f"above maximum or budget, but shedding would go below {lo} GPUs")
+            return out
+        out.actions.append(act)
+        gone = next(n for n in observed.live if n.id == act.node_ids[0])
+        out.gpus_after, out.usd_per_hour_after = have - gone.gpus, cost - gone.price
+        return out
+
     usable = _usable(offers, blocked, now)
-    live_regions = {n.region for n in observed.live}
-    if live_regions:
-        region = sorted(live_regions)[0]
-        usable = [o for o in usable if o.region == region]
-    elif usable:
-        region = usable[0].region
-        usable = [o for o in usable if o.region == region]
+    regions: dict[str, list[Offer]] = {}
+    for o in usable:
+        regions.setdefault(o.region, []).append(o)
+    budget_left = max(cap - cost, 0.0)
+
+    # 3./4. Restore the minimum and grow, in one region; move when it cannot hold the minimum.
     if have >= hi:
         out.notes.append(f"at maximum ({have}/{hi} GPUs)")
-        return out
-    if not usable:
-        out.notes.append("no usable offer (all zones blocked or none offered)")
-        return out
-    for o in usable:
-        if have >= hi:
-            break
-        room = hi - have
-        n = room // o.gpus
-        if n <= 0:
-            continue
-        if budget < math.inf:
-            n = min(n, int((budget - cost + 1e-9) // o.spot_price) if o.spot_price > 0 else n)
-        if n <= 0:
-            continue
-        reason = "restore minimum" if have < lo else "grow toward maximum"
-        out.actions.append(Action("launch", f"{reason} ({have}->{have + n * o.gpus} of "
-                                  f"{lo}..{hi} GPUs)", o, n))
-        have += n * o.gpus
-        cost += n * o.spot_price
-        # One offer per plan: the cheapest that fits; the next reconcile grows further.
-        break
-    if have < lo:
-        out.notes.append(f"cannot reach minimum {lo} GPUs within budget/offers")
+    else:
+        if home:
+            fill = _fill(regions.get(home, []), hi - have, budget_left)
+        else:
+            fill = _Fill()
+        if home and have + fill.gpus >= lo:
+            out.actions += _launch_actions(fill, have, lo, hi)
+        else:
+            # The home region (if any) cannot hold the minimum: pick the region that can,
+            # starting from scratch there (old nodes leave, so the whole budget is free).
+            best: tuple[tuple[int, float, str], str, _Fill] | None = None
+            for r in sorted(regions):
+                if r == home:
+                    continue
+                f = _fill(regions[r], hi, cap)
+                key = (-f.gpus, f.cost, r)
+                if f.gpus >= lo and (best is None or key < best[0]):
+                    best = (key, r, f)
+            if best is None:
+                # Nowhere holds the minimum: take what home offers (better than nothing).
+                if home:
+                    out.actions += _launch_actions(fill, have, lo, hi)
+                if not home or fill.gpus == 0:
+                    out.notes.append(
+                        "no usable offer (all zones blocked, none offered, or over budget)"
+                    )
+                out.notes.append(f"cannot reach minimum {lo} GPUs in any region")
+            else:
+                _, target, f = best
+                if not home:
+                    out.region = target
+                    out.actions += _launch_actions(f, 0, lo, hi)
+                elif draining and observed.live:
+                    out.notes.append(
+                        f"region {home} cannot hold {lo} GPUs; move to {target} "
+                        "waits for the drain in progress"
+                    )
+                else:
+                    old = tuple(sorted(n.id for n in observed.live))
+                    prov = f.picks[0][0].provider
+                    sub = tuple(_launch_actions(f, 0, lo, hi, label=f"move to {target}"))
+                    out.actions.append(
+                        Action(
+                            "move",
+                            f"region {home} can hold only {have + fill.gpus} of minimum {lo} "
+                            f"GPUs; {target} ({prov}) holds {f.gpus} for {_money(f.cost)}: "
+                            "commit a checkpoint, drain the old nodes, resume there",
+                            node_ids=old,
+                            drain=bool(old),
+                            launches=sub,
+                            region=target,
+                            provider=prov,
+                            from_region=home,
+                        )
+                    )
+                    out.region = target
+                    out.gpus_after, out.usd_per_hour_after = f.gpus, f.cost
+                    return out
+        reach = have + sum(a.gpus_added for a in out.launches)
+        if lo <= reach < hi:
+            limit = f"budget {_money(cap)} or " if cap < math.inf else ""
+            out.notes.append(f"{reach}/{hi} GPUs after this plan: {limit}offers allow no more")
+
+    # 5. Replace a node by a much cheaper offer, only when the cluster is otherwise settled.
+    pending = any(n.state == "pending" for n in observed.live)
+    if not out.launches and home and have >= lo:
+        if draining:
+            out.notes.append("a drain is in progress: no replacement this time")
+        elif not pending:
+            act = _replace(spec, observed, regions.get(home, []), have, cost, cap)
+            if act is not None:
+                out.actions.append(act)
+                prev = next(n for n in observed.live if n.id == act.node_ids[0])
+                out.gpus_after = have - prev.gpus + act.gpus_added
+                out.usd_per_hour_after = cost - prev.price + act.usd_per_hour_added
+                return out
+    out.gpus_after = have + sum(a.gpus_added for a in out.launches)
+    out.usd_per_hour_after = cost + sum(a.usd_per_hour_added for a in out.launches)
     return out
 
 
