@@ -94,3 +94,27 @@ def test_bad_provider_is_a_spec_error(cli: Any) -> None:
     res = cli("--provider", "azure")
     assert isinstance(res.exception, SpecError)
     assert "unknown provider 'azure'" in str(res.exception)
+
+
+def test_up_dry_run_plans_aws_launches_without_launching(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ec2: Any
+) -> None:
+    from spotctl.cli.app import app
+
+    monkeypatch.chdir(tmp_path)
+    name = "awsdry"
+    res = CliRunner().invoke(
+        app,
+        ["up", "--provider", "aws", "--gpus", "8..16", "--name", name, "--dry-run", "--json"],
+    )
+    assert res.exit_code == 0, res.output
+    actions = json.loads(res.stdout)["actions"]
+    assert actions
+    for a in actions:
+        assert a["type"] == "launch"
+        assert a["zone"].startswith("us-east-1") and a["gpus"] >= 1 and a["count"] >= 1
+        assert a["instance_type"] and a["price"] > 0
+    assert sum(a["gpus"] * a["count"] for a in actions) >= 8
+    flt = [{"Name": "tag:spotctl:cluster", "Values": [name]}]
+    assert ec2.describe_instances(Filters=flt)["Reservations"] == []
+    assert ec2.describe_security_groups(Filters=flt)["SecurityGroups"] == []
