@@ -35,6 +35,8 @@ from spotctl.sshutil import HostTarget, RemoteResult, connect, run
 if TYPE_CHECKING:
     from fabric import Connection
 
+    from spotctl.state import NodeRow, Store
+
 __all__ = [
     "AGENT_CONFIG",
     "BootstrapFiles",
@@ -46,6 +48,7 @@ __all__ = [
     "bootstrap_hosts",
     "release_hosts",
     "render_bootstrap",
+    "tail_node_log",
 ]
 
 log = logging.getLogger("spotctl.bootstrap")
@@ -458,3 +461,24 @@ def release_hosts(
 def default_python() -> str:
     """The controller's interpreter: right for loopback and for hosts that mirror it."""
     return sys.executable
+
+
+# Where each log lives in a node directory: the agent's own output, torchrun's (in the
+# agent's workdir), and the bootstrap's install log (what "node.log" is for a local node).
+REMOTE_LOGS = {"agent.log": "agent.log", "torchrun.log": "work/torchrun.log",
+               "node.log": "bootstrap.log"}  # fmt: skip
+
+
+def tail_node_log(
+    store: Store, cluster: str, row: NodeRow, log_name: str, follow: bool, lines: int
+) -> None:
+    """`spotctl logs NODE` for a node reached over SSH (host key pinned per cluster)."""
+    from spotctl.sshutil import tail_log, target_from_node
+
+    target = target_from_node(row)
+    d = target.remote_dir or f".spotctl/{row.id}"  # relative: under the remote $HOME
+    rel = REMOTE_LOGS.get(log_name, log_name)
+    tail_log(
+        target, f"{d.rstrip('/')}/{rel}", store.cluster_dir(cluster).known_hosts,
+        follow=follow, lines=lines,
+    )  # fmt: skip

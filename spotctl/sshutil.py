@@ -9,6 +9,7 @@ differs from the recorded one refuses the host with an error naming host and fin
 from __future__ import annotations
 
 import base64
+import codecs
 import fcntl
 import hashlib
 import os
@@ -291,21 +292,27 @@ def tail_log(
         cmd = f"tail -n {int(lines)} {'-F ' if follow else ''}-- {shlex.quote(path)}"
         chan = conn.client.get_transport().open_session()  # type: ignore[union-attr]
         chan.exec_command(cmd)
-        err = b""
+        # Read to EOF, not to the exit status: sshd may report the exit before the last
+        # of the output has arrived.
+        chan.settimeout(0.5)
+        # incremental: a UTF-8 character may be split across two reads
+        decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
         try:
             while True:
-                if chan.recv_ready():
-                    out.write(chan.recv(65536).decode(errors="replace"))
-                    out.flush()
-                elif chan.recv_stderr_ready():
-                    err += chan.recv_stderr(65536)
-                elif chan.exit_status_ready() and not chan.recv_ready():
+                try:
+                    data = chan.recv(65536)
+                except TimeoutError:
+                    continue
+                if not data:
                     break
-                else:
-                    time.sleep(0.05)
+                out.write(decode(data))
+                out.flush()
         except KeyboardInterrupt:
             chan.close()
             return 0
+        err = b""
+        while chan.recv_stderr_ready():
+            err += chan.recv_stderr(65536)
         code = chan.recv_exit_status()
         if code != 0:
             msg = err.decode(errors="replace").strip().splitlines()
