@@ -46,18 +46,17 @@ def main(argv: list[str] | None = None) -> None:
     except SystemExit:
         raise
     except Exception as e:  # click usage errors and the like
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
+        # typer may bundle its own click (typer._click): match by duck type, not class
+        if hasattr(e, "show") and hasattr(e, "exit_code"):
             e.show()
-            sys.exit(e.exit_code if e.exit_code else 2)
-        if isinstance(e, click.exceptions.Abort):
+            sys.exit(e.exit_code or 2)
+        name = type(e).__name__
+        if name == "Abort":
             print("aborted", file=sys.stderr)
             sys.exit(1)
-        if isinstance(e, click.exceptions.Exit):
-            sys.exit(e.exit_code)
+        if name == "Exit":
+            sys.exit(getattr(e, "exit_code", 0))
         raise
-
 
 if __name__ == "__main__":
     main()
