@@ -96,22 +96,46 @@ def observe(store: Store, spec: ClusterSpec, provider: Any) -> tuple[list[Instan
             store.add_event(name, "preempted" if end == "preempted" else "node-gone",
                             {"node": nid, "zone": row.zone, "state": end})
     draining = False
+    head_ok = True
     try:
         st = head_client(store, name, timeout_s=2).status()
         draining = st.get("drain") is not None
         head_nodes = st.get("nodes", {})
     except (HeadUnavailable, NotFoundError):
-        head_nodes = {}
+        head_nodes, head_ok = {}, False
+    detector = _load_detector(store, spec)
+    now = time.time()
     obs_nodes = []
     for i in live:
-        hs = head_nodes.get(i.id, {}).get("state", "")
+        h = head_nodes.get(i.id, {})
+        hs = h.get("state", "")
         state = "draining" if hs in ("leaving", "left") else i.state
-        if state == "pending" or state == "running" or state == "draining":
-            obs_nodes.append(ObservedNode(
-                id=i.id, zone=i.zone, region=_region(i, spec), instance_type=i.instance_type,
-                gpus=i.gpus, price=i.price, state=state,
-            ))
+        # No false recoveries: one silent reply never makes a node lost; N silent
+        # observations spanning T seconds do (or the provider saying it is gone).
+        fresh = hs not in ("", "unresponsive") and (h.get("heartbeat_age_s") or 0) < 10
+        booting = now - (i.launched_at or now) < 300 and not hs
+        if head_ok and not booting:
+            if detector.observe(i.id, seen=fresh, provider_gone=False, now=now).value == "lost":
+                state = "lost"
+        obs_nodes.append(ObservedNode(
+            id=i.id, zone=i.zone, region=_region(i, spec), instance_type=i.instance_type,
+            gpus=i.gpus, price=i.price, state=state,
+        ))
+    detector.prune({i.id for i in live})
+    write_json_atomic(store.cluster_dir(name).path / "liveness.json", detector.to_dict())
     return live, Observed(nodes=tuple(obs_nodes), drain_in_progress=draining)
+
+
+def _load_detector(store: Store, spec: ClusterSpec) -> Any:
+    from spotctl.liveness import LossDetector
+
+    p = store.cluster_dir(spec.name).path / "liveness.json"
+    try:
+        data = json.loads(p.read_text()) if p.exists() else None
+    except ValueError:
+        data = None
+    return LossDetector.from_dict(data, spec.rebalance.lost_after_observations,
+                                  spec.rebalance.lost_after_s)
 
 
 def _region(i: Instance, spec: ClusterSpec) -> str:
@@ -179,32 +203,91 @@ def reconcile(
             blocked = blocked_zones(store, spec, now())
             p = plan(spec, obs, provider.offers(), blocked, now())
             result.plan.notes = p.notes
-            if not p.launches:
+            todo = [a for a in p.actions if a.type != "launch" or a.count > 0]
+            if not todo:
                 break
-            act = p.launches[0]
-            result.plan.actions.append(act)
-            assert act.offer is not None
-            req = f"{name}-{uuid.uuid4().hex[:10]}"
-            intent = {"request_id": req, "offer": act.offer.__dict__, "count": act.count,
-                      "reason": act.reason}
-            write_json_atomic(cdir.path / "launch-intent.json", intent)
-            progress(f"launching {act.count} x {act.offer.instance_type} in {act.offer.zone}", None)
-            try:
-                insts = provider.launch(act.offer, act.count, req)
-            except CapacityError as e:
-                (cdir.path / "launch-intent.json").unlink(missing_ok=True)
-                store.add_event(name, "capacity-error", {"zone": act.offer.zone,
-                                "instance_type": act.offer.instance_type, "error": str(e)})
-                result.errors.append(str(e))
-                continue
-            _journal_launch(store, spec, insts, act.reason, req)
-            (cdir.path / "launch-intent.json").unlink(missing_ok=True)
-            result.launched.extend(insts)
-            if hasattr(provider, "bootstrap") and insts:
-                progress(f"bootstrapping {len(insts)} node(s)", None)
-                _bootstrap(store, spec, provider, insts, head, result)
+            failed = False
+            for act in todo:
+                result.plan.actions.append(act)
+                store.add_event(name, "plan-" + act.type, act.to_json())
+                if act.type == "terminate":
+                    _stop_nodes(store, spec, provider, list(act.node_ids), act.drain, act.reason)
+                    continue
+                launches = list(act.launches) if act.type == "move" else [act]
+                for la in launches:
+                    if not _launch(store, spec, provider, la, head, result, progress):
+                        failed = True
+                        break
+                if failed:
+                    break
+                if act.type in ("replace", "move") and act.node_ids:
+                    # the old nodes drain through the head now; a later run terminates them
+                    # once they have left the job
+                    _stop_nodes(store, spec, provider, list(act.node_ids), True, act.reason)
+            if not failed:
+                break
         store.set_cluster_state(name, "running")
         return result
+
+
+def _launch(store: Store, spec: ClusterSpec, provider: Any, act: Any, head: HeadInfo | None,
+            result: ReconcileResult, progress: Progress) -> bool:
+    """Launch one offer; on a capacity error block its zone and say so (False)."""
+    cdir = store.cluster_dir(spec.name)
+    req = f"{spec.name}-{uuid.uuid4().hex[:10]}"
+    intent = {"request_id": req, "offer": act.offer.__dict__, "count": act.count,
+              "reason": act.reason}
+    write_json_atomic(cdir.path / "launch-intent.json", intent)
+    progress(f"launching {act.count} x {act.offer.instance_type} in {act.offer.zone}", None)
+    try:
+        insts = provider.launch(act.offer, act.count, req)
+    except CapacityError as e:
+        (cdir.path / "launch-intent.json").unlink(missing_ok=True)
+        store.add_event(spec.name, "capacity-error", {
+            "zone": act.offer.zone, "instance_type": act.offer.instance_type, "error": str(e)})
+        result.errors.append(str(e))
+        return False
+    _journal_launch(store, spec, insts, act.reason, req)
+    (cdir.path / "launch-intent.json").unlink(missing_ok=True)
+    result.launched.extend(insts)
+    if hasattr(provider, "bootstrap") and insts:
+        progress(f"bootstrapping {len(insts)} node(s)", None)
+        _bootstrap(store, spec, provider, insts, head, result)
+    return True
+
+
+def _stop_nodes(store: Store, spec: ClusterSpec, provider: Any, ids: list[str], drain: bool,
+                reason: str) -> None:
+    """Stop nodes: a node in the job drains first (through the head, one at a time); a node
+    already out of the job (lost, left) is terminated now."""
+    if not ids:
+        return
+    state: dict[str, Any] = {}
+    try:
+        client = head_client(store, spec.name, timeout_s=3)
+        state = client.status().get("nodes", {})
+    except (HeadUnavailable, NotFoundError):
+        client = None
+    gone = [i for i in ids if not drain or state.get(i, {}).get("state") in
+            (None, "left", "unresponsive", "waiting", "finished")]
+    if gone:
+        provider.terminate(gone)
+        for nid in gone:
+            store.set_node_state(spec.name, nid, "terminated", ended=True)
+            store.add_event(spec.name, "terminate", {"node": nid, "reason": reason})
+        if client is not None:
+            try:
+                client.forget(gone)
+            except HeadUnavailable:
+                pass
+    rest = [i for i in ids if i not in gone]
+    if rest and client is not None:
+        try:
+            gen = client.drain("rebalance", rest)
+            store.add_event(spec.name, "drain-requested", {"nodes": rest, "gen": gen,
+                                                           "reason": reason})
+        except HeadUnavailable as e:
+            store.add_event(spec.name, "drain-failed", {"nodes": rest, "error": str(e)})
 
 
 def _journal_launch(store: Store, spec: ClusterSpec, insts: list[Instance], reason: str,
@@ -304,4 +387,10 @@ def down(store: Store, name: str, options: dict[str, Any] | None = None,
             store.set_node_state(name, n.id, "terminated", ended=True)
         store.set_cluster_state(name, "down")
         store.add_event(name, "down", {"leaks": leaks})
+        try:
+            from spotctl import cron
+
+            cron.remove(name)
+        except Exception:  # no crontab on this machine, or no line: nothing to remove
+            pass
         return leaks

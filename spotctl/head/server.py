@@ -182,14 +182,34 @@ class HeadServer:
             {"pid": os.getpid(), "url": self.url, "store_host": self.host,
              "store_port": self.store_port, "started_at": time.time()},
         )
+        last_capacity = 0.0
         while not self._stop.is_set():
             with self.lock:
                 self.coord.tick()
                 self._flush_events()
+            if time.time() - last_capacity >= 1.0:
+                last_capacity = time.time()
+                self._local_capacity()
             self._stop.wait(0.2)
         self.httpd.shutdown()
         with self.lock:
             self._flush_events()
+
+    def _local_capacity(self) -> None:
+        """Local clusters only: play the cloud reclaiming capacity (spec.local.capacity)."""
+        cluster_dir = self.dir.parent
+        if not (cluster_dir / "capacity.json").exists():
+            return
+        from spotctl.providers.local_capacity import enforce
+
+        try:
+            sent = enforce(cluster_dir)
+        except (OSError, ValueError, KeyError) as e:
+            log.warning("capacity enforcement failed: %s", e)
+            return
+        if sent:
+            with self.lock:
+                self.coord.record("capacity-reclaim", nodes=sent)
 
     def stop(self) -> None:
         self._stop.set()

@@ -84,13 +84,17 @@ class LocalProvider:
     # -- protocol
     def offers(self) -> list[Offer]:
         lp = self.spec.local
+        cap = self.capacity_now()
+        room = None if cap is None else max(0, cap - len(self.list(self.ctx.cluster)))
         return [
             Offer(
                 provider="local", region="local", zone=z, instance_type="local",
                 gpus=lp.gpus_per_node, gpu_name="cpu", spot_price=lp.price_per_node,
                 on_demand_price=lp.on_demand_price_per_node or None, interruption_band=None,
+                # the whole local pool is one machine: offer what is left in the first zone
+                available=None if room is None else (room if k == 0 else 0),
             )
-            for z in lp.zones
+            for k, z in enumerate(lp.zones)
         ]
 
     def _vm(self, node_id: str) -> dict[str, Any] | None:
@@ -243,7 +247,15 @@ class LocalProvider:
     def prepare(self) -> None:
         self.cdir.ensure()
         self.cdir.token(create=True)
-        self._created_at()
+        created = self._created_at()
+        cap_file = self.cdir.path / "capacity.json"
+        if self.spec.local.capacity:
+            write_json_atomic(cap_file, {
+                "created_at": created,
+                "schedule": [s.model_dump() for s in self.spec.local.capacity],
+            })
+        else:
+            cap_file.unlink(missing_ok=True)
 
     def ensure_head(self) -> HeadInfo:
         if self._head_ok():

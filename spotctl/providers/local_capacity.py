@@ -1,0 +1,71 @@
+"""The local "cloud" reclaiming capacity: when spec.local.capacity says fewer nodes exist
+than run, the newest nodes get a preemption notice (GCP style: 30 s to the hard stop),
+exactly as a cloud would. Run by the head process of a local cluster once a second."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.request
+from pathlib import Path
+
+from spotctl import proctree
+
+log = logging.getLogger("spotctl.head")
+
+
+def capacity_at(schedule: list[dict[str, float]], created_at: float, now: float) -> int | None:
+    cap = None
+    for step in schedule:
+        if step["at_s"] <= now - created_at:
+            cap = int(step["nodes"])
+    if cap is None and schedule:
+        cap = int(schedule[0]["nodes"])
+    return cap
+
+
+def enforce(cluster_dir: Path, now: float | None = None) -> list[str]:
+    """Send notices to the newest nodes above capacity; returns the node ids notified."""
+    cfg_path = cluster_dir / "capacity.json"
+    if not cfg_path.exists():
+        return []
+    cfg = json.loads(cfg_path.read_text())
+    cap = capacity_at(cfg["schedule"], cfg["created_at"], now or time.time())
+    if cap is None:
+        return []
+    live = []
+    for vm_path in (cluster_dir / "nodes").glob("*/vm.json"):
+        try:
+            vm = json.loads(vm_path.read_text())
+        except ValueError:
+            continue
+        if vm.get("state") == "running" and proctree.alive(int(vm.get("pid") or 0)):
+            live.append(vm)
+    keep = [vm for vm in live if not vm.get("reclaim_sent")]
+    excess = len(keep) - cap
+    if excess <= 0:
+        return []
+    token = (cluster_dir / "token").read_text().strip()
+    sent = []
+    for vm in sorted(keep, key=lambda v: v["launched_at"], reverse=True)[:excess]:
+        req = urllib.request.Request(
+            vm["metadata_url"] + "/_spotctl/preempt", method="POST",
+            data=json.dumps({"style": "gcp"}).encode(),
+        )
+        req.add_header("Authorization", f"Bearer {token}")
+        req.add_header("Content-Type", "application/json")
+        try:
+            urllib.request.urlopen(req, timeout=3).read()
+        except OSError as e:
+            log.warning("capacity: could not notify %s: %s", vm["node_id"], e)
+            continue
+        vm_path = cluster_dir / "nodes" / vm["node_id"] / "vm.json"
+        cur = json.loads(vm_path.read_text())
+        cur["reclaim_sent"] = time.time()
+        tmp = vm_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cur))
+        tmp.replace(vm_path)
+        sent.append(vm["node_id"])
+        log.info("capacity %d: reclaiming %s", cap, vm["node_id"])
+    return sent
