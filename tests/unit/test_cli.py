@@ -1,0 +1,71 @@
+"""CLI behaviour without a cluster: init, bad input, unknown clusters (typer CliRunner)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from spotctl.cli.app import app, main
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPOTCTL_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def run(argv, capsys):
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_init_writes_templates(home):
+    r = CliRunner().invoke(app, ["init", str(home / "proj")])
+    assert r.exit_code == 0, r.output
+    assert "elastic.Run" in (home / "proj" / "train.py").read_text()
+    assert 'provider = "local"' in (home / "proj" / "spotctl.toml").read_text()
+    r = CliRunner().invoke(app, ["init", str(home / "proj")])
+    assert r.exit_code != 0  # no silent overwrite
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["up", "--gpus", "4..2"], "gpus: range 4..2 is inverted"),
+    (["up", "--gpus", "0"], "gpus: range 0..0 must be positive"),
+    (["up", "--gpus", "x"], "gpus: expected MIN..MAX"),
+    (["up", "--provider", "azure"], "provider:"),
+    (["up", "--gpus", "2", "--script", "missing.py"], "train.script: training script"),
+    (["up", "--name", "Bad_Name"], "name:"),
+    (["up", "--config", "nope.toml"], "config file nope.toml not found"),
+])
+def test_up_bad_input_one_line_exit_2_nothing_started(home, capsys, argv, needle):
+    code, out, err = run(argv, capsys)
+    assert code == 2
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("error: ")
+    assert "Traceback" not in err
+    assert not (home / "home" / "clusters").exists()  # nothing was started
+
+
+@pytest.mark.parametrize("cmd", [["status"], ["down", "--yes"], ["events"], ["logs", "n1"],
+                                 ["preempt", "n1"], ["rebalance"]])
+def test_unknown_cluster(home, capsys, cmd):
+    code, out, err = run([*cmd, "--name", "ghost"], capsys)
+    assert code == 3 and "ghost" in err and len(err.strip().splitlines()) == 1
+
+
+def test_list_json_empty(home, capsys):
+    code, out, err = run(["list", "--json"], capsys)
+    assert code == 0 and json.loads(out) == []
+
+
+def test_usage_error_is_short(home, capsys):
+    code, out, err = run(["status", "--bogus"], capsys)
+    assert code == 2 and "No such option" in err and "Traceback" not in err

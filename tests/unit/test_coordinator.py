@@ -1,0 +1,96 @@
+"""The head's drain state machine, driven by scripted heartbeats and a fake clock."""
+
+from __future__ import annotations
+
+from spotctl.head.coordinator import Coordinator
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def w(rank, inc, step, phase="train", ws=3, resume=0, first=None, drain_step=None):
+    return {"rank": rank, "local_rank": 0, "world_size": ws, "step": step, "phase": phase,
+            "incarnation": inc, "resume_step": resume, "first_step_at": first,
+            "last_ckpt": 0, "drain_step": drain_step, "pid": 1}
+
+
+def hb(c, node, state="running", workers=(), drain_gen=0, notice=None):
+    return c.heartbeat({"node_id": node, "agent_state": state, "workers": list(workers),
+                        "drain_gen": drain_gen, "notice": notice})
+
+
+def test_notice_drain_leave_release_and_rescale_event():
+    clk = Clock()
+    c = Coordinator(clk)
+    for i, n in enumerate(["a", "b", "c"]):
+        assert hb(c, n, "waiting")["go"]  # nothing to protect: start at once
+    for i, n in enumerate(["a", "b", "c"]):
+        hb(c, n, workers=[w(i, "inc1", 50, first=999.0)])
+    assert c.status()["world_size"] == 3
+    clk.t += 1
+    r = hb(c, "b", workers=[w(1, "inc1", 51)], notice={"id": "x", "deadline": clk.t + 120})
+    assert r["drain"] == {"gen": 1, "leave": True, "reason": "notice"} and not r["leave"]
+    assert hb(c, "a", workers=[w(0, "inc1", 51)])["drain"]["leave"] is False
+    # everyone drains at step 52; b may leave once its own workers are drained
+    for i, n in enumerate(["a", "b", "c"]):
+        r = hb(c, n, workers=[w(i, "inc1", 52, phase="drained", drain_step=52)], drain_gen=1)
+    assert hb(c, "b", workers=[w(1, "inc1", 52, "drained", drain_step=52)], drain_gen=1)["leave"]
+    assert c.release_gen == 0  # survivors wait until the leaver is gone
+    r = hb(c, "b", state="left", drain_gen=1)
+    assert c.release_gen == 1
+    assert hb(c, "a", workers=[w(0, "inc1", 52, "drained", drain_step=52)])["release_gen"] == 1
+    # the survivors re-form at world 2 from step 52
+    clk.t += 8
+    hb(c, "a", workers=[w(0, "inc2", 53, ws=2, resume=52, first=clk.t)])
+    ev = [e for e in c.events if e["type"] == "rescale"][-1]
+    assert (ev["from_world_size"], ev["to_world_size"], ev["reason"]) == (3, 2, "notice")
+    assert ev["lost_steps"] == 0 and ev["checkpoint_step"] == 52
+    assert 8.0 <= ev["notice_to_resume_s"] <= 9.0
+
+
+def test_join_waits_for_drain_then_goes():
+    clk = Clock()
+    c = Coordinator(clk)
+    for n in ["a", "b"]:
+        hb(c, n, "waiting")
+    for i, n in enumerate(["a", "b"]):
+        hb(c, n, workers=[w(i, "inc1", 10, ws=2, first=999.0)])
+    r = hb(c, "new", "waiting")
+    assert not r["go"] and c.drain is not None and c.drain.reason == "join"
+    for i, n in enumerate(["a", "b"]):
+        assert hb(c, n, workers=[w(i, "inc1", 11, ws=2)])["drain"]["leave"] is False
+    assert not hb(c, "new", "waiting")["go"]  # not before the group committed
+    for i, n in enumerate(["a", "b"]):
+        hb(c, n, workers=[w(i, "inc1", 12, "drained", ws=2, drain_step=12)], drain_gen=1)
+    assert hb(c, "new", "waiting")["go"]
+    clk.t += 10
+    hb(c, "a", workers=[w(0, "inc2", 13, ws=3, resume=12, first=clk.t)])
+    ev = [e for e in c.events if e["type"] == "rescale"][-1]
+    assert (ev["from_world_size"], ev["to_world_size"], ev["reason"], ev["lost_steps"]) == (
+        2, 3, "join", 0)
+    assert c.drain is None
+
+
+def test_silent_node_kills_peers_workers_once_and_failure_is_recorded():
+    clk = Clock()
+    c = Coordinator(clk, dead_after_s=4.0)
+    for n in ["a", "b"]:
+        hb(c, n, "waiting")
+    for i, n in enumerate(["a", "b"]):
+        hb(c, n, workers=[w(i, "inc1", 30, ws=2, first=999.0)])
+    clk.t += 2
+    hb(c, "a", workers=[w(0, "inc1", 35, ws=2)])
+    assert c.kill_gen == 0  # 2 s of silence is not death
+    clk.t += 3
+    r = hb(c, "a", workers=[w(0, "inc1", 37, ws=2)])
+    assert r["kill_gen"] == 1 and r["kill_incarnation"] == "inc1"
+    clk.t += 1
+    hb(c, "a", workers=[w(0, "inc2", 31, ws=1, resume=30, first=clk.t)])
+    assert c.kill_gen == 1  # not repeated
+    ev = [e for e in c.events if e["type"] == "rescale"][-1]
+    assert ev["reason"] == "failure" and ev["lost_steps"] == 7

@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from spotctl.errors import SpecError
+from spotctl.spec import GpuRange, load_spec, parse_gpu_range
+
+
+@pytest.mark.parametrize("text,lo,hi", [("8..64", 8, 64), ("4", 4, 4), (" 2 .. 3 ", 2, 3), (5, 5, 5)])
+def test_gpu_range_parses(text, lo, hi):
+    assert parse_gpu_range(text) == GpuRange(min=lo, max=hi)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("4..2", "inverted"), ("0", "positive"), ("0..4", "positive"), ("a..b", "MIN..MAX"),
+    ("", "MIN..MAX"), ("-1..3", "MIN..MAX"), ("1..2..3", "MIN..MAX"), ("1..20000", "10000"),
+    (True, "expected"),
+])
+def test_gpu_range_rejects(text, needle):
+    with pytest.raises(ValueError, match=needle):
+        parse_gpu_range(text)
+
+
+def _write(tmp: Path, body: str, script: bool = True) -> Path:
+    if script:
+        (tmp / "train.py").write_text("print('hi')\n")
+    p = tmp / "spotctl.toml"
+    p.write_text(body)
+    return p
+
+
+def test_spec_file_and_flag_override(tmp_path):
+    p = _write(tmp_path, 'name = "a"\ngpus = "2..4"\n[train]\ncheckpoint_every = 7\n')
+    spec = load_spec(p, {"gpus": "3..5", "name": None})
+    assert spec.name == "a" and (spec.gpus.min, spec.gpus.max) == (3, 5)
+    assert spec.train.checkpoint_every == 7
+    assert spec.train.script == str(tmp_path / "train.py")  # made absolute
+
+
+@pytest.mark.parametrize("body,needle", [
+    ('nmae = "x"\n', "nmae: unknown key"),
+    ('[train]\nscritp = "x.py"\n', "train.scritp: unknown key"),
+    ('gpus = "4..2"\n', "gpus: range 4..2 is inverted"),
+    ('gpus = "0"\n', "gpus: range 0..0 must be positive"),
+    ('provider = "azure"\n', "provider:"),
+    ('name = "Bad Name"\n', "name:"),
+    ('[train]\ncheckpoint_every = 0\n', "train.checkpoint_every"),
+    ('[budget]\nmax_usd_per_hour = -1\n', "budget.max_usd_per_hour"),
+    ('provider = "ssh"\n', "ssh"),
+    ('gpus = [1, 2]\n', "gpus"),
+    ('name = \n', "not valid TOML"),
+    ('[local]\ncapacity = [{ at_s = 10, nodes = 1 }, { at_s = 5, nodes = 2 }]\n', "increasing"),
+])
+def test_bad_spec_one_line_naming_the_field(tmp_path, body, needle):
+    p = _write(tmp_path, body)
+    with pytest.raises(SpecError) as e:
+        load_spec(p)
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg
+
+
+def test_missing_script_and_file(tmp_path):
+    p = _write(tmp_path, 'name = "a"\n', script=False)
+    with pytest.raises(SpecError, match="train.script: training script .* not found"):
+        load_spec(p)
+    with pytest.raises(SpecError, match="not found"):
+        load_spec(tmp_path / "nope.toml")
