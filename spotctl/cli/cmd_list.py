@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 from rich.table import Table
 
@@ -11,7 +13,7 @@ def register(app: typer.Typer) -> None:
     def list_(json_out: bool = typer.Option(False, "--json")) -> None:
         """List known clusters."""
         store = open_store()
-        rows = [
+        rows: list[dict[str, Any]] = [
             {"cluster": c.name, "provider": c.provider, "state": c.state,
              "nodes": len(store.nodes(c.name, include_ended=False)),
              "gpus": c.spec.get("gpus")}

@@ -28,12 +28,11 @@ def register(app: typer.Typer) -> None:
             try:
                 with store.cluster_dir(name).lock("rebalance", wait=False):
                     res = reconcile.reconcile(store, spec, create=False)
-            except StateError as e:
+            except StateError as err:
                 # another cron run holds the lock: it acts, this one steps aside cleanly
-                msg = f"skipped: {e}"
                 if json_out:
-                    return print_json({"cluster": name, "skipped": True, "reason": str(e)})
-                console().print(msg)
+                    return print_json({"cluster": name, "skipped": True, "reason": str(err)})
+                console().print(f"skipped: {err}")
                 return
         out = res.to_json()
         if json_out:

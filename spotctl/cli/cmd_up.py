@@ -52,6 +52,9 @@ def register(app: typer.Typer) -> None:
                 con.print("nothing to launch: " + "; ".join(res.plan.notes))
             for a in res.plan.actions:
                 o = a.offer
+                if o is None:
+                    con.print(f"{a.type}: {a.reason}")
+                    continue
                 con.print(f"launch {a.count} x {o.instance_type} ({o.gpus} GPU) in {o.zone} "
                           f"at ${o.spot_price:.4f}/h each: {a.reason}")
             return

@@ -10,6 +10,7 @@ CLI. The head is a local process too. Everything lives under the cluster directo
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import subprocess
@@ -135,7 +136,7 @@ class LocalProvider:
                   "metadata_url": vm.get("metadata_url", ""), "end_state": vm.get("state")},
         )
 
-    def list(self, cluster: str) -> list[Instance]:
+    def list(self, cluster: str) -> builtins.list[Instance]:
         out = []
         for nid in self._node_ids():
             vm = self._vm(nid)
@@ -146,11 +147,11 @@ class LocalProvider:
                 out.append(inst)
         return out
 
-    def all_instances(self) -> list[Instance]:
+    def all_instances(self) -> builtins.list[Instance]:
         """Live and gone, for status and accounting."""
         return [self._instance(vm) for nid in self._node_ids() if (vm := self._vm(nid))]
 
-    def launch(self, offer: Offer, count: int, request_id: str) -> list[Instance]:
+    def launch(self, offer: Offer, count: int, request_id: str) -> builtins.list[Instance]:
         existing = [
             vm for nid in self._node_ids()
             if (vm := self._vm(nid)) and vm.get("request_id") == request_id
@@ -308,7 +309,7 @@ class LocalProvider:
         write_json_atomic(p, {"http": ports[0], "store": ports[1]})
         return ports[0], ports[1]
 
-    def stop_head(self) -> list[int]:
+    def stop_head(self) -> builtins.list[int]:
         p = self.head_dir / "head.json"
         pid = None
         if p.exists():
@@ -318,7 +319,7 @@ class LocalProvider:
                 pid = None
         return proctree.kill_tag(self.tag("head"), root=pid)
 
-    def cleanup(self) -> list[str]:
+    def cleanup(self) -> builtins.list[str]:
         leaks = []
         for nid in self._node_ids():
             self.terminate([nid])

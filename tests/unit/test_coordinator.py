@@ -27,7 +27,7 @@ def hb(c, node, state="running", workers=(), drain_gen=0, notice=None):
 def test_notice_drain_leave_release_and_rescale_event():
     clk = Clock()
     c = Coordinator(clk)
-    for i, n in enumerate(["a", "b", "c"]):
+    for n in ["a", "b", "c"]:
         assert hb(c, n, "waiting")["go"]  # nothing to protect: start at once
     for i, n in enumerate(["a", "b", "c"]):
         hb(c, n, workers=[w(i, "inc1", 50, first=999.0)])
