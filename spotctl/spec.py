@@ -7,10 +7,10 @@ Every validation failure becomes one SpecError line that names the field, e.g.
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from spotctl.errors import SpecError
@@ -228,6 +228,8 @@ def load_spec(
         source = str(path.name)
         if not path.exists():
             raise SpecError(f"config file {path} not found")
+        if not path.is_file():
+            raise SpecError(f"config file {path} is not a file")
         try:
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
@@ -255,6 +257,14 @@ def load_spec(
     if check_script and spec.provider in ("local", "ssh") and not script.is_file():
         raise SpecError(f"train.script: training script {script} not found")
     spec.train.script = str(script)
+    if spec.provider == "ssh" and check_script:
+        for i, h in enumerate(spec.ssh.hosts):
+            key = Path(h.key).expanduser() if h.key else None
+            if key is not None and not key.is_absolute():
+                key = base / key
+            if key is not None and not key.is_file():
+                # fail before a head starts or a host is waited on for minutes
+                raise SpecError(f"ssh.hosts.{i}.key: key file {key} not found")
     if spec.train.checkpoint_dir:
         ck = Path(spec.train.checkpoint_dir).expanduser()
         spec.train.checkpoint_dir = str(ck if ck.is_absolute() else base / ck)

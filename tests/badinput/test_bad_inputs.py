@@ -1,0 +1,342 @@
+"""Issue 9, bad input: every case goes through the real CLI entry point (a subprocess of
+`python -m spotctl.cli.app`) and must give a non-zero exit, exactly one line naming what is
+wrong (`error: ...`, or click's usage block with one `Error: ...` line), no traceback, and
+start nothing: no cluster row in the state journal, no process tagged with the test's
+SPOTCTL_HOME, no cluster directory holding a head or nodes."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from spotctl import proctree
+
+SPOTCTL = [sys.executable, "-m", "spotctl.cli.app"]
+
+HEAD = 'name = "bad"\nprovider = "local"\ngpus = "1..2"\n'
+TRAIN = '\n[train]\nscript = "train.py"\n'
+OK = HEAD + TRAIN
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    argv: tuple[str, ...]
+    expect: str  # a fragment (case-insensitive) the error line must contain: the field named
+    toml: str | None = OK  # ./spotctl.toml (None: no file)
+    files: dict[str, str] = field(default_factory=dict)  # more files in the project dir
+    no_train_py: bool = False
+    existing_cluster: bool = False  # journal a (down) cluster "live" first
+
+
+def up(*extra: str) -> tuple[str, ...]:
+    return ("up", "--wait", "5", *extra)
+
+
+CASES: list[Case] = [
+    # --- malformed spec files
+    Case("toml-syntax", up(), "not valid TOML", toml='name = "bad"\ngpus = [1, \n'),
+    Case("toml-unclosed-string", up(), "not valid TOML", toml='name = "bad\n'),
+    Case("toml-duplicate-key", up(), "not valid TOML", toml=HEAD + 'name = "again"\n' + TRAIN),
+    Case("toml-binary", up(), "UTF-8", toml=None, files={"spotctl.toml": "\udcff"}),
+    Case("unknown-top-key", up(), "colour: unknown key", toml=OK + "colour = 1\n"),
+    Case(
+        "unknown-train-key",
+        up(),
+        "train.scirpt: unknown key",
+        toml=HEAD + '[train]\nscirpt = "train.py"\n',
+    ),
+    Case("unknown-section", up(), "azure: unknown key", toml=OK + "[azure]\nregion = 'x'\n"),
+    Case(
+        "unknown-local-key",
+        up(),
+        "local.gpu_per_node: unknown key",
+        toml=OK + "[local]\ngpu_per_node = 1\n",
+    ),
+    Case("train-not-table", up(), "train", toml=HEAD + 'train = "train.py"\n'),
+    Case(
+        "checkpoint-every-string",
+        up(),
+        "train.checkpoint_every",
+        toml=HEAD + '[train]\nscript = "train.py"\ncheckpoint_every = "often"\n',
+    ),
+    Case(
+        "checkpoint-every-zero",
+        up(),
+        "train.checkpoint_every",
+        toml=HEAD + '[train]\nscript = "train.py"\ncheckpoint_every = 0\n',
+    ),
+    Case(
+        "keep-last-zero",
+        up(),
+        "train.keep_last",
+        toml=HEAD + '[train]\nscript = "train.py"\nkeep_last = 0\n',
+    ),
+    Case(
+        "max-steps-negative",
+        up(),
+        "train.max_steps",
+        toml=HEAD + '[train]\nscript = "train.py"\nmax_steps = -5\n',
+    ),
+    Case(
+        "train-args-not-list",
+        up(),
+        "train.args",
+        toml=HEAD + '[train]\nscript = "train.py"\nargs = "--lr 1"\n',
+    ),
+    Case(
+        "train-env-not-strings",
+        up(),
+        "train.env",
+        toml=HEAD + '[train]\nscript = "train.py"\nenv = { A = [1] }\n',
+    ),
+    Case(
+        "provider-unknown-toml", up(), "provider", toml='name = "bad"\nprovider = "azure"\n' + TRAIN
+    ),
+    Case(
+        "gpus-inverted-toml",
+        up(),
+        "gpus: range 4..2 is inverted",
+        toml='name = "bad"\ngpus = "4..2"\n' + TRAIN,
+    ),
+    Case("gpus-bool-toml", up(), "gpus", toml='name = "bad"\ngpus = true\n' + TRAIN),
+    Case("gpus-float-toml", up(), "gpus", toml='name = "bad"\ngpus = 2.5\n' + TRAIN),
+    Case("name-uppercase-toml", up(), "name", toml='name = "BadName"\n' + TRAIN),
+    Case("name-int-toml", up(), "name", toml="name = 7\n" + TRAIN),
+    Case(
+        "budget-negative-toml",
+        up(),
+        "budget.max_usd_per_hour",
+        toml=OK + "[budget]\nmax_usd_per_hour = -1\n",
+    ),
+    Case(
+        "budget-string-toml",
+        up(),
+        "budget.max_usd_per_hour",
+        toml=OK + '[budget]\nmax_usd_per_hour = "cheap"\n',
+    ),
+    Case(
+        "capacity-out-of-order",
+        up(),
+        "local.capacity",
+        toml=OK + "[[local.capacity]]\nat_s = 10\nnodes = 2\n"
+        "[[local.capacity]]\nat_s = 5\nnodes = 1\n",
+    ),
+    Case(
+        "capacity-negative-nodes",
+        up(),
+        "local.capacity",
+        toml=OK + "[[local.capacity]]\nat_s = 0\nnodes = -1\n",
+    ),
+    Case(
+        "gpus-per-node-zero", up(), "local.gpus_per_node", toml=OK + "[local]\ngpus_per_node = 0\n"
+    ),
+    Case("local-zones-not-list", up(), "local.zones", toml=OK + '[local]\nzones = "a"\n'),
+    Case("ssh-without-hosts", up(), "ssh.hosts", toml='name = "bad"\nprovider = "ssh"\n' + TRAIN),
+    Case(
+        "ssh-host-bad-port",
+        up(),
+        "ssh.hosts",
+        toml='name = "bad"\nprovider = "ssh"\n'
+        + TRAIN
+        + '[[ssh.hosts]]\naddress = "127.0.0.1"\nport = 70000\n',
+    ),
+    Case(
+        "ssh-host-no-address",
+        up(),
+        "address",
+        toml='name = "bad"\nprovider = "ssh"\n' + TRAIN + "[[ssh.hosts]]\nport = 22\n",
+    ),
+    Case(
+        "ssh-key-missing",
+        up(),
+        "ssh.hosts.0.key",
+        toml='name = "bad"\nprovider = "ssh"\n'
+        + TRAIN
+        + '[[ssh.hosts]]\naddress = "127.0.0.1"\nport = 1\nkey = "/nonexistent/id_ed25519"\n',
+    ),
+    Case(
+        "rebalance-pct-over-100",
+        up(),
+        "rebalance.replace_saving_pct",
+        toml=OK + "[rebalance]\nreplace_saving_pct = 150\n",
+    ),
+    Case(
+        "rebalance-unknown-key",
+        up(),
+        "rebalance.interval: unknown key",
+        toml=OK + "[rebalance]\ninterval = 5\n",
+    ),
+    # --- flags
+    Case("gpus-inverted", up("--gpus", "8..4"), "gpus: range 8..4 is inverted"),
+    Case("gpus-zero", up("--gpus", "0"), "gpus"),
+    Case("gpus-zero-range", up("--gpus", "0..4"), "gpus"),
+    Case("gpus-negative", up("--gpus", "-2"), "gpus"),
+    Case("gpus-garbage", up("--gpus", "lots"), "gpus"),
+    Case("gpus-three-dots", up("--gpus", "1...4"), "gpus"),
+    Case("gpus-huge", up("--gpus", "1..99999"), "gpus"),
+    Case("provider-unknown-flag", up("--provider", "azure"), "provider"),
+    Case("name-bad-flag", up("--name", "Has Spaces"), "name"),
+    Case("name-too-long", up("--name", "a" * 60), "name"),
+    Case("name-trailing-dash", up("--name", "bad-"), "name"),
+    Case("budget-negative-flag", up("--budget", "-3"), "--budget"),
+    Case("budget-garbage-flag", up("--budget", "cheap"), "--budget"),
+    Case("checkpoint-every-flag-zero", up("--checkpoint-every", "0"), "--checkpoint-every"),
+    Case("max-steps-flag-negative", up("--max-steps", "-1"), "--max-steps"),
+    Case("wait-negative", up("--wait", "-1"), "--wait"),
+    Case("unknown-flag", up("--colour", "red"), "--colour"),
+    # --- missing files
+    Case("missing-config", up("--config", "nope.toml"), "nope.toml not found", toml=None),
+    Case("missing-train-script", up(), "train.script", no_train_py=True),
+    Case("missing-script-flag", up("--script", "nope.py"), "nope.py"),
+    Case("config-is-dir", up("--config", "adir"), "adir", toml=None, files={"adir/x": ""}),
+    # --- unknown names
+    Case("status-unknown", ("status", "--name", "ghost", "--json"), "ghost"),
+    Case("down-unknown", ("down", "--name", "ghost", "--yes"), "ghost"),
+    Case("logs-unknown-cluster", ("logs", "n1", "--name", "ghost"), "ghost"),
+    Case("preempt-unknown-cluster", ("preempt", "n1", "--name", "ghost"), "ghost"),
+    Case("kill-unknown-cluster", ("kill", "n1", "--name", "ghost"), "ghost"),
+    Case("events-unknown", ("events", "--name", "ghost"), "ghost"),
+    Case("cost-unknown", ("cost", "--name", "ghost"), "ghost"),
+    Case("cron-install-unknown", ("cron", "install", "--name", "ghost"), "ghost"),
+    Case(
+        "preempt-bad-style",
+        ("preempt", "n1", "--name", "live", "--style", "bogus"),
+        "--style",
+        existing_cluster=True,
+    ),
+    Case("preempt-unknown-node", ("preempt", "n9", "--name", "live"), "n9", existing_cluster=True),
+    Case(
+        "preempt-in-zero",
+        ("preempt", "n1", "--name", "live", "--in", "0"),
+        "--in",
+        existing_cluster=True,
+    ),
+    Case("kill-unknown-node", ("kill", "n9", "--name", "live"), "n9", existing_cluster=True),
+    Case("logs-unknown-node", ("logs", "n9", "--name", "live"), "n9", existing_cluster=True),
+    Case(
+        "logs-bad-kind",
+        ("logs", "head", "--name", "live", "--log", "bogus"),
+        "--log",
+        existing_cluster=True,
+    ),
+    Case(
+        "cron-every-bogus",
+        ("cron", "install", "--name", "live", "--every", "bogus"),
+        "--every",
+        existing_cluster=True,
+    ),
+    Case(
+        "cron-every-zero",
+        ("cron", "install", "--name", "live", "--every", "0m"),
+        "--every",
+        existing_cluster=True,
+    ),
+    Case(
+        "cron-every-too-many-hours",
+        ("cron", "install", "--name", "live", "--every", "25h"),
+        "--every",
+        existing_cluster=True,
+    ),
+    Case(
+        "status-interval-too-small",
+        ("status", "--name", "live", "--interval", "0"),
+        "--interval",
+        existing_cluster=True,
+    ),
+    Case("unknown-command", ("teleport",), "teleport"),
+    Case("simulate-missing-trace", ("simulate", "--trace", "nope.csv"), "--trace"),
+    Case(
+        "simulate-bad-policy", ("simulate", "--trace", "p3-trace", "--policy", "bogus"), "--policy"
+    ),
+    Case("simulate-zero-nodes", ("simulate", "--trace", "p3-trace", "--nodes", "0"), "--nodes"),
+    Case("prices-unknown-provider", ("prices", "--provider", "azure"), "azure"),
+    Case("init-exists", ("init", "."), "already exists"),
+]
+
+
+def _journal_cluster(home: Path, name: str) -> None:
+    """A cluster that exists in the journal but runs nothing (as after `down`)."""
+    from spotctl.state import Store
+
+    old = os.environ.get("SPOTCTL_HOME")
+    os.environ["SPOTCTL_HOME"] = str(home)
+    try:
+        Store().upsert_cluster(name, "local", {"name": name, "provider": "local"}, "down")
+    finally:
+        if old is None:
+            os.environ.pop("SPOTCTL_HOME")
+        else:
+            os.environ["SPOTCTL_HOME"] = old
+
+
+def _clusters(home: Path) -> list[str]:
+    db = home / "state.db"
+    if not db.exists():
+        return []
+    con = sqlite3.connect(db)
+    try:
+        return [r[0] for r in con.execute("SELECT name FROM clusters")]
+    except sqlite3.OperationalError:
+        return []
+    finally:
+        con.close()
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.startswith(("error:", "Error:"))]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case: Case, tmp_path: Path) -> None:
+    home, proj = tmp_path / "home", tmp_path / "proj"
+    proj.mkdir()
+    if case.toml is not None:
+        (proj / "spotctl.toml").write_text(case.toml)
+    if not case.no_train_py:
+        (proj / "train.py").write_text("raise SystemExit('bad-input tests never train')\n")
+    for rel, text in case.files.items():
+        p = proj / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(text.encode("utf-8", "surrogateescape"))
+    if case.existing_cluster:
+        _journal_cluster(home, "live")
+    before = set(_clusters(home))
+    env = dict(os.environ, SPOTCTL_HOME=str(home), NO_COLOR="1", COLUMNS="200")
+    p = subprocess.run(
+        [*SPOTCTL, *case.argv],
+        cwd=proj,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    assert "Traceback" not in out, out
+    lines = _error_lines(p.stderr)
+    assert len(lines) == 1, f"want exactly one error line, got:\n{p.stderr}"
+    assert case.expect.lower() in lines[0].lower(), f"{lines[0]!r} does not name {case.expect!r}"
+    if lines[0].startswith("error:"):
+        # a spotctl error is the only thing on stderr: one line, nothing else
+        assert p.stderr.strip() == lines[0], p.stderr
+    # nothing started
+    assert set(_clusters(home)) == before
+    assert proctree.tagged_prefix(str(home) + "/") == []
+    cdirs = home / "clusters"
+    if cdirs.exists():
+        for d in cdirs.iterdir():
+            assert not (d / "head" / "head.json").exists(), d
+            assert not any((d / "nodes").glob("*/vm.json")), d
+
+
+def test_corpus_is_large_enough() -> None:
+    assert len(CASES) >= 50
+    assert len({c.id for c in CASES}) == len(CASES)
