@@ -22,14 +22,15 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from spotctl.agent.config import AgentConfig
 from spotctl.errors import BootstrapError
+from spotctl.providers.base import HeadInfo, Instance, ProviderContext
 from spotctl.sshutil import HostTarget, RemoteResult, connect, run
 
 if TYPE_CHECKING:
@@ -45,6 +46,9 @@ __all__ = [
     "HostResult",
     "HostTarget",
     "TOKEN_FILE",
+    "CloudNodes",
+    "SshOverride",
+    "bootstrap_agents",
     "bootstrap_hosts",
     "release_hosts",
     "render_bootstrap",
@@ -481,4 +485,261 @@ def tail_node_log(
     tail_log(
         target, f"{d.rstrip('/')}/{rel}", store.cluster_dir(cluster).known_hosts,
         follow=follow, lines=lines,
+    )  # fmt: skip
+
+
+# ---- cloud nodes (aws, gcp): the head VM and the workers, reached over SSH --------------
+
+# Test seam, for `up -> status -> down` against a fake cloud (moto, fake Compute) on one
+# machine: every instance, head included, is reached over SSH at one loopback sshd instead
+# of its (fake) address, and the head's coordinator/store listen there too. Never set it
+# for a real cloud.
+#   SPOTCTL_SSH_OVERRIDE="127.0.0.1:PORT"    where every instance's SSH goes
+#   SPOTCTL_SSH_OVERRIDE_KEY=/path/key       private key for it (default: the cluster's)
+#   SPOTCTL_SSH_OVERRIDE_USER=name           login (default: the current user)
+#   SPOTCTL_HEAD_PORTS="API:STORE"           head's coordinator and store ports
+# ProviderContext.options "ssh_override", "ssh_override_key", "ssh_override_user",
+# "head_api_port", "head_store_port" win over the environment.
+OVERRIDE_VAR = "SPOTCTL_SSH_OVERRIDE"
+OVERRIDE_KEY_VAR = "SPOTCTL_SSH_OVERRIDE_KEY"
+OVERRIDE_USER_VAR = "SPOTCTL_SSH_OVERRIDE_USER"
+HEAD_PORTS_VAR = "SPOTCTL_HEAD_PORTS"
+# Node directories on the hosts; relative = under the remote user's $HOME (as for `ssh`).
+REMOTE_ROOT_VAR = "SPOTCTL_SSH_REMOTE_ROOT"
+HEAD_NODE_ID = "head"
+
+
+@dataclass(frozen=True)
+class SshOverride:
+    """Where every instance's SSH really goes (the test seam above)."""
+
+    address: str  # e.g. "127.0.0.1": also where the head listens and nodes meet
+    port: int
+    user: str  # "" = the instance's own ssh_user
+    key_path: str  # "" = the instance's own key (meta["key_file"])
+
+
+def ssh_override(options: Mapping[str, Any]) -> SshOverride | None:
+    import os
+
+    raw = str(options.get("ssh_override") or os.environ.get(OVERRIDE_VAR) or "")
+    if not raw:
+        return None
+    host, _, port = raw.rpartition(":")
+    if not host or not port.isdigit():
+        raise BootstrapError(f"{OVERRIDE_VAR}: expected HOST:PORT, got {raw!r}")
+    user = str(options.get("ssh_override_user") or os.environ.get(OVERRIDE_USER_VAR) or "")
+    if not user:
+        import getpass
+
+        user = getpass.getuser()
+    key = str(options.get("ssh_override_key") or os.environ.get(OVERRIDE_KEY_VAR) or "")
+    return SshOverride(host.strip("[]"), int(port), user, key)
+
+
+def head_ports(options: Mapping[str, Any], api: int, store: int) -> tuple[int, int]:
+    """The head's (coordinator, store) ports: options, then SPOTCTL_HEAD_PORTS, then defaults."""
+    import os
+
+    raw = os.environ.get(HEAD_PORTS_VAR, "")
+    if raw:
+        a, _, s = raw.partition(":")
+        if not (a.isdigit() and s.isdigit()):
+            raise BootstrapError(f"{HEAD_PORTS_VAR}: expected API:STORE ports, got {raw!r}")
+        api, store = int(a), int(s)
+    return int(options.get("head_api_port", api)), int(options.get("head_store_port", store))
+
+
+class CloudNodes:
+    """Bootstrap of cloud instances, shared by the aws and gcp providers.
+
+    The head VM gets the same bootstrap as a worker (upload, install if missing, systemd or
+    setsid), with `spotctl head` as the supervised command instead of the agent; workers get
+    an agent whose notices come from the cloud's metadata service.
+
+    How the controller reaches the coordinator: `HeadInfo.public_url`, which the providers
+    set to the head's public address (reconcile.head_client prefers it). Under the test seam
+    everything is on the override address (loopback).
+    """
+
+    def __init__(
+        self,
+        ctx: ProviderContext,
+        *,
+        metadata: str,
+        metadata_url: str,
+        api_port: int,
+        store_port: int,
+    ):
+        import os
+
+        opts = ctx.options
+        self.ctx = ctx
+        self.metadata = metadata
+        self.metadata_url = metadata_url
+        self.override = ssh_override(opts)
+        self.api_port, self.store_port = head_ports(opts, api_port, store_port)
+        self.remote_root = str(
+            opts.get("ssh_remote_root") or os.environ.get(REMOTE_ROOT_VAR) or ".spotctl"
+        )
+        self.wait_s = float(opts.get("ssh_wait_s", 300.0))
+        self.heartbeat_timeout_s = float(opts.get("ssh_heartbeat_timeout_s", 180.0))
+        self.head_timeout_s = float(opts.get("head_start_timeout_s", 120.0))
+        self.parallel = int(opts.get("ssh_parallel", 8))
+        # On a VM the image's python3 (pip-installs spotctl if missing); on the test seam's
+        # loopback host, this interpreter (the project is installed in it).
+        py = ctx.spec.train.python
+        self.python = py or (sys.executable if self.override else "python3")
+
+    @property
+    def known_hosts(self) -> Path:
+        return self.ctx.cluster_dir.known_hosts
+
+    def token(self) -> str:
+        return self.ctx.cluster_dir.token(create=True)
+
+    def target(self, inst: Instance, node_id: str = "") -> HostTarget:
+        node_id = node_id or inst.id
+        remote_dir = f"{self.remote_root.rstrip('/')}/{self.ctx.cluster}/{node_id}"
+        key = str(inst.meta.get("key_file") or "")
+        ov = self.override
+        if ov is not None:
+            return HostTarget(node_id, ov.address, ov.port, ov.user or inst.ssh_user,
+                              ov.key_path or key, remote_dir)  # fmt: skip
+        address = inst.public_address or inst.address
+        if not address:
+            raise BootstrapError(f"{node_id}: instance {inst.id} has no address to SSH to")
+        return HostTarget(node_id, address, inst.ssh_port, inst.ssh_user, key, remote_dir)
+
+    # -- the head
+    def head_info(self, inst: Instance) -> HeadInfo:
+        """Where the head on this VM listens: private address for nodes, public for us."""
+        host = self.override.address if self.override else inst.address
+        public = self.override.address if self.override else inst.public_address
+        return HeadInfo(
+            url=f"http://{host}:{self.api_port}", store_host=host, store_port=self.store_port,
+            instance_id=inst.id, public_url=f"http://{public}:{self.api_port}" if public else "",
+        )  # fmt: skip
+
+    def start_head(self, inst: Instance, info: HeadInfo) -> HostResult:
+        """Run `spotctl head` on the head VM (idempotent), token uploaded 0600; ok once the
+        coordinator answers /api/health at the URL the controller uses."""
+        token = self.token()
+        listen = self.override.address if self.override else "0.0.0.0"
+
+        def render(t: HostTarget) -> BootstrapFiles:
+            d = t.remote_dir
+            cfg = AgentConfig(
+                cluster=self.ctx.cluster, node_id=HEAD_NODE_ID, head_url=info.url,
+                store_host=info.store_host, store_port=info.store_port, token_file="",
+                workdir="work", script="",
+            )  # fmt: skip
+            # `-X` tags the command line with the node's agent.json path, which is how
+            # bootstrap.sh recognises its own process (python ignores unknown -X options).
+            argv = [self.python, "-X", f"spotctl_node={d}/{AGENT_CONFIG}", "-m",
+                    "spotctl.cli.app", "head", "--dir", f"{d}/head", "--token-file",
+                    f"{d}/{TOKEN_FILE}", "--host", listen, "--http-port", str(self.api_port),
+                    "--store-port", str(self.store_port)]  # fmt: skip
+            return render_bootstrap(t, cfg, token, python=self.python, agent_argv=argv)
+
+        target = self.target(inst, HEAD_NODE_ID)
+        (res,) = bootstrap_hosts([target], render, self.known_hosts, 1, False,
+                                 wait_s=self.wait_s)  # fmt: skip
+        if not res.ok:
+            return res
+        url = info.public_url or info.url
+        deadline = time.monotonic() + self.head_timeout_s
+        while not _head_healthy(url, token):
+            if time.monotonic() >= deadline:
+                return dataclasses.replace(
+                    res,
+                    ok=False,
+                    reason=(
+                        f"{target.label}: head started but {url}/api/health did not answer "
+                        f"within {self.head_timeout_s:.0f}s (see head/ in {target.remote_dir})"
+                    ),
+                )
+            time.sleep(0.3)
+        return res
+
+    # -- workers
+    def agent_config(self, inst: Instance, head: HeadInfo) -> AgentConfig:
+        """The node's agent config; token_file and workdir are placed by the bootstrap."""
+        spec = self.ctx.spec
+        tr = spec.train
+        return AgentConfig(
+            cluster=self.ctx.cluster, node_id=inst.id, head_url=head.url,
+            store_host=head.store_host, store_port=head.store_port, token_file="",
+            workdir="work", script=tr.script, args=list(tr.args),
+            nproc_per_node=max(1, inst.gpus),
+            max_nodes=max(1, spec.gpus.max // max(1, inst.gpus)),
+            checkpoint_dir=tr.checkpoint_dir or str(self.ctx.cluster_dir.checkpoints),
+            checkpoint_every=tr.checkpoint_every, keep_last=tr.keep_last,
+            max_steps=tr.max_steps, python=tr.python, env=dict(tr.env),
+            local_addr=self.override.address if self.override else inst.address,
+            metadata=self.metadata, metadata_url=self.metadata_url,
+        )  # fmt: skip
+
+    def bootstrap(
+        self, instances: Sequence[Instance], head: HeadInfo, *, progress: bool = False
+    ) -> list[HostResult]:
+        """Agents on the workers; a host is ok once its agent heartbeats at the head."""
+        return bootstrap_agents(
+            instances, {i.id: self.target(i) for i in instances},
+            lambda i: self.agent_config(i, head), self.token(), self.known_hosts,
+            python=self.python, probe_url=head.public_url or head.url,
+            parallel=self.parallel, progress=progress, wait_s=self.wait_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+        )  # fmt: skip
+
+    def release(self, instances: Sequence[Instance]) -> list[HostResult]:
+        """Stop agents (and the head) on these instances over SSH; the head is role=head."""
+        targets = [self.target(i, HEAD_NODE_ID if i.role == "head" else "") for i in instances]
+        return release_hosts(targets, self.known_hosts, self.parallel, wait_s=10.0)
+
+
+def _head_healthy(url: str, token: str) -> bool:
+    req = urllib.request.Request(
+        url.rstrip("/") + "/api/health", headers={"Authorization": f"Bearer {token}"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=3) as r:
+            return bool(json.load(r).get("ok"))
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def bootstrap_agents(
+    instances: Sequence[Instance],
+    targets: Mapping[str, HostTarget],
+    config_for: Callable[[Instance], AgentConfig],
+    token: str,
+    known_hosts: Path,
+    *,
+    python: str,
+    probe_url: str = "",
+    upload_script: bool = True,
+    parallel: int = 8,
+    progress: bool = False,
+    wait_s: float = 300.0,
+    heartbeat_timeout_s: float = 120.0,
+) -> list[HostResult]:
+    """Make instances nodes: render each one's agent config (the training script uploaded
+    next to it when it is a local file), bootstrap, and with `probe_url` wait for each
+    agent's first heartbeat at the head. Per-host results; never raises for one host."""
+    by_id = {i.id: i for i in instances}
+
+    def render(t: HostTarget) -> BootstrapFiles:
+        cfg = dataclasses.replace(config_for(by_id[t.node_id]))
+        extra: dict[str, bytes] = {}
+        script = Path(cfg.script)
+        if upload_script and script.is_file():
+            extra[f"train/{script.name}"] = script.read_bytes()
+            cfg.script = f"{t.remote_dir}/train/{script.name}"
+        return render_bootstrap(t, cfg, token, python=python, extra=extra)
+
+    probe = HeadProbe(probe_url, token) if probe_url else None
+    return bootstrap_hosts(
+        [targets[i.id] for i in instances], render, known_hosts, parallel, progress,
+        wait_s=wait_s, probe=probe, heartbeat_timeout_s=heartbeat_timeout_s,
     )  # fmt: skip

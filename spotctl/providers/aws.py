@@ -8,7 +8,17 @@ Endpoint and credentials come from the usual boto3 chain; `AWS_ENDPOINT_URL` (ho
 boto3 itself) points it at moto in tests, and `ctx.options["endpoint_url"]` overrides it.
 
 Test/ops knobs in `ctx.options` (never set by users): endpoint_url, ssh_cidr,
-retry_attempts (default 5), retry_base_s (0.5), poll_s (5), wait_timeout_s (300).
+retry_attempts (default 5), retry_base_s (0.5), poll_s (5), wait_timeout_s (300),
+head_process (default True: `ensure_head` also starts `spotctl head` on the head VM over
+SSH; provider unit tests turn it off, their fake instances have no SSH).
+
+Bootstrap (head and workers) goes over SSH to each instance's public address as
+`aws.ssh_user` with the cluster's key pair (spotctl.bootstrap.CloudNodes). Test seam:
+`SPOTCTL_SSH_OVERRIDE=127.0.0.1:PORT` (+ `SPOTCTL_SSH_OVERRIDE_KEY`, `SPOTCTL_HEAD_PORTS`,
+`SPOTCTL_SSH_REMOTE_ROOT`) sends every instance's SSH to one loopback sshd and puts the
+head on that address, so `up -> status -> down` runs on moto with real SSH, head and agents
+(tests/aws/test_up_flow.py). Under the seam, `cleanup` also stops the processes the
+"instances" ran, as terminating a real VM would.
 """
 
 from __future__ import annotations
@@ -39,8 +49,10 @@ from botocore.exceptions import (
 )
 
 from spotctl import catalog_aws
+from spotctl.bootstrap import CloudNodes, HostResult
 from spotctl.errors import (
     AuthError,
+    BootstrapError,
     CapacityError,
     ProviderError,
     QuotaError,
@@ -51,6 +63,7 @@ from spotctl.providers.base import HeadInfo, Instance, Offer, ProviderContext
 
 COORDINATOR_PORT = 7470  # head's HTTP coordinator API
 STORE_PORT = 29400  # head's TCPStore for torchrun's c10d rendezvous
+METADATA_URL = "http://169.254.169.254"  # IMDSv2, what the agents poll for notices
 
 TAG_CLUSTER = "spotctl:cluster"
 TAG_ROLE = "spotctl:role"
@@ -211,6 +224,12 @@ class AwsProvider:
         self._types: dict[str, dict[str, Any]] = {}
         self._prepared: tuple[str, str] | None = None  # (security group id, key name)
         self._default_ami = ""  # looked up once when aws.ami is empty
+        self._nodes = CloudNodes(
+            ctx, metadata="aws", metadata_url=METADATA_URL,
+            api_port=COORDINATOR_PORT, store_port=STORE_PORT,
+        )  # fmt: skip
+        self._head_process = bool(opts.get("head_process", True))
+        self._head: HeadInfo | None = None  # set by ensure_head, used by bootstrap
 
     # ---- API calls ------------------------------------------------------------------
 
@@ -766,11 +785,13 @@ class AwsProvider:
         return path.read_text().strip()
 
     def ensure_head(self) -> HeadInfo:
-        """An on-demand head (aws.head_instance_type) tagged role=head; started if absent.
+        """An on-demand head (aws.head_instance_type) tagged role=head, started if absent,
+        running `spotctl head` (started over SSH if not running; token uploaded 0600).
 
-        The coordinator and store ports are open to the cluster's group only, so the
-        controller reaches the coordinator through SSH to the head's public address
-        (`public_url` stays empty).
+        Nodes reach the head at its private address. The controller uses `public_url`
+        (the head's public address): the coordinator and store ports are open to the
+        cluster's group only, so outside the VPC that needs an SSH tunnel to the head
+        (not built yet); under the test seam it is the loopback address.
         """
         heads = [i for i in self.list(self.ctx.cluster) if i.role == "head"]
         live = [h for h in heads if h.state in ("pending", "running")]
@@ -790,15 +811,28 @@ class AwsProvider:
                 spot=False,
             )
             head_id = started[0].id
-        raw = self._wait_running(head_id)
-        ip = str(raw.get("PrivateIpAddress", ""))
-        return HeadInfo(
-            url=f"http://{ip}:{COORDINATOR_PORT}",
-            store_host=ip,
-            store_port=STORE_PORT,
-            instance_id=head_id,
-            public_url="",
-        )
+        inst = self._to_instance(self._wait_running(head_id))
+        info = self._nodes.head_info(inst)
+        if self._head_process:
+            res = self._nodes.start_head(inst, info)
+            if not res.ok:
+                raise BootstrapError(f"aws: head {head_id}: {res.reason}")
+        self._head = info
+        return info
+
+    def bootstrap(self, instances: Sequence[Instance]) -> builtins.list[HostResult]:
+        """Make launched workers nodes over SSH: wait until each runs (addresses known),
+        start its agent (AWS IMDSv2 notices), confirm its first heartbeat at the head.
+        Per-host results; one host failing never hides the others."""
+        head = self._head or self.ensure_head()
+        ready: builtins.list[Instance] = []
+        failed: builtins.list[HostResult] = []
+        for inst in instances:
+            try:
+                ready.append(self._to_instance(self._wait_running(inst.id)))
+            except ProviderError as e:
+                failed.append(HostResult(inst.id, False, str(e), False, 0.0))
+        return failed + self._nodes.bootstrap(ready, head)
 
     def _head_gone(self) -> bool:
         """True when the saved head token already launched a head that is now gone."""
@@ -830,7 +864,12 @@ class AwsProvider:
         Returns one line per thing that is still there afterwards (empty when clean).
         """
         leaks: builtins.list[str] = []
-        ids = [i.id for i in self.list(self.ctx.cluster)]
+        insts = self.list(self.ctx.cluster)
+        if self._nodes.override is not None:
+            # Test seam: the "instances" are processes behind one sshd; stop them as
+            # terminating the VMs would.
+            leaks += [f"{r.node_id}: {r.reason}" for r in self._nodes.release(insts) if not r.ok]
+        ids = [i.id for i in insts]
         self.terminate(ids)
         for left in self._wait_gone(ids):
             leaks.append(f"instance {left} in {self.region} still not terminated")

@@ -21,7 +21,17 @@ provider work without google-cloud-compute installed.
 
 Test seams (ctx.options, never set by users): gcp_endpoint (or env SPOTCTL_GCP_ENDPOINT),
 gcp_backoff_base, gcp_backoff_max, gcp_attempts, gcp_poll_interval, gcp_op_timeout,
-ssh_public_key, ssh_cidr, head_api_port, head_store_port, gcp_disk_gb, region.
+ssh_public_key, ssh_cidr, head_api_port, head_store_port, gcp_disk_gb, region,
+head_process (default True: `ensure_head` also starts `spotctl head` on the head VM over
+SSH; provider unit tests turn it off, their fake VMs have no SSH).
+
+Bootstrap (head and workers) goes over SSH to each VM's external address as
+`gcp.ssh_user` with the cluster's own key (spotctl.bootstrap.CloudNodes). Test seam:
+`SPOTCTL_SSH_OVERRIDE=127.0.0.1:PORT` (+ `SPOTCTL_SSH_OVERRIDE_KEY`, `SPOTCTL_HEAD_PORTS`,
+`SPOTCTL_SSH_REMOTE_ROOT`) sends every VM's SSH to one loopback sshd and puts the head on
+that address, so `up -> status -> down` runs on the fake Compute API with real SSH, head
+and agents (tests/gcp/test_up_flow.py). Under the seam, `cleanup` also stops the
+processes the "VMs" ran, as deleting a real VM would.
 """
 
 from __future__ import annotations
@@ -42,8 +52,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from spotctl import catalog_gcp
+from spotctl.bootstrap import CloudNodes, HostResult
 from spotctl.errors import (
     AuthError,
+    BootstrapError,
     CapacityError,
     ProviderError,
     QuotaError,
@@ -58,6 +70,7 @@ LABEL_CLUSTER = "spotctl-cluster"
 LABEL_ROLE = "spotctl-role"
 LABEL_REQUEST = "spotctl-request-id"
 HEAD_REQUEST_ID = "head"
+METADATA_URL = "http://metadata.google.internal"  # what the agents poll for notices
 # Same ports as the AWS head (spotctl/providers/aws.py).
 COORDINATOR_PORT = 7470  # head HTTP coordinator API
 STORE_PORT = 29400  # head TCPStore for the c10d rendezvous
@@ -259,6 +272,12 @@ class GcpProvider:
         self._clients: _Clients | None = None
         self._project: str = self.spec.project
         self._zone_of: dict[str, str] = {}  # instance name -> zone, from the last listing
+        self._nodes = CloudNodes(
+            ctx, metadata="gcp", metadata_url=METADATA_URL,
+            api_port=COORDINATOR_PORT, store_port=STORE_PORT,
+        )  # fmt: skip
+        self._head_process = bool(opts.get("head_process", True))
+        self._head: HeadInfo | None = None  # set by ensure_head, used by bootstrap
 
     # ----------------------------------------------------------------- offers (no API)
 
@@ -823,7 +842,9 @@ class GcpProvider:
                 raise err
 
     def ensure_head(self) -> HeadInfo:
-        """A small standard (non-spot) VM labelled role=head; created once, then reused."""
+        """A small standard (non-spot) VM labelled role=head, created once, then reused,
+        running `spotctl head` (started over SSH if not running; token uploaded 0600).
+        Nodes use its internal address; the controller `public_url` (external address)."""
         name = head_name(self.cluster)
         heads = [
             vm
@@ -862,15 +883,32 @@ class GcpProvider:
         else:
             vm = live[0]
         head = self._to_instance(vm)
-        api_port = int(self.ctx.options.get("head_api_port", COORDINATOR_PORT))
-        store_port = int(self.ctx.options.get("head_store_port", STORE_PORT))
-        return HeadInfo(
-            url=f"http://{head.address}:{api_port}",
-            store_host=head.address,
-            store_port=store_port,
-            instance_id=head.id,
-            public_url=f"http://{head.public_address}:{api_port}",
-        )
+        info = self._nodes.head_info(head)
+        if self._head_process:
+            res = self._nodes.start_head(head, info)
+            if not res.ok:
+                raise BootstrapError(f"gcp: head {head.id}: {res.reason}")
+        self._head = info
+        return info
+
+    def bootstrap(self, instances: Sequence[Instance]) -> builtins.list[HostResult]:
+        """Make launched workers nodes over SSH: wait until each runs with an address,
+        start its agent (GCP metadata notices), confirm its first heartbeat at the head.
+        Per-host results; one host failing never hides the others."""
+        head = self._head or self.ensure_head()
+        want = {i.id for i in instances}
+        deadline = time.monotonic() + self.op_timeout_s
+        while True:
+            now = {i.id: i for i in self.list(self.cluster) if i.id in want}
+            ready = [i for i in now.values() if i.state == "running" and i.address]
+            if len(ready) == len(want) or time.monotonic() >= deadline:
+                break
+            time.sleep(self.poll_s)
+        missing = [
+            HostResult(i, False, f"gcp: {i} not running with an address", False, 0.0)
+            for i in sorted(want - {i.id for i in ready})
+        ]
+        return missing + self._nodes.bootstrap(ready, head)
 
     def _head_zone(self) -> str:
         if self.spec.zones:
@@ -883,10 +921,16 @@ class GcpProvider:
     def cleanup(self) -> builtins.list[str]:
         """Delete every VM and firewall rule of the cluster; describe anything still there."""
         label = {LABEL_CLUSTER: label_value(self.cluster)}
+        leaks: builtins.list[str] = []
+        if self._nodes.override is not None:
+            # Test seam: the "VMs" are processes behind one sshd; stop them as deleting
+            # the VMs would.
+            insts = self.list(self.cluster)
+            leaks += [f"{r.node_id}: {r.reason}" for r in self._nodes.release(insts) if not r.ok]
         vms = self._raw_list(**label)
         self._delete((_short(vm.zone), vm.name) for vm in vms)
         self._delete_firewalls(firewall_names(self.cluster))
-        leaks = [
+        leaks += [
             f"instance {_short(vm.zone)}/{vm.name} ({vm.status})" for vm in self._raw_list(**label)
         ]
         leaks += [f"firewall {fw.name}" for fw in self._list_firewalls()]

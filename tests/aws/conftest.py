@@ -89,7 +89,8 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "home"
 
 
-FAST = {"poll_s": 0.01, "retry_base_s": 0.001, "wait_timeout_s": 10.0}
+# head_process off: these fake instances have no SSH (tests/aws/test_up_flow.py has one).
+FAST = {"poll_s": 0.01, "retry_base_s": 0.001, "wait_timeout_s": 10.0, "head_process": False}
 
 
 @pytest.fixture

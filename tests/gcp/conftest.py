@@ -51,6 +51,8 @@ def make_ctx(fake: FakeCompute, home: Path, cluster: str = "demo", **gcp: Any) -
             "gcp_backoff_max": 0.05,
             "gcp_poll_interval": 0.01,
             "gcp_op_timeout": 30,
+            # these fake VMs have no SSH (tests/gcp/test_up_flow.py has one)
+            "head_process": False,
         },
     )
 
