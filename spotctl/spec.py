@@ -259,12 +259,12 @@ def load_spec(
     spec.train.script = str(script)
     if spec.provider == "ssh" and check_script:
         for i, h in enumerate(spec.ssh.hosts):
-            key = Path(h.key).expanduser() if h.key else None
-            if key is not None and not key.is_absolute():
-                key = base / key
-            if key is not None and not key.is_file():
+            kf = Path(h.key).expanduser() if h.key else None
+            if kf is not None and not kf.is_absolute():
+                kf = base / kf
+            if kf is not None and not kf.is_file():
                 # fail before a head starts or a host is waited on for minutes
-                raise SpecError(f"ssh.hosts.{i}.key: key file {key} not found")
+                raise SpecError(f"ssh.hosts.{i}.key: key file {kf} not found")
     if spec.train.checkpoint_dir:
         ck = Path(spec.train.checkpoint_dir).expanduser()
         spec.train.checkpoint_dir = str(ck if ck.is_absolute() else base / ck)

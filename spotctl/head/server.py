@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,6 +25,15 @@ from spotctl.state import write_json_atomic
 
 log = logging.getLogger("spotctl.head")
 MAX_BODY = 1 << 20
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # a restarted head takes its old port back at once (ports.json)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port))
+    s.listen(512)
+    return s
 
 
 class HeadServer:
@@ -48,10 +58,15 @@ class HeadServer:
         if with_store:
             from torch.distributed import TCPStore
 
-            # multi_tenant: several torchrun agents share this one store as clients
+            # TCPStore's own listener binds every interface whatever `host` says, and the
+            # store has no auth: hand it a socket bound to `host` only.
+            sock = _listen(host, store_port)
+            port = sock.getsockname()[1]
+            # multi_tenant: several torchrun agents share this one store as clients;
+            # the store owns (and closes) the listening fd from here on
             self.store = TCPStore(
-                host, store_port, world_size=None, is_master=True, wait_for_workers=False,
-                multi_tenant=True, use_libuv=True,
+                host, port, world_size=None, is_master=True, wait_for_workers=False,
+                multi_tenant=True, master_listen_fd=sock.detach(), use_libuv=True,
             )
             self.store_port = self.store.port
         self.httpd = ThreadingHTTPServer((host, http_port), self._handler())
