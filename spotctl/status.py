@@ -60,6 +60,10 @@ def collect(store: Store, name: str, now: float | None = None) -> dict[str, Any]
             "uptime_s": round(max(0.0, end - n.launched_at), 1),
             "heartbeat_age_s": h.get("heartbeat_age_s"), "step": h.get("step"),
             "price": n.price, "notice": bool(h.get("notice")),
+            # which worker group this node's workers belong to (one per formation)
+            "incarnations": sorted({w.get("incarnation") for w in h.get("workers", [])
+                                    if w.get("incarnation")}),
+            "world_size": h.get("world_size"),
         })
     live = [x for x in nodes if x["state"] not in ("lost", "preempted", "terminated", "left")]
     cost = None

@@ -39,7 +39,7 @@ def torchrun_command(cfg: AgentConfig) -> list[str]:
         py, "-m", "torch.distributed.run",
         f"--nnodes=1:{max(1, cfg.max_nodes)}",
         f"--nproc-per-node={cfg.nproc_per_node}",
-        "--rdzv-backend=c10d",
+        "--rdzv-backend=spotctl",  # c10d behind a gate (spotctl.elastic.rdzv)
         f"--rdzv-endpoint={cfg.store_host}:{cfg.store_port}",
         f"--rdzv-id={cfg.cluster}",
         f"--rdzv-conf={RDZV_CONF}",
@@ -57,6 +57,7 @@ class Agent:
         self.workdir = Path(cfg.workdir)
         self.status_dir = self.workdir / "status"
         self.status_dir.mkdir(parents=True, exist_ok=True)
+        self.gate = self.workdir / "rdzv-gate"
         self.head = HeadClient(cfg.head_url, cfg.token(), timeout_s=2.0)
         self.state = "waiting"
         self.torchrun: subprocess.Popen[bytes] | None = None
@@ -69,6 +70,7 @@ class Agent:
         self.monitors: Any = None
         self._stop = threading.Event()
         self.torchrun_restarts = 0
+        self.next_start = 0.0
         self._warm = threading.Thread(target=self._import_torch, daemon=True)
 
     @staticmethod
@@ -145,9 +147,11 @@ class Agent:
         cfg = self.cfg
         for p in self.status_dir.glob("worker-*.json"):
             p.unlink(missing_ok=True)
+        self.gate.unlink(missing_ok=True)
         env = dict(os.environ)
         env.update(cfg.env)
         env.update(
+            SPOTCTL_RDZV_GATE=str(self.gate),
             TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
             SPOTCTL_NODE_ID=cfg.node_id,
             SPOTCTL_STATUS_DIR=str(self.status_dir),
@@ -165,8 +169,8 @@ class Agent:
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
         out.close()
-        self.state = "running"
-        log.info("torchrun started (pid %s)", self.torchrun.pid)
+        log.info("torchrun started (pid %s), gate %s", self.torchrun.pid,
+                 "open" if self.gate.exists() else "closed")
 
     def stop_torchrun(self, timeout_s: float = 15.0) -> int | None:
         tr = self.torchrun
@@ -226,26 +230,33 @@ class Agent:
         workers = self._live_workers(self.read_workers())
         reply = self._heartbeat(workers)
         tr = self.torchrun
-        if tr is not None and tr.poll() is not None and self.state == "running":
+        if tr is not None and tr.poll() is not None and self.state in ("running", "waiting"):
             code = tr.returncode
             self.torchrun = None
-            if code == 0:
+            if code == 0 and self.state == "running":
                 self.state = "finished"
                 log.info("training finished")
             else:
                 # torchrun gives up when the store (head) is gone: come back when it is
                 self.torchrun_restarts += 1
+                self.next_start = time.monotonic() + min(5.0, 0.5 * self.torchrun_restarts)
                 log.warning("torchrun exited %s; restarting when the head answers", code)
                 self.state = "waiting"
         if reply is None:
             return
-        if self.state == "waiting" and reply.get("go") and self.notice is None:
-            if self.torchrun_restarts:
-                time.sleep(min(5.0, 0.5 * self.torchrun_restarts))
-            self.start_torchrun()
-            return
         if self.state == "waiting" and self.notice is not None:
+            if self.torchrun is not None:
+                self.stop_torchrun()
+                self.torchrun = None
             self.state = "left"
+            return
+        if self.state == "waiting":
+            if self.torchrun is None and time.monotonic() >= self.next_start:
+                # start early behind the closed gate: imports overlap the group's drain
+                self.start_torchrun()
+            if self.torchrun is not None and reply.get("go"):
+                self.gate.touch()
+                self.state = "running"
             return
         if self.state != "running":
             return

@@ -60,3 +60,60 @@ def leave_rendezvous(
     holder.sync()
     st = holder.state
     return node not in st.participants and node not in st.wait_list
+
+
+class GatedHandler:
+    """torchrun's c10d handler behind a gate: the first `next_rendezvous` waits until the
+    gate file exists. The agent starts torchrun early (interpreter and torch imports take
+    seconds) and opens the gate only when the head says the group has checkpointed, so a
+    joining node enters the rendezvous as soon as it may and not a moment before."""
+
+    def __init__(self, inner: object, gate: str):
+        self._inner = inner
+        self._gate = gate
+
+    def next_rendezvous(self):  # type: ignore[no-untyped-def]
+        import os
+
+        while self._gate and not os.path.exists(self._gate):
+            time.sleep(0.05)
+        return self._inner.next_rendezvous()  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._inner, name)
+
+
+def get_handler():  # type: ignore[no-untyped-def]
+    """Entry point (group `torchrun.handlers`, name `spotctl`): `--rdzv-backend=spotctl`."""
+    import os
+
+    from torch.distributed.elastic.rendezvous.api import RendezvousHandler
+    from torch.distributed.elastic.rendezvous.registry import _create_c10d_handler
+
+    class _Gated(GatedHandler, RendezvousHandler):  # RendezvousHandler for isinstance checks
+        def get_backend(self) -> str:
+            return "spotctl"  # torch checks it against --rdzv-backend
+
+        def is_closed(self) -> bool:
+            return self._inner.is_closed()  # type: ignore[attr-defined,no-any-return]
+
+        def set_closed(self) -> None:
+            self._inner.set_closed()  # type: ignore[attr-defined]
+
+        def num_nodes_waiting(self) -> int:
+            return self._inner.num_nodes_waiting()  # type: ignore[attr-defined,no-any-return]
+
+        def get_run_id(self) -> str:
+            return self._inner.get_run_id()  # type: ignore[attr-defined,no-any-return]
+
+        def shutdown(self) -> bool:
+            return self._inner.shutdown()  # type: ignore[attr-defined,no-any-return]
+
+        @property
+        def use_agent_store(self) -> bool:
+            return self._inner.use_agent_store  # type: ignore[attr-defined,no-any-return]
+
+    def create(params):  # type: ignore[no-untyped-def]
+        return _Gated(_create_c10d_handler(params), os.environ.get("SPOTCTL_RDZV_GATE", ""))
+
+    return create

@@ -87,6 +87,14 @@ class LocalCluster:
                              lambda s: s["world_size"] == world and s["step"] >= first["step"] + by,
                              timeout)
 
+    def assert_one_world(self, st: dict[str, Any]) -> None:
+        """No split brain: every training node is in the same worker group, whose world
+        size counts exactly those nodes' GPUs."""
+        running = [n for n in st["nodes"] if n["state"] == "running"]
+        groups = {tuple(n["incarnations"]) for n in running}
+        assert len(groups) == 1 and len(next(iter(groups))) == 1, f"split brain: {running}"
+        assert st["world_size"] == sum(n["gpus"] for n in running), st
+
     @property
     def cluster_dir(self) -> Path:
         return self.home / "clusters" / self.name

@@ -25,7 +25,7 @@ def test_notice_join_gcp_kill_cycle(local_cluster):
     c.write_spec("2..3", checkpoint_every=EVERY,
                  train_env={"TRAIN_DATASET_SIZE": str(N), "TRAIN_GLOBAL_BATCH": str(G)})
     c.cli("up", "--wait", "120")
-    c.steps_advance(world=3, by=10, timeout=180)
+    c.assert_one_world(c.steps_advance(world=3, by=10, timeout=180))
 
     # 1. AWS-style notice: n1 leaves, survivors continue at 2 with no lost step
     c.cli("preempt", "n1", "--name", "resc", "--style", "aws")
@@ -33,14 +33,15 @@ def test_notice_join_gcp_kill_cycle(local_cluster):
     assert (r["from_world_size"], r["to_world_size"], r["reason"]) == (3, 2, "notice")
     assert r["lost_steps"] == 0 and r["checkpoint_step"] == r["resume_step"]
     assert r["notice_to_resume_s"] > 0
-    c.steps_advance(world=2, by=10)
+    c.assert_one_world(c.steps_advance(world=2, by=10))
 
     # 2. join: `up` reconciles back to 3 GPUs; the newcomer enters through a drain
     c.cli("up", "--wait", "120")
     r = _rescales(c, 2)[-1]
     assert (r["from_world_size"], r["to_world_size"], r["reason"]) == (2, 3, "join")
     assert r["lost_steps"] == 0
-    c.steps_advance(world=3, by=10)
+    st = c.steps_advance(world=3, by=10)
+    c.assert_one_world(st)
 
     # 3. GCP-style notice (30 s to hard stop): committed inside the window, nothing lost
     c.cli("preempt", "n2", "--name", "resc", "--style", "gcp")
