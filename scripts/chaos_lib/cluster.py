@@ -1,0 +1,209 @@
+"""A local cluster driven through the real CLI (subprocesses), as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from spotctl import proctree
+from spotctl.elastic.checkpoint import COMMIT, committed_steps
+
+REPO = Path(__file__).resolve().parents[2]
+SPOTCTL = [sys.executable, "-m", "spotctl.cli.app"]
+
+
+class Timeout(AssertionError):
+    pass
+
+
+class Cluster:
+    def __init__(
+        self,
+        root: Path,
+        name: str,
+        gpus: str,
+        checkpoint_every: int,
+        train_env: dict[str, str] | None = None,
+        extra_toml: str = "",
+    ):
+        self.root, self.name, self.every = root, name, checkpoint_every
+        self.home = root / "home"
+        self.project = root / "project"
+        self.project.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / "templates" / "train.py", self.project / "train.py")
+        self.env = dict(os.environ, SPOTCTL_HOME=str(self.home), NO_COLOR="1")
+        env = {"TRAIN_STEP_SLEEP_S": "0.05"} | (train_env or {})
+        env_toml = ", ".join(f'{k} = "{v}"' for k, v in env.items())
+        (self.project / "spotctl.toml").write_text(
+            f'name = "{name}"\nprovider = "local"\ngpus = "{gpus}"\n\n'
+            f'[train]\nscript = "train.py"\ncheckpoint_every = {checkpoint_every}\n'
+            f"env = {{ {env_toml} }}\n{extra_toml}\n"
+        )
+
+    # -- the CLI
+    def cli(
+        self, *args: str, check: bool = True, timeout: float = 240
+    ) -> subprocess.CompletedProcess[str]:
+        p = subprocess.run(
+            [*SPOTCTL, *args],
+            cwd=self.project,
+            env=self.env,
+            text=True,
+            capture_output=True,
+            timeout=timeout,
+        )
+        if check and p.returncode != 0:
+            raise AssertionError(
+                f"spotctl {' '.join(args)} exited {p.returncode}: {p.stderr[-2000:]}"
+            )
+        return p
+
+    def popen(self, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [*SPOTCTL, *args],
+            cwd=self.project,
+            env=self.env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+
+    def up(self, wait: float = 150) -> None:
+        self.cli("up", "--wait", str(wait), timeout=wait + 90)
+
+    def status(self) -> dict[str, Any]:
+        return json.loads(self.cli("status", "--name", self.name, "--json").stdout)
+
+    def events(self, type_: str | None = None) -> list[dict[str, Any]]:
+        args = ["events", "--name", self.name, "--json"] + (["--type", type_] if type_ else [])
+        return json.loads(self.cli(*args).stdout)
+
+    def wait_for(
+        self, what: str, pred: Callable[[dict[str, Any]], bool], timeout: float = 150
+    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        st: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            try:
+                st = self.status()
+            except AssertionError:
+                st = {}
+            if st and pred(st):
+                return st
+            time.sleep(0.4)
+        raise Timeout(
+            f"timed out waiting for {what}; last: world={st.get('world_size')} "
+            f"step={st.get('step')}\n{self.debug()}"
+        )
+
+    def training(self, world: int, past: int = 0, timeout: float = 150) -> dict[str, Any]:
+        """Wait until the job trains at `world` beyond step `past`."""
+        return self.wait_for(
+            f"world {world} past step {past}",
+            lambda s: s["world_size"] == world and s["step"] > past,
+            timeout,
+        )
+
+    # -- nodes and processes
+    @property
+    def cluster_dir(self) -> Path:
+        return self.home / "clusters" / self.name
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.cluster_dir / "checkpoints"
+
+    def vm(self, node: str) -> dict[str, Any]:
+        return json.loads((self.cluster_dir / "nodes" / node / "vm.json").read_text())
+
+    def live_nodes(self) -> list[str]:
+        """Nodes whose VM process runs (the local "cloud"'s truth)."""
+        out = []
+        for d in sorted((self.cluster_dir / "nodes").glob("n*")):
+            try:
+                vm = json.loads((d / "vm.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if vm.get("state") in ("running", "pending") and proctree.tagged(self.tag(d.name)):
+                out.append(d.name)
+        return out
+
+    def training_nodes(self) -> list[str]:
+        st = self.status()
+        return [n["id"] for n in st["nodes"] if n["state"] == "running" and n.get("step")]
+
+    def tag(self, node: str) -> str:
+        return f"{self.cluster_dir}/{node}"
+
+    def node_pids(self, node: str) -> list[int]:
+        return proctree.tagged(self.tag(node))
+
+    def processes(self) -> list[int]:
+        return proctree.tagged_prefix(str(self.cluster_dir) + "/")
+
+    def signal_node(self, node: str, sig: int) -> list[int]:
+        pids = self.node_pids(node)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    def kill_head(self) -> list[int]:
+        pids = proctree.tagged(self.tag("head"))
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
+
+    # -- checkpoints
+    def committed(self) -> list[int]:
+        return committed_steps(self.ckpt_dir)
+
+    def committed_before(self, t: float) -> int:
+        """Newest step committed before wall time t (COMMIT's mtime)."""
+        best = 0
+        for s in self.committed():
+            try:
+                if (self.ckpt_dir / f"step-{s:08d}" / COMMIT).stat().st_mtime <= t:
+                    best = max(best, s)
+            except OSError:
+                continue
+        return best
+
+    def debug(self) -> str:
+        out = []
+        for p in sorted(self.cluster_dir.glob("nodes/*/*.log")) + [
+            self.cluster_dir / "head" / "head.log"
+        ]:
+            if p.exists():
+                lines = [
+                    x
+                    for x in p.read_text(errors="replace").splitlines()
+                    if "registry.py" not in x and x.strip()
+                ]
+                out.append(f"--- {p.relative_to(self.cluster_dir)}\n" + "\n".join(lines[-8:]))
+        return "\n".join(out)[-6000:]
+
+    def down(self) -> list[str]:
+        leaks: list[str] = []
+        if (self.home / "state.db").exists():
+            p = self.cli("down", "--name", self.name, "--yes", "--json", check=False)
+            if p.returncode != 0:
+                leaks.append(f"down: {p.stderr.strip()[-300:]}")
+        left = self.processes()
+        if left:
+            leaks.append(f"processes left after down: {left}")
+            proctree.signal_all(left, 9)
+        return leaks

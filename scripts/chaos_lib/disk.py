@@ -1,0 +1,143 @@
+"""13: the checkpoint disk fills up (a small tmpfs of the test's own): the save fails
+cleanly, training goes on, older checkpoints stay intact, saves resume once space is back.
+14: a node cut off from the network: blocked here (see network_cut)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from .cluster import Cluster
+from .result import Result
+
+EVERY = 10
+
+
+def _mount_tmpfs(path: Path, size: str) -> str | None:
+    path.mkdir(parents=True, exist_ok=True)
+    p = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    return None if p.returncode == 0 else (p.stderr.strip() or "mount failed")
+
+
+def _fill(path: Path) -> int:
+    """Write a filler file until the file system is full; returns bytes written."""
+    n = 0
+    with open(path / "filler", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+                n += 65536
+        except OSError:
+            pass
+    # a few bytes may remain: take them too
+    try:
+        with open(path / "filler2", "wb") as f:
+            while True:
+                f.write(b"\0" * 512)
+                f.flush()
+    except OSError:
+        pass
+    return n
+
+
+def _snapshot(ck: Path, steps: list[int]) -> dict[int, dict[str, int]]:
+    out = {}
+    for s in steps:
+        d = ck / f"step-{s:08d}"
+        out[s] = {f.name: f.stat().st_size for f in d.iterdir()} if d.exists() else {}
+    return out
+
+
+def disk_full(root: Path) -> Result:
+    res = Result("13 checkpoint disk full")
+    mnt = root / "ckpt-tmpfs"
+    err = _mount_tmpfs(mnt, "8m")
+    if err:
+        res.blocked = f"cannot mount a tmpfs ({err}); not simulated"
+        return res
+    c = Cluster(
+        root / "disk", "disk", "1", EVERY, extra_toml=f'checkpoint_dir = "{mnt}"\nkeep_last = 3'
+    )
+    try:
+        c.up()
+        c.wait_for(
+            "2 committed checkpoints", lambda s: s["last_checkpoint_step"] >= 2 * EVERY, timeout=240
+        )
+        time.sleep(0.3)
+        _fill(mnt)
+        t0 = time.time()
+        kept = c.committed()
+        before = _snapshot(mnt, kept)
+        st0 = c.status()
+        # three checkpoint intervals with no room at all
+        st = c.wait_for(
+            "training to go on with a full disk",
+            lambda s: s["step"] >= st0["step"] + 3 * EVERY,
+            timeout=120,
+        )
+        during = c.committed()
+        new_during = [s for s in during if s > max(kept)]
+        after = _snapshot(mnt, [s for s in kept if s in during])
+        intact = all(after[s] == before[s] for s in after) and bool(after)
+        alive = bool(c.processes()) and st["world_size"] == 1
+        log = "".join(
+            p.read_text(errors="replace") for p in c.cluster_dir.glob("nodes/*/torchrun.log")
+        )
+        save_failed_logged = (
+            "No space left" in log or "save" in log.lower() and "fail" in log.lower()
+        )
+        # space back: saving resumes
+        for f in ("filler", "filler2"):
+            (mnt / f).unlink(missing_ok=True)
+        st1 = c.wait_for(
+            "a checkpoint after space came back",
+            lambda s: s["last_checkpoint_step"] > st["step"],
+            timeout=120,
+        )
+        res.recover_s = round(time.time() - t0, 1)
+        res.committed_steps_lost = 0 if intact else len(kept) - len(after)
+        res.steps_replayed = 0  # no restart happened
+        res.survived = intact and alive and not new_during and st1["world_size"] == 1
+        res.detail = {
+            "committed_before": kept,
+            "committed_while_full": during,
+            "new_commits_while_full": new_during,
+            "old_intact": intact,
+            "save_failure_in_log": save_failed_logged,
+            "steps_while_full": st["step"] - st0["step"],
+            "checkpoint_after_space_back": st1["last_checkpoint_step"],
+        }
+        res.notes = (
+            f"tmpfs 8 MiB filled; {st['step'] - st0['step']} steps trained while full; "
+            f"old checkpoints intact: {intact}; saves resumed at "
+            f"{st1['last_checkpoint_step']}"
+        )
+    except Exception as e:
+        res.notes = f"{type(e).__name__}: {str(e)[:300]}"
+        res.detail["error"] = str(e)[-4000:]
+    finally:
+        res.leaks += c.down()
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    return res
+
+
+def network_cut() -> Result:
+    res = Result("14 node cut off from the network")
+    res.blocked = (
+        "local nodes share the host's loopback with the head; a running process cannot be "
+        "moved into another network namespace (setns acts on the calling thread), so this "
+        "needs the local provider to start a node inside a namespace of its own with a veth "
+        "to the head; not done. Scenario 5 (SIGSTOP) covers the same silent-vanish path"
+    )
+    return res
+
+
+def can_mount() -> bool:
+    return os.geteuid() == 0

@@ -1,0 +1,445 @@
+"""Scenarios on one real local cluster (head, agents, torchrun, gloo workers), run in one
+sequence so the suite stays short: each fault is followed by a recovery (`up`) that is
+itself a scenario where it can be (CLI killed mid-up, two `up` at once).
+
+Measures, per scenario:
+- committed_steps_lost: newest step committed before the fault (COMMIT mtime) minus the
+  step the job resumed from (for a corrupted newest checkpoint: the newest intact one).
+- steps_replayed: the head's rescale accounting (highest step reached before minus resume
+  step), summed when one fault causes several rescales.
+- recover_s: fault -> training advancing again at the new world size.
+- leaks: processes of nodes that should be gone, duplicate or untracked nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .cluster import Cluster, Timeout
+from .result import Result
+
+WORLD = 3
+EVERY = 20
+AWS_HARD_STOP_S = 40  # EC2 gives 120 s; shorter so the victim is reclaimed within the run
+
+
+def _new_rescales(c: Cluster, n0: int, world: int, timeout: float = 150) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    evs: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        evs = c.events("rescale")[n0:]
+        if any(e.get("to_world_size") == world for e in evs):
+            return evs
+        time.sleep(0.4)
+    raise Timeout(f"no rescale to world {world}; new rescales: {evs}\n{c.debug()}")
+
+
+def _cycle(
+    c: Cluster,
+    res: Result,
+    fault: Callable[[], None],
+    world: int,
+    intact_before: Callable[[float], int] | None = None,
+) -> None:
+    """Inject `fault`, wait for the job to train at `world` again, fill in the measures."""
+    n0 = len(c.events("rescale"))
+    t0 = time.time()
+    fault()
+    evs = _new_rescales(c, n0, world)
+    resume = min(int(e["resume_step"]) for e in evs)
+    c.training(world, past=max(int(e["resume_step"]) for e in evs) + 1)
+    res.recover_s = round(time.time() - t0, 1)
+    before = (intact_before or c.committed_before)(t0)
+    res.committed_steps_lost = max(0, before - resume)
+    res.steps_replayed = sum(int(e.get("lost_steps") or 0) for e in evs)
+    res.detail.update(
+        committed_before=before,
+        resume_step=resume,
+        rescales=[
+            {
+                k: e.get(k)
+                for k in ("from_world_size", "to_world_size", "reason", "resume_step", "lost_steps")
+            }
+            for e in evs
+        ],
+    )
+    res.survived = True
+
+
+def _gone(c: Cluster, nodes: list[str], res: Result, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(c.node_pids(n) for n in nodes):
+        time.sleep(0.3)
+    for n in nodes:
+        if c.node_pids(n):
+            res.leaks.append(f"{n}: processes {c.node_pids(n)} still alive")
+
+
+def _restore(c: Cluster) -> None:
+    c.up()
+    c.training(WORLD, past=c.status()["step"] + 3)
+
+
+def _victim(c: Cluster, not_: tuple[str, ...] = ()) -> str:
+    """A node training now (the newest first: the oldest nodes carry rank 0 more often)."""
+    nodes = [n for n in c.live_nodes() if n not in not_]
+    return sorted(nodes, key=lambda s: int(s[1:]))[-1]
+
+
+def _post(url: str, token: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+    req.add_header("Authorization", f"Bearer {token}")
+    req.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return json.loads(r.read() or b"{}")
+
+
+# -- scenarios -------------------------------------------------------------------------------
+
+
+def flaky_metadata(c: Cluster) -> Result:
+    """11: garbage, 5xx and timeouts from a node's metadata endpoint: no false notice."""
+    res = Result("11 flaky metadata replies")
+    node = _victim(c)
+    vm = c.vm(node)
+    token = (c.cluster_dir / "nodes" / node / "token").read_text().strip()
+    n_notices = len(c.events("notice"))
+    n_rescales = len(c.events("rescale"))
+    st0 = c.status()
+    t0 = time.time()
+    for kind in ("garbage", "5xx", "timeout", "garbage", "5xx"):
+        _post(vm["metadata_url"] + "/_spotctl/inject", token, {"kind": kind, "count": 20})
+    st = c.training(WORLD, past=st0["step"] + 40, timeout=120)  # ~10 s of polls under faults
+    pending = json.loads(
+        urllib.request.urlopen(
+            urllib.request.Request(
+                vm["metadata_url"] + "/_spotctl/state", headers={"Authorization": f"Bearer {token}"}
+            ),
+            timeout=5,
+        ).read()
+    )
+    _post(vm["metadata_url"] + "/_spotctl/clear", token, {})
+    false_notices = [e for e in c.events("notice")[n_notices:] if e.get("node") == node]
+    rescales = c.events("rescale")[n_rescales:]
+    alive = bool(c.node_pids(node))
+    res.survived = not false_notices and not rescales and alive and st["world_size"] == WORLD
+    res.committed_steps_lost = res.steps_replayed = 0
+    res.recover_s = 0.0
+    res.detail = {
+        "node": node,
+        "false_notices": false_notices,
+        "rescales": len(rescales),
+        "agent_alive": alive,
+        "steps_during": st["step"] - st0["step"],
+        "seconds": round(time.time() - t0, 1),
+        "emulator_state": pending,
+    }
+    res.notes = f"{node}: 100 faulty replies, no notice, no rescale, agent alive"
+    return res
+
+
+def notice(c: Cluster, style: str) -> Result:
+    """1 (aws) / 2 (gcp, 30 s): graceful checkpoint-then-rescale, nothing lost."""
+    res = Result(f"{1 if style == 'aws' else 2} {style.upper()} notice", notice=True)
+    node = _victim(c)
+    args = ["preempt", node, "--name", c.name, "--style", style]
+    if style == "aws":
+        args += ["--in", str(AWS_HARD_STOP_S)]
+    _cycle(c, res, lambda: c.cli(*args), WORLD - 1)
+    res.detail["victim"] = node
+    res.notes = f"{node} left at a drain checkpoint"
+    return res
+
+
+def sigkill(c: Cluster) -> Result:
+    """3: a node SIGKILLed, no notice: loss bounded by the checkpoint interval."""
+    res = Result("3 SIGKILL of a node")
+    node = _victim(c)
+    _cycle(c, res, lambda: c.cli("kill", node, "--name", c.name), WORLD - 1)
+    _gone(c, [node], res)
+    res.notes = f"{node} killed; replay <= {EVERY} (interval)"
+    return res
+
+
+def notice_and_kill(c: Cluster) -> Result:
+    """4: two nodes lost at once, one with a notice, one killed."""
+    res = Result("4 notice + kill at once")
+    a = _victim(c)
+    b = _victim(c, not_=(a,))
+
+    def fault() -> None:
+        c.cli("preempt", a, "--name", c.name, "--style", "gcp")
+        c.cli("kill", b, "--name", c.name)
+
+    _cycle(c, res, fault, WORLD - 2)
+    _gone(c, [b], res)
+    res.notes = f"{a} notice + {b} kill; hard loss bounds the replay"
+    return res
+
+
+def sigstop(c: Cluster) -> Result:
+    """5: a node frozen (SIGSTOP on all its processes). The head calls it unresponsive after
+    4 s of missed heartbeats; survivors' workers are killed and re-form without it."""
+    res = Result("5 SIGSTOP a node")
+    node = _victim(c)
+    _cycle(c, res, lambda: c.signal_node(node, signal.SIGSTOP), WORLD - 1)
+    unresp = [e for e in c.events("node-unresponsive") if e.get("node") == node]
+    res.detail["unresponsive_events"] = len(unresp)
+    if not unresp:
+        res.survived = False
+        res.notes = "no node-unresponsive event"
+    # a frozen VM is then reclaimed: SIGKILL works on stopped processes
+    c.cli("kill", node, "--name", c.name)
+    _gone(c, [node], res)
+    res.notes = res.notes or f"{node} frozen; bound: unresponsive after 4 s, then re-form"
+    return res
+
+
+def head_restart(c: Cluster) -> Result:
+    """6: the head killed; `up` restarts it on the same ports (ports.json); agents restart
+    torchrun when the store is back; the job resumes from the last committed checkpoint."""
+    res = Result("6 head killed and restarted")
+    ports = json.loads((c.cluster_dir / "head" / "ports.json").read_text())
+    st0 = c.status()
+    t0 = time.time()
+    killed = c.kill_head()
+    time.sleep(3)  # torchrun agents lose the store and exit; the spotctl agents wait
+    c.up()
+    head = json.loads((c.cluster_dir / "head" / "head.json").read_text())
+    same_ports = head["store_port"] == ports["store"] and head["url"].endswith(f":{ports['http']}")
+    st = c.wait_for(
+        "training after the head restart",
+        lambda s: (
+            s["world_size"] == WORLD
+            and s["step"] > 0
+            and s["nodes"]
+            and all((n.get("step") or 0) > 0 for n in s["nodes"] if n["state"] == "running")
+        ),
+        timeout=180,
+    )
+    # the new head's accounting of the first incarnation after the restart
+    evs = [e for e in c.events() if e["ts"] >= t0 and "resume_step" in e]
+    resume = min((int(e["resume_step"]) for e in evs), default=None)
+    if resume is None:
+        # no event with a resume step: read what the workers loaded from their logs
+        resume = _resume_from_logs(c, t0)
+    c.training(WORLD, past=st["step"] + 3)
+    res.recover_s = round(time.time() - t0, 1)
+    before = c.committed_before(t0)
+    res.committed_steps_lost = None if resume is None else max(0, before - resume)
+    res.steps_replayed = None if resume is None else max(0, st0["step"] - resume)
+    res.survived = same_ports and resume is not None and res.committed_steps_lost == 0
+    res.detail = {
+        "killed": killed,
+        "same_ports": same_ports,
+        "resume_step": resume,
+        "committed_before": before,
+        "step_before": st0["step"],
+    }
+    res.notes = f"same ports: {same_ports}; step before kill {st0['step']} (lower bound)"
+    return res
+
+
+def _resume_from_logs(c: Cluster, t0: float) -> int | None:
+    found = []
+    for p in c.cluster_dir.glob("nodes/*/status/worker-*.json"):
+        try:
+            w = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if "resume_step" in w:
+            found.append(int(w["resume_step"]))
+    return min(found) if found else None
+
+
+def cli_killed_mid_up(c: Cluster) -> Result:
+    """7: `up` SIGKILLed while it launches; `up` again converges: no duplicate, no leak."""
+    res = Result("7 CLI killed mid-up, rerun")
+    before = set(c.live_nodes())
+    intent = c.cluster_dir / "launch-intent.json"
+    nodes_dir = c.cluster_dir / "nodes"
+    known = {p.name for p in nodes_dir.iterdir()}
+    t0 = time.time()
+    p = c.popen("up", "--wait", "150")
+    saw_intent = False
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and p.poll() is None:
+        if intent.exists():
+            saw_intent = True
+            break
+        if {q.name for q in nodes_dir.iterdir()} - known:
+            break
+        time.sleep(0.002)
+    p.kill()
+    p.wait()
+    intent_left = intent.exists()
+    c.up()
+    c.training(WORLD, past=c.status()["step"] + 3)
+    res.recover_s = round(time.time() - t0, 1)
+    live = c.live_nodes()
+    new = sorted(set(live) - before)
+    reqs: dict[str, list[str]] = {}
+    for n in live:
+        reqs.setdefault(c.vm(n)["request_id"], []).append(n)
+    if len(live) != WORLD:
+        res.leaks.append(f"{len(live)} live nodes, want {WORLD}: {live}")
+    for d in nodes_dir.iterdir():
+        if d.name not in live and c.node_pids(d.name):
+            vm = c.vm(d.name)
+            if vm.get("state") in ("running", "pending"):
+                res.leaks.append(f"{d.name}: untracked live node")
+    res.survived = len(live) == WORLD and not intent.exists()
+    res.committed_steps_lost = res.steps_replayed = 0  # a join drains: nothing lost
+    res.detail = {
+        "killed_with_intent_on_disk": saw_intent or intent_left,
+        "new_nodes": new,
+        "request_ids": reqs,
+    }
+    res.notes = (
+        f"killed {'with' if saw_intent or intent_left else 'without'} a launch "
+        f"intent on disk; joined {new}"
+    )
+    return res
+
+
+def two_ups(c: Cluster) -> Result:
+    """8: two `up` (reconcile) runs at once: one acts, the other waits on the lock."""
+    res = Result("8 two up/rebalance at once")
+    before = set(c.live_nodes())
+    t0 = time.time()
+    ps = [c.popen("up", "--wait", "150", "--json") for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in ps]
+    codes = [p.returncode for p in ps]
+    launched = []
+    for out, _err in outs:
+        try:
+            launched.append(json.loads(out).get("launched", []))
+        except ValueError:
+            launched.append(None)
+    c.training(WORLD, past=c.status()["step"] + 3)
+    res.recover_s = round(time.time() - t0, 1)
+    live = c.live_nodes()
+    if len(live) != WORLD:
+        res.leaks.append(f"{len(live)} live nodes, want {WORLD}: {live}")
+    res.survived = (
+        codes == [0, 0]
+        and len(live) == WORLD
+        and sum(len(x or []) for x in launched) == WORLD - len(before)
+    )
+    res.committed_steps_lost = res.steps_replayed = 0
+    res.detail = {
+        "exit_codes": codes,
+        "launched": launched,
+        "stderr": [e.strip()[-300:] for _, e in outs if e.strip()],
+    }
+    res.notes = f"launched per run: {launched}"
+    return res
+
+
+def corrupt_newest(c: Cluster) -> Result:
+    """12: the newest committed checkpoint corrupted: resume from the previous one."""
+    res = Result("12 newest checkpoint corrupted")
+    node = _victim(c)
+    state: dict[str, Any] = {}
+
+    def fault() -> None:
+        c.cli("kill", node, "--name", c.name)  # survivors must reload from disk
+        time.sleep(0.5)  # let an in-flight async save land first
+        steps = c.committed()
+        newest = steps[0]
+        d = c.ckpt_dir / f"step-{newest:08d}"
+        for f in d.iterdir():
+            if f.name != "COMMIT":
+                f.write_bytes(b"\0garbage" * 64)
+        state.update(corrupted=newest, previous=steps[1] if len(steps) > 1 else 0, t=time.time())
+
+    def intact_before(t0: float) -> int:
+        return max(
+            (s for s in c.committed() if s != state["corrupted"] and s <= state["corrupted"]),
+            default=0,
+        )
+
+    _cycle(c, res, fault, WORLD - 1, intact_before)
+    res.detail.update(state)
+    ok = res.detail["resume_step"] == state["previous"]
+    res.survived = res.survived and ok
+    res.notes = (
+        f"corrupted step {state['corrupted']}, resumed from "
+        f"{res.detail['resume_step']} (previous committed {state['previous']})"
+    )
+    return res
+
+
+def run_cluster_scenarios(
+    root: Path, only: set[str] | None = None, log: Callable[[str], None] = print
+) -> list[Result]:
+    """The whole sequence on one 3-node cluster. Returns one Result per scenario."""
+    c = Cluster(
+        root / "chaos",
+        "chaos",
+        f"2..{WORLD}",
+        EVERY,
+        train_env={"TRAIN_DATASET_SIZE": "4096", "TRAIN_GLOBAL_BATCH": "24"},
+    )
+    out: list[Result] = []
+    plan: list[tuple[str, Callable[[], Result], bool]] = [
+        ("11", lambda: flaky_metadata(c), False),
+        ("1", lambda: notice(c, "aws"), False),
+        ("7", lambda: cli_killed_mid_up(c), False),  # also the join back to 3
+        ("2", lambda: notice(c, "gcp"), False),
+        ("8", lambda: two_ups(c), False),  # also the join back to 3
+        ("3", lambda: sigkill(c), True),
+        ("4", lambda: notice_and_kill(c), True),
+        ("5", lambda: sigstop(c), True),
+        ("6", lambda: head_restart(c), False),
+        ("12", lambda: corrupt_newest(c), False),
+    ]
+    victims: list[str] = []
+    try:
+        t = time.time()
+        c.up()
+        c.training(WORLD, past=EVERY + 5, timeout=240)
+        log(f"cluster up and training at world {WORLD} in {time.time() - t:.0f}s")
+        for key, run, restore in plan:
+            if only and key not in only:
+                continue
+            t = time.time()
+            try:
+                r = run()
+            except Exception as e:  # one broken scenario must not hide the others
+                r = Result(f"{key} (failed)", notes=f"{type(e).__name__}: {str(e)[:300]}")
+                r.detail["error"] = str(e)[-4000:]
+            out.append(r)
+            victims += [v for v in (r.detail.get("victim"),) if v]
+            log(
+                f"{r.scenario}: survived={r.survived} lost={r.committed_steps_lost} "
+                f"replayed={r.steps_replayed} recover={r.recover_s}s ({time.time() - t:.0f}s)"
+            )
+            if not r.survived and "error" in r.detail:
+                try:  # get back to a known state for the next scenario
+                    _restore(c)
+                except Exception:
+                    break
+            elif restore or c.status()["world_size"] != WORLD and key not in ("12",):
+                _restore(c)
+        # notice victims are reclaimed at their hard stop: none may linger
+        deadline = time.monotonic() + AWS_HARD_STOP_S + 10
+        while time.monotonic() < deadline and any(c.node_pids(v) for v in victims):
+            time.sleep(1)
+        for r in out:
+            v = r.detail.get("victim")
+            if v and c.node_pids(v):
+                r.leaks.append(f"{v}: alive after its hard stop")
+    finally:
+        leaks = c.down()
+        if out:
+            out[-1].leaks += leaks
+        elif leaks:
+            out.append(Result("down", leaks=leaks))
+    return out
