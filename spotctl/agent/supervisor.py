@@ -148,6 +148,7 @@ class Agent:
         for p in self.status_dir.glob("worker-*.json"):
             p.unlink(missing_ok=True)
         self.gate.unlink(missing_ok=True)
+        Path(str(self.gate) + ".ready").unlink(missing_ok=True)
         env = dict(os.environ)
         env.update(cfg.env)
         env.update(
@@ -215,6 +216,8 @@ class Agent:
             "workers": workers if workers is not None else self._live_workers(self.read_workers()),
             "drain_gen": self.drain_gen,
             "notice": self.notice,
+            # torchrun is up and waiting at the rendezvous gate: the group may drain now
+            "ready": self.state == "running" or Path(str(self.gate) + ".ready").exists(),
         }
         try:
             reply = self.head.heartbeat(body)

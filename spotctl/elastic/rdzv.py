@@ -75,6 +75,9 @@ class GatedHandler:
     def next_rendezvous(self):  # type: ignore[no-untyped-def]
         import os
 
+        if self._gate and not os.path.exists(self._gate):
+            # tell the agent we are ready; the head starts the group's drain only now
+            open(self._gate + ".ready", "w").close()
         while self._gate and not os.path.exists(self._gate):
             time.sleep(0.05)
         return self._inner.next_rendezvous()  # type: ignore[attr-defined]

@@ -60,6 +60,7 @@ class NodeInfo:
     notice: dict[str, Any] | None = None
     unresponsive: bool = False
     go_at: float | None = None
+    ready: bool = True  # its torchrun waits at the rendezvous gate
 
     def training(self, incarnation: str | None) -> bool:
         return any(w.phase == "train" and w.incarnation == incarnation for w in self.workers)
@@ -133,6 +134,7 @@ class Coordinator:
         if node.state not in ("left",) or agent_state == "waiting":
             node.state = agent_state
         node.workers = [WorkerReport.from_json(w) for w in body.get("workers", [])]
+        node.ready = bool(body.get("ready", True))
         if "drain_gen" in body:
             self.node_drain_gen[nid] = int(body["drain_gen"])
         for w in node.workers:
@@ -222,11 +224,15 @@ class Coordinator:
         if not waiting:
             return
         if not members:
-            # nothing to protect: let them start now
+            # nothing to protect: let them start now, together
             for nid in waiting:
                 self.nodes[nid].go_at = now
             return
-        self._start_drain("join", [], waiting)
+        ready = [nid for nid in waiting if self.nodes[nid].ready]
+        if ready:
+            # the group keeps training while a newcomer boots; it drains only once the
+            # newcomer's torchrun waits at the gate
+            self._start_drain("join", [], ready)
 
     def _start_drain(self, reason: str, leavers: list[str], joiners: list[str]) -> Drain | None:
         now = self.clock()
