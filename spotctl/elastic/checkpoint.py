@@ -24,6 +24,8 @@ import torch.distributed.checkpoint as dcp
 
 log = logging.getLogger("spotctl.elastic")
 COMMIT = "COMMIT"
+# DCP raises CheckpointException, a BaseException subclass: catch it, not interrupts
+_CKPT_ERRORS: tuple[type[BaseException], ...] = (Exception, dcp.api.CheckpointException)
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -87,7 +89,7 @@ class Checkpointer:
         try:
             fut = dcp.async_save(state, checkpoint_id=str(step_dir(self.root, step)),
                                  process_group=self.pg)
-        except Exception as e:
+        except _CKPT_ERRORS as e:
             self._failed(step, e)
             return
         self.last_block_s = time.perf_counter() - t0
@@ -103,7 +105,7 @@ class Checkpointer:
         self.pending = None
         try:
             fut.result()
-        except Exception as e:
+        except _CKPT_ERRORS as e:
             self._failed(step, e)
             return
         self._commit(step, meta)
@@ -115,7 +117,7 @@ class Checkpointer:
         self.pending = None
         try:
             fut.result()
-        except Exception as e:
+        except _CKPT_ERRORS as e:
             self._failed(step, e)
             return
         self._commit(step, meta)
@@ -126,7 +128,7 @@ class Checkpointer:
         ok = 1
         try:
             dcp.save(state, checkpoint_id=str(step_dir(self.root, step)), process_group=self.pg)
-        except Exception as e:
+        except _CKPT_ERRORS as e:
             self._failed(step, e)
             ok = 0
         import torch
@@ -193,7 +195,7 @@ class Checkpointer:
             try:
                 dcp.load(state, checkpoint_id=str(step_dir(self.root, s)), process_group=self.pg)
                 meta = read_commit(self.root, s)
-            except Exception as e:
+            except _CKPT_ERRORS as e:
                 log.warning("checkpoint at step %d unreadable, trying an older one: %s", s, e)
                 ok = 0
                 meta = {}

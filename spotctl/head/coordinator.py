@@ -132,6 +132,10 @@ class Coordinator:
         node.addr = body.get("addr", node.addr)
         agent_state = body.get("agent_state", "waiting")
         if node.state not in ("left",) or agent_state == "waiting":
+            if agent_state == "left" and node.state != "left":
+                self.record("leave", node=nid)
+            elif agent_state == "running" and node.state == "waiting":
+                self.record("join", node=nid)
             node.state = agent_state
         node.workers = [WorkerReport.from_json(w) for w in body.get("workers", [])]
         node.ready = bool(body.get("ready", True))
