@@ -84,7 +84,7 @@ def test_split_batch_covers_every_sample_once():
         for world in (1, 2, 3, 5):
             parts = [split_batch(count, world, r) for r in range(world)]
             assert parts[0][0] == 0 and parts[-1][1] == count
-            assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+            assert all(a[1] == b[0] for a, b in zip(parts[:-1], parts[1:], strict=True))
             sizes = [b - a for a, b in parts]
             assert max(sizes) - min(sizes) <= 1
 
