@@ -1,0 +1,157 @@
+"""Smoke runs of every benchmark of scripts/bench with minimal sizes: the output has the
+right shape (rows, stats, the recovery JSON for `spotctl simulate`). No timing asserts:
+the figures themselves are for people to read, not for tests to judge."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_lib import NAMES, get, steplog  # noqa: E402
+from bench_lib.core import Context, Row, Stat, fmt_stat, table  # noqa: E402
+
+
+def _ctx(tmp_path: Path) -> Context:
+    return Context(repeat=1, work=tmp_path / "work", out=tmp_path / "out", quiet=True)
+
+
+def _check(rows: list[Row], benchmark: str, count: int) -> None:
+    assert len(rows) == count, rows
+    for r in rows:
+        assert r.benchmark == benchmark and r.metric and r.unit
+        assert r.spotctl is not None and r.spotctl.n >= 1, r
+        assert r.spotctl.min <= r.spotctl.median <= r.spotctl.max
+        if r.baseline is not None:
+            assert r.baseline.min <= r.baseline.median <= r.baseline.max
+        json.dumps(r.to_json())
+
+
+def test_stat_and_table() -> None:
+    s = Stat.of([3.0, 1.0, 2.0])
+    assert s == Stat(2.0, 1.0, 3.0, 3)
+    assert Stat.of([]) is None
+    assert fmt_stat(s) == "2.00 (1.00..3.00)" and fmt_stat(None) == "-"
+    from rich.console import Console
+
+    con = Console(width=200, record=True)
+    con.print(table([Row("b", "m", s, None, "s", "n")]))
+    assert "2.00 (1.00..3.00)" in con.export_text()
+
+
+def test_steplog_transition(tmp_path: Path) -> None:
+    log = tmp_path / "steps.log"
+    log.write_text(
+        "100.0 resume 0 4 a\n100.5 step 1 4 a\n101.0 step 2 4 a\n101.5 step 3 4 a\n"
+        "109.0 resume 2 3 b\n109.7 step 3 3 b\n110.2 step 4 3 b\n111.0 step 5"  # cut short
+    )
+    es = steplog.read(log)
+    assert [e.step for e in es if e.kind == "step"] == [1, 2, 3, 3, 4]
+    tr = steplog.transition(es, 101.6, 3)
+    assert tr is not None
+    assert (tr.last_old.step, tr.resume.step, tr.first_new.step) == (3, 2, 3)
+    assert tr.lost_steps == 1
+    assert tr.pause_s == pytest.approx(8.2) and tr.since(101.6) == pytest.approx(8.1)
+    assert steplog.transition(es, 101.6, 4) is None
+
+
+def test_control_smoke(tmp_path: Path) -> None:
+    from bench_lib import control
+
+    ctx = _ctx(tmp_path)
+    rows = control.bench(ctx, nodes=3, plan_nodes=40, plan_offers=12, repeat=1)
+    _check(rows, "control", 3)
+    up, planner, status = rows
+    assert up.baseline is not None and status.baseline is not None
+    assert planner.baseline is None
+    assert "WARNING" not in up.note  # both paths ended with 3 instances running
+
+
+def test_checkpoint_smoke(tmp_path: Path) -> None:
+    ctx = _ctx(tmp_path)
+    rows = get("checkpoint")(ctx, size_mb=4, repeat=1)
+    _check(rows, "checkpoint", 3)
+    assert all(r.baseline is not None for r in rows)
+    assert set(ctx.sim) == {"checkpoint_cost_s"} and ctx.sim["checkpoint_cost_s"] >= 0
+
+
+def test_cli_rejects_unknown_names_and_bad_repeat(tmp_path: Path) -> None:
+    for args in (["nope"], ["control", "--repeat", "0"]):
+        p = subprocess.run(
+            [str(REPO / "scripts" / "bench"), *args, "--out", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.startswith("error: ") and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_cli_json_and_recovery_file(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "bench-recovery.json").write_text(json.dumps({"notice_recovery_s": 7.5}))
+    p = subprocess.run(
+        [
+            str(REPO / "scripts" / "bench"),
+            "checkpoint",
+            "--repeat",
+            "1",
+            "--json",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(p.stdout)
+    assert [r["benchmark"] for r in rows] == ["checkpoint"] * 3
+    assert set(rows[0]) == {"benchmark", "metric", "spotctl", "baseline", "unit", "note"}
+    assert set(rows[0]["spotctl"]) == {"median", "min", "max", "n"}
+    rec = json.loads((out / "bench-recovery.json").read_text())
+    # merged: what this run measured, plus what an earlier run left
+    assert rec["notice_recovery_s"] == 7.5 and rec["checkpoint_cost_s"] >= 0
+    from spotctl.simulate.model import load_recovery_json
+
+    assert set(load_recovery_json(out / "bench-recovery.json")) == set(rec)
+
+
+@pytest.fixture(scope="module")
+def cluster_ctx(tmp_path_factory: pytest.TempPathFactory) -> Context:
+    return _ctx(tmp_path_factory.mktemp("cluster"))
+
+
+# 2 nodes -> 1, one notice and one kill each way, checkpoint every 5 steps: the three
+# benchmarks read the same two sessions (cached in the context).
+SMALL = {"nodes": 2, "repeat": 1, "intervals": (5,)}
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name,count", [("recovery", 2), ("lost", 2), ("join", 2)])
+def test_cluster_benchmarks_smoke(cluster_ctx: Context, name: str, count: int) -> None:
+    rows = get(name)(cluster_ctx, **SMALL)
+    _check(rows, name, count)
+    assert all(r.baseline is not None for r in rows), rows
+    sim = cluster_ctx.sim
+    want = {"recovery": {"notice_recovery_s", "hard_recovery_s"}, "join": {"join_pause_s"}}
+    assert want.get(name, set()) <= set(sim)
+    from spotctl import proctree
+
+    assert proctree.tagged_prefix(str(cluster_ctx.work) + "/") == []
+
+
+def test_every_name_has_a_benchmark() -> None:
+    for n in NAMES:
+        assert callable(get(n))
+    with pytest.raises(KeyError):
+        get("nope")
