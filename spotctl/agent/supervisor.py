@@ -71,6 +71,7 @@ class Agent:
         self._stop = threading.Event()
         self.torchrun_restarts = 0
         self.next_start = 0.0
+        self.head_id: str | None = None
         self._warm = threading.Thread(target=self._import_torch, daemon=True)
 
     @staticmethod
@@ -222,12 +223,19 @@ class Agent:
         try:
             reply = self.head.heartbeat(body)
             self.head_errors = 0
-            return reply
         except HeadUnavailable as e:
             self.head_errors += 1
             if self.head_errors in (1, 10) or self.head_errors % 100 == 0:
                 log.warning("heartbeat failed (%d in a row): %s", self.head_errors, e)
             return None
+        if reply.get("head_id") != self.head_id:
+            if self.head_id is not None:
+                log.info("the head restarted: generations reset")
+            self.head_id = reply.get("head_id")
+            self.drain_gen = 0
+            self.release_gen = reply.get("release_gen", 0)
+            self.kill_gen = reply.get("kill_gen", 0)
+        return reply
 
     def step(self) -> None:
         workers = self._live_workers(self.read_workers())
@@ -271,27 +279,20 @@ class Agent:
             self.leave()
             return
         if reply.get("release_gen", 0) > self.release_gen:
-            if self.release_gen or self.drain_gen:
-                drained = [w for w in workers if w.get("phase") == "drained"]
-                self.signal_workers(signal.SIGTERM, drained)
+            drained = [w for w in workers if w.get("phase") == "drained"]
+            self.signal_workers(signal.SIGTERM, drained)
             self.release_gen = reply["release_gen"]
         if reply.get("kill_gen", 0) > self.kill_gen:
             inc = reply.get("kill_incarnation")
             doomed = [w for w in workers if w.get("incarnation") == inc]
-            if self.kill_gen or doomed:
-                self.signal_workers(signal.SIGKILL, doomed)
+            self.signal_workers(signal.SIGKILL, doomed)
             self.kill_gen = reply["kill_gen"]
 
     def run(self) -> int:
         self._warm.start()
         self._start_monitors()
-        # first contact: take the head's current generations so old ones are not replayed
-        while not self._stop.is_set():
-            reply = self._heartbeat([])
-            if reply is not None:
-                self.release_gen = reply.get("release_gen", 0)
-                self.kill_gen = reply.get("kill_gen", 0)
-                break
+        # first contact takes the head's current generations (see _heartbeat)
+        while not self._stop.is_set() and self._heartbeat([]) is None:
             time.sleep(0.5)
         while not self._stop.is_set():
             t0 = time.monotonic()

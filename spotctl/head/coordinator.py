@@ -110,6 +110,9 @@ class Coordinator:
         self.events: list[dict[str, Any]] = []
         self.seq = itertools.count(1)
         self.queued_notices: list[str] = []
+        # A restarted head starts its generations from 0 again: agents reset theirs when
+        # this id changes, so a new drain is never mistaken for an old one.
+        self.head_id = f"{clock():.6f}"
 
     # -- events
     def record(self, type_: str, **data: Any) -> dict[str, Any]:
@@ -371,6 +374,7 @@ class Coordinator:
             d is None or node.node_id not in d.members
         ) and node.state not in ("left",)
         return {
+            "head_id": self.head_id,
             "drain": drain,
             "leave": leave_now or bool(drain and drain["leave"] and node.node_id in d.drained
                                        if d else False),
