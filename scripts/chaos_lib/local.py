@@ -426,7 +426,7 @@ def run_cluster_scenarios(
                     _restore(c)
                 except Exception:
                     break
-            elif restore or c.status()["world_size"] != WORLD and key not in ("12",):
+            elif restore:
                 _restore(c)
         # notice victims are reclaimed at their hard stop: none may linger
         deadline = time.monotonic() + AWS_HARD_STOP_S + 10
