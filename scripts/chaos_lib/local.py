@@ -386,6 +386,9 @@ def run_cluster_scenarios(
         f"2..{WORLD}",
         EVERY,
         train_env={"TRAIN_DATASET_SIZE": "4096", "TRAIN_GLOBAL_BATCH": "24"},
+        # a preemption blocks its zone for cooldown_s (default 15 min): replacements must be
+        # launchable at once here
+        extra_toml="\n[rebalance]\ncooldown_s = 0\n",
     )
     out: list[Result] = []
     plan: list[tuple[str, Callable[[], Result], bool]] = [
@@ -427,7 +430,12 @@ def run_cluster_scenarios(
                 except Exception:
                     break
             elif restore:
-                _restore(c)
+                try:
+                    _restore(c)
+                except Exception as e:
+                    r.survived = False
+                    r.notes = f"restore after it failed: {str(e)[:200]}"
+                    break
         # notice victims are reclaimed at their hard stop: none may linger
         deadline = time.monotonic() + AWS_HARD_STOP_S + 10
         while time.monotonic() < deadline and any(c.node_pids(v) for v in victims):
