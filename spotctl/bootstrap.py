@@ -550,6 +550,15 @@ def head_ports(options: Mapping[str, Any], api: int, store: int) -> tuple[int, i
     return int(options.get("head_api_port", api)), int(options.get("head_store_port", store))
 
 
+def controller_url(head: HeadInfo, known_hosts: Path) -> str:
+    """The URL this process uses for the head's API: a tunnel when the head needs one."""
+    if head.tunnel:
+        from spotctl.tunnel import local_url
+
+        return local_url(head.tunnel, known_hosts)
+    return head.public_url or head.url
+
+
 class CloudNodes:
     """Bootstrap of cloud instances, shared by the aws and gcp providers.
 
@@ -615,10 +624,21 @@ class CloudNodes:
     def head_info(self, inst: Instance) -> HeadInfo:
         """Where the head on this VM listens: private address for nodes, public for us."""
         host = self.override.address if self.override else inst.address
-        public = self.override.address if self.override else inst.public_address
+        if self.override:
+            # test seam: the "VM" is this machine, its API is reachable directly
+            public = self.override.address
+            return HeadInfo(
+                url=f"http://{host}:{self.api_port}", store_host=host,
+                store_port=self.store_port, instance_id=inst.id,
+                public_url=f"http://{public}:{self.api_port}",
+            )  # fmt: skip
+        # On a cloud the API port is open only inside the cluster: the controller goes
+        # through an SSH forward to the head VM (spotctl.tunnel), host key pinned.
+        t = self.target(inst, HEAD_NODE_ID)
         return HeadInfo(
             url=f"http://{host}:{self.api_port}", store_host=host, store_port=self.store_port,
-            instance_id=inst.id, public_url=f"http://{public}:{self.api_port}" if public else "",
+            instance_id=inst.id, tunnel={"address": t.address, "port": t.port, "user": t.user,
+                                         "key_file": t.key_path, "remote_port": self.api_port},
         )  # fmt: skip
 
     def start_head(self, inst: Instance, info: HeadInfo) -> HostResult:
@@ -647,7 +667,7 @@ class CloudNodes:
                                  wait_s=self.wait_s)  # fmt: skip
         if not res.ok:
             return res
-        url = info.public_url or info.url
+        url = controller_url(info, self.known_hosts)
         deadline = time.monotonic() + self.head_timeout_s
         while not _head_healthy(url, token):
             if time.monotonic() >= deadline:
@@ -687,7 +707,7 @@ class CloudNodes:
         return bootstrap_agents(
             instances, {i.id: self.target(i) for i in instances},
             lambda i: self.agent_config(i, head), self.token(), self.known_hosts,
-            python=self.python, probe_url=head.public_url or head.url,
+            python=self.python, probe_url=controller_url(head, self.known_hosts),
             parallel=self.parallel, progress=progress, wait_s=self.wait_s,
             heartbeat_timeout_s=self.heartbeat_timeout_s,
         )  # fmt: skip

@@ -62,6 +62,13 @@ def provider_for(store: Store, spec: ClusterSpec, options: dict[str, Any] | None
 def head_client(store: Store, name: str, timeout_s: float = 3.0) -> HeadClient:
     row = store.get_cluster(name)
     url = row.head.get("public_url") or row.head.get("url")
+    if row.head.get("tunnel"):
+        from spotctl.tunnel import local_url
+
+        try:
+            url = local_url(row.head["tunnel"], store.cluster_dir(name).known_hosts)
+        except SpotctlError as e:
+            raise HeadUnavailable(f"cluster {name}: no SSH tunnel to the head: {e}") from None
     if not url:
         raise HeadUnavailable(f"cluster {name} has no head recorded")
     return HeadClient(url, store.cluster_dir(name).token(), timeout_s=timeout_s)

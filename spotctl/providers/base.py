@@ -88,7 +88,10 @@ class HeadInfo:
     store_host: str
     store_port: int
     instance_id: str = ""  # cloud instance id of the head VM, "" for a local process
-    public_url: str = ""  # URL the controller uses when it differs (tunnel, public IP)
+    public_url: str = ""  # URL the controller uses when it can reach the head directly
+    # SSH forward the controller opens to reach the API when the port is closed to the
+    # outside (clouds): address, port, user, key_file, remote_port. Empty: use the URLs.
+    tunnel: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
