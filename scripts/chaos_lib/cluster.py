@@ -35,6 +35,7 @@ class Cluster:
         extra_toml: str = "",
     ):
         self.root, self.name, self.every = root, name, checkpoint_every
+        self.checkpoint_dir: Path | None = None  # set when the spec names one
         self.home = root / "home"
         self.project = root / "project"
         self.project.mkdir(parents=True, exist_ok=True)
@@ -119,7 +120,7 @@ class Cluster:
 
     @property
     def ckpt_dir(self) -> Path:
-        return self.cluster_dir / "checkpoints"
+        return self.checkpoint_dir or self.cluster_dir / "checkpoints"
 
     def vm(self, node: str) -> dict[str, Any]:
         return json.loads((self.cluster_dir / "nodes" / node / "vm.json").read_text())

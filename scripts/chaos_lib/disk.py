@@ -65,6 +65,7 @@ def disk_full(root: Path) -> Result:
     c = Cluster(
         root / "disk", "disk", "1", EVERY, extra_toml=f'checkpoint_dir = "{mnt}"\nkeep_last = 3'
     )
+    c.checkpoint_dir = mnt
     try:
         c.up()
         c.wait_for(
