@@ -89,7 +89,7 @@ def fmt_stat(s: Stat | None) -> str:
     if s is None:
         return "-"
     if s.n == 1 or s.min == s.max:
-        return _num(s.median) + (f"  (n={s.n})" if s.n > 1 else "")
+        return _num(s.median) + (f" (n={s.n})" if s.n > 1 else "")
     return f"{_num(s.median)} ({_num(s.min)}..{_num(s.max)})"
 
 
