@@ -15,10 +15,15 @@ def register(app: typer.Typer) -> None:
         host: str = typer.Option("127.0.0.1", "--host"),
         http_port: int = typer.Option(0, "--http-port"),
         store_port: int = typer.Option(0, "--store-port"),
+        supervise: bool = typer.Option(False, "--supervise", help="Restart it when it dies."),
     ) -> None:
         """Run the head (rendezvous store + coordinator API)."""
-        from spotctl.head.server import run_head
+        from spotctl.head.server import run_head, supervise_head
 
+        if supervise:
+            argv = ["--dir", str(dir), "--token-file", str(token_file), "--host", host,
+                    "--http-port", str(http_port), "--store-port", str(store_port)]
+            raise typer.Exit(supervise_head(argv, dir))
         run_head(dir, token_file, host, http_port, store_port)
 
     @app.command(hidden=True)

@@ -238,3 +238,34 @@ def run_head(dir: Path, token_file: Path, host: str, http_port: int, store_port:
     signal.signal(signal.SIGTERM, lambda *_: srv.stop())
     log.info("head up: api %s store %s:%s", srv.url, host, srv.store_port)
     srv.serve()
+
+
+def supervise_head(argv: list[str], dir: Path) -> int:
+    """Keep the head running: restart it when it dies (the rendezvous store lives in it,
+    and agents restart torchrun once it is back). SIGTERM stops both."""
+    import subprocess
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s head-supervisor %(message)s")
+    dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    (dir / "supervisor.pid").write_text(str(os.getpid()))
+    stopping = threading.Event()
+    child: list[subprocess.Popen[bytes]] = []
+
+    def stop(*_: object) -> None:
+        stopping.set()
+        if child and child[0].poll() is None:
+            child[0].terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    restarts = 0
+    while not stopping.is_set():
+        p = subprocess.Popen([sys.executable, "-m", "spotctl.cli.app", "head", *argv])
+        child[:] = [p]
+        code = p.wait()
+        if stopping.is_set():
+            break
+        restarts += 1
+        log.warning("head exited %s; restart %d in 1 s", code, restarts)
+        stopping.wait(1.0)
+    return 0

@@ -274,9 +274,11 @@ class LocalProvider:
         args = [
             sys.executable, "-m", "spotctl.cli.app", "head", "--dir", str(self.head_dir),
             "--token-file", str(self.cdir.token_file), "--host", "127.0.0.1",
-            "--http-port", str(ports[0]), "--store-port", str(ports[1]),
+            "--http-port", str(ports[0]), "--store-port", str(ports[1]), "--supervise",
         ]
-        _spawn(args, self.head_dir / "head.log", self.tag("head"), self.head_dir)
+        if not self._supervisor_alive():
+            _spawn(args, self.head_dir / "head.log", self.tag("head"), self.head_dir)
+        # else: the supervisor is restarting the head; wait for it
         deadline = time.monotonic() + HEAD_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if p.exists():
@@ -289,6 +291,13 @@ class LocalProvider:
             time.sleep(0.2)
         log = (self.head_dir / "head.log").read_text()[-2000:]
         raise SpotctlError(f"the head did not start within {HEAD_START_TIMEOUT_S:.0f}s: {log}")
+
+    def _supervisor_alive(self) -> bool:
+        try:
+            pid = int((self.head_dir / "supervisor.pid").read_text())
+        except (OSError, ValueError):
+            return False
+        return pid in proctree.tagged(self.tag("head"))
 
     def _head_ports(self) -> tuple[int, int]:
         p = self.head_dir / "ports.json"
