@@ -97,20 +97,11 @@ class Checkpointer:
 
     def poll(self) -> None:
         """Commit a finished async save (rank 0). Cheap: called every step."""
-        if self.pending is None:
-            return
-        step, fut, meta, _ = self.pending
-        if not fut.done():
-            return
-        self.pending = None
-        try:
-            fut.result()
-        except _CKPT_ERRORS as e:
-            self._failed(step, e)
-            return
-        self._commit(step, meta)
+        if self.pending is not None and self.pending[1].done():
+            self.wait_pending()
 
     def wait_pending(self) -> None:
+        """Wait for the in-flight async save, then commit it (or record its failure)."""
         if self.pending is None:
             return
         step, fut, meta, _ = self.pending
