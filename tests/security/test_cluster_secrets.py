@@ -70,7 +70,11 @@ def test_running_cluster_keeps_its_token_secret(local_cluster) -> None:  # noqa:
     pids = c.processes()
     roles = {pid: _cmd(pid) for pid in pids}
     # head, 2 x (local vm, agent, torchrun, worker) at least
-    assert sum("spotctl.cli.app head" in x for x in roles.values()) == 1, roles
+    # the head server and the supervisor that restarts it
+    assert sum("spotctl.cli.app head" in x and "--supervise" not in x
+               for x in roles.values()) == 1, roles
+    assert sum("spotctl.cli.app head" in x and "--supervise" in x
+               for x in roles.values()) == 1, roles
     assert sum("spotctl.cli.app agent" in x for x in roles.values()) == 2, roles
     assert sum("torch.distributed.run" in x for x in roles.values()) == 2, roles
     assert len(pids) >= 9, roles
@@ -108,7 +112,8 @@ def test_running_cluster_keeps_its_token_secret(local_cluster) -> None:  # noqa:
 
     # 4. the head and every node's metadata endpoint listen on loopback only
     listening = _listening(pids)
-    head_pid = next(p for p, x in roles.items() if "spotctl.cli.app head" in x)
+    head_pid = next(p for p, x in roles.items()
+                    if "spotctl.cli.app head" in x and "--supervise" not in x)
     vm_pids = [p for p, x in roles.items() if "spotctl.providers.local_vm" in x]
     assert len(listening.get(head_pid, [])) >= 2  # API + rendezvous store
     for pid in [head_pid, *vm_pids]:
