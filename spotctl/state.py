@@ -183,6 +183,7 @@ class Store:
 
     def __init__(self, root: Path | None = None):
         self.root = root or home()
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.path = self.root / "state.db"
         try:
             self.db = sqlite3.connect(self.path, timeout=30, isolation_level=None)

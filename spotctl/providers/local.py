@@ -13,6 +13,7 @@ from __future__ import annotations
 import builtins
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -152,36 +153,50 @@ class LocalProvider:
         return [self._instance(vm) for nid in self._node_ids() if (vm := self._vm(nid))]
 
     def launch(self, offer: Offer, count: int, request_id: str) -> builtins.list[Instance]:
-        existing = [
+        """Idempotent by request id: a retried request (the CLI died mid-launch) completes
+        the nodes it already made instead of making more."""
+        mine = [
             vm for nid in self._node_ids()
             if (vm := self._vm(nid)) and vm.get("request_id") == request_id
         ]
-        if existing:
-            return [self._instance(vm) for vm in existing]
+        for vm in mine:
+            if vm.get("state") == "pending" and not vm.get("pid") and not proctree.tagged(
+                self.tag(vm["node_id"])
+            ):
+                self._spawn_vm(vm["node_id"])  # made, but the VM was never started
+        need = count - len(mine)
+        if need <= 0:
+            return [self._instance(self._vm(vm["node_id"]) or vm) for vm in mine]
         cap = self.capacity_now()
         live = len(self.list(self.ctx.cluster))
-        if cap is not None and live + count > cap:
+        if cap is not None and live + need > cap:
             raise CapacityError(
-                f"local capacity is {cap} node(s) now and {live} run: no room for {count} more "
+                f"local capacity is {cap} node(s) now and {live} run: no room for {need} more "
                 f"in {offer.zone}"
             )
         head = self.head_info()
         self.nodes_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        taken = self._node_ids()
-        n = max((int(x[1:]) for x in taken if x[1:].isdigit()), default=0)
-        out = []
-        for _ in range(count):
+        for stale in self.nodes_dir.glob(".*.partial"):
+            shutil.rmtree(stale, ignore_errors=True)  # an interrupted launch's half-made node
+        names = [p.name for p in self.nodes_dir.iterdir()]
+        n = max((int(x[1:]) for x in names if x[:1] == "n" and x[1:].isdigit()), default=0)
+        out = [self._instance(self._vm(vm["node_id"]) or vm) for vm in mine]
+        for _ in range(need):
             n += 1
             nid = f"n{n}"
-            d = self.nodes_dir / nid
+            # build the node under a temporary name, then rename: a node dir either is
+            # complete (vm.json with the request id) or does not exist
+            d = self.nodes_dir / f".{nid}.partial"
             d.mkdir(mode=0o700)
+            final = self.nodes_dir / nid
             write_private(d / "token", self.cdir.token())
             tr = self.spec.train
             cfg = AgentConfig(
                 cluster=self.ctx.cluster, node_id=nid, head_url=head.url,
                 store_host=head.store_host, store_port=head.store_port,
-                token_file=str(d / "token"), workdir=str(d), script=tr.script, args=tr.args,
-                nproc_per_node=offer.gpus, max_nodes=max(1, self.spec.gpus.max // offer.gpus),
+                token_file=str(final / "token"), workdir=str(final), script=tr.script,
+                args=tr.args, nproc_per_node=offer.gpus,
+                max_nodes=max(1, self.spec.gpus.max // offer.gpus),
                 checkpoint_dir=tr.checkpoint_dir or str(self.cdir.checkpoints),
                 checkpoint_every=tr.checkpoint_every, keep_last=tr.keep_last,
                 max_steps=tr.max_steps, python=tr.python, env=tr.env,
@@ -195,18 +210,16 @@ class LocalProvider:
                 "launched_at": time.time(), "state": "pending", "pid": None,
             }
             write_json_atomic(d / "vm.json", vm)
-            p = _spawn(
-                [sys.executable, "-m", "spotctl.providers.local_vm", str(d)],
-                d / "node.log", self.tag(nid), d,
-            )
-            vm["pid"] = p.pid
-            # the vm rewrites vm.json when it is up; record the pid now so a crash is visible
-            cur = self._vm(nid) or vm
-            if cur.get("state") == "pending":
-                cur["pid"] = p.pid
-                write_json_atomic(d / "vm.json", cur)
-            out.append(self._instance(cur))
+            d.rename(final)
+            self._spawn_vm(nid)
+            out.append(self._instance(self._vm(nid) or vm))
         return out
+
+    def _spawn_vm(self, nid: str) -> None:
+        # the VM writes its own pid and state into vm.json once it is up
+        d = self.nodes_dir / nid
+        _spawn([sys.executable, "-m", "spotctl.providers.local_vm", str(d)],
+               d / "node.log", self.tag(nid), d)
 
     def terminate(self, ids: Sequence[str]) -> None:
         for nid in ids:
