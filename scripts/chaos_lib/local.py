@@ -210,6 +210,7 @@ def head_restart(c: Cluster) -> Result:
     st0 = c.status()
     t0 = time.time()
     killed = c.kill_head()
+    before = c.committed_before(t0)  # now: keep_last prunes them soon after training resumes
     time.sleep(3)  # torchrun agents lose the store and exit; the spotctl agents wait
     c.up()
     head = json.loads((c.cluster_dir / "head" / "head.json").read_text())
@@ -232,7 +233,6 @@ def head_restart(c: Cluster) -> Result:
         resume = _resume_from_logs(c, t0)
     c.training(WORLD, past=st["step"] + 3)
     res.recover_s = round(time.time() - t0, 1)
-    before = c.committed_before(t0)
     res.committed_steps_lost = None if resume is None else max(0, before - resume)
     res.steps_replayed = None if resume is None else max(0, st0["step"] - resume)
     res.survived = same_ports and resume is not None and res.committed_steps_lost == 0
