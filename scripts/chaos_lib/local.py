@@ -49,10 +49,11 @@ def _cycle(
 ) -> None:
     """Inject `fault`, wait for the job to train at `world` again, fill in the measures."""
     n0 = len(c.events("rescale"))
+    pre = max(c.committed(), default=0) if intact_before is None else 0
     t0 = time.time()
     fault()
-    # read now: keep_last prunes pre-fault checkpoints within seconds of training resuming
-    before = (intact_before or c.committed_before)(t0)
+    # read now too: keep_last prunes pre-fault checkpoints within seconds of resuming
+    before = max(pre, (intact_before or c.committed_before)(t0))
     evs = _new_rescales(c, n0, world)
     resume = min(int(e["resume_step"]) for e in evs)
     c.training(world, past=max(int(e["resume_step"]) for e in evs) + 1)
