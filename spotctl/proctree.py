@@ -87,6 +87,9 @@ def kill_tag(tag: str, root: int | None = None, timeout_s: float = 10.0) -> list
     if root is not None and alive(root):
         pids.add(root)
         pids.update(descendants(root))
+    # never ourselves: a caller inside the tree (the local VM reclaiming its node) would
+    # die at its own pid before signalling the rest; it ends itself afterwards
+    pids.discard(os.getpid())
     signal_all(pids, signal.SIGKILL)
     deadline = time.monotonic() + timeout_s
     left = [p for p in pids if alive(p)]
