@@ -47,6 +47,8 @@ def torchrun_command(cfg: AgentConfig) -> list[str]:
         "--max-restarts=1000000",
         "--monitor-interval=0.2",
         f"--local-addr={cfg.local_addr}",
+        # each worker is forked from the node's warm zygote (torch already imported)
+        "-m", "spotctl.launch",
         cfg.script, *cfg.args,
     ]
 
@@ -58,6 +60,8 @@ class Agent:
         self.status_dir = self.workdir / "status"
         self.status_dir.mkdir(parents=True, exist_ok=True)
         self.gate = self.workdir / "rdzv-gate"
+        self.zygote: subprocess.Popen[bytes] | None = None
+        self.zygote_path = self.workdir / "zygote.sock"
         self.head = HeadClient(cfg.head_url, cfg.token(), timeout_s=2.0)
         self.state = "waiting"
         self.torchrun: subprocess.Popen[bytes] | None = None
@@ -153,6 +157,7 @@ class Agent:
         env = dict(os.environ)
         env.update(cfg.env)
         env.update(
+            SPOTCTL_ZYGOTE=self._zygote_socket(),
             SPOTCTL_RDZV_GATE=str(self.gate),
             TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
             SPOTCTL_NODE_ID=cfg.node_id,
@@ -173,6 +178,24 @@ class Agent:
         out.close()
         log.info("torchrun started (pid %s), gate %s", self.torchrun.pid,
                  "open" if self.gate.exists() else "closed")
+
+    def _zygote_socket(self) -> str:
+        """Start (or keep) the node's warm zygote; '' when it cannot run (cold starts)."""
+        z = self.zygote
+        if z is not None and z.poll() is None:
+            return str(self.zygote_path)
+        if z is not None:
+            log.warning("zygote exited %s; starting a new one", z.returncode)
+        self.zygote_path.unlink(missing_ok=True)
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        log_f = open(self.workdir / "zygote.log", "ab")
+        self.zygote = subprocess.Popen(
+            [self.cfg.python or sys.executable, "-m", "spotctl.zygote",
+             str(self.zygote_path)], env=env, stdout=log_f, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, cwd=str(self.workdir),
+        )
+        log_f.close()
+        return str(self.zygote_path)
 
     def stop_torchrun(self, timeout_s: float = 15.0) -> int | None:
         tr = self.torchrun
@@ -290,6 +313,7 @@ class Agent:
 
     def run(self) -> int:
         self._warm.start()
+        self._zygote_socket()  # warm up while we register
         self._start_monitors()
         # first contact takes the head's current generations (see _heartbeat)
         while not self._stop.is_set() and self._heartbeat([]) is None:
@@ -304,6 +328,8 @@ class Agent:
                 self._heartbeat([])
             self._stop.wait(max(0.0, TICK_S - (time.monotonic() - t0)))
         self.stop_torchrun()
+        if self.zygote is not None and self.zygote.poll() is None:
+            self.zygote.kill()
         return 0
 
     def stop(self) -> None:

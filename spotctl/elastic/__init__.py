@@ -38,12 +38,29 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from spotctl.elastic.checkpoint import Checkpointer
+def _process_start_time() -> float:
+    """Unix time this process started (Linux /proc), for the restart-time breakdown.
+    Measured as now minus the process' age (/proc/uptime has 10 ms resolution; the boot
+    time in /proc/stat only whole seconds)."""
+    try:
+        fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return time.time() - (uptime - started)
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+_T_START = _process_start_time()
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+from spotctl.elastic.checkpoint import Checkpointer  # noqa: E402
+
+_T_IMPORTED = time.time()
 
 __all__ = ["Run", "epoch_permutation", "split_batch"]
 log = logging.getLogger("spotctl.elastic")
@@ -83,6 +100,7 @@ class Run:
         env = os.environ
         self.drain_requested = False
         signal.signal(signal.SIGUSR1, self._on_drain_signal)
+        t_init = time.time()
         if not dist.is_initialized():
             dist.init_process_group("gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
         self.rank = dist.get_rank()
@@ -113,7 +131,21 @@ class Run:
         self._rate_samples = 0
         self.throughput: float | None = None
         self.drain_step: int | None = None
+        t_restore = time.time()
         self.resume_step = self._restore()
+        t_ready = time.time()
+        # where a restart's time goes (seconds): interpreter + imports, process group and
+        # model setup, checkpoint load; `first_step` is added after the first step
+        # a worker forked from the warm zygote starts after the imports: they cost it 0
+        t_proc = _process_start_time()
+        self.startup = {
+            "imports": round(max(0.0, _T_IMPORTED - t_proc), 3),
+            "process_group": round(t_restore - t_init, 3),
+            "restore": round(t_ready - t_restore, 3),
+            "started_at": round(t_proc, 3),
+            "forked_warm": t_proc > _T_IMPORTED,
+        }
+        self._t_ready = t_ready
         self._this_step: tuple[int, int] | None = None
         self.phase = "train"
         self._report(force=True)
@@ -192,6 +224,9 @@ class Run:
         self.loss = loss if loss is None or loss == loss else None  # NaN is not JSON
         if self.first_step_at is None:
             self.first_step_at = time.time()
+            self.startup["first_step"] = round(self.first_step_at - self._t_ready, 3)
+            if self.rank == 0:
+                log.info("restart breakdown: %s", self.startup)
             self._report(force=True)
         if self.step % self.every == 0:
             self.ckpt.save_async(self.step, self._state(), self._meta())
@@ -240,6 +275,7 @@ class Run:
             "last_ckpt": self.ckpt.last_committed, "loss": self.loss,
             "throughput": self.throughput, "drain_step": self.drain_step, "pid": os.getpid(),
             "epoch": self.epoch, "offset": self.offset,
+            "startup": getattr(self, "startup", None),
         }
         path = self.status_dir / f"worker-{self.local_rank}.json"
         tmp = path.with_suffix(".tmp")

@@ -42,6 +42,7 @@ class WorkerReport:
     throughput: float | None = None  # samples/s of the whole job (rank 0's view)
     drain_step: int | None = None
     pid: int = 0
+    startup: dict[str, Any] | None = None  # where this worker's start-up time went
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> WorkerReport:
@@ -352,6 +353,8 @@ class Coordinator:
             self.cause = None
             return
         lost = max(0, inc["prev_max"] - inc["resume_step"])
+        rank0 = next((w for n in self.nodes.values() for w in n.workers
+                      if w.rank == 0 and w.incarnation == inc["id"]), None)
         self.record(
             "rescale",
             from_world_size=inc["prev_world"],
@@ -361,6 +364,10 @@ class Coordinator:
             resume_step=inc["resume_step"],
             lost_steps=lost,
             notice_to_resume_s=round(inc["first_step_at"] - cause.at, 3),
+            # the new workers' own start: imports, process group, restore, first step
+            worker_start=(rank0.startup if rank0 else None),
+            worker_spawned_after_s=(round(rank0.startup["started_at"] - cause.at, 3)
+                                    if rank0 and rank0.startup else None),
         )
         self.cause = None
 

@@ -1,0 +1,131 @@
+"""Warm worker starts: a per-node process that has already imported torch forks each new
+worker, so a restart after a rescale does not pay for the interpreter and torch imports
+(seconds) on the critical path.
+
+    zygote:   python -m spotctl.zygote SOCKET     (started by the node agent)
+    worker:   torchrun ... -m spotctl.launch train.py ARGS
+
+`spotctl.launch` (the process torchrun supervises) hands its argv, environment,
+working directory and stdio to the zygote over a unix socket; the zygote forks a child
+that becomes the worker (runpy of the script as __main__). The launcher forwards signals
+to the child and exits with its status; if the launcher dies, the child kills itself.
+Without a zygote the launcher simply execs the script the usual way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import sys
+
+MAX_MSG = 1 << 20
+
+
+def _child(conn: socket.socket, req: dict, fds: list[int]) -> None:
+    import runpy
+    import threading
+
+    for i, fd in enumerate(fds[:3]):
+        os.dup2(fd, i)
+    for fd in fds:
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(req["env"])
+    os.chdir(req["cwd"])
+    argv = list(req["argv"])
+    sys.argv = argv
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+
+    def watch_launcher() -> None:
+        # the launcher closed its end (it died): a worker must not outlive it
+        try:
+            conn.recv(1)
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch_launcher, daemon=True).start()
+    code = 0
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+def serve(path: str) -> None:
+    # warm everything a worker imports; nothing here may start threads before fork
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+
+    import spotctl.elastic  # noqa: F401
+
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    os.chmod(path, 0o600)
+    srv.listen(16)
+    children: dict[int, socket.socket] = {}
+    while True:
+        r, _, _ = select.select([srv], [], [], 0.05)
+        if r:
+            conn, _ = srv.accept()
+            try:
+                msg, fds, _, _ = socket.recv_fds(conn, MAX_MSG, 8)
+                req = json.loads(msg)
+            except (OSError, ValueError):
+                conn.close()
+                continue
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                srv.close()
+                for c in children.values():
+                    c.close()
+                _child(conn, req, fds)
+            for fd in fds:
+                os.close(fd)
+            try:
+                conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+            except OSError:
+                pass
+            children[pid] = conn
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            done = children.pop(pid, None)
+            if done is not None:
+                conn = done
+                try:
+                    conn.sendall(json.dumps({"status": status}).encode() + b"\n")
+                except OSError:
+                    pass
+                conn.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
