@@ -90,6 +90,9 @@ class LocalSpec(_Strict):
     price_per_node: float = Field(default=0.0, ge=0)
     on_demand_price_per_node: float = Field(default=0.0, ge=0)
     capacity: list[CapacityStep] = Field(default_factory=list)
+    # each node in its own network namespace on a bridge (root + iproute2): real links,
+    # which a test can cut to partition a node
+    netns: bool = False
 
     @field_validator("capacity")
     @classmethod

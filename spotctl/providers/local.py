@@ -58,6 +58,13 @@ class LocalProvider:
         self.cdir = ctx.cluster_dir
         self.nodes_dir = self.cdir.nodes_dir
         self.head_dir = self.cdir.head_dir
+        self.net = None
+        if self.spec.local.netns:
+            from spotctl.providers.local_net import ClusterNet
+
+            self.net = ClusterNet.for_dir(self.cdir.path)
+        # where the head listens: loopback, or the cluster bridge in netns mode
+        self.host_addr = self.net.host_ip if self.net else "127.0.0.1"
 
     # -- tags
     def tag(self, node_id: str) -> str:
@@ -132,7 +139,7 @@ class LocalProvider:
             id=vm["node_id"], cluster=self.ctx.cluster, role="worker", zone=vm["zone"],
             instance_type="local", gpus=vm["gpus"], state=state, request_id=vm["request_id"],
             price=vm.get("price", 0.0), on_demand_price=vm.get("on_demand_price", 0.0),
-            launched_at=vm["launched_at"], address="127.0.0.1", spot=True,
+            launched_at=vm["launched_at"], address=vm.get("address", "127.0.0.1"), spot=True,
             meta={"dir": str(self.nodes_dir / vm["node_id"]), "pid": vm.get("pid"),
                   "metadata_url": vm.get("metadata_url", ""), "end_state": vm.get("state")},
         )
@@ -188,6 +195,12 @@ class LocalProvider:
             # complete (vm.json with the request id) or does not exist
             d = self.nodes_dir / f".{nid}.partial"
             d.mkdir(mode=0o700)
+            addr = self.net.add_node(n) if self.net else "127.0.0.1"
+            env = dict(self.spec.train.env)
+            if self.net:
+                from spotctl.providers.local_net import NODE_IFNAME
+
+                env.setdefault("GLOO_SOCKET_IFNAME", NODE_IFNAME)
             final = self.nodes_dir / nid
             write_private(d / "token", self.cdir.token())
             tr = self.spec.train
@@ -199,8 +212,8 @@ class LocalProvider:
                 max_nodes=max(1, self.spec.gpus.max // offer.gpus),
                 checkpoint_dir=tr.checkpoint_dir or str(self.cdir.checkpoints),
                 checkpoint_every=tr.checkpoint_every, keep_last=tr.keep_last,
-                max_steps=tr.max_steps, python=tr.python, env=tr.env,
-                local_addr="127.0.0.1", metadata="local", poll_interval_s=0.2,
+                max_steps=tr.max_steps, python=tr.python, env=env,
+                local_addr=addr, metadata="local", poll_interval_s=0.2,
             )
             cfg.save(d / "agent.json")
             vm = {
@@ -208,6 +221,7 @@ class LocalProvider:
                 "gpus": offer.gpus, "price": offer.spot_price,
                 "on_demand_price": offer.on_demand_price or 0.0,
                 "launched_at": time.time(), "state": "pending", "pid": None,
+                "address": addr, "net_index": n if self.net else None,
             }
             write_json_atomic(d / "vm.json", vm)
             d.rename(final)
@@ -218,7 +232,10 @@ class LocalProvider:
     def _spawn_vm(self, nid: str) -> None:
         # the VM writes its own pid and state into vm.json once it is up
         d = self.nodes_dir / nid
-        _spawn([sys.executable, "-m", "spotctl.providers.local_vm", str(d)],
+        prefix: list[str] = []
+        if self.net is not None:
+            prefix = self.net.exec_prefix(int(nid[1:]))
+        _spawn([*prefix, sys.executable, "-m", "spotctl.providers.local_vm", str(d)],
                d / "node.log", self.tag(nid), d)
 
     def terminate(self, ids: Sequence[str]) -> None:
@@ -227,6 +244,8 @@ class LocalProvider:
             if vm is None:
                 continue
             proctree.kill_tag(self.tag(nid), root=int(vm.get("pid") or 0) or None)
+            if self.net is not None:
+                self.net.remove_node(int(nid[1:]))
             if vm.get("state") in ("running", "pending"):
                 vm["state"] = "terminated"
                 vm["ended_at"] = time.time()
@@ -261,6 +280,8 @@ class LocalProvider:
     def prepare(self) -> None:
         self.cdir.ensure()
         self.cdir.token(create=True)
+        if self.net is not None:
+            self.net.ensure_bridge()
         created = self._created_at()
         cap_file = self.cdir.path / "capacity.json"
         if self.spec.local.capacity:
@@ -286,7 +307,7 @@ class LocalProvider:
         ports = self._head_ports()
         args = [
             sys.executable, "-m", "spotctl.cli.app", "head", "--dir", str(self.head_dir),
-            "--token-file", str(self.cdir.token_file), "--host", "127.0.0.1",
+            "--token-file", str(self.cdir.token_file), "--host", self.host_addr,
             "--http-port", str(ports[0]), "--store-port", str(ports[1]), "--supervise",
         ]
         if not self._supervisor_alive():
@@ -351,6 +372,9 @@ class LocalProvider:
         left_head = self.stop_head()
         if left_head:
             leaks.append(f"head: processes {left_head} still alive")
+        if self.net is not None:
+            self.net.remove_bridge()
+            leaks += self.net.leftovers()
         return leaks
 
     # -- local-only controls
@@ -374,6 +398,14 @@ class LocalProvider:
                 return json.loads(r.read() or b"{}")
         except (urllib.error.URLError, OSError) as e:
             raise SpotctlError(f"node {node_id}: metadata endpoint did not answer: {e}") from None
+
+    def isolate(self, node_id: str) -> None:
+        """netns mode: cut the node off the network (its link goes down); it keeps running."""
+        if self.net is None:
+            raise SpotctlError("isolating a node needs `[local] netns = true`")
+        if self._vm(node_id) is None:
+            raise NotFoundError(f"no node {node_id!r} in cluster {self.ctx.cluster}")
+        self.net.cut(int(node_id[1:]))
 
     def kill(self, node_id: str) -> None:
         """Hard failure: SIGKILL the node's whole process tree, no notice."""

@@ -41,7 +41,7 @@ def main(node_dir: Path) -> int:
         os.kill(os.getpid(), signal.SIGKILL)
 
     md = MetadataServer(
-        host="127.0.0.1", port=0, control_token=token, on_deadline=reclaim,
+        host=vm.get("address", "127.0.0.1"), port=0, control_token=token, on_deadline=reclaim,
         instance_id=vm["node_id"], zone=vm.get("zone", "local-a"), instance_type="local",
     )
     md.start()
