@@ -11,8 +11,8 @@ import subprocess
 
 import pytest
 
-from spotctl.providers.local import LocalProvider
 from spotctl.providers.base import ProviderContext
+from spotctl.providers.local import LocalProvider
 from spotctl.spec import ClusterSpec
 from spotctl.state import Store
 
