@@ -1,10 +1,11 @@
 """13: the checkpoint disk fills up (a small tmpfs of the test's own): the save fails
 cleanly, training goes on, older checkpoints stay intact, saves resume once space is back.
-14: a node cut off from the network: blocked here (see network_cut)."""
+14: a node cut off from the network (nodes in network namespaces; its link goes down)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -129,14 +130,48 @@ def disk_full(root: Path) -> Result:
     return res
 
 
-def network_cut() -> Result:
+def network_cut(root: Path) -> Result:
+    """14: nodes in network namespaces of the run's own (`[local] netns = true`); one
+    node's link is taken down. The survivors must not hang: the head declares the silent
+    node unresponsive after 4 s, their workers re-form without it."""
     res = Result("14 node cut off from the network")
-    res.blocked = (
-        "local nodes share the host's loopback with the head; a running process cannot be "
-        "moved into another network namespace (setns acts on the calling thread), so this "
-        "needs the local provider to start a node inside a namespace of its own with a veth "
-        "to the head; not done. Scenario 5 (SIGSTOP) covers the same silent-vanish path"
-    )
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        res.blocked = "network namespaces need root and iproute2"
+        return res
+    c = Cluster(root / "net", "net", "2..3", EVERY, extra_toml="\n[local]\nnetns = true")
+    try:
+        c.up()
+        c.training(3, past=EVERY)
+        from spotctl.providers.base import ProviderContext
+        from spotctl.providers.local import LocalProvider
+        from spotctl.spec import ClusterSpec
+        from spotctl.state import Store
+
+        store = Store(c.home)
+        spec = ClusterSpec.model_validate(store.get_cluster("net").spec)
+        prov = LocalProvider(ProviderContext("net", spec, store.cluster_dir("net")))
+        t0 = time.time()
+        committed = c.committed_before(t0)
+        prov.isolate("n3")
+        st = c.training(2, past=0, timeout=180)
+        res.recover_s = round(time.time() - t0, 1)
+        r = [e for e in c.events("rescale") if e["ts"] >= t0][-1]
+        res.steps_replayed = int(r["lost_steps"])
+        res.committed_steps_lost = max(0, committed - int(r["resume_step"]))
+        unresp = [e for e in c.events("node-unresponsive") if e.get("node") == "n3"]
+        res.survived = bool(unresp) and st["world_size"] == 2
+        res.notes = (f"n3's link down; unresponsive after {unresp[0]['silent_s'] if unresp else '?'}"
+                     f" s; survivors re-formed at world 2 from step {r['resume_step']}")
+        res.detail.update(rescale=r)
+    except Exception as e:
+        res.notes = f"{type(e).__name__}: {str(e)[:300]}"
+        res.detail["error"] = str(e)[-4000:]
+    finally:
+        res.leaks += c.down()
+        if (c.home / "state.db").exists():
+            from spotctl.providers.local_net import ClusterNet
+
+            res.leaks += ClusterNet.for_dir(c.cluster_dir).leftovers()
     return res
 
 

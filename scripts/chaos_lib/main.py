@@ -27,7 +27,8 @@ def run_all(root: Path, only: set[str] | None = None, log=print) -> list[Result]
         rows.append(disk.disk_full(root))
         log(f"{rows[-1].scenario}: survived={rows[-1].survived} {rows[-1].notes}")
     if not only or "14" in only:
-        rows.append(disk.network_cut())
+        rows.append(disk.network_cut(root))
+        log(f"{rows[-1].scenario}: survived={rows[-1].survived} {rows[-1].notes}")
     rows.sort(key=lambda r: int(r.scenario.split()[0]) if r.scenario.split()[0].isdigit() else 99)
     return rows
 
