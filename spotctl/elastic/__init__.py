@@ -69,6 +69,42 @@ PG_TIMEOUT_S = float(os.environ.get("SPOTCTL_PG_TIMEOUT_S", "60"))
 REPORT_EVERY_S = 0.2
 
 
+def _init_process_group() -> None:
+    """gloo over the worker store at MASTER_ADDR:MASTER_PORT. Rank 0 hosts that store on
+    a socket bound to MASTER_ADDR only (TCPStore's own listener takes every interface,
+    and the store has no authentication)."""
+    import socket
+
+    env = os.environ
+    timeout = timedelta(seconds=PG_TIMEOUT_S)
+    try:
+        addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        dist.init_process_group("gloo", timeout=timeout)
+        return
+    store = None
+    if rank == 0:
+        try:
+            fam, _, _, _, sa = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+            sock = socket.socket(fam, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sa)
+            sock.listen(512)
+            store = dist.TCPStore(addr, port, world, True, timeout, wait_for_workers=False,
+                                  master_listen_fd=sock.detach(), use_libuv=True)
+        except (OSError, RuntimeError, ValueError) as e:
+            log.warning("worker store on %s:%s: %s; using torch's default listener", addr,
+                        port, e)
+            store = None
+    if store is None and rank == 0:
+        dist.init_process_group("gloo", timeout=timeout)
+        return
+    if store is None:
+        store = dist.TCPStore(addr, port, world, False, timeout, use_libuv=True)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+
+
 def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
     g = torch.Generator()
     g.manual_seed(seed * 1_000_003 + epoch)
@@ -102,7 +138,7 @@ class Run:
         signal.signal(signal.SIGUSR1, self._on_drain_signal)
         t_init = time.time()
         if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
+            _init_process_group()
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.local_rank = int(env.get("LOCAL_RANK", "0"))

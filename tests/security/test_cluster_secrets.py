@@ -125,6 +125,7 @@ def test_running_cluster_keeps_its_token_secret(local_cluster) -> None:  # noqa:
         for p, addrs in listening.items()
         if any(ip not in ("127.0.0.1", "::1") for ip, _ in addrs)
     }
-    print("non-loopback listeners (torchrun/workers):", others)
+    # the workers' own store (rank 0) and gloo listen on the node's address only
+    assert others == {}, f"non-loopback listeners: {others}"
     c.cli("down", "--name", "sec", "--yes")
     assert c.processes() == []
