@@ -284,7 +284,9 @@ def cli_killed_mid_up(c: Cluster) -> Result:
     c.up()
     c.training(WORLD, past=c.status()["step"] + 3)
     res.recover_s = round(time.time() - t0, 1)
-    live = c.live_nodes()
+    # a node from an earlier notice may still wait for its hard stop: it has left the job
+    gone = {n["id"] for n in c.status()["nodes"] if n["state"] in ("left", "draining")}
+    live = [n for n in c.live_nodes() if n not in gone]
     new = sorted(set(live) - before)
     reqs: dict[str, list[str]] = {}
     for n in live:

@@ -53,6 +53,18 @@ def torchrun_command(cfg: AgentConfig) -> list[str]:
     ]
 
 
+def _zygote_path(workdir: Path) -> Path:
+    """A short socket path (unix socket paths are limited to 107 bytes) in a 0700 dir."""
+    import hashlib
+    import tempfile
+
+    d = Path(tempfile.gettempdir()) / f"spotctl-{os.getuid()}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(d, 0o700)
+    key = hashlib.sha256(str(workdir.resolve()).encode()).hexdigest()[:16]
+    return d / f"z-{key}.sock"
+
+
 class Agent:
     def __init__(self, cfg: AgentConfig):
         self.cfg = cfg
@@ -61,7 +73,7 @@ class Agent:
         self.status_dir.mkdir(parents=True, exist_ok=True)
         self.gate = self.workdir / "rdzv-gate"
         self.zygote: subprocess.Popen[bytes] | None = None
-        self.zygote_path = self.workdir / "zygote.sock"
+        self.zygote_path = _zygote_path(self.workdir)
         self.head = HeadClient(cfg.head_url, cfg.token(), timeout_s=2.0)
         self.state = "waiting"
         self.torchrun: subprocess.Popen[bytes] | None = None
@@ -330,6 +342,7 @@ class Agent:
         self.stop_torchrun()
         if self.zygote is not None and self.zygote.poll() is None:
             self.zygote.kill()
+        self.zygote_path.unlink(missing_ok=True)
         return 0
 
     def stop(self) -> None:

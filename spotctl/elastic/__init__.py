@@ -66,6 +66,9 @@ __all__ = ["Run", "epoch_permutation", "split_batch"]
 log = logging.getLogger("spotctl.elastic")
 # Short process-group timeout: a vanished peer must not block survivors for 30 minutes.
 PG_TIMEOUT_S = float(os.environ.get("SPOTCTL_PG_TIMEOUT_S", "60"))
+# Forming the group: a peer that never shows up (it left during the rendezvous) must not
+# hold the others for long; they fail, and torchrun re-forms without it.
+PG_INIT_TIMEOUT_S = float(os.environ.get("SPOTCTL_PG_INIT_TIMEOUT_S", "30"))
 REPORT_EVERY_S = 0.2
 
 
@@ -77,6 +80,7 @@ def _init_process_group() -> None:
 
     env = os.environ
     timeout = timedelta(seconds=PG_TIMEOUT_S)
+    init_timeout = timedelta(seconds=PG_INIT_TIMEOUT_S)
     try:
         addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -91,7 +95,7 @@ def _init_process_group() -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(sa)
             sock.listen(512)
-            store = dist.TCPStore(addr, port, world, True, timeout, wait_for_workers=False,
+            store = dist.TCPStore(addr, port, world, True, init_timeout, wait_for_workers=False,
                                   master_listen_fd=sock.detach(), use_libuv=True)
         except (OSError, RuntimeError, ValueError) as e:
             log.warning("worker store on %s:%s: %s; using torch's default listener", addr,
@@ -101,7 +105,7 @@ def _init_process_group() -> None:
         dist.init_process_group("gloo", timeout=timeout)
         return
     if store is None:
-        store = dist.TCPStore(addr, port, world, False, timeout, use_libuv=True)
+        store = dist.TCPStore(addr, port, world, False, init_timeout, use_libuv=True)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 
 

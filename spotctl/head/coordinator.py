@@ -24,7 +24,8 @@ from typing import Any
 
 DEAD_AFTER_S = 4.0  # heartbeats every 0.25 s: 16 missed beats, well past scheduling jitter
 DRAIN_TIMEOUT_S = 20.0  # a drain not complete by then is abandoned (leavers leave anyway)
-JOIN_GO_TIMEOUT_S = 25.0  # after `go`, survivors still blocked this long are released
+JOIN_GO_TIMEOUT_S = 25.0
+START_GRACE_S = 30.0  # a start waits this long at most for slow nodes to be ready  # after `go`, survivors still blocked this long are released
 
 
 @dataclass
@@ -232,9 +233,14 @@ class Coordinator:
         if not waiting:
             return
         if not members:
-            # nothing to protect: let them start now, together
-            for nid in waiting:
-                self.nodes[nid].go_at = now
+            # Nothing to protect: start together. Wait until every waiting node's torchrun
+            # is at the gate (or START_GRACE_S passed), so one rendezvous round takes them
+            # all instead of a first node training alone and the others forcing restarts.
+            ready = [nid for nid in waiting if self.nodes[nid].ready]
+            oldest = min(self.nodes[nid].registered_at for nid in waiting)
+            if ready and (len(ready) == len(waiting) or now - oldest > START_GRACE_S):
+                for nid in ready:
+                    self.nodes[nid].go_at = now
             return
         ready = [nid for nid in waiting if self.nodes[nid].ready]
         if ready:

@@ -114,5 +114,8 @@ def test_local_provider_starts_the_head_on_loopback() -> None:
     from spotctl.providers import local
 
     src = inspect.getsource(local.LocalProvider.ensure_head)
-    assert '"--host", "127.0.0.1"' in src
+    assert '"--host", self.host_addr' in src
     assert "--token-file" in src and '"--token"' not in src
+    # loopback unless the nodes live in network namespaces of the cluster's own
+    assert "self.host_addr = self.net.host_ip if self.net else \"127.0.0.1\"" in inspect.getsource(
+        local.LocalProvider.__init__)

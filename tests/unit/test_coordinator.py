@@ -94,3 +94,24 @@ def test_silent_node_kills_peers_workers_once_and_failure_is_recorded():
     assert c.kill_gen == 1  # not repeated
     ev = [e for e in c.events if e["type"] == "rescale"][-1]
     assert ev["reason"] == "failure" and ev["lost_steps"] == 7
+
+
+def test_start_waits_until_every_node_is_at_the_gate():
+    clk = Clock()
+    c = Coordinator(clk)
+    assert not c.heartbeat({"node_id": "b", "agent_state": "waiting", "ready": False})["go"]
+    assert not c.heartbeat({"node_id": "a", "agent_state": "waiting", "ready": True})["go"]
+    clk.t += 3
+    r = c.heartbeat({"node_id": "b", "agent_state": "waiting", "ready": True})
+    assert r["go"] and c.nodes["a"].go_at == c.nodes["b"].go_at  # one round, together
+    # a node that never gets ready does not hold the others past the grace period
+    c2 = Coordinator(clk)
+    c2.heartbeat({"node_id": "slow", "agent_state": "waiting", "ready": False})
+    c2.heartbeat({"node_id": "a", "agent_state": "waiting", "ready": True})
+    for _ in range(11):  # both keep reporting; "slow" never gets to its gate
+        assert not c2.nodes["a"].go_at
+        clk.t += 3
+        c2.heartbeat({"node_id": "slow", "agent_state": "waiting", "ready": False})
+        r = c2.heartbeat({"node_id": "a", "agent_state": "waiting", "ready": True})
+    assert r["go"]
+    assert not c2.nodes["slow"].go_at
