@@ -246,6 +246,9 @@ class LocalProvider:
             proctree.kill_tag(self.tag(nid), root=int(vm.get("pid") or 0) or None)
             if self.net is not None:
                 self.net.remove_node(int(nid[1:]))
+            from spotctl.agent.supervisor import _zygote_path
+
+            _zygote_path(self.nodes_dir / nid).unlink(missing_ok=True)
             if vm.get("state") in ("running", "pending"):
                 vm["state"] = "terminated"
                 vm["ended_at"] = time.time()
