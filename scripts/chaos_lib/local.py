@@ -294,7 +294,7 @@ def cli_killed_mid_up(c: Cluster) -> Result:
     if len(live) != WORLD:
         res.leaks.append(f"{len(live)} live nodes, want {WORLD}: {live}")
     for d in nodes_dir.iterdir():
-        if d.name not in live and c.node_pids(d.name):
+        if d.name not in live and d.name not in gone and c.node_pids(d.name):
             vm = c.vm(d.name)
             if vm.get("state") in ("running", "pending"):
                 res.leaks.append(f"{d.name}: untracked live node")
