@@ -14,6 +14,7 @@ Without a zygote the launcher simply execs the script the usual way.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -97,6 +98,9 @@ def serve(path: str) -> None:
                 continue
             sys.stdout.flush()
             sys.stderr.flush()
+            # Objects that exist now are never collected in the child: a collection there
+            # would touch every one of them and copy the whole warm heap page by page.
+            gc.freeze()
             pid = os.fork()
             if pid == 0:
                 srv.close()
