@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 import typer
 
@@ -52,4 +51,3 @@ def register(app: typer.Typer) -> None:
                     sys.stdout.flush()
                 else:
                     time.sleep(0.3)
-        _ = Path

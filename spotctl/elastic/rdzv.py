@@ -22,7 +22,6 @@ def leave_rendezvous(
     Returns True when the node is no longer listed.
     """
     from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous.api import RendezvousParameters  # noqa: F401
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
         C10dRendezvousBackend,
     )

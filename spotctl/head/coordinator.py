@@ -84,6 +84,7 @@ class Drain:
     drained: dict[str, int] = field(default_factory=dict)  # node -> drain step S
     left: set[str] = field(default_factory=set)
     released: bool = False
+    committed: bool = False  # every member drained: "drain-committed" recorded
     go_at: float | None = None
     deadline: float = math.inf
 
@@ -285,6 +286,7 @@ class Coordinator:
         if d.reason == "join":
             if all_drained and d.go_at is None:
                 d.go_at = now
+                d.committed = True
                 for j in d.joiners:
                     self.nodes[j].go_at = now
                 self.record("drain-committed", gen=d.gen, step=max(d.drained.values(), default=0))
@@ -298,8 +300,8 @@ class Coordinator:
                 self._release(d, "join timed out")
             return
         # notice / rebalance: leavers go first, then survivors are released
-        if all_drained and "committed" not in d.__dict__.get("_flags", ()):
-            d.__dict__.setdefault("_flags", set()).add("committed")
+        if all_drained and not d.committed:
+            d.committed = True
             self.record("drain-committed", gen=d.gen, step=max(d.drained.values(), default=0))
         if (all_drained and all(nid in d.left for nid in d.leavers)) or timed_out:
             self._release(d, "timed out" if timed_out and not all_drained else "leavers gone")
