@@ -682,6 +682,15 @@ class CloudNodes:
             time.sleep(0.3)
         return res
 
+    def head(self, inst: Instance, start: bool, cloud: str) -> HeadInfo:
+        """Where the head on this VM is; with `start`, run it there first (or raise)."""
+        info = self.head_info(inst)
+        if start:
+            res = self.start_head(inst, info)
+            if not res.ok:
+                raise BootstrapError(f"{cloud}: head {inst.id}: {res.reason}")
+        return info
+
     # -- workers
     def agent_config(self, inst: Instance, head: HeadInfo) -> AgentConfig:
         """The node's agent config; token_file and workdir are placed by the bootstrap."""

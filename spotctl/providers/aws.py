@@ -52,7 +52,6 @@ from spotctl import catalog_aws
 from spotctl.bootstrap import CloudNodes, HostResult
 from spotctl.errors import (
     AuthError,
-    BootstrapError,
     CapacityError,
     ProviderError,
     QuotaError,
@@ -812,13 +811,8 @@ class AwsProvider:
             )
             head_id = started[0].id
         inst = self._to_instance(self._wait_running(head_id))
-        info = self._nodes.head_info(inst)
-        if self._head_process:
-            res = self._nodes.start_head(inst, info)
-            if not res.ok:
-                raise BootstrapError(f"aws: head {head_id}: {res.reason}")
-        self._head = info
-        return info
+        self._head = self._nodes.head(inst, self._head_process, "aws")
+        return self._head
 
     def bootstrap(self, instances: Sequence[Instance]) -> builtins.list[HostResult]:
         """Make launched workers nodes over SSH: wait until each runs (addresses known),

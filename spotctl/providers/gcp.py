@@ -55,7 +55,6 @@ from spotctl import catalog_gcp
 from spotctl.bootstrap import CloudNodes, HostResult
 from spotctl.errors import (
     AuthError,
-    BootstrapError,
     CapacityError,
     ProviderError,
     QuotaError,
@@ -883,13 +882,8 @@ class GcpProvider:
         else:
             vm = live[0]
         head = self._to_instance(vm)
-        info = self._nodes.head_info(head)
-        if self._head_process:
-            res = self._nodes.start_head(head, info)
-            if not res.ok:
-                raise BootstrapError(f"gcp: head {head.id}: {res.reason}")
-        self._head = info
-        return info
+        self._head = self._nodes.head(head, self._head_process, "gcp")
+        return self._head
 
     def bootstrap(self, instances: Sequence[Instance]) -> builtins.list[HostResult]:
         """Make launched workers nodes over SSH: wait until each runs with an address,
