@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from spotctl.providers.base import Offer
@@ -570,10 +570,3 @@ def plan(
     out.usd_per_hour_after = cost + sum(a.usd_per_hour_added for a in out.launches)
     return out
 
-
-def plan_to_json(p: Plan) -> dict[str, Any]:
-    return p.to_json()
-
-
-def observed_to_json(o: Observed) -> dict[str, Any]:
-    return {"nodes": [asdict(n) for n in o.nodes], "drain_in_progress": o.drain_in_progress}
