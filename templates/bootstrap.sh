@@ -1,5 +1,5 @@
 #!/bin/sh
-# spotctl node bootstrap, rendered by spotctl.bootstrap for one node. Safe to run any
+# spotctl node bootstrap, rendered by spotctl.remote.bootstrap for one node. Safe to run any
 # number of times: it installs only what is missing and starts the agent only when it is
 # not already running (or when asked to restart because its configuration changed).
 #

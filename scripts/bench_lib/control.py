@@ -64,7 +64,7 @@ def moto_server() -> Iterator[str]:
 
 def _provider(ctx: Context, url: str, ami: str, name: str, gpus: int) -> Any:
     from spotctl.providers import ProviderContext
-    from spotctl.providers.aws import create
+    from spotctl.providers.aws.provider import create
     from spotctl.spec import ClusterSpec
     from spotctl.state import Store
 
@@ -93,7 +93,7 @@ def _provider(ctx: Context, url: str, ami: str, name: str, gpus: int) -> Any:
 
 def spotctl_up(ctx: Context, url: str, ami: str, nodes: int) -> tuple[float, int]:
     """spotctl's launch path for `nodes` 1-GPU nodes; (seconds, instances running)."""
-    from spotctl.planner import Observed, plan
+    from spotctl.control.planner import Observed, plan
 
     name = f"b{uuid.uuid4().hex[:8]}"
     prov, spec = _provider(ctx, url, ami, name, nodes)
@@ -157,7 +157,7 @@ def serial_up(ctx: Context, url: str, ami: str, nodes: int) -> tuple[float, int]
 def planner_case(nodes: int, offers: int) -> tuple[Any, Any, list[Any]]:
     """A cluster of `nodes` 1-GPU nodes that may grow by 20 %, over `offers` offers in
     10 zones at varied prices, some with a capacity limit, some zones cooling down."""
-    from spotctl.planner import Observed, ObservedNode
+    from spotctl.control.planner import Observed, ObservedNode
     from spotctl.providers.base import Offer
     from spotctl.spec import ClusterSpec
 
@@ -202,7 +202,7 @@ def planner_case(nodes: int, offers: int) -> tuple[Any, Any, list[Any]]:
 
 
 def time_planner(nodes: int, offers: int) -> float:
-    from spotctl.planner import plan
+    from spotctl.control.planner import plan
 
     spec, obs, offs = planner_case(nodes, offers)
     blocked = {"r1-c": 2e9}
@@ -212,7 +212,7 @@ def time_planner(nodes: int, offers: int) -> float:
 
 
 def status_snapshot(nodes: int) -> dict[str, Any]:
-    """What spotctl.status.collect returns for a cluster of `nodes` running nodes."""
+    """What spotctl.control.status.collect returns for a cluster of `nodes` running nodes."""
     states = ["running"] * 8 + ["joining", "draining"]
     return {
         "cluster": "bench",
@@ -250,7 +250,7 @@ def status_snapshot(nodes: int) -> dict[str, Any]:
 def time_render(snap: dict[str, Any], as_json: bool) -> float:
     from rich.console import Console
 
-    from spotctl.status import render
+    from spotctl.control.status import render
 
     buf = io.StringIO()
     con = Console(file=buf, width=160, force_terminal=True, color_system="truecolor")
@@ -310,7 +310,7 @@ def bench(
             pl,
             [],
             "ms",
-            "spotctl.planner.plan (pure); no baseline",
+            "spotctl.control.planner.plan (pure); no baseline",
         )
     )
     snap = status_snapshot(nodes)
@@ -324,7 +324,7 @@ def bench(
             rs,
             js,
             "ms",
-            "rich table (spotctl.status.render) vs json.dumps of the same snapshot",
+            "rich table (spotctl.control.status.render) vs json.dumps of the same snapshot",
         )
     )
     return rows

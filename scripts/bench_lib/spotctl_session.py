@@ -93,7 +93,7 @@ class Cluster:
         return p
 
     def head(self) -> Any:
-        from spotctl.reconcile import head_client
+        from spotctl.control.reconcile import head_client
         from spotctl.state import Store
 
         if self._store is None:
@@ -149,7 +149,7 @@ class Cluster:
 
     def down(self) -> int:
         """Stop everything; returns how many tagged processes had to be SIGKILLed after."""
-        from spotctl import proctree
+        from spotctl.agent import proctree
 
         if (self.home / "state.db").exists():
             try:

@@ -117,7 +117,7 @@ class TorchrunGroup:
         return name
 
     def kill(self, name: str) -> None:
-        from spotctl import proctree
+        from spotctl.agent import proctree
 
         proctree.signal_all(proctree.tagged(self.tag(name)), signal.SIGKILL)
         self.agents = [(n, p) for n, p in self.agents if n != name]
@@ -137,7 +137,7 @@ class TorchrunGroup:
         return None
 
     def close(self) -> None:
-        from spotctl import proctree
+        from spotctl.agent import proctree
 
         for _ in range(3):
             pids = proctree.tagged_prefix(f"{self.work}/")

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _provider(fake, home: Path, zones: list[str]):
     from spotctl.providers.base import ProviderContext
-    from spotctl.providers.gcp import GcpProvider
+    from spotctl.providers.gcp.provider import GcpProvider
     from spotctl.spec import ClusterSpec
     from spotctl.state import ClusterDir
 

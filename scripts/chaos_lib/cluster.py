@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from spotctl import proctree
+from spotctl.agent import proctree
 from spotctl.elastic.checkpoint import COMMIT, committed_steps
 
 REPO = Path(__file__).resolve().parents[2]

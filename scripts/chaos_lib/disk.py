@@ -143,7 +143,7 @@ def network_cut(root: Path) -> Result:
         c.up()
         c.training(3, past=EVERY)
         from spotctl.providers.base import ProviderContext
-        from spotctl.providers.local import LocalProvider
+        from spotctl.providers.local.provider import LocalProvider
         from spotctl.spec import ClusterSpec
         from spotctl.state import Store
 
@@ -169,7 +169,7 @@ def network_cut(root: Path) -> Result:
     finally:
         res.leaks += c.down()
         if (c.home / "state.db").exists():
-            from spotctl.providers.local_net import ClusterNet
+            from spotctl.providers.local.net import ClusterNet
 
             res.leaks += ClusterNet.for_dir(c.cluster_dir).leftovers()
     return res

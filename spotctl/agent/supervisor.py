@@ -48,7 +48,7 @@ def torchrun_command(cfg: AgentConfig) -> list[str]:
         "--monitor-interval=0.2",
         f"--local-addr={cfg.local_addr}",
         # each worker is forked from the node's warm zygote (torch already imported)
-        "-m", "spotctl.launch",
+        "-m", "spotctl.agent.launch",
         cfg.script, *cfg.args,
     ]
 
@@ -202,7 +202,7 @@ class Agent:
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         log_f = open(self.workdir / "zygote.log", "ab")
         self.zygote = subprocess.Popen(
-            [self.cfg.python or sys.executable, "-m", "spotctl.zygote",
+            [self.cfg.python or sys.executable, "-m", "spotctl.agent.zygote",
              str(self.zygote_path)], env=env, stdout=log_f, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, cwd=str(self.workdir),
         )

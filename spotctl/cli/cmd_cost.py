@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from spotctl.cli.common import console, open_store, print_json
-from spotctl.cost import CostReport
+from spotctl.control.cost import CostReport
 
 
 def render(r: CostReport) -> Group:
@@ -59,8 +59,8 @@ def register(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
     ) -> None:
         """Money spent, what on-demand would have cost, and GPU-hours lost to preemptions."""
-        from spotctl.cost import cluster_cost
-        from spotctl.reconcile import sync_events
+        from spotctl.control.cost import cluster_cost
+        from spotctl.control.reconcile import sync_events
 
         store = open_store()
         store.get_cluster(name)

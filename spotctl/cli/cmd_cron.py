@@ -20,7 +20,7 @@ def install(
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Install (or update) the cluster's crontab line; installing twice keeps one line."""
-    from spotctl import cron
+    from spotctl.control import cron
 
     cron.parse_every(every)  # bad input fails before anything is read or written
     store = open_store()
@@ -39,7 +39,7 @@ def remove(
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Remove the cluster's crontab line; other lines stay as they are."""
-    from spotctl import cron
+    from spotctl.control import cron
 
     removed = cron.remove(name)
     if json_out:
@@ -57,7 +57,7 @@ def show(
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Show the spotctl crontab line(s)."""
-    from spotctl import cron
+    from spotctl.control import cron
 
     found = cron.show(name)
     if json_out:

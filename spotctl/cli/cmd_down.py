@@ -14,7 +14,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Stop every node and the head; remove what the cluster created."""
-        from spotctl import reconcile
+        from spotctl.control import reconcile
 
         store = open_store()
         store.get_cluster(name)

@@ -17,7 +17,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """The cluster's events: launches, joins, notices, drains, rescales, down."""
-        from spotctl.reconcile import sync_events
+        from spotctl.control.reconcile import sync_events
 
         store = open_store()
         store.get_cluster(name)

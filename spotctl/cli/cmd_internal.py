@@ -24,7 +24,11 @@ def register(app: typer.Typer) -> None:
             argv = ["--dir", str(dir), "--token-file", str(token_file), "--host", host,
                     "--http-port", str(http_port), "--store-port", str(store_port)]
             raise typer.Exit(supervise_head(argv, dir))
-        run_head(dir, token_file, host, http_port, store_port)
+        from spotctl.providers.local.capacity import reclaim_hook
+
+        # the head sits below the providers: whoever starts it hands in the local
+        # provider's capacity schedule (a no-op unless the cluster has one)
+        run_head(dir, token_file, host, http_port, store_port, reclaim=reclaim_hook(dir.parent))
 
     @app.command(hidden=True)
     def agent(config: Path = typer.Option(..., "--config")) -> None:

@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
             if node not in known:
                 raise NotFoundError(f"no node {node!r} in cluster {name}")
             if row.provider != "local":
-                from spotctl import bootstrap
+                from spotctl.remote import bootstrap
 
                 return bootstrap.tail_node_log(store, name, known[node], LOGS[which], follow, lines)
             path = cdir.nodes_dir / node / LOGS[which]

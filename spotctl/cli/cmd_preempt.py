@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json"),
     ) -> None:
         """Local clusters: send a preemption notice to a node, as the cloud would."""
-        from spotctl.reconcile import provider_for
+        from spotctl.control.reconcile import provider_for
         from spotctl.spec import ClusterSpec
 
         if style not in ("aws", "gcp"):
@@ -38,7 +38,7 @@ def register(app: typer.Typer) -> None:
         name: str = typer.Option("spotctl", "--name", help="Cluster name."),
     ) -> None:
         """Local clusters: SIGKILL a node's whole process tree (a failure with no notice)."""
-        from spotctl.reconcile import provider_for
+        from spotctl.control.reconcile import provider_for
         from spotctl.spec import ClusterSpec
 
         store = open_store()

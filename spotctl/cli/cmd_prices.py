@@ -10,9 +10,9 @@ import typer
 from rich import box
 from rich.table import Table
 
-from spotctl.catalog_aws import band_label  # Spot Advisor buckets, provider-neutral
 from spotctl.errors import SpecError
 from spotctl.providers import Offer, ProviderContext, get_provider
+from spotctl.providers.aws.catalog import band_label  # Spot Advisor buckets, provider-neutral
 from spotctl.spec import PROVIDERS, load_spec
 
 PLACEHOLDER_CLUSTER = "prices"
@@ -33,7 +33,7 @@ def _gpu_matches(offer: Offer, gpu: str | None) -> bool:
 def catalog_offers(provider: str, region: str | None, gpu: str | None) -> list[Offer]:
     """Offers from the catalog shipped for `provider`, without calling its API."""
     try:
-        mod = importlib.import_module(f"spotctl.catalog_{provider}")
+        mod = importlib.import_module(f"spotctl.providers.{provider}.catalog")
     except ImportError:
         raise SpecError(f"--catalog: provider {provider!r} ships no price catalog") from None
     offers: list[Offer] = mod.load_offers(region)

@@ -14,7 +14,7 @@ def register(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Replace lost capacity, grow toward the maximum, move to cheaper capacity (cron)."""
-        from spotctl import reconcile
+        from spotctl.control import reconcile
 
         store = open_store()
         spec = cluster_spec(store, name)

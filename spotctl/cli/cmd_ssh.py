@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
         name: str = typer.Option(None, "--name", help="Cluster name (default: the one with NODE)."),
     ) -> None:
         """Open a shell on a node over SSH (host key pinned per cluster)."""
-        from spotctl.sshutil import open_shell, target_from_node
+        from spotctl.remote.ssh import open_shell, target_from_node
 
         store = open_store()
         cluster, row = find_node(store, node, name)

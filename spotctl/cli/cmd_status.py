@@ -16,8 +16,8 @@ def register(app: typer.Typer) -> None:
         interval: float = typer.Option(1.0, "--interval", min=0.2, max=60),
     ) -> None:
         """Live table of the cluster: nodes, world size, step, checkpoint, cost."""
-        from spotctl import status as st
-        from spotctl.reconcile import sync_events
+        from spotctl.control import status as st
+        from spotctl.control.reconcile import sync_events
 
         store = open_store()
         store.get_cluster(name)

@@ -37,7 +37,7 @@ def register(app: typer.Typer) -> None:
         wait: float = typer.Option(180.0, "--wait", min=0, help="Seconds to wait for nodes."),
     ) -> None:
         """Start (or reconcile) a cluster: head, nodes, and the elastic training job."""
-        from spotctl import reconcile
+        from spotctl.control import reconcile
 
         spec = spec_from_flags(config, name=name, provider=provider, gpus=gpus, script=script,
                                max_steps=max_steps, checkpoint_every=checkpoint_every,

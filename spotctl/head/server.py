@@ -15,6 +15,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -45,8 +46,12 @@ class HeadServer:
         http_port: int = 0,
         store_port: int = 0,
         with_store: bool = True,
+        reclaim: Callable[[], list[str]] | None = None,
     ):
         self.dir = Path(dir)
+        # Called about once a second; returns the nodes it reclaimed. The local provider
+        # hands one in (its capacity schedule plays the cloud); cloud heads have none.
+        self.reclaim = reclaim
         self.token = token
         self.host = host
         self.coord = Coordinator(clock=time.time)
@@ -211,14 +216,10 @@ class HeadServer:
             self._flush_events()
 
     def _local_capacity(self) -> None:
-        """Local clusters only: play the cloud reclaiming capacity (spec.local.capacity)."""
-        cluster_dir = self.dir.parent
-        if not (cluster_dir / "capacity.json").exists():
+        if self.reclaim is None:
             return
-        from spotctl.providers.local_capacity import enforce
-
         try:
-            sent = enforce(cluster_dir)
+            sent = self.reclaim()
         except (OSError, ValueError, KeyError) as e:
             log.warning("capacity enforcement failed: %s", e)
             return
@@ -230,11 +231,15 @@ class HeadServer:
         self._stop.set()
 
 
-def run_head(dir: Path, token_file: Path, host: str, http_port: int, store_port: int) -> None:
+def run_head(
+    dir: Path, token_file: Path, host: str, http_port: int, store_port: int,
+    reclaim: Callable[[], list[str]] | None = None,
+) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s head %(message)s")
     dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = token_file.read_text().strip()
-    srv = HeadServer(dir, token, host=host, http_port=http_port, store_port=store_port)
+    srv = HeadServer(dir, token, host=host, http_port=http_port, store_port=store_port,
+                     reclaim=reclaim)
     signal.signal(signal.SIGTERM, lambda *_: srv.stop())
     log.info("head up: api %s store %s:%s", srv.url, host, srv.store_port)
     srv.serve()

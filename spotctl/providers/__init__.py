@@ -18,7 +18,7 @@ def get_provider(name: str, ctx: ProviderContext) -> Any:
     if name not in KNOWN:
         raise SpecError(f"provider: unknown provider {name!r} (choose from {', '.join(KNOWN)})")
     try:
-        mod = importlib.import_module(f"spotctl.providers.{name}")
+        mod = importlib.import_module(f"spotctl.providers.{name}.provider")
     except ImportError as e:
         extra = {"aws": "aws", "gcp": "gcp", "local": "train"}.get(name, "")
         hint = f"; install spotctl[{extra}]" if extra else ""

@@ -3,7 +3,7 @@
 - spotctl: elastic. Survivors keep training at the reduced size; a preemption with a
   notice drains (checkpoint at the current step, no step lost), one without loses the
   steps since the last committed checkpoint. The reconciler asks the real planner
-  (`spotctl.planner.plan`) for replacements right after a notice and every
+  (`spotctl.control.planner.plan`) for replacements right after a notice and every
   `reconcile_interval_s`; launches get only what the trace has free.
 - restart: what managed-job tools do today. Any preemption tears the whole job down and
   it restarts from the last checkpoint once the full target size can be launched again
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from spotctl.planner import Observed, ObservedNode, plan
+from spotctl.control.planner import Observed, ObservedNode, plan
 from spotctl.providers.base import Offer
 from spotctl.simulate.model import Prices, SimModel
 from spotctl.simulate.traces import Trace

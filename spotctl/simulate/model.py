@@ -168,7 +168,7 @@ def _catalog_prices(instance_type: str, region: str) -> tuple[float | None, floa
     if not instance_type or not region:
         return None, None
     try:
-        from spotctl import catalog_aws  # type: ignore[attr-defined]
+        from spotctl.providers.aws import catalog as catalog_aws  # type: ignore[attr-defined]
     except ImportError:
         return None, None
     spot: float | None = None

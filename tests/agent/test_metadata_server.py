@@ -12,7 +12,7 @@ import pytest
 
 from spotctl.agent.monitors import http_request
 from spotctl.errors import AuthError, SpotctlError, TransientError
-from spotctl.metadata_server import MetadataServer, request_preempt, request_state
+from spotctl.providers.local.metadata import MetadataServer, request_preempt, request_state
 
 pytestmark = pytest.mark.timeout(60)
 

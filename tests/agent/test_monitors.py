@@ -21,7 +21,7 @@ from spotctl.agent.monitors import (
     build_monitors,
     parse_iso_utc,
 )
-from spotctl.metadata_server import MetadataServer
+from spotctl.providers.local.metadata import MetadataServer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -97,7 +97,7 @@ FAST = {"poll_s": 0.01, "retry_base_s": 0.001, "wait_timeout_s": 10.0, "head_pro
 def make_provider(moto_url: str, ami: str, home: Path) -> Callable[..., Any]:
     """Build an AwsProvider for a fresh cluster name (moto's state is session-wide)."""
     from spotctl.providers import ProviderContext
-    from spotctl.providers.aws import create
+    from spotctl.providers.aws.provider import create
     from spotctl.spec import ClusterSpec
     from spotctl.state import Store
 

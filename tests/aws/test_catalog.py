@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from spotctl import catalog_aws
+from spotctl.providers.aws import catalog as catalog_aws
 
 pytestmark = pytest.mark.aws
 
 SHARED = Path(os.environ.get("SPOTCTL_SHARED_DATA", Path(__file__).parents[3] / "shared/data"))
-PKG_DATA = Path(catalog_aws.__file__).parent / "data"
+PKG_DATA = Path(catalog_aws.__file__).resolve().parents[2] / "data"
 
 
 def test_no_duplicate_zone_rows_and_p4de_keeps_the_priced_row() -> None:

@@ -10,9 +10,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from spotctl import catalog_aws
 from spotctl.cli import cmd_prices
 from spotctl.errors import SpecError
+from spotctl.providers.aws import catalog as catalog_aws
 
 pytestmark = pytest.mark.aws
 

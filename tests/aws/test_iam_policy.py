@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from spotctl.errors import SpecError
-from spotctl.providers.aws import AwsProvider
+from spotctl.providers.aws.provider import AwsProvider
 
 from .conftest import FaultProxy
 

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from spotctl import catalog_aws
+from spotctl.control.planner import Observed, plan
 from spotctl.errors import SpecError
-from spotctl.planner import Observed, plan
-from spotctl.providers.aws import (
+from spotctl.providers.aws import catalog as catalog_aws
+from spotctl.providers.aws.provider import (
     COORDINATOR_PORT,
     STORE_PORT,
     TAG_CLUSTER,

@@ -1,7 +1,7 @@
 """`up -> status -> down` on AWS through the real CLI: moto in server mode for EC2, and a
 real loopback sshd standing in for every instance (head included).
 
-Test seam (documented in spotctl/bootstrap.py and spotctl/providers/aws.py):
+Test seam (documented in spotctl/remote/bootstrap.py and spotctl/providers/aws/provider.py):
 SPOTCTL_SSH_OVERRIDE=127.0.0.1:PORT sends every instance's SSH to the sshd fixture,
 SPOTCTL_SSH_OVERRIDE_KEY is the key it accepts (moto's key pair material is not a usable
 key), SPOTCTL_HEAD_PORTS picks free ports for the head, and SPOTCTL_SSH_REMOTE_ROOT puts the

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from spotctl import proctree
+from spotctl.agent import proctree
 
 SPOTCTL = [sys.executable, "-m", "spotctl.cli.app"]
 

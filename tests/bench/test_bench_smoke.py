@@ -145,7 +145,7 @@ def test_cluster_benchmarks_smoke(cluster_ctx: Context, name: str, count: int) -
     sim = cluster_ctx.sim
     want = {"recovery": {"notice_recovery_s", "hard_recovery_s"}, "join": {"join_pause_s"}}
     assert want.get(name, set()) <= set(sim)
-    from spotctl import proctree
+    from spotctl.agent import proctree
 
     assert proctree.tagged_prefix(str(cluster_ctx.work) + "/") == []
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from spotctl import proctree
+from spotctl.agent import proctree
 
 REPO = Path(__file__).resolve().parents[2]
 SPOTCTL = [sys.executable, "-m", "spotctl.cli.app"]

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from spotctl.providers.base import ProviderContext
-from spotctl.providers.local import LocalProvider
+from spotctl.providers.local.provider import LocalProvider
 from spotctl.spec import ClusterSpec
 from spotctl.state import Store
 

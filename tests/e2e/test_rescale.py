@@ -63,7 +63,7 @@ def test_notice_join_gcp_kill_cycle(local_cluster):
     # the preempted nodes' hard stop: n2 (gcp, 30 s) is reclaimed by the local "cloud"
     c.wait_for("n2 reclaimed", lambda s: next(n for n in s["nodes"] if n["id"] == "n2")["state"]
                in ("preempted", "lost"), timeout=60)
-    from spotctl import proctree
+    from spotctl.agent import proctree
 
     # the hard stop took the whole node: no agent, torchrun or worker of n2 survives it
     assert proctree.tagged(str(c.cluster_dir / "n2")) == []

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from spotctl import catalog_gcp
+from spotctl.providers.gcp import catalog as catalog_gcp
 
 pytestmark = pytest.mark.gcp
 
@@ -72,7 +72,7 @@ def test_every_row_is_host_plus_gpu_and_region_filter_holds():
 def test_shipped_catalog_matches_a_fresh_derivation(tmp_path):
     out = tmp_path / "cat.csv"
     assert catalog_gcp.main([str(SHARED), "--out", str(out)]) == 0
-    shipped = (Path(catalog_gcp.__file__).parent / "data" / catalog_gcp.CATALOG_FILE).read_text()
+    shipped = (Path(catalog_gcp.__file__).resolve().parents[2] / "data" / catalog_gcp.CATALOG_FILE).read_text()
     assert out.read_text() == shipped
     # Every a2/a3/g2 host row of the input found its GPU row.
     with (SHARED / "gcp_gpu_hosts.csv").open() as f:

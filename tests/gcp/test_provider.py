@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from spotctl.errors import AuthError, CapacityError, QuotaError, SpecError, TransientError
-from spotctl.providers.gcp import GcpProvider, instance_name
+from spotctl.providers.gcp.provider import GcpProvider, instance_name
 
 from .conftest import CIDR, PROJECT, make_ctx
 

@@ -2,7 +2,7 @@
 (tests/gcp/fake_compute.py) for the API, and a real loopback sshd standing in for every VM
 (head included).
 
-Test seam (documented in spotctl/bootstrap.py and spotctl/providers/gcp.py):
+Test seam (documented in spotctl/remote/bootstrap.py and spotctl/providers/gcp/provider.py):
 SPOTCTL_SSH_OVERRIDE=127.0.0.1:PORT sends every VM's SSH to the sshd fixture,
 SPOTCTL_SSH_OVERRIDE_KEY is the key it accepts, SPOTCTL_HEAD_PORTS picks free head ports
 and SPOTCTL_SSH_REMOTE_ROOT puts the node directories under tmp_path (all set by `Flow`).

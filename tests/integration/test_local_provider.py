@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from spotctl import proctree
+from spotctl.agent import proctree
 from spotctl.providers.base import ProviderContext
-from spotctl.providers.local import LocalProvider
+from spotctl.providers.local.provider import LocalProvider
 from spotctl.spec import ClusterSpec
 from spotctl.state import Store, write_json_atomic
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from spotctl import proctree
+from spotctl.agent import proctree
 
 pytestmark = pytest.mark.timeout(120)
 PY = sys.executable
@@ -23,7 +23,7 @@ PY = sys.executable
 def zygote(tmp_path_factory):
     d = tmp_path_factory.mktemp("zy")
     sock = d / "z.sock"
-    p = subprocess.Popen([PY, "-m", "spotctl.zygote", str(sock)])
+    p = subprocess.Popen([PY, "-m", "spotctl.agent.zygote", str(sock)])
     deadline = time.monotonic() + 60
     while not sock.exists():
         assert time.monotonic() < deadline and p.poll() is None, "zygote did not start"
@@ -41,7 +41,7 @@ def _script(tmp_path: Path, body: str) -> Path:
 
 def _launch(script: Path, sock: str, *args: str, **kw):
     env = dict(os.environ, SPOTCTL_ZYGOTE=sock, MARK="from-launcher")
-    return subprocess.Popen([PY, "-m", "spotctl.launch", str(script), *args], env=env,
+    return subprocess.Popen([PY, "-m", "spotctl.agent.launch", str(script), *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 

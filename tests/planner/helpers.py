@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spotctl.planner import Action, Observed, ObservedNode, Plan
+from spotctl.control.planner import Action, Observed, ObservedNode, Plan
 from spotctl.providers.base import Offer
 from spotctl.spec import ClusterSpec
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from spotctl.planner import Observed, ObservedNode, Plan, plan
+from spotctl.control.planner import Observed, ObservedNode, Plan, plan
 from spotctl.providers.base import Offer
 from spotctl.spec import ClusterSpec
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from spotctl.cli.app import main
-from spotctl.cost import cluster_cost, preemption_losses
+from spotctl.control.cost import cluster_cost, preemption_losses
 from spotctl.errors import NotFoundError
 from spotctl.state import NodeRow, Store
 

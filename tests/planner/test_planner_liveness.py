@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spotctl.liveness import LossDetector, Verdict
+from spotctl.control.liveness import LossDetector, Verdict
 
 pytestmark = pytest.mark.planner
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from spotctl.planner import Observed, Plan, plan
+from spotctl.control.planner import Observed, Plan, plan
 from spotctl.providers.base import Offer
 from spotctl.spec import ClusterSpec
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from spotctl import cron
 from spotctl.cli.app import main
+from spotctl.control import cron
 from spotctl.errors import NotFoundError, SpecError, SpotctlError
 from spotctl.state import Store
 

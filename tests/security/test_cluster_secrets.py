@@ -114,7 +114,7 @@ def test_running_cluster_keeps_its_token_secret(local_cluster) -> None:  # noqa:
     listening = _listening(pids)
     head_pid = next(p for p, x in roles.items()
                     if "spotctl.cli.app head" in x and "--supervise" not in x)
-    vm_pids = [p for p, x in roles.items() if "spotctl.providers.local_vm" in x]
+    vm_pids = [p for p, x in roles.items() if "spotctl.providers.local.vm" in x]
     assert len(listening.get(head_pid, [])) >= 2  # API + rendezvous store
     for pid in [head_pid, *vm_pids]:
         assert listening.get(pid), f"pid {pid} listens on nothing? {roles[pid]}"

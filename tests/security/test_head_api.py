@@ -111,7 +111,7 @@ def test_head_listens_on_loopback_by_default(head: HeadServer) -> None:
 
 
 def test_local_provider_starts_the_head_on_loopback() -> None:
-    from spotctl.providers import local
+    from spotctl.providers.local import provider as local
 
     src = inspect.getsource(local.LocalProvider.ensure_head)
     assert '"--host", self.host_addr' in src

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from spotctl.agent.config import AgentConfig
-from spotctl.bootstrap import (
+from spotctl.remote.bootstrap import (
     BootstrapFiles,
     HeadProbe,
     HostResult,
@@ -22,7 +22,7 @@ from spotctl.bootstrap import (
     release_hosts,
     render_bootstrap,
 )
-from spotctl.sshutil import run_remote, ssh_argv, tail_log
+from spotctl.remote.ssh import run_remote, ssh_argv, tail_log
 
 from .conftest import Head, Sshd, SshdFactory, free_port
 
@@ -107,7 +107,7 @@ def test_two_hosts_parallel_then_idempotent(
         _renderer(head),
         kh,
         parallel=2,
-        progress=False,
+        progress=None,
         wait_s=5,
         probe=probe,
         heartbeat_timeout_s=30,
@@ -131,7 +131,7 @@ def test_two_hosts_parallel_then_idempotent(
         _renderer(head),
         kh,
         parallel=2,
-        progress=False,
+        progress=None,
         wait_s=5,
         probe=probe,
         heartbeat_timeout_s=30,
@@ -147,7 +147,7 @@ def test_two_hosts_parallel_then_idempotent(
         hosts[:1],
         _renderer(head, ["--lr", "0.1"]),
         kh,
-        progress=False,
+        progress=None,
         wait_s=5,
         probe=probe,
         heartbeat_timeout_s=30,
@@ -168,7 +168,7 @@ def test_secrets_are_private_and_off_command_lines(
         [t],
         _renderer(head),
         kh,
-        progress=False,
+        progress=None,
         wait_s=5,
         probe=HeadProbe(head.url, head.token),
         heartbeat_timeout_s=30,
@@ -197,7 +197,7 @@ def test_secrets_are_private_and_off_command_lines(
 
     # a token made readable by someone is made private again, without a restart
     os.chmod(d / "token", 0o644)
-    [r2] = bootstrap_hosts([t], _renderer(head), kh, progress=False, wait_s=5)
+    [r2] = bootstrap_hosts([t], _renderer(head), kh, progress=None, wait_s=5)
     assert r2.ok and not r2.changed
     assert stat.S_IMODE((d / "token").stat().st_mode) == 0o600
     assert _pid(t) == pid
@@ -222,7 +222,7 @@ def test_one_host_down_the_other_fine(
         _renderer(head),
         tmp_path / "kh",
         parallel=2,
-        progress=False,
+        progress=None,
         wait_s=1.5,
         attempt_timeout_s=2,
     )
@@ -245,7 +245,7 @@ def test_changed_host_key_is_refused(
     s1 = sshd_factory.start()
     t = _target(s1.port, "n1", tmp_path, client_key)
     kh = tmp_path / "known_hosts"
-    [r] = bootstrap_hosts([t], _renderer(head), kh, progress=False, wait_s=5)
+    [r] = bootstrap_hosts([t], _renderer(head), kh, progress=None, wait_s=5)
     assert r.ok, r.reason
     cleanup_agents.append(_pid(t))
     pinned = kh.read_text()
@@ -257,7 +257,7 @@ def test_changed_host_key_is_refused(
     fp = subprocess.run(
         ["ssh-keygen", "-lf", str(new_key) + ".pub"], capture_output=True, text=True, check=True
     ).stdout.split()[1]
-    [r2] = bootstrap_hosts([t], _renderer(head), kh, progress=False, wait_s=5)
+    [r2] = bootstrap_hosts([t], _renderer(head), kh, progress=None, wait_s=5)
     assert not r2.ok
     assert f"host key for [127.0.0.1]:{s1.port} changed" in r2.reason
     assert fp in r2.reason and str(kh) in r2.reason
@@ -307,7 +307,7 @@ def test_wait_for_ssh_while_host_boots(
     timer = threading.Timer(1.5, lambda: sshd_factory.start(port=port))
     timer.start()
     try:
-        [r] = bootstrap_hosts([t], _renderer(head), tmp_path / "kh", progress=False, wait_s=60)
+        [r] = bootstrap_hosts([t], _renderer(head), tmp_path / "kh", progress=None, wait_s=60)
     finally:
         timer.join()
     assert r.ok, r.reason

@@ -17,7 +17,7 @@ import pytest
 from spotctl.errors import CapacityError
 from spotctl.providers import get_provider
 from spotctl.providers.base import ProviderContext
-from spotctl.providers.ssh import SshProvider, host_ids
+from spotctl.providers.ssh.provider import SshProvider, host_ids
 from spotctl.spec import ClusterSpec, SshHost
 from spotctl.state import Store
 

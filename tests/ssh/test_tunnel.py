@@ -1,4 +1,4 @@
-"""The controller reaches a cloud head's API through an SSH forward (spotctl.tunnel):
+"""The controller reaches a cloud head's API through an SSH forward (spotctl.remote.tunnel):
 real sshd on loopback, real head; host keys pinned in the cluster's known_hosts."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from spotctl.tunnel import local_url
+from spotctl.remote.tunnel import local_url
 
 pytestmark = [pytest.mark.ssh, pytest.mark.timeout(120)]
 

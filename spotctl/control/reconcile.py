@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from spotctl.control.planner import Observed, ObservedNode, Plan, plan
 from spotctl.errors import CapacityError, NotFoundError, SpotctlError
 from spotctl.head.client import HeadClient, HeadUnavailable
-from spotctl.planner import Observed, ObservedNode, Plan, plan
 from spotctl.providers import get_provider
 from spotctl.providers.base import HeadInfo, Instance, ProviderContext
 from spotctl.spec import ClusterSpec
@@ -63,7 +63,7 @@ def head_client(store: Store, name: str, timeout_s: float = 3.0) -> HeadClient:
     row = store.get_cluster(name)
     url = row.head.get("public_url") or row.head.get("url")
     if row.head.get("tunnel"):
-        from spotctl.tunnel import local_url
+        from spotctl.remote.tunnel import local_url
 
         try:
             url = local_url(row.head["tunnel"], store.cluster_dir(name).known_hosts)
@@ -134,7 +134,7 @@ def observe(store: Store, spec: ClusterSpec, provider: Any) -> tuple[list[Instan
 
 
 def _load_detector(store: Store, spec: ClusterSpec) -> Any:
-    from spotctl.liveness import LossDetector
+    from spotctl.control.liveness import LossDetector
 
     p = store.cluster_dir(spec.name).path / "liveness.json"
     try:
@@ -395,7 +395,7 @@ def down(store: Store, name: str, options: dict[str, Any] | None = None,
         store.set_cluster_state(name, "down")
         store.add_event(name, "down", {"leaks": leaks})
         try:
-            from spotctl import cron
+            from spotctl.control import cron
 
             cron.remove(name)
         except Exception:  # no crontab on this machine, or no line: nothing to remove

@@ -10,8 +10,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from spotctl.control.reconcile import head_client, provider_for
 from spotctl.head.client import HeadUnavailable
-from spotctl.reconcile import head_client, provider_for
 from spotctl.spec import ClusterSpec
 from spotctl.state import Store
 
@@ -68,7 +68,7 @@ def collect(store: Store, name: str, now: float | None = None) -> dict[str, Any]
     live = [x for x in nodes if x["state"] not in ("lost", "preempted", "terminated", "left")]
     cost = None
     try:
-        from spotctl import cost as cost_mod
+        from spotctl.control import cost as cost_mod
 
         cost = cost_mod.cluster_cost(store, name, now).to_json()
     except Exception:

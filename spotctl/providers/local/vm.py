@@ -4,7 +4,7 @@ It owns the node's metadata endpoint (IMDSv2 and GCP protocols, via MetadataServ
 the node agent as a child, and plays the cloud's part when a preemption deadline passes:
 it kills the whole node hard (every process tagged with this node), like a reclaimed VM.
 
-    python -m spotctl.providers.local_vm NODE_DIR
+    python -m spotctl.providers.local.vm NODE_DIR
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from spotctl import proctree
+from spotctl.agent import proctree
 from spotctl.state import write_json_atomic
 
 
@@ -26,7 +26,7 @@ def main(node_dir: Path) -> int:
     vm_path = node_dir / "vm.json"
     vm = json.loads(vm_path.read_text())
     token = (node_dir / "token").read_text().strip()
-    from spotctl.metadata_server import MetadataServer
+    from spotctl.providers.local.metadata import MetadataServer
 
     dead = threading.Event()
 

@@ -13,7 +13,7 @@ head_process (default True: `ensure_head` also starts `spotctl head` on the head
 SSH; provider unit tests turn it off, their fake instances have no SSH).
 
 Bootstrap (head and workers) goes over SSH to each instance's public address as
-`aws.ssh_user` with the cluster's key pair (spotctl.bootstrap.CloudNodes). Test seam:
+`aws.ssh_user` with the cluster's key pair (spotctl.remote.bootstrap.CloudNodes). Test seam:
 `SPOTCTL_SSH_OVERRIDE=127.0.0.1:PORT` (+ `SPOTCTL_SSH_OVERRIDE_KEY`, `SPOTCTL_HEAD_PORTS`,
 `SPOTCTL_SSH_REMOTE_ROOT`) sends every instance's SSH to one loopback sshd and puts the
 head on that address, so `up -> status -> down` runs on moto with real SSH, head and agents
@@ -48,8 +48,6 @@ from botocore.exceptions import (
     ConnectionError as BotoConnectionError,
 )
 
-from spotctl import catalog_aws
-from spotctl.bootstrap import CloudNodes, HostResult
 from spotctl.errors import (
     AuthError,
     CapacityError,
@@ -58,7 +56,9 @@ from spotctl.errors import (
     SpecError,
     TransientError,
 )
+from spotctl.providers.aws import catalog as catalog_aws
 from spotctl.providers.base import HeadInfo, Instance, Offer, ProviderContext
+from spotctl.remote.bootstrap import CloudNodes, HostResult
 
 COORDINATOR_PORT = 7470  # head's HTTP coordinator API
 STORE_PORT = 29400  # head's TCPStore for torchrun's c10d rendezvous

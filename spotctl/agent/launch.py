@@ -1,5 +1,5 @@
 """The worker process torchrun supervises: runs the training script in a child forked by
-the node's warm zygote (see spotctl.zygote), or execs it cold when there is none."""
+the node's warm zygote (see spotctl.agent.zygote), or execs it cold when there is none."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _cold(argv: list[str]) -> None:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python -m spotctl.launch SCRIPT [ARGS]", file=sys.stderr)
+        print("usage: python -m spotctl.agent.launch SCRIPT [ARGS]", file=sys.stderr)
         return 2
     path = os.environ.get("SPOTCTL_ZYGOTE", "")
     if not path:

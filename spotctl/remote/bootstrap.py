@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from spotctl.agent.config import AgentConfig
 from spotctl.errors import BootstrapError
 from spotctl.providers.base import HeadInfo, Instance, ProviderContext
-from spotctl.sshutil import HostTarget, RemoteResult, connect, run
+from spotctl.remote.ssh import HostTarget, RemoteResult, connect, run
 
 if TYPE_CHECKING:
     from fabric import Connection
@@ -55,7 +55,7 @@ __all__ = [
     "tail_node_log",
 ]
 
-log = logging.getLogger("spotctl.bootstrap")
+log = logging.getLogger("spotctl.remote.bootstrap")
 
 SCRIPT = "bootstrap.sh"
 UNIT_FILE = "spotctl-agent.service"
@@ -103,6 +103,11 @@ class HostResult:
     uploaded: list[str] = field(default_factory=list)  # names of files that changed
 
 
+# Called once per finished host with (result, hosts done, hosts in all): the caller decides
+# how to show it (a rich bar in the CLI, nothing in tests); this layer never prints.
+HostProgress = Callable[[HostResult, int, int], None]
+
+
 class HeartbeatProbe(Protocol):
     """Where the bootstrap looks for the agent's heartbeats (the head, in production)."""
 
@@ -134,8 +139,9 @@ class HeadProbe:
 
 def _templates_dir() -> Path:
     """templates/ inside the installed package, else the source checkout's."""
-    here = Path(__file__).resolve().parent
-    for cand in (here / "templates", here.parent / "templates"):
+    pkg = Path(__file__).resolve().parent.parent
+    here = pkg
+    for cand in (pkg / "templates", pkg.parent / "templates"):
         if (cand / SCRIPT).is_file():
             return cand
     raise BootstrapError(f"bootstrap templates not found (looked in {here}/templates)")
@@ -234,7 +240,7 @@ def bootstrap_hosts(
     render: Callable[[HostTarget], BootstrapFiles],
     known_hosts: Path,
     parallel: int = 8,
-    progress: bool = True,
+    progress: HostProgress | None = None,
     *,
     wait_s: float = 300.0,
     attempt_timeout_s: float = 10.0,
@@ -252,45 +258,19 @@ def bootstrap_hosts(
     results: dict[int, HostResult] = {}
     if not hosts:
         return []
-    bar = None
-    task = None
-    if progress:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-        from spotctl.cli.common import console
-
-        bar = Progress(
-            "[progress.description]{task.description}",
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console(stderr=True),
-            transient=False,
-        )
-        bar.start()
-        task = bar.add_task("bootstrapping", total=len(hosts))
-    try:
-        with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(hosts)))) as pool:
-            futs = {
-                pool.submit(_bootstrap_one, h, render, known_hosts, opts): i
-                for i, h in enumerate(hosts)
-            }
-            for fut in as_completed(futs):
-                i = futs[fut]
-                results[i] = fut.result()
-                if bar is not None and task is not None:
-                    r = results[i]
-                    bar.update(task, advance=1, description=f"{r.node_id}: {_short(r)}")
-    finally:
-        if bar is not None:
-            bar.stop()
+    done = 0
+    with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(hosts)))) as pool:
+        futs = {
+            pool.submit(_bootstrap_one, h, render, known_hosts, opts): i
+            for i, h in enumerate(hosts)
+        }
+        for fut in as_completed(futs):
+            i = futs[fut]
+            results[i] = fut.result()
+            done += 1
+            if progress is not None:
+                progress(results[i], done, len(hosts))
     return [results[i] for i in range(len(hosts))]
-
-
-def _short(r: HostResult) -> str:
-    if not r.ok:
-        return "failed"
-    return "changed" if r.changed else "unchanged"
 
 
 def _bootstrap_one(
@@ -477,7 +457,7 @@ def tail_node_log(
     store: Store, cluster: str, row: NodeRow, log_name: str, follow: bool, lines: int
 ) -> None:
     """`spotctl logs NODE` for a node reached over SSH (host key pinned per cluster)."""
-    from spotctl.sshutil import tail_log, target_from_node
+    from spotctl.remote.ssh import tail_log, target_from_node
 
     target = target_from_node(row)
     d = target.remote_dir or f".spotctl/{row.id}"  # relative: under the remote $HOME
@@ -553,7 +533,7 @@ def head_ports(options: Mapping[str, Any], api: int, store: int) -> tuple[int, i
 def controller_url(head: HeadInfo, known_hosts: Path) -> str:
     """The URL this process uses for the head's API: a tunnel when the head needs one."""
     if head.tunnel:
-        from spotctl.tunnel import local_url
+        from spotctl.remote.tunnel import local_url
 
         return local_url(head.tunnel, known_hosts)
     return head.public_url or head.url
@@ -633,7 +613,7 @@ class CloudNodes:
                 public_url=f"http://{public}:{self.api_port}",
             )  # fmt: skip
         # On a cloud the API port is open only inside the cluster: the controller goes
-        # through an SSH forward to the head VM (spotctl.tunnel), host key pinned.
+        # through an SSH forward to the head VM (spotctl.remote.tunnel), host key pinned.
         t = self.target(inst, HEAD_NODE_ID)
         return HeadInfo(
             url=f"http://{host}:{self.api_port}", store_host=host, store_port=self.store_port,
@@ -663,7 +643,7 @@ class CloudNodes:
             return render_bootstrap(t, cfg, token, python=self.python, agent_argv=argv)
 
         target = self.target(inst, HEAD_NODE_ID)
-        (res,) = bootstrap_hosts([target], render, self.known_hosts, 1, False,
+        (res,) = bootstrap_hosts([target], render, self.known_hosts, 1, None,
                                  wait_s=self.wait_s)  # fmt: skip
         if not res.ok:
             return res
@@ -710,7 +690,7 @@ class CloudNodes:
         )  # fmt: skip
 
     def bootstrap(
-        self, instances: Sequence[Instance], head: HeadInfo, *, progress: bool = False
+        self, instances: Sequence[Instance], head: HeadInfo, *, progress: HostProgress | None = None
     ) -> list[HostResult]:
         """Agents on the workers; a host is ok once its agent heartbeats at the head."""
         return bootstrap_agents(
@@ -749,7 +729,7 @@ def bootstrap_agents(
     probe_url: str = "",
     upload_script: bool = True,
     parallel: int = 8,
-    progress: bool = False,
+    progress: HostProgress | None = None,
     wait_s: float = 300.0,
     heartbeat_timeout_s: float = 120.0,
 ) -> list[HostResult]:

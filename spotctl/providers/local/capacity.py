@@ -8,9 +8,10 @@ import json
 import logging
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
-from spotctl import proctree
+from spotctl.agent import proctree
 
 log = logging.getLogger("spotctl.head")
 
@@ -69,3 +70,9 @@ def enforce(cluster_dir: Path, now: float | None = None) -> list[str]:
         sent.append(vm["node_id"])
         log.info("capacity %d: reclaiming %s", cap, vm["node_id"])
     return sent
+
+
+def reclaim_hook(cluster_dir: Path) -> Callable[[], list[str]]:
+    """What the head calls once a second: enforce this cluster's schedule, if it has one
+    (capacity.json is written only by the local provider)."""
+    return lambda: enforce(cluster_dir)

@@ -25,18 +25,19 @@ from pathlib import Path
 from typing import Any
 
 from spotctl.agent.config import AgentConfig
-from spotctl.bootstrap import (
+from spotctl.errors import CapacityError, TransientError
+from spotctl.providers.base import HeadInfo, Instance, Offer, ProviderContext
+from spotctl.remote.bootstrap import (
     BootstrapFiles,
     HeadProbe,
+    HostProgress,
     HostResult,
     bootstrap_hosts,
     release_hosts,
     render_bootstrap,
 )
-from spotctl.errors import CapacityError, TransientError
-from spotctl.providers.base import HeadInfo, Instance, Offer, ProviderContext
+from spotctl.remote.ssh import HostTarget
 from spotctl.spec import SshHost
-from spotctl.sshutil import HostTarget
 from spotctl.state import write_json_atomic
 
 STATE_FILE = "ssh_nodes.json"
@@ -223,7 +224,7 @@ class SshProvider:
         agent_config_for: Callable[[Instance], AgentConfig] | None = None,
         token: str | None = None,
         *,
-        progress: bool = False,
+        progress: HostProgress | None = None,
     ) -> _HostResults:
         """Make joined hosts nodes: upload, install if missing, start the agent, and wait
         for its first heartbeat at the head. Per-host results; never raises for one host."""
@@ -265,7 +266,7 @@ class SshProvider:
     # -- the head runs on the controller, exactly as for the local provider
     def _head(self) -> Any:
         if self._local is None:
-            from spotctl.providers.local import LocalProvider
+            from spotctl.providers.local.provider import LocalProvider
 
             self._local = LocalProvider(self.ctx)
         return self._local

@@ -26,7 +26,7 @@ head_process (default True: `ensure_head` also starts `spotctl head` on the head
 SSH; provider unit tests turn it off, their fake VMs have no SSH).
 
 Bootstrap (head and workers) goes over SSH to each VM's external address as
-`gcp.ssh_user` with the cluster's own key (spotctl.bootstrap.CloudNodes). Test seam:
+`gcp.ssh_user` with the cluster's own key (spotctl.remote.bootstrap.CloudNodes). Test seam:
 `SPOTCTL_SSH_OVERRIDE=127.0.0.1:PORT` (+ `SPOTCTL_SSH_OVERRIDE_KEY`, `SPOTCTL_HEAD_PORTS`,
 `SPOTCTL_SSH_REMOTE_ROOT`) sends every VM's SSH to one loopback sshd and puts the head on
 that address, so `up -> status -> down` runs on the fake Compute API with real SSH, head
@@ -51,8 +51,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-from spotctl import catalog_gcp
-from spotctl.bootstrap import CloudNodes, HostResult
 from spotctl.errors import (
     AuthError,
     CapacityError,
@@ -62,6 +60,8 @@ from spotctl.errors import (
     TransientError,
 )
 from spotctl.providers.base import HeadInfo, Instance, Offer, ProviderContext
+from spotctl.providers.gcp import catalog as catalog_gcp
+from spotctl.remote.bootstrap import CloudNodes, HostResult
 from spotctl.state import write_private
 
 ENV_ENDPOINT = "SPOTCTL_GCP_ENDPOINT"
@@ -70,7 +70,7 @@ LABEL_ROLE = "spotctl-role"
 LABEL_REQUEST = "spotctl-request-id"
 HEAD_REQUEST_ID = "head"
 METADATA_URL = "http://metadata.google.internal"  # what the agents poll for notices
-# Same ports as the AWS head (spotctl/providers/aws.py).
+# Same ports as the AWS head (spotctl/providers/aws/).
 COORDINATOR_PORT = 7470  # head HTTP coordinator API
 STORE_PORT = 29400  # head TCPStore for the c10d rendezvous
 COMPUTE_SCOPE = "https://www.googleapis.com/auth/compute"

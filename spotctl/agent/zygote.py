@@ -2,10 +2,10 @@
 worker, so a restart after a rescale does not pay for the interpreter and torch imports
 (seconds) on the critical path.
 
-    zygote:   python -m spotctl.zygote SOCKET     (started by the node agent)
-    worker:   torchrun ... -m spotctl.launch train.py ARGS
+    zygote:   python -m spotctl.agent.zygote SOCKET     (started by the node agent)
+    worker:   torchrun ... -m spotctl.agent.launch train.py ARGS
 
-`spotctl.launch` (the process torchrun supervises) hands its argv, environment,
+`spotctl.agent.launch` (the process torchrun supervises) hands its argv, environment,
 working directory and stdio to the zygote over a unix socket; the zygote forks a child
 that becomes the worker (runpy of the script as __main__). The launcher forwards signals
 to the child and exits with its status; if the launcher dies, the child kills itself.

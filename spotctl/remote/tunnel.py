@@ -42,7 +42,7 @@ def _pump(chan: Any, sock: socket.socket) -> None:
 def local_url(tunnel: dict[str, Any], known_hosts: Path) -> str:
     """Open (or reuse) a forward 127.0.0.1:<local> -> head 127.0.0.1:<remote_port> over SSH
     and return the local URL. `tunnel` holds address, port, user, key_file, remote_port."""
-    from spotctl.sshutil import HostTarget, connect
+    from spotctl.remote.ssh import HostTarget, connect
 
     key = (str(tunnel["address"]), int(tunnel.get("port", 22)), int(tunnel["remote_port"]))
     with _lock:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from spotctl import proctree
+from spotctl.agent import proctree
 from spotctl.agent.config import AgentConfig
 from spotctl.errors import CapacityError, NotFoundError, SpotctlError
 from spotctl.providers.base import HeadInfo, Instance, Offer, ProviderContext
@@ -60,7 +60,7 @@ class LocalProvider:
         self.head_dir = self.cdir.head_dir
         self.net = None
         if self.spec.local.netns:
-            from spotctl.providers.local_net import ClusterNet
+            from spotctl.providers.local.net import ClusterNet
 
             self.net = ClusterNet.for_dir(self.cdir.path)
         # where the head listens: loopback, or the cluster bridge in netns mode
@@ -198,7 +198,7 @@ class LocalProvider:
             addr = self.net.add_node(n) if self.net else "127.0.0.1"
             env = dict(self.spec.train.env)
             if self.net:
-                from spotctl.providers.local_net import NODE_IFNAME
+                from spotctl.providers.local.net import NODE_IFNAME
 
                 env.setdefault("GLOO_SOCKET_IFNAME", NODE_IFNAME)
             final = self.nodes_dir / nid
@@ -235,7 +235,7 @@ class LocalProvider:
         prefix: list[str] = []
         if self.net is not None:
             prefix = self.net.exec_prefix(int(nid[1:]))
-        _spawn([*prefix, sys.executable, "-m", "spotctl.providers.local_vm", str(d)],
+        _spawn([*prefix, sys.executable, "-m", "spotctl.providers.local.vm", str(d)],
                d / "node.log", self.tag(nid), d)
 
     def terminate(self, ids: Sequence[str]) -> None:

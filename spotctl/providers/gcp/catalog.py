@@ -225,12 +225,12 @@ def _read_csv(path: Path) -> list[dict[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Rebuild spotctl/data/gcp_gpu_catalog.csv: `python -m spotctl.catalog_gcp DATA_DIR`."""
+    """Rebuild spotctl/data/gcp_gpu_catalog.csv: `python -m spotctl.providers.gcp.catalog DATA_DIR`."""
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("catalog_dir", type=Path, help="folder with gcp_gpu.csv, gcp_gpu_hosts.csv")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
-    here = Path(__file__).parent / "data"
+    here = Path(__file__).resolve().parents[2] / "data"
     derived = derive(
         _read_csv(a.catalog_dir / "gcp_gpu.csv"),
         _read_csv(a.catalog_dir / "gcp_gpu_hosts.csv"),

@@ -1,7 +1,7 @@
 """The AWS price catalog and Spot Advisor subset shipped in the package.
 
 Both files live in spotctl/data/ and are derived from public snapshots (see
-spotctl/data/AWS_SOURCES.md); `python -m spotctl.catalog_aws SHARED_DATA_DIR` rebuilds
+spotctl/data/AWS_SOURCES.md); `python -m spotctl.providers.aws.catalog SHARED_DATA_DIR` rebuilds
 them. The catalog gives on-demand prices (the EC2 API has no price call that does not
 need the Pricing service) and a snapshot of spot prices for `spotctl prices --catalog`;
 the live provider takes spot prices from describe_spot_price_history instead.
@@ -239,4 +239,4 @@ def rebuild(shared_data: Path, out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    rebuild(Path(sys.argv[1]), Path(__file__).parent / "data")
+    rebuild(Path(sys.argv[1]), Path(__file__).resolve().parents[2] / "data")

@@ -1,0 +1,1 @@
+"""The GCP provider (google-cloud-compute, imported only here): catalog, offers, network and keys, launch."""

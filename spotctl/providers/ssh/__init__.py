@@ -1,0 +1,1 @@
+"""The ssh provider: the user's own hosts, joined and released, never launched or terminated."""

@@ -1,0 +1,1 @@
+"""SSH: connections with pinned host keys, node bootstrap, tunnels to the head."""
