@@ -7,13 +7,18 @@ Every validation failure becomes one SpecError line that names the field, e.g.
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
-import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from spotctl.errors import SpecError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 (e.g. the AWS Deep Learning AMI's): the same parser, from PyPI
+    import tomli as tomllib
 
 PROVIDERS = ("local", "aws", "gcp", "ssh")
 SPEC_FILE = "spotctl.toml"
