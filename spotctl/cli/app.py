@@ -18,9 +18,35 @@ app = typer.Typer(
     name="spotctl",
     help="Keep elastic PyTorch training alive and progressing on spot VMs.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish
     pretty_exceptions_enable=False,
 )
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("spotctl")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"spotctl {version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    show_version: bool = typer.Option(
+        False, "--version", "-V", help="Print the version and exit.", is_eager=True,
+        callback=_print_version,
+    ),
+) -> None:
+    """Keep elastic PyTorch training alive and progressing on spot VMs."""
 
 
 def _register_commands() -> None:

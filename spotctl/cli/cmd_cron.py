@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from spotctl.cli.common import console, open_store, print_json
+from spotctl.cli.common import NAME_HELP, console, open_store, print_json, resolve_name
 
 cron_app = typer.Typer(
     name="cron",
@@ -15,7 +15,7 @@ cron_app = typer.Typer(
 
 @cron_app.command("install")
 def install(
-    name: str = typer.Option("spotctl", "--name", help="Cluster name."),
+    name: str | None = typer.Option(None, "--name", help=NAME_HELP),
     every: str = typer.Option("5m", "--every", help="How often: Nm (1-59) or Nh (1-24)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
@@ -24,6 +24,7 @@ def install(
 
     cron.parse_every(every)  # bad input fails before anything is read or written
     store = open_store()
+    name = resolve_name(store, name)
     store.get_cluster(name)
     entry = cron.install(name, every, store.root, store.cluster_dir(name).ensure().path)
     if json_out:
@@ -35,12 +36,13 @@ def install(
 
 @cron_app.command("remove")
 def remove(
-    name: str = typer.Option("spotctl", "--name", help="Cluster name."),
+    name: str | None = typer.Option(None, "--name", help=NAME_HELP),
     json_out: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Remove the cluster's crontab line; other lines stay as they are."""
     from spotctl.control import cron
 
+    name = resolve_name(open_store(), name)
     removed = cron.remove(name)
     if json_out:
         return print_json({"cluster": name, "removed": removed})

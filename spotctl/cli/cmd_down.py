@@ -2,14 +2,14 @@ from __future__ import annotations
 
 import typer
 
-from spotctl.cli.common import console, open_store, print_json
+from spotctl.cli.common import NAME_HELP, console, open_store, print_json, resolve_name
 from spotctl.errors import SpotctlError
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def down(
-        name: str = typer.Option("spotctl", "--name", help="Cluster name."),
+        name: str | None = typer.Option(None, "--name", help=NAME_HELP),
         yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask."),
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
@@ -17,6 +17,7 @@ def register(app: typer.Typer) -> None:
         from spotctl.control import reconcile
 
         store = open_store()
+        name = resolve_name(store, name)
         store.get_cluster(name)
         if not yes and not typer.confirm(f"Tear down cluster {name}?"):
             raise typer.Abort()

@@ -1,18 +1,93 @@
 from __future__ import annotations
 
 import datetime as dt
-import json
+from typing import Any
 
 import typer
-from rich.table import Table
 
-from spotctl.cli.common import console, open_store, print_json
+from spotctl.cli.common import NAME_HELP, console, open_store, print_json, resolve_name
+from spotctl.control.tables import Col, fit_table
+
+EVENT_COLS = (Col("time"), Col("type"), Col("node", drop=1), Col("details", flex=True))
+_SKIP = {"ts", "type", "node", "seq", "id"}
+
+
+def _clock(ts: Any) -> str:
+    try:
+        return dt.datetime.fromtimestamp(float(ts)).strftime("%H:%M:%S")
+    except (TypeError, ValueError, OverflowError, OSError):
+        return "-"
+
+
+def _s(x: Any) -> str:
+    return "-" if x is None else f"{float(x):.1f}s"
+
+
+def details(e: dict[str, Any]) -> str:
+    """One readable line per event type; JSON keeps every field (`--json`)."""
+    t = e.get("type")
+    g = e.get
+    if t == "rescale":
+        return (f"world {g('from_world_size')} -> {g('to_world_size')}, {g('reason')}, "
+                f"checkpoint step {g('checkpoint_step')}, lost {g('lost_steps')} steps, "
+                f"pause {_s(g('notice_to_resume_s'))}")
+    if t == "train-start":
+        return f"world {g('world_size')}, from step {g('resume_step')}"
+    if t == "notice":
+        dl = g("deadline")
+        left = f" (in {float(dl) - float(g('received_at') or e['ts']):.0f}s)" if dl else ""
+        return (f"{g('source') or '?'} {g('kind') or ''} {g('action') or ''}".strip()
+                + (f", deadline {_clock(dl)}{left}" if dl else ", no deadline"))
+    if t == "launch":
+        price = g("price")
+        return (f"{g('instance_type')} in {g('zone')}, {g('gpus')} GPU"
+                + (f", ${price:.4f}/h" if price else "") + f": {g('reason')}")
+    if t == "preempt-requested":
+        return f"{g('style')} notice" + (f", hard stop in {g('in_s'):.0f}s" if g("in_s") else "")
+    if t in ("drain-start",):
+        return (f"gen {g('gen')}, {g('reason')}: leavers {','.join(g('leavers') or []) or '-'}, "
+                f"joiners {','.join(g('joiners') or []) or '-'}")
+    if t == "drain-committed":
+        return f"gen {g('gen')}, checkpoint at step {g('step')}"
+    if t in ("drain-end", "drain-release"):
+        return f"gen {g('gen')}: {g('why')}"
+    if t == "drain-requested":
+        return f"gen {g('gen')}: {', '.join(g('nodes') or [])} ({g('reason')})"
+    if t in ("preempted", "node-gone"):
+        return f"{g('state')} in {g('zone')}"
+    if t == "node-unresponsive":
+        return f"silent {_s(g('silent_s'))}"
+    if t == "down":
+        leaks = g("leaks") or []
+        return "clean" if not leaks else f"LEAKS: {leaks}"
+    parts = []
+    for k, v in e.items():
+        if k in _SKIP or v in (None, "", [], {}):
+            continue
+        if isinstance(v, list):
+            v = ",".join(map(str, v))
+        elif isinstance(v, float):
+            v = f"{v:g}"
+        elif isinstance(v, dict):
+            continue  # nested detail stays in --json
+        parts.append(f"{k} {v}")
+    return ", ".join(parts)
+
+
+def event_rows(rows: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
+    out = []
+    for e in rows:
+        node = e.get("node")
+        if node is None and e.get("nodes"):
+            node = ",".join(map(str, e["nodes"]))
+        out.append((_clock(e["ts"]), str(e["type"]), str(node or ""), details(e)))
+    return out
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def events(
-        name: str = typer.Option("spotctl", "--name", help="Cluster name."),
+        name: str | None = typer.Option(None, "--name", help=NAME_HELP),
         type_: str = typer.Option(None, "--type", help="Only events of this type."),
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
@@ -20,16 +95,11 @@ def register(app: typer.Typer) -> None:
         from spotctl.control.reconcile import sync_events
 
         store = open_store()
+        name = resolve_name(store, name)
         store.get_cluster(name)
         sync_events(store, name)
         rows = store.events(name, type_)
         if json_out:
             return print_json(rows)
-        t = Table(show_edge=False, header_style="bold")
-        for c in ("time", "type", "details"):
-            t.add_column(c)
-        for e in rows:
-            when = dt.datetime.fromtimestamp(e["ts"]).strftime("%H:%M:%S.%f")[:-3]
-            rest = {k: v for k, v in e.items() if k not in ("ts", "type")}
-            t.add_row(when, e["type"], json.dumps(rest, default=str))
-        console().print(t)
+        con = console()
+        con.print(fit_table(EVENT_COLS, event_rows(rows), con.width))

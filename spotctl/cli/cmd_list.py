@@ -3,9 +3,12 @@ from __future__ import annotations
 from typing import Any
 
 import typer
-from rich.table import Table
 
 from spotctl.cli.common import console, open_store, print_json
+from spotctl.control.tables import Col, fit_table
+
+LIST_COLS = (Col("cluster"), Col("provider"), Col("state"), Col("nodes", right=True),
+             Col("gpus", right=True))
 
 
 def register(app: typer.Typer) -> None:
@@ -21,11 +24,8 @@ def register(app: typer.Typer) -> None:
         ]
         if json_out:
             return print_json(rows)
-        t = Table(show_edge=False, header_style="bold")
-        for col in ("cluster", "provider", "state", "nodes", "gpus"):
-            t.add_column(col)
-        for r in rows:
-            g = r["gpus"] or {}
-            t.add_row(r["cluster"], r["provider"], r["state"], str(r["nodes"]),
-                      f"{g.get('min')}..{g.get('max')}")
-        console().print(t)
+        con = console()
+        con.print(fit_table(LIST_COLS, [
+            (r["cluster"], r["provider"], r["state"], str(r["nodes"]),
+             f"{(r['gpus'] or {}).get('min')}..{(r['gpus'] or {}).get('max')}") for r in rows
+        ], con.width))

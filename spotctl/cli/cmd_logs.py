@@ -5,7 +5,7 @@ import time
 
 import typer
 
-from spotctl.cli.common import open_store
+from spotctl.cli.common import NAME_HELP, open_store, resolve_name
 from spotctl.errors import NotFoundError
 
 LOGS = {"agent": "agent.log", "train": "torchrun.log", "node": "node.log"}
@@ -15,13 +15,14 @@ def register(app: typer.Typer) -> None:
     @app.command()
     def logs(
         node: str = typer.Argument(..., help="Node id (see `spotctl status`), or 'head'."),
-        name: str = typer.Option("spotctl", "--name", help="Cluster name."),
+        name: str | None = typer.Option(None, "--name", help=NAME_HELP),
         follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines."),
         which: str = typer.Option("train", "--log", help="train | agent | node"),
         lines: int = typer.Option(50, "--lines", "-n", min=0),
     ) -> None:
         """Print a node's training (or agent) log."""
         store = open_store()
+        name = resolve_name(store, name)
         row = store.get_cluster(name)
         cdir = store.cluster_dir(name)
         if which not in LOGS:

@@ -1,16 +1,28 @@
 from __future__ import annotations
 
+import datetime as dt
+import time
+
 import typer
 
-from spotctl.cli.common import console, open_store, print_json
+from spotctl.cli.common import NAME_HELP, console, open_store, print_json, resolve_name
 from spotctl.errors import SpecError
+
+
+def notice_line(node: str, style: str, deadline: float | None, now: float) -> str:
+    """`notice sent to n2 (aws): hard stop in 120 s, at 14:03:05 (local time)`."""
+    if deadline is None:
+        return f"notice sent to {node} ({style}); no hard stop announced"
+    at = dt.datetime.fromtimestamp(deadline).strftime("%H:%M:%S")
+    return (f"notice sent to {node} ({style}): hard stop in {max(0.0, deadline - now):.0f} s, "
+            f"at {at} (local time)")
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def preempt(
         node: str = typer.Argument(..., help="Node id."),
-        name: str = typer.Option("spotctl", "--name", help="Cluster name."),
+        name: str | None = typer.Option(None, "--name", help=NAME_HELP),
         style: str = typer.Option("aws", "--style", help="aws (2 min notice) | gcp (30 s)"),
         in_s: float = typer.Option(None, "--in", min=1, help="Seconds until the hard stop."),
         json_out: bool = typer.Option(False, "--json"),
@@ -22,6 +34,7 @@ def register(app: typer.Typer) -> None:
         if style not in ("aws", "gcp"):
             raise SpecError(f"--style must be aws or gcp, got {style!r}")
         store = open_store()
+        name = resolve_name(store, name)
         row = store.get_cluster(name)
         if row.provider != "local":
             raise SpecError("preempt works on local clusters only (clouds send their own)")
@@ -30,18 +43,19 @@ def register(app: typer.Typer) -> None:
         store.add_event(name, "preempt-requested", {"node": node, "style": style, "in_s": in_s})
         if json_out:
             return print_json(out)
-        console().print(f"notice sent to {node} ({style}); hard stop at {out.get('deadline')}")
+        console().print(notice_line(node, style, out.get("deadline"), time.time()))
 
     @app.command()
     def kill(
         node: str = typer.Argument(..., help="Node id."),
-        name: str = typer.Option("spotctl", "--name", help="Cluster name."),
+        name: str | None = typer.Option(None, "--name", help=NAME_HELP),
     ) -> None:
         """Local clusters: SIGKILL a node's whole process tree (a failure with no notice)."""
         from spotctl.control.reconcile import provider_for
         from spotctl.spec import ClusterSpec
 
         store = open_store()
+        name = resolve_name(store, name)
         row = store.get_cluster(name)
         if row.provider != "local":
             raise SpecError("kill works on local clusters only")

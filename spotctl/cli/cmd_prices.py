@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import importlib
+import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import typer
-from rich import box
 from rich.table import Table
 
-from spotctl.errors import SpecError
+from spotctl.control.tables import Col, fit_table
+from spotctl.errors import AuthError, SpecError
 from spotctl.providers import Offer, ProviderContext, get_provider
 from spotctl.providers.aws.catalog import band_label  # Spot Advisor buckets, provider-neutral
 from spotctl.spec import PROVIDERS, load_spec
@@ -76,35 +79,52 @@ def _money(x: float | None, digits: int = 4) -> str:
     return "" if x is None else f"{x:.{digits}f}"
 
 
-def offers_table(offers: Sequence[Offer], title: str = "") -> Table:
-    """A pure builder: one row per offer, same rows as the JSON output."""
-    t = Table(title=title or None, box=box.SIMPLE_HEAD)
-    for col, right in (
-        ("type", False),
-        ("zone", False),
-        ("GPUs", True),
-        ("GPU", False),
-        ("spot $/h", True),
-        ("on-demand $/h", True),
-        ("$/GPU-h", True),
-        ("savings %", True),
-        ("interruption", False),
-    ):
-        t.add_column(col, justify="right" if right else "left", no_wrap=True)
+PRICE_COLS = (
+    Col("type"), Col("zone"), Col("GPUs", right=True), Col("GPU", drop=3),
+    Col("spot $/h", right=True, short="spot"),
+    Col("on-demand $/h", right=True, drop=4, short="on-dem."),
+    Col("$/GPU-h", right=True, short="$/GPU"), Col("savings %", right=True, drop=5, short="save%"),
+    Col("interruption", drop=2, short="interr."),
+)
+
+# Where each number comes from; the shipped files are described in spotctl/data/*_SOURCES.md.
+_CATALOG = "the catalog shipped with spotctl (a public list-price snapshot, date not recorded)"
+_ADVISOR = "interruption bands: AWS Spot Advisor snapshot of 2025-06-28"
+
+
+def price_sources(provider: str, live: bool) -> dict[str, str]:
+    """{"spot": ..., "on_demand": ...}: where this provider's numbers come from."""
+    if provider == "aws" and live:
+        return {"spot": "live", "on_demand": "catalog"}
+    if provider in ("aws", "gcp"):
+        return {"spot": "catalog", "on_demand": "catalog"}
+    return {"spot": "spec", "on_demand": "spec"}
+
+
+def source_note(provider: str, live: bool, at: float) -> str:
+    when = dt.datetime.fromtimestamp(at).strftime("%Y-%m-%d %H:%M")
+    if provider == "aws" and live:
+        return (f"spot $/h: live, EC2 spot price history at {when}; on-demand $/h: {_CATALOG}; "
+                f"{_ADVISOR}")
+    if provider == "aws":
+        return f"spot and on-demand $/h: {_CATALOG}; {_ADVISOR}"
+    if provider == "gcp":
+        return (f"spot and on-demand $/h: {_CATALOG}; GCP spot prices change at most monthly "
+                "and are not fetched live")
+    return f"{provider}: prices as the spec sets them"
+
+
+def offers_table(offers: Sequence[Offer], title: str = "", width: int = 120) -> Table:
+    """A pure builder: one row per offer, same rows as the JSON output, fit to `width`."""
+    rows = []
     for o in offers:
         savings = o.savings_pct
-        t.add_row(
-            o.instance_type,
-            o.zone,
-            str(o.gpus),
-            o.gpu_name,
-            _money(o.spot_price),
-            _money(o.on_demand_price),
-            _money(o.price_per_gpu_hour),
-            "" if savings is None else f"{savings:.0f}",
-            band_label(o.interruption_band),
-        )
-    return t
+        rows.append((
+            o.instance_type, o.zone, str(o.gpus), o.gpu_name, _money(o.spot_price),
+            _money(o.on_demand_price), _money(o.price_per_gpu_hour),
+            "" if savings is None else f"{savings:.0f}", band_label(o.interruption_band),
+        ))
+    return fit_table(PRICE_COLS, rows, width, title=title or None)
 
 
 def offer_rows(offers: Sequence[Offer]) -> list[dict[str, Any]]:
@@ -136,18 +156,32 @@ def register(app: typer.Typer) -> None:
             raise SpecError(
                 f"--provider: unknown provider {provider!r} (choose from {', '.join(PROVIDERS)})"
             )
-        offers = (
-            catalog_offers(provider, region, gpu) if catalog else live_offers(provider, region, gpu)
-        )
+        live = not catalog and provider != "gcp"  # gcp offers are the shipped catalog's
+        fell_back = ""
+        if catalog:
+            offers = catalog_offers(provider, region, gpu)
+        else:
+            try:
+                offers = live_offers(provider, region, gpu)
+            except AuthError as e:
+                if provider != "aws":
+                    raise
+                offers, live = catalog_offers(provider, region, gpu), False
+                del e
+                fell_back = ("note: no usable aws credentials; these are the shipped catalog's "
+                             "prices (a public snapshot, date not recorded), not live ones")
         offers = sort_offers(offers)
+        at = time.time()
+        if fell_back:
+            print(fell_back, file=sys.stderr)
         if as_json:
-            print_json(offer_rows(offers))
+            src = price_sources(provider, live)
+            print_json([dict(r, price_source=src) for r in offer_rows(offers)])
             return
         if not offers:
             console().print(f"no {provider} offers" + (f" for GPU {gpu}" if gpu else ""))
             return
-        source = "catalog snapshot" if catalog else "live"
         out = console()
-        # Rows never wrap: pipes and narrow terminals get the full row, not "g5.x…".
-        out.width = max(out.width, 120)
-        out.print(offers_table(offers, title=f"{provider} spot offers ({source})"))
+        kind = "live" if live else "catalog"
+        out.print(offers_table(offers, title=f"{provider} spot offers ({kind})", width=out.width))
+        out.print(source_note(provider, live, at), soft_wrap=True)

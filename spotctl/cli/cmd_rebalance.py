@@ -2,14 +2,21 @@ from __future__ import annotations
 
 import typer
 
-from spotctl.cli.common import cluster_spec, console, open_store, print_json
+from spotctl.cli.common import (
+    NAME_HELP,
+    cluster_spec,
+    console,
+    open_store,
+    print_json,
+    resolve_name,
+)
 from spotctl.errors import StateError
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def rebalance(
-        name: str = typer.Option("spotctl", "--name", help="Cluster name."),
+        name: str | None = typer.Option(None, "--name", help=NAME_HELP),
         dry_run: bool = typer.Option(False, "--dry-run", help="Plan only; change nothing."),
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
@@ -17,6 +24,7 @@ def register(app: typer.Typer) -> None:
         from spotctl.control import reconcile
 
         store = open_store()
+        name = resolve_name(store, name)
         spec = cluster_spec(store, name)
         row = store.get_cluster(name)
         if row.state == "down":

@@ -4,13 +4,13 @@ import time
 
 import typer
 
-from spotctl.cli.common import console, open_store, print_json
+from spotctl.cli.common import NAME_HELP, console, open_store, print_json, resolve_name
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def status(
-        name: str = typer.Option("spotctl", "--name", help="Cluster name."),
+        name: str | None = typer.Option(None, "--name", help=NAME_HELP),
         once: bool = typer.Option(False, "--once", help="Print one snapshot and exit."),
         json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
         interval: float = typer.Option(1.0, "--interval", min=0.2, max=60),
@@ -20,20 +20,21 @@ def register(app: typer.Typer) -> None:
         from spotctl.control.reconcile import sync_events
 
         store = open_store()
+        name = resolve_name(store, name)
         store.get_cluster(name)
         if json_out:
             sync_events(store, name)
             return print_json(st.collect(store, name))
         con = console()
         if once or not con.is_terminal:
-            con.print(st.render(st.collect(store, name)))
+            con.print(st.render(st.collect(store, name), width=con.width))
             return
         from rich.live import Live
 
-        with Live(st.render(st.collect(store, name)), console=con, refresh_per_second=4) as live:
+        with Live(st.render(st.collect(store, name), width=con.width), console=con, refresh_per_second=4) as live:
             try:
                 while True:
                     time.sleep(interval)
-                    live.update(st.render(st.collect(store, name)))
+                    live.update(st.render(st.collect(store, name), width=con.width))
             except KeyboardInterrupt:
                 pass

@@ -7,10 +7,10 @@ import time
 from typing import Any
 
 from rich.console import Group
-from rich.table import Table
 from rich.text import Text
 
 from spotctl.control.reconcile import head_client, provider_for
+from spotctl.control.tables import Col, fit_line, fit_table
 from spotctl.head.client import HeadUnavailable
 from spotctl.spec import ClusterSpec
 from spotctl.state import Store
@@ -105,43 +105,53 @@ STATE_STYLE = {"running": "green", "joining": "cyan", "draining": "yellow", "los
                "preempted": "magenta", "unresponsive": "red", "left": "dim"}
 
 
-def render(snap: dict[str, Any], show_ended: bool = True) -> Group:
+NODE_COLS = (
+    Col("node"), Col("provider", drop=9), Col("zone", drop=5), Col("type", drop=6),
+    Col("GPUs", right=True), Col("state"), Col("uptime", right=True, drop=4),
+    Col("heartbeat", right=True, drop=3, short="hb"), Col("step", right=True, drop=2),
+)
+
+
+def render(snap: dict[str, Any], show_ended: bool = True, width: int = 80) -> Group:
+    """The snapshot as lines and a node table, none wider than `width`."""
     g = snap["gpus"]
     tput = snap.get("throughput")
-    head = Text.assemble(
-        ("cluster ", "bold"), snap["cluster"], "  ",
-        ("provider ", "bold"), snap["provider"], "  ",
-        ("GPUs ", "bold"), f"{g['now']} (min {g['min']}, max {g['max']})", "  ",
-        ("world ", "bold"), str(snap["world_size"]), "  ",
-        ("step ", "bold"), str(snap["step"]), "  ",
-        ("checkpoint ", "bold"), str(snap["last_checkpoint_step"]), "  ",
-        ("samples/s ", "bold"), f"{tput:.0f}" if tput else "-", "  ",
-        ("$/h ", "bold"), f"{snap['cost_per_hour']:.4f}",
-    )
+
+    def kv(k: str, v: str) -> Text:
+        return Text.assemble((k + " ", "bold"), v)
+
+    head = fit_line([
+        kv("cluster", snap["cluster"]), kv("provider", snap["provider"]),
+        kv("GPUs", f"{g['now']} (min {g['min']}, max {g['max']})"),
+        kv("world", str(snap["world_size"])), kv("step", str(snap["step"])),
+        kv("checkpoint", str(snap["last_checkpoint_step"])),
+        kv("samples/s", f"{tput:.0f}" if tput else "-"),
+        kv("$/h", f"{snap['cost_per_hour']:.4f}"),
+    ], width)
     parts: list[Any] = [head]
     c = snap.get("cost")
     if c:
-        parts.append(Text(
-            f"spent ${c.get('spent_usd', 0):.4f}  on-demand ${c.get('on_demand_usd', 0):.4f}  "
-            f"saved ${c.get('saved_usd', 0):.4f}"
-        ))
+        parts.append(fit_line([
+            f"spent ${c.get('spent_usd', 0):.4f}", f"on-demand ${c.get('on_demand_usd', 0):.4f}",
+            f"saved ${c.get('saved_usd', 0):.4f}",
+        ], width))
     if snap.get("drain"):
         d = snap["drain"]
         parts.append(Text(f"drain in progress: {d['reason']} (gen {d['gen']})", style="yellow"))
     if snap.get("head_error"):
         parts.append(Text(snap["head_error"], style="red"))
-    t = Table(show_edge=False, header_style="bold")
-    for col in ("node", "provider", "zone", "type", "GPUs", "state", "uptime", "heartbeat", "step"):
-        t.add_column(col, justify="right" if col in ("GPUs", "uptime", "heartbeat", "step") else "left")
+    rows = []
     for n in snap["nodes"]:
         if not show_ended and n["state"] in ("lost", "preempted", "terminated"):
             continue
-        t.add_row(
+        rows.append((
             n["id"], n["provider"], n["zone"], n["instance_type"], str(n["gpus"]),
-            Text(n["state"] + (" (notice)" if n["notice"] else ""),
+            Text(n["state"] + ("*" if n["notice"] else ""),
                  style=STATE_STYLE.get(n["state"], "")),
             _age(n["uptime_s"]), _age(n["heartbeat_age_s"]),
             "-" if n["step"] is None else str(n["step"]),
-        )
-    parts.append(t)
+        ))
+    parts.append(fit_table(NODE_COLS, rows, width))
+    if any(n["notice"] for n in snap["nodes"]):
+        parts.append(Text("* got a preemption notice"))
     return Group(*parts)
