@@ -1,0 +1,451 @@
+"""What the controller ships to a node: spotctl's own wheel, a wheelhouse of its pinned
+dependencies, and the user's project directory.
+
+Nothing on a node is ever installed by an unpinned public name:
+
+- spotctl: a wheel of this very controller's code. From a source tree (an editable or
+  checkout install) it is built with `pip wheel --no-deps --no-build-isolation` from a copy
+  of the tree; from an installed distribution it is repacked from the installed files.
+  Cached by content hash under `<SPOTCTL_HOME>/cache/package`.
+- its dependencies (typer, rich, pydantic, fabric, platformdirs and what they need, with
+  environment markers evaluated for this interpreter): each repacked into a wheel from the
+  controller's installed files (exact versions; cached by name, version and tag), listed
+  in `requirements.txt` as `name==version` pins. The node installs them with
+  `pip --no-index --find-links`; only where a shipped binary wheel does not fit the node
+  (another CPU or Python than the controller's) does pip fall back to its configured index,
+  still for those exact pins.
+- torch is never shipped: the node's venv reuses the image's (CUDA) torch when the image's
+  python has one (`venv --system-site-packages`), else pip installs the pinned TORCH_SPEC.
+- the project: the training script's directory (or `[train] project_dir`), honouring
+  `.gitignore` (through `git ls-files` when it is a git work tree) and `.spotctlignore`.
+  Files are uploaded one by one, so unchanged ones are skipped by the bootstrap's remote
+  SHA-256 comparison.
+"""
+
+from __future__ import annotations
+
+import base64
+import fnmatch
+import hashlib
+import importlib.metadata as md
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from spotctl.errors import BootstrapError
+
+__all__ = [
+    "NodePackage",
+    "Project",
+    "TORCH_SPEC",
+    "node_package",
+    "project_files",
+]
+
+# torch pinned: the bootstrap must never pull a newer (multi-GB) build onto a node.
+TORCH_SPEC = "torch==2.13.0"
+# Optional extras shipped to nodes when their requirements are installed on the controller
+# (e.g. an object-store checkpoint backend). "train" is torch: the image's, or TORCH_SPEC.
+NODE_EXTRAS = ("s3", "gcs")
+# Never uploaded from a project directory, whatever the ignore files say.
+ALWAYS_IGNORED = (".git", "__pycache__", "*.pyc", ".spotctl", ".venv", ".mypy_cache",
+                  ".pytest_cache", ".ruff_cache")  # fmt: skip
+# A project bigger than this is almost certainly data or a checkpoint someone forgot to
+# ignore: refuse it with a line naming the biggest files rather than copy it to every node.
+MAX_PROJECT_BYTES = 256 * 1024 * 1024
+
+_lock = threading.Lock()
+_memo: dict[str, NodePackage] = {}
+
+
+def _canon(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class NodePackage:
+    """spotctl's wheel and the wheelhouse of its pinned dependencies."""
+
+    wheels: dict[str, bytes]  # file name -> content
+    requirements: str  # `name==version` lines for the dependencies (spotctl excluded)
+    spotctl_wheel: str  # its file name in `wheels`
+    key: str  # content hash of all of the above: the node reinstalls when it changes
+    torch_spec: str = TORCH_SPEC
+
+    @property
+    def size(self) -> int:
+        return sum(len(b) for b in self.wheels.values())
+
+    def files(self, prefix: str = "pkg") -> dict[str, bytes]:
+        """Relative remote path -> content, for the bootstrap's upload."""
+        out = {f"{prefix}/{n}": b for n, b in sorted(self.wheels.items())}
+        out[f"{prefix}/requirements.txt"] = self.requirements.encode()
+        out[f"{prefix}/spotctl-wheel"] = (self.spotctl_wheel + "\n").encode()
+        out[f"{prefix}/key"] = (self.key + "\n").encode()
+        return out
+
+    def summary(self) -> str:
+        return f"spotctl package {self.key[:12]}: {len(self.wheels)} wheels, {_human(self.size)}"
+
+
+@dataclass
+class Project:
+    """The user's project directory, as uploaded."""
+
+    root: Path
+    files: dict[str, bytes] = field(default_factory=dict)  # relative posix path -> content
+
+    @property
+    def size(self) -> int:
+        return sum(len(b) for b in self.files.values())
+
+    def summary(self) -> str:
+        return f"project {self.root}: {len(self.files)} files, {_human(self.size)}"
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+# ---- spotctl's wheel and its dependencies -------------------------------------------------
+
+
+def _source_tree() -> Path | None:
+    """The checkout this spotctl runs from (editable install), or None."""
+    import spotctl
+
+    root = Path(spotctl.__file__).resolve().parent.parent
+    pp = root / "pyproject.toml"
+    if pp.is_file() and re.search(r'(?m)^name\s*=\s*"spotctl"', pp.read_text()):
+        return root
+    return None
+
+
+def _tree_hash(root: Path) -> str:
+    h = hashlib.sha256()
+    paths = [root / "pyproject.toml", root / "README.md"]
+    for sub in ("spotctl", "templates"):
+        for p in sorted((root / sub).rglob("*")):
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc":
+                paths.append(p)
+    for p in paths:
+        if p.is_file():
+            h.update(str(p.relative_to(root)).encode() + b"\0")
+            h.update(_sha256(p.read_bytes()).encode())
+    return h.hexdigest()
+
+
+def _build_from_source(root: Path, cache: Path) -> Path:
+    key = _tree_hash(root)[:20]
+    out = cache / f"spotctl-src-{key}"
+    done = list(out.glob("spotctl-*.whl")) if out.is_dir() else []
+    if done:
+        return done[0]
+    with tempfile.TemporaryDirectory(prefix="spotctl-wheel-") as tmp:
+        src = Path(tmp) / "src"
+        src.mkdir()
+        for name in ("pyproject.toml", "README.md", "LICENSE", "setup.cfg", "setup.py"):
+            if (root / name).is_file():
+                shutil.copy2(root / name, src / name)
+        ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+        shutil.copytree(root / "spotctl", src / "spotctl", ignore=ignore)
+        if (root / "templates").is_dir():
+            shutil.copytree(root / "templates", src / "templates", ignore=ignore)
+        built = Path(tmp) / "out"
+        r = subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+             "--no-index", "-q", "-w", str(built), str(src)],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        wheels = list(built.glob("spotctl-*.whl"))
+        if r.returncode != 0 or not wheels:
+            tail = (r.stderr or r.stdout).strip().splitlines()
+            raise BootstrapError(
+                "building spotctl's wheel failed: " + (tail[-1] if tail else f"exit {r.returncode}")
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        tmp_dst = out / (wheels[0].name + ".tmp")
+        shutil.copy2(wheels[0], tmp_dst)
+        os.replace(tmp_dst, out / wheels[0].name)
+        return out / wheels[0].name
+
+
+def _wheel_tag(dist: md.Distribution) -> str:
+    """The compressed tag set for the file name (py2-none-any + py3-none-any ->
+    py2.py3-none-any), as the original wheel was named."""
+    text = dist.read_text("WHEEL") or ""
+    tags = [ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("Tag:")]
+    if not tags:
+        return "py3-none-any"
+    parts: list[list[str]] = [[], [], []]
+    for t in tags:
+        for i, p in enumerate(t.split("-", 2)):
+            if p not in parts[i]:
+                parts[i].append(p)
+    return "-".join(".".join(p) for p in parts)
+
+
+def _repack(dist: md.Distribution, cache: Path) -> Path:
+    """A wheel of an installed distribution, from its RECORDed files (what pip installed)."""
+    name = dist.metadata["Name"]
+    version = dist.version
+    tag = _wheel_tag(dist)
+    fname = f"{re.sub(r'[-_.]+', '_', name)}-{version}-{tag}.whl"
+    dst = cache / "deps" / fname
+    if dst.is_file():
+        return dst
+    files = dist.files
+    if not files:
+        raise BootstrapError(
+            f"cannot ship dependency {name}=={version}: its installed files are not recorded"
+        )
+    info_dir = next((f.parts[0] for f in files if f.parts[0].endswith(".dist-info")), "")
+    if not info_dir:
+        raise BootstrapError(f"cannot ship dependency {name}=={version}: no .dist-info")
+    skip_info = {"RECORD", "INSTALLER", "REQUESTED", "direct_url.json"}
+    record: list[str] = []
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for f in sorted(files, key=str):
+            rel = f.as_posix()
+            if rel.startswith("..") or "__pycache__" in f.parts or rel.endswith(".pyc"):
+                continue  # scripts (pip regenerates them) and bytecode
+            if f.parts[0] == info_dir and f.name in skip_info:
+                continue
+            path = Path(str(dist.locate_file(f)))
+            if not path.is_file():
+                continue
+            data = path.read_bytes()
+            info = zipfile.ZipInfo(rel, date_time=(2020, 1, 1, 0, 0, 0))
+            info.external_attr = (path.stat().st_mode & 0o777 | 0o100000) << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            z.writestr(info, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+            record.append(f"{rel},sha256={digest.decode()},{len(data)}")
+        record.append(f"{info_dir}/RECORD,,")
+        z.writestr(f"{info_dir}/RECORD", "\n".join(record) + "\n")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    tmp.write_bytes(buf.getvalue())
+    os.replace(tmp, dst)
+    return dst
+
+
+def _requirement(raw: str) -> tuple[str, str, str]:
+    """(name, extras, marker) of one Requires-Dist line."""
+    req, _, marker = raw.partition(";")
+    m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?", req)
+    if not m:
+        raise BootstrapError(f"cannot read requirement {raw!r}")
+    return m.group(1), (m.group(2) or "").strip("[]"), marker.strip()
+
+
+def _marker_ok(marker: str, extra: str) -> bool:
+    if not marker:
+        return True
+    try:
+        from packaging.markers import Marker
+    except ImportError:  # pip vendors it; spotctl itself does not depend on it
+        from pip._vendor.packaging.markers import Marker  # type: ignore[no-redef,assignment]
+    return bool(Marker(marker).evaluate({"extra": extra}))
+
+
+def _closure(extras: tuple[str, ...]) -> list[md.Distribution]:
+    """spotctl's installed dependencies (not spotctl, not torch), markers evaluated here."""
+    out: dict[str, md.Distribution] = {}
+    todo: list[tuple[str, tuple[str, ...]]] = []
+    root = md.distribution("spotctl")
+    for raw in root.requires or []:
+        name, wanted, marker = _requirement(raw)
+        if any(_marker_ok(marker, x) for x in ("", *extras)):
+            todo.append((name, tuple(e.strip() for e in wanted.split(",") if e.strip())))
+    while todo:
+        name, ex = todo.pop()
+        key = _canon(name)
+        if key in ("spotctl", "torch") or key in out:
+            continue
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError as e:
+            raise BootstrapError(
+                f"cannot ship dependency {name}: it is not installed on the controller"
+            ) from e
+        out[key] = dist
+        for raw in dist.requires or []:
+            n, e2, marker = _requirement(raw)
+            if any(_marker_ok(marker, x) for x in ("", *ex)):
+                todo.append((n, tuple(x.strip() for x in e2.split(",") if x.strip())))
+    return [out[k] for k in sorted(out)]
+
+
+def _installed_extras() -> tuple[str, ...]:
+    """NODE_EXTRAS that spotctl declares and whose requirements are all installed here."""
+    dist = md.distribution("spotctl")
+    declared = set(dist.metadata.get_all("Provides-Extra") or [])
+    out = []
+    for extra in NODE_EXTRAS:
+        if extra not in declared:
+            continue
+        names = [
+            _requirement(r)[0]
+            for r in dist.requires or []
+            if f'extra == "{extra}"' in r or f"extra == '{extra}'" in r
+        ]
+        try:
+            for n in names:
+                md.distribution(n)
+        except md.PackageNotFoundError:
+            continue
+        out.append(extra)
+    return tuple(out)
+
+
+def spotctl_wheel(cache: Path) -> Path:
+    """This controller's spotctl as a wheel (built from its source tree, or repacked)."""
+    root = _source_tree()
+    if root is not None:
+        return _build_from_source(root, cache)
+    return _repack(md.distribution("spotctl"), cache)
+
+
+def node_package(cache: Path, extras: tuple[str, ...] | None = None) -> NodePackage:
+    """The package every node installs from; built once per process and content."""
+    extras = _installed_extras() if extras is None else extras
+    memo_key = f"{cache}|{','.join(extras)}"
+    root = _source_tree()
+    if root is not None:
+        memo_key += "|" + _tree_hash(root)
+    with _lock:
+        if memo_key in _memo:
+            return _memo[memo_key]
+        own = spotctl_wheel(cache)
+        wheels = {own.name: own.read_bytes()}
+        pins = []
+        for dist in _closure(extras):
+            w = _repack(dist, cache)
+            wheels[w.name] = w.read_bytes()
+            pins.append(f"{dist.metadata['Name']}=={dist.version}")
+        requirements = "\n".join(pins) + "\n"
+        h = hashlib.sha256()
+        for n in sorted(wheels):
+            h.update(n.encode() + b"\0" + _sha256(wheels[n]).encode())
+        h.update(requirements.encode() + TORCH_SPEC.encode())
+        pkg = NodePackage(wheels, requirements, own.name, h.hexdigest())
+        _memo[memo_key] = pkg
+        return pkg
+
+
+# ---- the project directory -------------------------------------------------------------
+
+
+def _patterns(path: Path) -> list[str]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            out.append(line)
+    return out
+
+
+def _ignored(rel: str, patterns: list[str] | tuple[str, ...], is_dir: bool = False) -> bool:
+    """gitignore-style: last match wins, `!` re-includes, a pattern with no inner slash
+    matches any path component, a trailing `/` matches directories only."""
+    parts = rel.split("/")
+    n_dirs = len(parts) if is_dir else len(parts) - 1  # leading components that are dirs
+    result = False
+    for raw in patterns:
+        neg = raw.startswith("!")
+        pat = raw[1:] if neg else raw
+        dir_only = pat.endswith("/")
+        pat = pat.rstrip("/")
+        anchored = "/" in pat
+        pat = pat.lstrip("/")
+        if anchored:  # a path from the root: it or any directory above the file
+            last = n_dirs if dir_only else len(parts)
+            hit = any(fnmatch.fnmatchcase("/".join(parts[:i]), pat) for i in range(1, last + 1))
+        else:
+            comps = parts[:n_dirs] if dir_only else parts
+            hit = any(fnmatch.fnmatchcase(c, pat) for c in comps)
+        if hit:
+            result = not neg
+    return result
+
+
+def _git_files(root: Path) -> list[str] | None:
+    """Files git would keep (tracked + untracked, not ignored), relative to root; None when
+    root is not inside a git work tree or git is missing."""
+    if not shutil.which("git"):
+        return None
+    try:
+        r = subprocess.run(
+            ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others",
+             "--exclude-standard", "--", "."],
+            capture_output=True, timeout=60,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode != 0:
+        return None
+    return sorted({p for p in r.stdout.decode(errors="surrogateescape").split("\0") if p})
+
+
+def project_files(root: Path, max_bytes: int = MAX_PROJECT_BYTES) -> Project:
+    """The project directory's files to upload (see the module docstring)."""
+    root = root.resolve()
+    if not root.is_dir():
+        raise BootstrapError(f"project directory {root} does not exist")
+    spotctlignore = _patterns(root / ".spotctlignore")
+    listed = _git_files(root)
+    if listed is None:
+        gitignore = _patterns(root / ".gitignore")
+        listed = []
+        for dirpath, dirnames, filenames in os.walk(root):
+            rel_dir = Path(dirpath).relative_to(root).as_posix()
+            keep = []
+            for d in sorted(dirnames):
+                rel = d if rel_dir == "." else f"{rel_dir}/{d}"
+                if not _ignored(rel, [*ALWAYS_IGNORED, *gitignore], is_dir=True):
+                    keep.append(d)
+            dirnames[:] = keep
+            for f in sorted(filenames):
+                rel = f if rel_dir == "." else f"{rel_dir}/{f}"
+                if not _ignored(rel, gitignore):
+                    listed.append(rel)
+    files: dict[str, bytes] = {}
+    total = 0
+    sizes: list[tuple[int, str]] = []
+    for rel in listed:
+        if _ignored(rel, [*ALWAYS_IGNORED, *spotctlignore]):
+            continue
+        p = root / rel
+        if p.is_symlink() or not p.is_file():
+            continue  # links could point anywhere on the controller: not shipped
+        data = p.read_bytes()
+        files[rel] = data
+        total += len(data)
+        sizes.append((len(data), rel))
+    if total > max_bytes:
+        biggest = ", ".join(f"{r} ({_human(n)})" for n, r in sorted(sizes, reverse=True)[:3])
+        raise BootstrapError(
+            f"project directory {root} is {_human(total)} (limit {_human(max_bytes)}); "
+            f"add data and checkpoints to .spotctlignore (biggest: {biggest})"
+        )
+    return Project(root, files)
