@@ -19,8 +19,13 @@ randomness (same input, same plan). Every action carries a reason. Rules, in ord
    the $/h saving reaches `spec.rebalance.replace_saving_pct` (launch new, then drain
    old). At most one drain per plan, and none while a drain is in progress.
 
-Zones with `blocked[zone] > now` are never launched in (cool-down after a capacity error
-or a preemption there; the reconciler fills `blocked` from events).
+Cool-downs rank, they do not forbid. Zones with `cooling[zone] > now` (a preemption or a
+capacity error there recently) are tried last: only when the other offers cannot reach
+the target, and never for a replacement. Zones with `blocked[zone] > now` are not
+launched in before that time (the back-off after capacity errors: about a minute,
+doubling up to the cool-down, reset by a successful launch). Both come from the event
+journal through `spotctl.control.cooldown.zone_cooldowns`, in the reconciler and the
+simulator alike.
 
 GPU and budget figures in the invariants refer to the state after the plan completes
 (a replace briefly runs old and new side by side until the old node drains).
@@ -296,6 +301,18 @@ def _as_fill(ranked: Sequence[Offer], counts: Sequence[int]) -> _Fill:
     return _Fill(picks, sum(o.gpus * n for o, n in picks), sum(o.spot_price * n for o, n in picks))
 
 
+def _fill_last(
+    warm: Sequence[Offer], cool: Sequence[Offer], room: int, budget_left: float
+) -> _Fill:
+    """Fill from `warm` offers; cooling ones (ranked after every warm one) only when the
+    warm ones alone fall short."""
+    f = _fill(warm, room, budget_left)
+    if f.gpus >= room or not cool:
+        return f
+    g = _fill([*warm, *cool], room, budget_left)
+    return g if g.gpus > f.gpus else f
+
+
 def _fill(ranked: Sequence[Offer], room: int, budget_left: float) -> _Fill:
     """Greedy (cheapest first) when it reaches the room; otherwise an exact search, which
     finds what greedy misses (sizes that don't divide the range, budget edges). For a big
@@ -443,8 +460,10 @@ def plan(
     offers: Sequence[Offer],
     blocked: Mapping[str, float],
     now: float,
+    cooling: Mapping[str, float] | None = None,
 ) -> Plan:
-    """Decide what to do toward [min, max] GPUs. `blocked` maps zone -> cool-down end time."""
+    """Decide what to do toward [min, max] GPUs. `blocked` maps zone -> end of its launch
+    back-off; `cooling` maps zone -> end of its cool-down (ranked last until then)."""
     lo, hi = spec.gpus.min, spec.gpus.max
     cap = spec.budget.max_usd_per_hour or math.inf
     have, cost = observed.gpus, observed.cost_per_hour
@@ -482,9 +501,13 @@ def plan(
         return out
 
     usable = _usable(offers, blocked, now)
-    regions: dict[str, list[Offer]] = {}
+    cool_zones = {z for z, t in (cooling or {}).items() if t > now}
+    regions: dict[str, list[Offer]] = {}  # warm offers per region, best first
+    cooled: dict[str, list[Offer]] = {}  # cooling ones, tried after every warm one
     for o in usable:
-        regions.setdefault(o.region, []).append(o)
+        (cooled if o.zone in cool_zones else regions).setdefault(o.region, []).append(o)
+    for r in cooled:
+        regions.setdefault(r, [])
     budget_left = max(cap - cost, 0.0)
 
     # 3./4. Restore the minimum and grow, in one region; move when it cannot hold the minimum.
@@ -492,7 +515,7 @@ def plan(
         out.notes.append(f"at maximum ({have}/{hi} GPUs)")
     else:
         if home:
-            fill = _fill(regions.get(home, []), hi - have, budget_left)
+            fill = _fill_last(regions.get(home, []), cooled.get(home, []), hi - have, budget_left)
         else:
             fill = _Fill()
         if home and have + fill.gpus >= lo:
@@ -504,7 +527,7 @@ def plan(
             for r in sorted(regions):
                 if r == home:
                     continue
-                f = _fill(regions[r], hi, cap)
+                f = _fill_last(regions[r], cooled.get(r, []), hi, cap)
                 key = (-f.gpus, f.cost, r)
                 if f.gpus >= lo and (best is None or key < best[0]):
                     best = (key, r, f)
@@ -548,6 +571,14 @@ def plan(
                     out.region = target
                     out.gpus_after, out.usd_per_hour_after = f.gpus, f.cost
                     return out
+        late = sorted(
+            {a.offer.zone for a in out.launches if a.offer and a.offer.zone in cool_zones}
+        )
+        if late:
+            out.notes.append(
+                f"zone(s) {', '.join(late)} cooling down (recent preemption or capacity error): "
+                "tried last, since no other offer reaches the target"
+            )
         reach = have + sum(a.gpus_added for a in out.launches)
         if lo <= reach < hi:
             limit = f"budget {_money(cap)} or " if cap < math.inf else ""
@@ -569,4 +600,3 @@ def plan(
     out.gpus_after = have + sum(a.gpus_added for a in out.launches)
     out.usd_per_hour_after = cost + sum(a.usd_per_hour_added for a in out.launches)
     return out
-

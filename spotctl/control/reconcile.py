@@ -4,7 +4,10 @@
 - Idempotent: a launch intent (request id, offer, count) is journaled in the cluster dir
   before the provider is called, and providers dedupe by request id, so a run killed at
   any point and run again launches nothing twice.
-- Capacity errors block the zone for a cool-down and the plan is redone without it.
+- Cool-downs rank, they do not forbid: a zone that preempted or refused a launch is tried
+  last; a capacity error backs it off (about a minute, doubling up to `cooldown_s`) and
+  the plan is redone without it. `spotctl.control.cooldown` derives both from the event
+  journal; the simulator uses the same function on its own events.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from spotctl.control.cooldown import ZoneCooldowns, zone_cooldowns
 from spotctl.control.planner import Observed, ObservedNode, Plan, plan
 from spotctl.errors import CapacityError, NotFoundError, SpotctlError
 from spotctl.head.client import HeadClient, HeadUnavailable
@@ -74,16 +78,19 @@ def head_client(store: Store, name: str, timeout_s: float = 3.0) -> HeadClient:
     return HeadClient(url, store.cluster_dir(name).token(), timeout_s=timeout_s)
 
 
+def cooldowns(store: Store, spec: ClusterSpec, now: float) -> ZoneCooldowns:
+    """Zones cooling down (ranked last) and backing off, from the journal."""
+    return zone_cooldowns(store.events(spec.name), spec.rebalance.cooldown_s, now)
+
+
 def blocked_zones(store: Store, spec: ClusterSpec, now: float) -> dict[str, float]:
-    """Zones cooling down after a capacity error or a preemption there."""
-    out: dict[str, float] = {}
-    cool = spec.rebalance.cooldown_s
-    for ev in store.events(spec.name):
-        if ev["type"] in ("capacity-error", "preempted") and ev.get("zone"):
-            until = ev["ts"] + cool
-            if until > now:
-                out[ev["zone"]] = max(out.get(ev["zone"], 0.0), until)
-    return out
+    """Zones in their launch back-off after capacity errors (zone -> retry time)."""
+    return cooldowns(store, spec, now).blocked
+
+
+def _plan(store: Store, spec: ClusterSpec, obs: Observed, provider: Any, t: float) -> Plan:
+    cd = cooldowns(store, spec, t)
+    return plan(spec, obs, provider.offers(), cd.blocked, t, cooling=cd.cooling)
 
 
 def observe(store: Store, spec: ClusterSpec, provider: Any) -> tuple[list[Instance], Observed]:
@@ -190,7 +197,7 @@ def reconcile(
             _, obs = observe(store, spec, provider)
         except NotFoundError:
             pass
-        p = plan(spec, obs, provider.offers(), blocked_zones(store, spec, now()), now())
+        p = _plan(store, spec, obs, provider, now())
         return ReconcileResult(cluster=name, plan=p, dry_run=True)
     if not create:
         store.get_cluster(name)
@@ -207,8 +214,7 @@ def reconcile(
         _resume_intent(store, spec, provider, result)
         for _ in range(MAX_FAILOVERS):
             live, obs = observe(store, spec, provider)
-            blocked = blocked_zones(store, spec, now())
-            p = plan(spec, obs, provider.offers(), blocked, now())
+            p = _plan(store, spec, obs, provider, now())
             result.plan.notes = p.notes
             todo = [a for a in p.actions if a.type != "launch" or a.count > 0]
             if not todo:

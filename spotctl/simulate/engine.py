@@ -4,14 +4,25 @@
   notice drains (checkpoint at the current step, no step lost), one without loses the
   steps since the last committed checkpoint. The reconciler asks the real planner
   (`spotctl.control.planner.plan`) for replacements right after a notice and every
-  `reconcile_interval_s`; launches get only what the trace has free.
+  `reconcile_interval_s`, with the zone cool-downs and back-offs that
+  `spotctl.control.cooldown.zone_cooldowns` derives from the simulated journal
+  (preempted / launch / capacity-error events, as the live reconciler journals them):
+  only the clock and the provider are simulated. Offers show the trace's free capacity
+  (as the local provider's do); with `blind_offers` they do not (as a cloud's), and a
+  launch beyond it fails whole with a capacity error, which the journal turns into a
+  back-off exactly as live. Every plan action is logged (`plan_actions`) so a replay can
+  be compared with a live run's `plan-*` events.
 - restart: what managed-job tools do today. Any preemption tears the whole job down and
   it restarts from the last checkpoint once the full target size can be launched again
   (gang launch through the same planner with min = max).
 - ondemand: never preempted, billed at the on-demand price.
 
 The oracle is ideal progress on all available capacity (capped at the target size) with
-no overhead at all; `goodput_vs_oracle` divides by it. Every policy starts at the trace
+no overhead at all; `goodput_vs_oracle` divides by it, and `gap` says where the rest
+went (in full-size steps): provisioning (nodes booting), rescale pauses (recovery, joins,
+cold starts), checkpoints (blocking saves), cool-downs (free capacity not launched in
+because its zone backs off), reconcile waits (free capacity waiting for the next
+reconcile) and lost steps (rollbacks after losses without notice). Every policy starts at the trace
 start with the nodes the trace allows already running (the job was launched before).
 """
 
@@ -25,13 +36,23 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from spotctl.control.cooldown import zone_cooldowns
 from spotctl.control.planner import Observed, ObservedNode, plan
 from spotctl.providers.base import Offer
 from spotctl.simulate.model import Prices, SimModel
 from spotctl.simulate.traces import Trace
-from spotctl.spec import ClusterSpec, GpuRange, LocalSpec
+from spotctl.spec import ClusterSpec, GpuRange, LocalSpec, RebalanceSpec
 
 POLICIES = ("spotctl", "restart", "ondemand")
+GAP_KEYS = (
+    "provisioning",
+    "rescale_pauses",
+    "checkpoints",
+    "cool_downs",
+    "reconcile_waits",
+    "lost_steps",
+)
+MAX_FAILOVERS = 20  # as the live reconciler: re-plans after a capacity error
 _EPS = 1e-9
 
 
@@ -79,6 +100,7 @@ class Job:
     resume_at: float = 0.0  # no stepping before this time (recovery, join, start)
     finished_at: float | None = None
     lost_steps: float = 0.0  # progress thrown away by rollbacks
+    ckpt_node_s: float = 0.0  # node-seconds blocked in checkpoint saves
 
     def __post_init__(self) -> None:
         if self.target_steps is not None and self.target_steps <= 0:
@@ -106,6 +128,7 @@ class Job:
         while t < t1 - _EPS:
             if self.ckpt_left > 0:
                 d = min(self.ckpt_left, t1 - t)
+                self.ckpt_node_s += d * self.world
                 self.ckpt_left -= d
                 t += d
                 if self.ckpt_left <= _EPS:
@@ -120,6 +143,7 @@ class Job:
                     left = (self.target_steps - self.progress) / (period * rate)
                     n = min(n, max(0, math.floor(left) - 1))
                 if n > 0:
+                    self.ckpt_node_s += n * m.checkpoint_cost_s * self.world
                     self.progress += n * period * rate
                     self.committed = self.progress
                     t += n * m.cycle_s
@@ -175,6 +199,10 @@ class PolicyResult:
     notices: int  # of those, drained gracefully (spotctl only)
     finished_at_s: float | None
     samples: list[Sample] = field(default_factory=list)
+    # where progress short of the oracle went, in full-size steps (GAP_KEYS)
+    gap: dict[str, float] = field(default_factory=dict)
+    # every plan action the policy took: {"t_s", "type", "zone", "count", "reason"}
+    plan_actions: list[dict[str, Any]] = field(default_factory=list)
 
 
 class _Capacity:
@@ -223,8 +251,14 @@ class _Replay:
         gpus_per_node: int,
         target_steps: float | None,
         policy: str,
+        blind_offers: bool = False,
     ) -> None:
         self.trace = trace
+        self.blind = blind_offers
+        self.journal: list[dict[str, Any]] = []  # events, as the live reconciler's
+        self.plan_actions: list[dict[str, Any]] = []
+        self.gap_node_s = dict.fromkeys(GAP_KEYS, 0.0)
+        self.no_launch_until = -math.inf  # zone back-off in force (cool-down accounting)
         self.model = model
         self.nodes = nodes
         self.gpn = gpus_per_node
@@ -264,11 +298,13 @@ class _Replay:
         self.sample()
         while self._queue:
             t, _, _, fn = heapq.heappop(self._queue)
+            self.account(self.now, t)
             self.job.advance(self.now, t)
             self.now = t
             fn(t)
             self.sample()
         end = self.trace.span_s
+        self.account(self.now, end)
         self.job.advance(self.now, end)
         self.now = end
         for node in list(self.held.values()):
@@ -285,7 +321,32 @@ class _Replay:
             notices=self.notices,
             finished_at_s=self.job.finished_at,
             samples=self.samples,
+            gap=self.gap(),
+            plan_actions=self.plan_actions,
         )
+
+    def account(self, t0: float, t1: float) -> None:
+        """Where node-seconds of available capacity go over [t0, t1] (state is constant
+        between events; the job's own checkpoint time is counted by Job)."""
+        d = t1 - t0
+        if d <= 0:
+            return
+        g = self.gap_node_s
+        g["provisioning"] += d * sum(1 for n in self.held.values() if n.state == "pending")
+        if self.job.world > 0 and self.job.resume_at > t0:
+            g["rescale_pauses"] += (min(t1, self.job.resume_at) - t0) * self.job.world
+        idle = max(0, min(len(self.cap.present), self.nodes) - len(self.held))
+        if idle:
+            cool = max(0.0, min(t1, self.no_launch_until) - t0)
+            g["cool_downs"] += cool * idle
+            g["reconcile_waits"] += (d - cool) * idle
+
+    def gap(self) -> dict[str, float]:
+        per_step = self.nodes * self.model.step_time_s
+        out = {k: v / per_step for k, v in self.gap_node_s.items()}
+        out["checkpoints"] = self.job.ckpt_node_s / per_step
+        out["lost_steps"] = self.job.lost_steps
+        return out
 
     def sample(self) -> None:
         s = Sample(self.now, self.job.world, len(self.held), self.job.progress, self.job.committed)
@@ -335,6 +396,7 @@ class _Replay:
                 gpu_name="sim",
                 spot_price=self.curve.at(t),
                 on_demand_price=self.od_price,
+                available=None if self.blind else self.cap.free(),
             )
         ]
 
@@ -360,7 +422,12 @@ class _Replay:
             provider="local",
             gpus=GpuRange(min=min_nodes * self.gpn, max=self.nodes * self.gpn),
             local=LocalSpec(gpus_per_node=self.gpn),
+            rebalance=RebalanceSpec(cooldown_s=self.model.cooldown_s),
         )
+
+    @property
+    def zone(self) -> str:
+        return self.trace.zone or "sim-a"
 
     # -- policy hooks -------------------------------------------------------------------
     def start(self) -> None:
@@ -382,6 +449,7 @@ class _Spotctl(_Replay):
 
     def preempted(self, t: float, node: _Node) -> None:
         self.release(node, t)
+        self.journal.append({"ts": t, "type": "preempted", "zone": self.zone})
         if node.state != "running":
             return  # lost while booting: the job never had it
         f = self.model.notice_fraction
@@ -398,11 +466,37 @@ class _Spotctl(_Replay):
             self.job.rollback(t, self.model.hard_recovery_s)
 
     def reconcile(self, t: float) -> None:
-        if len(self.held) >= self.nodes or self.cap.free() == 0:
-            return
-        for action in plan(self._spec, self.observed(), self.offers(t), {}, t).launches:
-            for node in self.take(t, action.count, "pending"):
-                self.at(t + self.model.provision_s, partial(self.ready, node))
+        """One live reconcile: cool-downs from the journal, the real planner, launches
+        that fail whole with a capacity error when the trace lacks room (blind offers),
+        and a re-plan after each such error (the zone then backs off)."""
+        for _ in range(MAX_FAILOVERS):
+            cd = zone_cooldowns(self.journal, self.model.cooldown_s, t)
+            self.no_launch_until = cd.blocked.get(self.zone, -math.inf)
+            p = plan(self._spec, self.observed(), self.offers(t), cd.blocked, t, cooling=cd.cooling)
+            failed = False
+            for action in p.launches:
+                if action.count <= 0 or action.offer is None:
+                    continue
+                self.plan_actions.append(
+                    {
+                        "t_s": t,
+                        "type": action.type,
+                        "zone": action.offer.zone,
+                        "count": action.count,
+                        "reason": action.reason,
+                    }
+                )
+                if action.count > self.cap.free():
+                    self.journal.append({"ts": t, "type": "capacity-error", "zone": self.zone})
+                    failed = True
+                    break
+                for node in self.take(t, action.count, "pending"):
+                    self.journal.append({"ts": t, "type": "launch", "zone": self.zone})
+                    self.at(t + self.model.provision_s, partial(self.ready, node))
+            if not failed:
+                break
+        cd = zone_cooldowns(self.journal, self.model.cooldown_s, t)
+        self.no_launch_until = cd.blocked.get(self.zone, -math.inf)
 
     def ready(self, node: _Node, t: float) -> None:
         if self.held.get(node.trace_node) is not node:
@@ -496,13 +590,14 @@ def run_policy(
     nodes: int,
     gpus_per_node: int = 1,
     target_steps: float | None = None,
+    blind_offers: bool = False,
 ) -> PolicyResult:
     if policy == "ondemand":
         return _ondemand(trace, model, prices, nodes, target_steps)
     cls = {"spotctl": _Spotctl, "restart": _Restart}.get(policy)
     if cls is None:
         raise ValueError(f"unknown policy {policy!r}")
-    return cls(trace, model, prices, nodes, gpus_per_node, target_steps, policy).run()
+    return cls(trace, model, prices, nodes, gpus_per_node, target_steps, policy, blind_offers).run()
 
 
 @dataclass
@@ -541,6 +636,11 @@ class SimResult:
                     "node_hours": round(r.node_hours, 4),
                     "preemptions": r.preemptions,
                     "notices": r.notices,
+                    "gap_steps": {k: round(v, 2) for k, v in r.gap.items()},
+                    "plan_actions": [
+                        {k: (round(v, 3) if k == "t_s" else v) for k, v in a.items()}
+                        for a in r.plan_actions
+                    ],
                 }
             )
         return rows
@@ -565,13 +665,17 @@ def simulate(
     nodes: int | None = None,
     gpus_per_node: int = 1,
     target_steps: float | None = None,
+    blind_offers: bool = False,
 ) -> SimResult:
     """Replay `trace` under each policy. The default target is what on-demand does in the
     trace's span (so on-demand finishes exactly at the end)."""
     n = nodes if nodes is not None else max(1, trace.max_nodes)
     reference = _ondemand(trace, model, prices, n, None)
     target = reference.progress_steps if target_steps is None else target_steps
-    results = [run_policy(p, trace, model, prices, n, gpus_per_node, target) for p in policies]
+    results = [
+        run_policy(p, trace, model, prices, n, gpus_per_node, target, blind_offers)
+        for p in policies
+    ]
     for r in results:
         if r.policy == "ondemand":
             reference = r

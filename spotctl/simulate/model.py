@@ -59,6 +59,10 @@ class SimModel:
     # instance-action and GCP a 30-s preemption notice, but some losses come without one
     # (host failure, a notice lost in flight). Assumed 0.9; spread evenly, not random.
     notice_fraction: float = 0.9
+    # spotctl: a zone that preempted or refused a launch is tried last for this long;
+    # capacity errors back it off from 60 s doubling up to it. The spec's default
+    # (`rebalance.cooldown_s`); the decisions come from spotctl.control.cooldown.
+    cooldown_s: float = 900.0
     # Spot USD per node-hour; None: from the catalog, then the trace's prices.
     spot_price: float | None = None
     # On-demand USD per node-hour; None: from the catalog.

@@ -1,6 +1,12 @@
 """The local "cloud" reclaiming capacity: when spec.local.capacity says fewer nodes exist
 than run, the newest nodes get a preemption notice (GCP style: 30 s to the hard stop),
-exactly as a cloud would. Run by the head process of a local cluster once a second."""
+exactly as a cloud would. Run by the head process of a local cluster once a second.
+
+capacity.json in the cluster dir is what both the head (reclaiming) and the provider
+(offers, launches) read: `{"created_at", "schedule": [{"at_s", "nodes"}], "override"?}`.
+`set_capacity` pins the capacity to a number from the moment it is called (tests and
+demos change capacity at a moment they choose instead of racing a wall-clock schedule);
+`prepare` keeps the override."""
 
 from __future__ import annotations
 
@@ -10,13 +16,17 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from spotctl.agent import proctree
 
 log = logging.getLogger("spotctl.head")
 
 
-def capacity_at(schedule: list[dict[str, float]], created_at: float, now: float) -> int | None:
+def capacity_at(schedule: list[dict[str, float]], created_at: float, now: float,
+                override: int | None = None) -> int | None:
+    if override is not None:
+        return int(override)
     cap = None
     for step in schedule:
         if step["at_s"] <= now - created_at:
@@ -26,13 +36,41 @@ def capacity_at(schedule: list[dict[str, float]], created_at: float, now: float)
     return cap
 
 
+def read_config(cluster_dir: Path) -> dict[str, Any] | None:
+    """capacity.json, or None when the cluster has no capacity limit (or it is unreadable)."""
+    try:
+        cfg = json.loads((cluster_dir / "capacity.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def current(cluster_dir: Path, now: float | None = None) -> int | None:
+    """Nodes the local "cloud" holds now (None = unlimited)."""
+    cfg = read_config(cluster_dir)
+    if cfg is None:
+        return None
+    return capacity_at(cfg.get("schedule", []), float(cfg.get("created_at", 0.0)),
+                       now or time.time(), cfg.get("override"))
+
+
+def set_capacity(cluster_dir: Path, nodes: int | None) -> None:
+    """Pin the capacity to `nodes` from now on (None: back to the schedule)."""
+    if nodes is not None and nodes < 0:
+        raise ValueError(f"capacity must be >= 0 nodes, got {nodes}")
+    cfg = read_config(cluster_dir) or {"created_at": time.time(), "schedule": []}
+    if nodes is None:
+        cfg.pop("override", None)
+    else:
+        cfg["override"] = int(nodes)
+    tmp = cluster_dir / "capacity.json.tmp"
+    tmp.write_text(json.dumps(cfg))
+    tmp.replace(cluster_dir / "capacity.json")
+
+
 def enforce(cluster_dir: Path, now: float | None = None) -> list[str]:
     """Send notices to the newest nodes above capacity; returns the node ids notified."""
-    cfg_path = cluster_dir / "capacity.json"
-    if not cfg_path.exists():
-        return []
-    cfg = json.loads(cfg_path.read_text())
-    cap = capacity_at(cfg["schedule"], cfg["created_at"], now or time.time())
+    cap = current(cluster_dir, now)
     if cap is None:
         return []
     live = []

@@ -26,6 +26,7 @@ from typing import Any
 from spotctl.agent import proctree
 from spotctl.agent.config import AgentConfig
 from spotctl.errors import CapacityError, NotFoundError, SpotctlError
+from spotctl.head.auth import node_token
 from spotctl.providers.base import HeadInfo, Instance, Offer, ProviderContext
 from spotctl.state import write_json_atomic, write_private
 
@@ -76,6 +77,11 @@ class LocalProvider:
         steps = self.spec.local.capacity
         if not steps:
             return None
+        from spotctl.providers.local import capacity
+
+        cfg = capacity.read_config(self.cdir.path)
+        if cfg is not None and cfg.get("override") is not None:
+            return int(cfg["override"])  # pinned by capacity.set_capacity
         created = self._created_at()
         t = (now or time.time()) - created
         cap = None
@@ -202,7 +208,8 @@ class LocalProvider:
 
                 env.setdefault("GLOO_SOCKET_IFNAME", NODE_IFNAME)
             final = self.nodes_dir / nid
-            write_private(d / "token", self.cdir.token())
+            # the node's own credential: it can speak for this node only
+            write_private(d / "token", node_token(self.cdir.token(), nid))
             tr = self.spec.train
             cfg = AgentConfig(
                 cluster=self.ctx.cluster, node_id=nid, head_url=head.url,
@@ -288,10 +295,13 @@ class LocalProvider:
         created = self._created_at()
         cap_file = self.cdir.path / "capacity.json"
         if self.spec.local.capacity:
+            from spotctl.providers.local import capacity
+
+            old = capacity.read_config(self.cdir.path) or {}
             write_json_atomic(cap_file, {
                 "created_at": created,
                 "schedule": [s.model_dump() for s in self.spec.local.capacity],
-            })
+            } | ({"override": old["override"]} if old.get("override") is not None else {}))
         else:
             cap_file.unlink(missing_ok=True)
 

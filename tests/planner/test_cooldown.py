@@ -1,0 +1,90 @@
+"""Cool-downs rank, they do not forbid (issue 19): the shared journal -> cool-down code
+and the planner's use of it."""
+
+from __future__ import annotations
+
+import pytest
+
+from spotctl.control.cooldown import backoff_s, zone_cooldowns
+from spotctl.control.planner import Observed, plan
+from tests.planner.helpers import node, offer, spec
+
+NOW = 10_000.0
+
+
+def ev(t: float, typ: str, zone: str = "r1-a") -> dict[str, object]:
+    return {"ts": t, "type": typ, "zone": zone}
+
+
+def test_backoff_doubles_from_a_minute_up_to_the_cooldown() -> None:
+    assert [backoff_s(k, 900) for k in range(1, 7)] == [60, 120, 240, 480, 900, 900]
+    assert backoff_s(0, 900) == 0
+
+
+def test_preemption_cools_a_zone_but_sets_no_backoff() -> None:
+    cd = zone_cooldowns([ev(NOW - 10, "preempted")], 900, NOW)
+    assert cd.cooling == {"r1-a": NOW - 10 + 900}
+    assert cd.blocked == {}
+
+
+def test_capacity_errors_back_off_doubling_and_a_launch_resets() -> None:
+    errs = [ev(NOW - 300, "capacity-error"), ev(NOW - 200, "capacity-error"),
+            ev(NOW - 10, "capacity-error")]
+    cd = zone_cooldowns(errs, 900, NOW)
+    assert cd.failures == {"r1-a": 3}
+    assert cd.blocked == {"r1-a": NOW - 10 + 240}
+    cd = zone_cooldowns([*errs, ev(NOW - 5, "launch")], 900, NOW)
+    assert cd.blocked == {} and cd.failures == {}
+    assert cd.cooling == {"r1-a": NOW - 10 + 900}  # still tried last
+    # the next error after the reset starts again at a minute
+    cd = zone_cooldowns([*errs, ev(NOW - 5, "launch"), ev(NOW - 1, "capacity-error")], 900, NOW)
+    assert cd.blocked == {"r1-a": NOW - 1 + 60}
+
+
+def test_events_after_now_and_other_zones_are_separate() -> None:
+    cd = zone_cooldowns([ev(NOW + 5, "capacity-error"), ev(NOW - 1, "capacity-error", "r1-b")],
+                        900, NOW)
+    assert cd.blocked == {"r1-b": NOW - 1 + 60}
+
+
+def test_single_zone_cooling_is_still_used_when_capacity_is_back() -> None:
+    # the issue's scenario: one zone, it just preempted, its capacity is back
+    s = spec("2..3")
+    obs = Observed((node("a"), node("b")))
+    p = plan(s, obs, [offer("r1-a", available=1)], {}, NOW, cooling={"r1-a": NOW + 900})
+    assert [(a.type, a.offer.zone, a.count) for a in p.launches] == [("launch", "r1-a", 1)]
+    assert any("cooling down" in n for n in p.notes)
+    # a back-off (capacity error a moment ago) does hold it back
+    p = plan(s, obs, [offer("r1-a", available=1)], {"r1-a": NOW + 60}, NOW,
+             cooling={"r1-a": NOW + 900})
+    assert p.launches == []
+
+
+def test_a_cooling_zone_is_tried_last() -> None:
+    s = spec("2..4")
+    obs = Observed((node("a"), node("b")))
+    cheap_cool = offer("r1-a", price=0.5, available=5)
+    dear_warm = offer("r1-b", price=1.0, available=5)
+    p = plan(s, obs, [cheap_cool, dear_warm], {}, NOW, cooling={"r1-a": NOW + 1})
+    assert [(a.offer.zone, a.count) for a in p.launches] == [("r1-b", 2)]
+    # the warm zone falls short: the cooling one fills the rest
+    dear_warm = offer("r1-b", price=1.0, available=1)
+    p = plan(s, obs, [cheap_cool, dear_warm], {}, NOW, cooling={"r1-a": NOW + 1})
+    assert sorted((a.offer.zone, a.count) for a in p.launches) == [("r1-a", 1), ("r1-b", 1)]
+    # once the cool-down is over, price ranks again
+    p = plan(s, obs, [cheap_cool, dear_warm], {}, NOW, cooling={"r1-a": NOW})
+    assert [(a.offer.zone, a.count) for a in p.launches] == [("r1-a", 2)]
+
+
+def test_a_replacement_never_targets_a_cooling_zone() -> None:
+    s = spec("2..2", saving=30)
+    obs = Observed((node("a", price=1.0), node("b", price=1.0)))
+    cheap = offer("r1-c", price=0.1, available=5)
+    assert [a.type for a in plan(s, obs, [cheap], {}, NOW).actions] == ["replace"]
+    assert plan(s, obs, [cheap], {}, NOW, cooling={"r1-c": NOW + 1}).actions == []
+
+
+@pytest.mark.parametrize("typ", ["node-gone", "terminate", "rescale"])
+def test_other_events_change_nothing(typ: str) -> None:
+    cd = zone_cooldowns([ev(NOW - 1, typ)], 900, NOW)
+    assert cd.blocked == {} and cd.cooling == {}
