@@ -24,7 +24,10 @@ def register(app: typer.Typer) -> None:
             argv = ["--dir", str(dir), "--token-file", str(token_file), "--host", host,
                     "--http-port", str(http_port), "--store-port", str(store_port)]
             raise typer.Exit(supervise_head(argv, dir))
+        from spotctl.head.samples import start_sampler
         from spotctl.providers.local.capacity import reclaim_hook
+
+        start_sampler(dir, token_file)  # what `spotctl report` draws between events
 
         # the head sits below the providers: whoever starts it hands in the local
         # provider's capacity schedule (a no-op unless the cluster has one)
