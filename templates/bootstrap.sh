@@ -10,13 +10,22 @@
 #
 # Output is `spotctl:` lines only; nothing secret is ever printed (the token stays in
 # its 0600 file and the agent reads it from there).
+#
+# Install (spotctl.remote.package): with a package uploaded to $DIR/pkg, a venv made from
+# the image's python ($BASE) reuses the image's torch when it has one (system site-packages)
+# and gets spotctl's own wheel and its exactly pinned dependencies from the uploaded
+# wheelhouse (pip --no-index; pip's configured index only for a pinned wheel that does not
+# fit this machine). Nothing is installed by an unpinned name. Without a package, $PY must
+# already have spotctl and torch.
 set -eu
 umask 077
 
 DIR=@@DIR@@
 PY=@@PYTHON@@
 VENV=@@VENV@@
-PIP_SPEC=@@PIP_SPEC@@
+BASE=@@BASE_PYTHON@@
+TORCH_SPEC=@@TORCH_SPEC@@
+PKG="$DIR/pkg"
 UNIT=@@UNIT@@
 CONFIG="$DIR/agent.json"
 PIDFILE="$DIR/agent.pid"
@@ -35,20 +44,71 @@ have_systemd() {
         && { [ "$(id -u)" = 0 ] || [ -n "$SUDO" ]; }
 }
 
+has() {  # has PYTHON MODULE...: find_spec, not import (importing torch costs seconds)
+    p=$1
+    shift
+    "$p" -c 'import importlib.util as u, sys
+sys.exit(0 if all(u.find_spec(m) for m in sys.argv[1:]) else 1)' "$@" >/dev/null 2>&1
+}
+
+pip_q() {
+    "$PY" -m pip install --quiet --disable-pip-version-check "$@" >>"$DIR/bootstrap.log" 2>&1
+}
+
 install_deps() {
-    if [ -n "$VENV" ] && [ ! -x "$VENV/bin/python" ]; then
-        python3 -m venv "$VENV" >>"$DIR/bootstrap.log" 2>&1
+    if [ -z "$VENV" ]; then
+        if has "$PY" spotctl torch; then
+            echo "spotctl: deps present"
+            return 1
+        fi
+        echo "spotctl: $PY has no spotctl or torch and no package was uploaded"
+        exit 3
     fi
-    # find_spec, not import: importing torch costs seconds on every idempotent re-run.
-    if "$PY" -c 'import importlib.util as u, sys
-sys.exit(0 if u.find_spec("spotctl") and u.find_spec("torch") else 1)' >/dev/null 2>&1; then
+    want=$(cat "$PKG/key")
+    if [ "$(cat "$VENV/.spotctl-package" 2>/dev/null || true)" = "$want" ] && [ -x "$PY" ]; then
         echo "spotctl: deps present"
         return 1
     fi
-    # torch is pinned: an open range would pull a newer (multi-GB) build.
-    # shellcheck disable=SC2086
-    "$PY" -m pip install --quiet $PIP_SPEC >>"$DIR/bootstrap.log" 2>&1 \
-        || { echo "spotctl: pip install failed (see $DIR/bootstrap.log)"; exit 3; }
+    mkdir -p "$(dirname "$VENV")"
+    # Nodes sharing a host share the venv: one installs, the others wait for it.
+    if command -v flock >/dev/null 2>&1; then
+        exec 9>"$VENV.lock"
+        flock 9
+    fi
+    if [ "$(cat "$VENV/.spotctl-package" 2>/dev/null || true)" = "$want" ] && [ -x "$PY" ]; then
+        echo "spotctl: deps present"
+        return 1
+    fi
+    if [ ! -x "$VENV/bin/python" ]; then
+        if has "$BASE" torch; then
+            # the image's (CUDA) torch, seen through the system site-packages
+            "$BASE" -m venv --system-site-packages "$VENV" >>"$DIR/bootstrap.log" 2>&1 \
+                || { echo "spotctl: $BASE -m venv failed (see $DIR/bootstrap.log)"; exit 3; }
+            # a base that is itself a venv (e.g. an image's /opt/pytorch): its packages too
+            base_sites=$("$BASE" -c 'import site, sys
+if sys.prefix != sys.base_prefix: print("\n".join(site.getsitepackages()))')
+            if [ -n "$base_sites" ]; then
+                purelib=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+                printf '%s\n' "$base_sites" >"$purelib/_spotctl_base.pth"
+            fi
+        else
+            "$BASE" -m venv "$VENV" >>"$DIR/bootstrap.log" 2>&1 \
+                || { echo "spotctl: $BASE -m venv failed (see $DIR/bootstrap.log)"; exit 3; }
+        fi
+    fi
+    if ! has "$PY" torch; then
+        # torch is pinned: an open range would pull a newer (multi-GB) build.
+        pip_q --find-links "$PKG" "$TORCH_SPEC" \
+            || { echo "spotctl: installing $TORCH_SPEC failed (see $DIR/bootstrap.log)"; exit 3; }
+    fi
+    wheel="$PKG/$(cat "$PKG/spotctl-wheel")"
+    pip_q --no-index --find-links "$PKG" -r "$PKG/requirements.txt" \
+        || pip_q --find-links "$PKG" -r "$PKG/requirements.txt" \
+        || { echo "spotctl: installing spotctl's pinned dependencies failed (see $DIR/bootstrap.log)"; exit 3; }
+    # this controller's spotctl, replacing any other build of the same version
+    pip_q --no-index --no-deps --force-reinstall "$wheel" \
+        || { echo "spotctl: installing $wheel failed (see $DIR/bootstrap.log)"; exit 3; }
+    echo "$want" >"$VENV/.spotctl-package"
     echo "spotctl: deps installed"
     return 0
 }

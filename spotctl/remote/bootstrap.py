@@ -23,14 +23,16 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Protocol
 
 from spotctl.agent.config import AgentConfig
 from spotctl.errors import BootstrapError
 from spotctl.providers.base import HeadInfo, Instance, ProviderContext
+from spotctl.remote.package import TORCH_SPEC, NodePackage, Project
 from spotctl.remote.ssh import HostTarget, RemoteResult, connect, run
 
 if TYPE_CHECKING:
@@ -61,8 +63,10 @@ SCRIPT = "bootstrap.sh"
 UNIT_FILE = "spotctl-agent.service"
 AGENT_CONFIG = "agent.json"
 TOKEN_FILE = "token"
-# torch pinned: the bootstrap must never pull a newer (multi-GB) build onto a node.
-DEFAULT_PIP_SPEC = "spotctl[train] torch==2.13.0"
+# The uploaded package (spotctl's wheel, its pinned dependencies) and project, relative to
+# the node directory; see spotctl.remote.package.
+PKG_DIR = "pkg"
+PROJECT_DIR = "project"
 
 
 @dataclass
@@ -74,6 +78,25 @@ class RemoteFile:
     mode: int = 0o600
     # Whether a change to this file needs the running agent restarted.
     restarts_agent: bool = True
+
+    @property
+    def sha256(self) -> str:
+        return _digest(self.content)
+
+
+# Digests of big shared contents (wheels, project files), computed once per process rather
+# than once per host; the entry holds the bytes, so an id is never reused while cached.
+_DIGESTS: dict[int, tuple[bytes, str]] = {}
+
+
+def _digest(content: bytes) -> str:
+    if len(content) < 65536:
+        return hashlib.sha256(content).hexdigest()
+    hit = _DIGESTS.get(id(content))
+    if hit is None or hit[0] is not content:
+        hit = (content, hashlib.sha256(content).hexdigest())
+        _DIGESTS[id(content)] = hit
+    return hit[1]
 
 
 @dataclass
@@ -101,6 +124,7 @@ class HostResult:
     seconds: float
     agent: str = ""  # e.g. "started mode=fallback pid=123", "running"
     uploaded: list[str] = field(default_factory=list)  # names of files that changed
+    sent_bytes: int = 0  # what those uploads weighed (unchanged files are skipped)
 
 
 # Called once per finished host with (result, hosts done, hosts in all): the caller decides
@@ -124,6 +148,10 @@ class HeadProbe:
         self.timeout_s = timeout_s
 
     def last_heartbeat(self, node_id: str) -> float | None:
+        return self.last_heartbeats().get(node_id)
+
+    def last_heartbeats(self) -> dict[str, float]:
+        """Every node's latest heartbeat in one request ({} when the head does not answer)."""
         req = urllib.request.Request(
             self.url + "/api/status", headers={"Authorization": f"Bearer {self._token}"}
         )
@@ -131,10 +159,13 @@ class HeadProbe:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
                 status = json.load(r)
         except (urllib.error.URLError, OSError, ValueError):
-            return None
-        node = (status.get("nodes") or {}).get(node_id) or {}
-        hb = node.get("last_heartbeat")
-        return float(hb) if hb else None
+            return {}
+        out: dict[str, float] = {}
+        for node_id, node in (status.get("nodes") or {}).items():
+            hb = (node or {}).get("last_heartbeat")
+            if hb:
+                out[str(node_id)] = float(hb)
+        return out
 
 
 def _templates_dir() -> Path:
@@ -169,7 +200,8 @@ def render_bootstrap(
     *,
     python: str = "python3",
     venv: str = "",
-    pip_spec: str = DEFAULT_PIP_SPEC,
+    package: NodePackage | None = None,
+    project: Project | None = None,
     agent_argv: Sequence[str] | None = None,
     extra: dict[str, bytes] | None = None,
 ) -> BootstrapFiles:
@@ -179,17 +211,39 @@ def render_bootstrap(
     to `<dir>/token` and a relative workdir is placed under the node directory.
     `agent_argv` defaults to `<python> -m spotctl.cli.app agent --config <dir>/agent.json`.
     `extra` files (e.g. the training script) are uploaded next to them.
+
+    With a `package`, `python` is the image's interpreter the node's venv is made from
+    (default `<remote root>/venvs/<hash of the pinned dependencies>`, shared by the nodes
+    of a host), and the agent and torchrun run in that venv. With a `project`, its files
+    go to `<dir>/project/` and a training script inside it is run from there.
     """
     d = target.remote_dir.rstrip("/")
     if not d.startswith("/"):
         raise BootstrapError(f"{target.label}: remote_dir must be absolute, got {d!r}")
     if not token or "\n" in token.strip():
         raise BootstrapError("cluster token is empty or not one line")
+    if package is not None and not venv:
+        deps = hashlib.sha256(
+            (package.requirements + package.torch_spec + python).encode()
+        ).hexdigest()[:16]
+        venv = f"{str(PurePosixPath(d).parent.parent).rstrip('/')}/venvs/{deps}"
     py = f"{venv.rstrip('/')}/bin/python" if venv else python
     workdir = config.workdir or "work"
     if not workdir.startswith("/"):
         workdir = f"{d}/{workdir}"
     config = dataclasses.replace(config, token_file=f"{d}/{TOKEN_FILE}", workdir=workdir)
+    if package is not None:
+        config.python = py  # torchrun's workers need the venv's spotctl too
+    if project is not None and config.script:
+        local = Path(config.script)
+        if not local.is_absolute():
+            local = Path.cwd() / local
+        try:
+            in_project = local.resolve().relative_to(project.root).as_posix()
+        except ValueError:
+            in_project = ""
+        if in_project in project.files:
+            config.script = f"{d}/{PROJECT_DIR}/{in_project}"
     argv = list(agent_argv or [py, "-m", "spotctl.cli.app", "agent", "--config"])
     if agent_argv is None:
         argv.append(f"{d}/{AGENT_CONFIG}")
@@ -199,7 +253,8 @@ def render_bootstrap(
         "DIR": shlex.quote(d),
         "PYTHON": shlex.quote(py),
         "VENV": shlex.quote(venv),
-        "PIP_SPEC": shlex.quote(pip_spec),
+        "BASE_PYTHON": shlex.quote(python),
+        "TORCH_SPEC": shlex.quote(package.torch_spec if package else TORCH_SPEC),
         "UNIT": shlex.quote(unit),
         "AGENT_ARGV": shlex.join(argv),
     }
@@ -223,6 +278,13 @@ def render_bootstrap(
     ]
     for name, content in (extra or {}).items():
         files.append(RemoteFile(name, content, 0o644))
+    if package is not None:
+        for name, content in package.files(PKG_DIR).items():
+            # a new package is a new key: that (and not each wheel) restarts the agent
+            files.append(RemoteFile(name, content, 0o644, restarts_agent=name.endswith("/key")))
+    if project is not None:
+        for rel, content in project.files.items():
+            files.append(RemoteFile(f"{PROJECT_DIR}/{rel}", content, 0o644))
     return BootstrapFiles(remote_dir=d, files=files)
 
 
@@ -259,18 +321,81 @@ def bootstrap_hosts(
     if not hosts:
         return []
     done = 0
+
+    def finish(i: int, res: HostResult) -> None:
+        nonlocal done
+        results[i] = res
+        done += 1
+        if progress is not None:
+            progress(res, done, len(hosts))
+
+    # Only SSH work holds a pool slot; a host whose agent started waits for its first
+    # heartbeat in `waiting`, polled for all such hosts at once by this thread.
+    waiting: dict[int, _Waiting] = {}
     with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(hosts)))) as pool:
         futs = {
             pool.submit(_bootstrap_one, h, render, known_hosts, opts): i
             for i, h in enumerate(hosts)
         }
-        for fut in as_completed(futs):
-            i = futs[fut]
-            results[i] = fut.result()
-            done += 1
-            if progress is not None:
-                progress(results[i], done, len(hosts))
+        pending = set(futs)
+        while pending or waiting:
+            if pending:
+                finished, pending = wait_futures(
+                    pending, timeout=0.5 if waiting else None, return_when=FIRST_COMPLETED
+                )
+                for fut in finished:
+                    i = futs[fut]
+                    res, w = fut.result()
+                    if w is None:
+                        finish(i, res)
+                    else:
+                        waiting[i] = w
+            elif waiting:
+                time.sleep(0.5)
+            if waiting and probe is not None:
+                beats = _heartbeats(probe, [w.target.node_id for w in waiting.values()])
+                now = time.monotonic()
+                for i, w in list(waiting.items()):
+                    hb = beats.get(w.target.node_id)
+                    if hb is not None and (w.baseline is None or hb > w.baseline):
+                        w.result.seconds = now - w.t0
+                        finish(i, w.result)
+                    elif now >= w.deadline:
+                        reason = (
+                            f"{w.target.label}: agent started but no heartbeat reached the head "
+                            f"within {heartbeat_timeout_s:.0f}s (see agent.log in "
+                            f"{w.target.remote_dir})"
+                        )
+                        log.info("bootstrap failed: %s", reason)
+                        finish(i, dataclasses.replace(w.result, ok=False, reason=reason,
+                                                      seconds=now - w.t0))  # fmt: skip
+                    else:
+                        continue
+                    del waiting[i]
     return [results[i] for i in range(len(hosts))]
+
+
+@dataclass
+class _Waiting:
+    """A host whose SSH work is done, waiting for its agent's first heartbeat."""
+
+    result: HostResult
+    target: HostTarget
+    baseline: float | None
+    t0: float
+    deadline: float
+
+
+def _heartbeats(probe: HeartbeatProbe, node_ids: list[str]) -> dict[str, float]:
+    many = getattr(probe, "last_heartbeats", None)
+    if callable(many):
+        return dict(many())
+    out: dict[str, float] = {}
+    for n in node_ids:
+        hb = probe.last_heartbeat(n)
+        if hb is not None:
+            out[n] = hb
+    return out
 
 
 def _bootstrap_one(
@@ -278,18 +403,21 @@ def _bootstrap_one(
     render: Callable[[HostTarget], BootstrapFiles],
     known_hosts: Path,
     opts: _Opts,
-) -> HostResult:
+) -> tuple[HostResult, _Waiting | None]:
     t0 = time.monotonic()
     try:
-        res = _bootstrap(target, render, known_hosts, opts)
+        res, resolved, baseline = _bootstrap(target, render, known_hosts, opts)
         res.seconds = time.monotonic() - t0
-        return res
+        if opts.probe is None:
+            return res, None
+        deadline = time.monotonic() + opts.heartbeat_timeout_s
+        return res, _Waiting(res, resolved, baseline, t0, deadline)
     except Exception as e:  # one host's failure is data, never an exception for the others
         reason = str(e) if isinstance(e, BootstrapError) else f"{type(e).__name__}: {e}"
         if not reason.startswith(target.node_id):
             reason = f"{target.label}: {reason}"
         log.info("bootstrap failed: %s", reason)  # returned as data; the caller reports it
-        return HostResult(target.node_id, False, reason, False, time.monotonic() - t0)
+        return HostResult(target.node_id, False, reason, False, time.monotonic() - t0), None
 
 
 def _check(target: HostTarget, what: str, r: RemoteResult) -> RemoteResult:
@@ -343,6 +471,7 @@ def _upload(conn: Connection, files: BootstrapFiles, f: RemoteFile) -> None:
     # (and the node directory itself is 0700).
     with sftp.open(tmp, "wb") as fh:
         sftp.chmod(tmp, f.mode)
+        fh.set_pipelined(True)  # no round trip per 32 KiB: wheels upload at line speed
         fh.write(f.content)
     sftp.posix_rename(tmp, path)
 
@@ -359,7 +488,7 @@ def _bootstrap(
     render: Callable[[HostTarget], BootstrapFiles],
     known_hosts: Path,
     opts: _Opts,
-) -> HostResult:
+) -> tuple[HostResult, HostTarget, float | None]:
     conn = connect(
         target, known_hosts, wait_s=opts.wait_s, attempt_timeout_s=opts.attempt_timeout_s
     )
@@ -368,14 +497,16 @@ def _bootstrap(
         files = render(target)
         sums = _remote_sums(conn, target, files)
         uploaded: list[str] = []
+        sent = 0
         restart = False
         for f in files.files:
-            if sums.get(f.name) != hashlib.sha256(f.content).hexdigest():
+            if sums.get(f.name) != f.sha256:
                 _upload(conn, files, f)
                 uploaded.append(f.name)
+                sent += len(f.content)
                 restart = restart or f.restarts_agent
         if uploaded:
-            log.info("%s: uploaded %s", target.label, ", ".join(uploaded))
+            log.info("%s: uploaded %d files, %d bytes", target.label, len(uploaded), sent)
         baseline = opts.probe.last_heartbeat(target.node_id) if opts.probe else None
         script = shlex.quote(f"{files.remote_dir}/{SCRIPT}")
         cmd = f"sh {script} ensure{' restart' if restart else ''}"
@@ -391,27 +522,8 @@ def _bootstrap(
         changed = bool(uploaded) or result.get("installed") == "1" or started
     finally:
         conn.close()
-    if opts.probe is not None:
-        _await_heartbeat(target, opts.probe, baseline, opts.heartbeat_timeout_s)
-    return HostResult(target.node_id, True, "", changed, 0.0, agent.strip(), uploaded)
-
-
-def _await_heartbeat(
-    target: HostTarget, probe: HeartbeatProbe, baseline: float | None, timeout_s: float
-) -> None:
-    """A heartbeat newer than the one seen before (re)starting: compares head timestamps
-    with head timestamps only, so controller/head clock skew cannot fool it."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        hb = probe.last_heartbeat(target.node_id)
-        if hb is not None and (baseline is None or hb > baseline):
-            return
-        if time.monotonic() >= deadline:
-            raise BootstrapError(
-                f"{target.label}: agent started but no heartbeat reached the head within "
-                f"{timeout_s:.0f}s (see agent.log in {target.remote_dir})"
-            )
-        time.sleep(0.5)
+    res = HostResult(target.node_id, True, "", changed, 0.0, agent.strip(), uploaded, sent)
+    return res, target, baseline
 
 
 def release_hosts(
