@@ -317,3 +317,82 @@ def _with_hints(tr: Trace, p: Path) -> Trace:
         instance_type=itype,
         gpus_per_node=gpus,
     )
+
+
+# --- synthetic traces -------------------------------------------------------------------
+
+
+def _counts_trace(name: str, counts: list[int], gap_s: float) -> Trace:
+    tr = _from_counts(
+        [(i * gap_s, n) for i, n in enumerate(counts)],
+        len(counts) * gap_s,
+        f"synthetic:{name}",
+        "synthetic",
+        gap_s,
+        [],
+    )
+    return Trace(
+        name=name,
+        path=tr.path,
+        format=tr.format,
+        span_s=tr.span_s,
+        events=tr.events,
+        timeline=tr.timeline,
+        gap_s=gap_s,
+    )
+
+
+def poisson_trace(
+    nodes: int = 8,
+    hours: float = 24.0,
+    mean_up_h: float = 6.0,
+    mean_down_min: float = 20.0,
+    seed: int = 1,
+    gap_s: float = 60.0,
+) -> Trace:
+    """Independent departures: each of `nodes` slots stays up for an exponential time
+    (mean `mean_up_h`), then is gone for an exponential time (mean `mean_down_min`).
+    Deterministic for a seed."""
+    import random
+
+    rnd = random.Random(seed)
+    ticks = int(hours * 3600 / gap_s)
+    up = [[True] * ticks for _ in range(nodes)]
+    for slot in up:
+        t = rnd.expovariate(1 / (mean_up_h * 3600))
+        while t < ticks * gap_s:
+            down = rnd.expovariate(1 / (mean_down_min * 60))
+            for i in range(int(t // gap_s), min(ticks, int((t + down) // gap_s) + 1)):
+                slot[i] = False
+            t += down + rnd.expovariate(1 / (mean_up_h * 3600))
+    counts = [sum(slot[i] for slot in up) for i in range(ticks)]
+    return _counts_trace(f"poisson-{nodes}n-seed{seed}", counts, gap_s)
+
+
+def bursty_trace(
+    nodes: int = 8,
+    hours: float = 24.0,
+    mean_between_h: float = 4.0,
+    burst_share: float = 0.5,
+    mean_down_min: float = 30.0,
+    seed: int = 1,
+    gap_s: float = 60.0,
+) -> Trace:
+    """Correlated departures: bursts arrive as a Poisson process (mean gap
+    `mean_between_h`); each takes up to `burst_share` of the nodes (at least one) away
+    together for an exponential time (mean `mean_down_min`), as a zone-wide reclaim
+    does. Deterministic for a seed."""
+    import random
+
+    rnd = random.Random(seed)
+    ticks = int(hours * 3600 / gap_s)
+    gone = [0] * ticks
+    t = rnd.expovariate(1 / (mean_between_h * 3600))
+    while t < ticks * gap_s:
+        k = max(1, round(nodes * burst_share * rnd.uniform(0.5, 1.0)))
+        down = rnd.expovariate(1 / (mean_down_min * 60))
+        for i in range(int(t // gap_s), min(ticks, int((t + down) // gap_s) + 1)):
+            gone[i] = max(gone[i], k)
+        t += rnd.expovariate(1 / (mean_between_h * 3600))
+    counts = [nodes - g for g in gone]
+    return _counts_trace(f"bursty-{nodes}n-seed{seed}", counts, gap_s)

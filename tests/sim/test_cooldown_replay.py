@@ -62,3 +62,20 @@ def test_gap_accounts_for_all_of_oracle_minus_progress(name: str, blind: bool) -
     assert all(v >= -1e-9 for v in r.gap.values())
     missing = oracle_steps(tr, m, nodes) - r.progress_steps
     assert sum(r.gap.values()) == pytest.approx(missing, rel=1e-6, abs=1e-6)
+
+
+def test_synthetic_traces_are_deterministic_and_shaped() -> None:
+    from spotctl.simulate.traces import bursty_trace, poisson_trace
+
+    p1, p2 = poisson_trace(nodes=6, hours=12, seed=3), poisson_trace(nodes=6, hours=12, seed=3)
+    assert p1.events == p2.events and p1.events != poisson_trace(nodes=6, hours=12, seed=4).events
+    b = bursty_trace(nodes=8, hours=24, burst_share=0.5, seed=1)
+    for tr in (p1, b):
+        assert tr.span_s == pytest.approx(tr.gap_s * len(range(int(tr.span_s // tr.gap_s))))
+        assert 0 < len(tr.preemptions) and tr.max_nodes <= (6 if tr is p1 else 8)
+        assert tr.timeline[0] == (0.0, tr.available_at(0.0))
+    # bursts take several nodes at once; independent departures mostly one at a time
+    drops = [a[1] - b_[1] for a, b_ in zip(b.timeline, b.timeline[1:], strict=False)]
+    assert max(drops) >= 2
+    r = run_policy("spotctl", b, SimModel(), PRICES, 8)
+    assert 0 < r.progress_steps <= oracle_steps(b, SimModel(), 8)
