@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 import uuid
@@ -265,7 +266,7 @@ def _launch(store: Store, spec: ClusterSpec, provider: Any, act: Any, head: Head
     result.launched.extend(insts)
     if hasattr(provider, "bootstrap") and insts:
         progress(f"bootstrapping {len(insts)} node(s)", None)
-        _bootstrap(store, spec, provider, insts, head, result)
+        _bootstrap(store, spec, provider, insts, head, result, progress)
     return True
 
 
@@ -334,9 +335,18 @@ def _resume_intent(store: Store, spec: ClusterSpec, provider: Any, result: Recon
 
 
 def _bootstrap(store: Store, spec: ClusterSpec, provider: Any, insts: list[Instance],
-               head: HeadInfo | None, result: ReconcileResult) -> None:
+               head: HeadInfo | None, result: ReconcileResult,
+               progress: Progress = _noop) -> None:
+    def host_done(r: Any, done: int, total: int) -> None:  # remote.bootstrap.HostProgress
+        state = "ok" if r.ok else f"failed: {r.reason}"
+        progress(f"bootstrapped {r.node_id} in {r.seconds:.1f}s ({done}/{total}, {state})",
+                 done / total if total else 1.0)
+
     try:
-        results = provider.bootstrap(insts)
+        if "progress" in inspect.signature(provider.bootstrap).parameters:
+            results = provider.bootstrap(insts, progress=host_done)
+        else:
+            results = provider.bootstrap(insts)
     except SpotctlError as e:
         result.errors.append(str(e))
         return
