@@ -54,6 +54,14 @@ def descendants(root: int) -> list[int]:
     return out
 
 
+def _has_tag(pid: int, tag: str) -> bool:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return f"{TAG_VAR}={tag}".encode() in env.split(b"\0")
+
+
 def tagged(tag: str) -> list[int]:
     """Pids whose environment holds SPOTCTL_NODE_TAG=tag (exact match)."""
     needle = f"{TAG_VAR}={tag}".encode()
@@ -70,6 +78,14 @@ def tagged(tag: str) -> list[int]:
     return found
 
 
+def _start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot): with the pid, its identity."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def signal_all(pids: Iterable[int], sig: int) -> None:
     for pid in pids:
         try:
@@ -78,10 +94,33 @@ def signal_all(pids: Iterable[int], sig: int) -> None:
             pass
 
 
+def _signal_same(pid: int, started: int | None, sig: int) -> None:
+    """Signal `pid` only if it is still the process that started at `started`: a pidfd
+    pins the process, then its start time is checked, so a pid the kernel reused for an
+    unrelated process is never signalled."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (ProcessLookupError, OSError, AttributeError):
+        return
+    try:
+        if started is not None and _start_time(pid) == started:
+            signal.pidfd_send_signal(fd, sig)
+    except (ProcessLookupError, PermissionError, OSError):
+        pass
+    finally:
+        os.close(fd)
+
+
+def _alive_same(pid: int, started: int | None) -> bool:
+    return alive(pid) and _start_time(pid) == started
+
+
 def kill_tag(tag: str, root: int | None = None, timeout_s: float = 10.0) -> list[int]:
     """SIGKILL every process of a node (tagged, plus root's descendants); wait until gone.
 
-    Returns the pids still alive after the timeout (empty when clean).
+    Each pid is identified by its start time when found and signalled through a pidfd
+    after re-checking it, so a reused pid is never killed. Returns the pids still alive
+    after the timeout (empty when clean).
     """
     pids = set(tagged(tag))
     if root is not None and alive(root):
@@ -90,17 +129,27 @@ def kill_tag(tag: str, root: int | None = None, timeout_s: float = 10.0) -> list
     # never ourselves: a caller inside the tree (the local VM reclaiming its node) would
     # die at its own pid before signalling the rest; it ends itself afterwards
     pids.discard(os.getpid())
-    signal_all(pids, signal.SIGKILL)
+    started = {p: _start_time(p) for p in pids}
+    # Identity: each pid is re-checked *after* its start time was read (still tagged, or
+    # still a child inside the tree), so the start time belongs to the process we found.
+    tree = set(pids) | ({root} if root is not None else set())
+    for p in list(pids):
+        if p != root and not _has_tag(p, tag) and _ppid(p) not in tree:
+            started.pop(p)
+            pids.discard(p)
+    for p in pids:
+        _signal_same(p, started[p], signal.SIGKILL)
     deadline = time.monotonic() + timeout_s
-    left = [p for p in pids if alive(p)]
+    left = [p for p in pids if _alive_same(p, started[p])]
     while left and time.monotonic() < deadline:
         time.sleep(0.05)
-        left = [p for p in pids if alive(p)]
+        left = [p for p in pids if _alive_same(p, started[p])]
         more = [p for p in tagged(tag) if p not in pids]
-        if more:
-            pids.update(more)
-            signal_all(more, signal.SIGKILL)
-            left += more
+        for p in more:
+            pids.add(p)
+            started[p] = _start_time(p)
+            _signal_same(p, started[p], signal.SIGKILL)
+        left += [p for p in more if _alive_same(p, started[p])]
     return left
 
 

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +167,7 @@ class Agent:
             p.unlink(missing_ok=True)
         self.gate.unlink(missing_ok=True)
         Path(str(self.gate) + ".ready").unlink(missing_ok=True)
-        env = dict(os.environ)
+        env = worker_env(os.environ, self.head.token)
         env.update(cfg.env)
         env.update(
             SPOTCTL_ZYGOTE=self._zygote_socket(),
@@ -199,7 +200,8 @@ class Agent:
         if z is not None:
             log.warning("zygote exited %s; starting a new one", z.returncode)
         self.zygote_path.unlink(missing_ok=True)
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env = worker_env(os.environ, self.head.token)
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
         log_f = open(self.workdir / "zygote.log", "ab")
         self.zygote = subprocess.Popen(
             [self.cfg.python or sys.executable, "-m", "spotctl.agent.zygote",
@@ -347,6 +349,13 @@ class Agent:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def worker_env(environ: Mapping[str, str], token: str) -> dict[str, str]:
+    """The environment training processes start from: the agent's, less any credential of
+    the cluster (a variable holding the node token, or named like spotctl's token)."""
+    return {k: v for k, v in environ.items()
+            if not (token and token in v) and not k.upper().startswith("SPOTCTL_TOKEN")}
 
 
 def run_agent(config_path: Path) -> int:

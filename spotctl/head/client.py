@@ -9,6 +9,15 @@ from typing import Any
 
 from spotctl.errors import SpotctlError
 
+# Cluster traffic never goes through a proxy (http_proxy & co. are ignored): the token
+# would travel to whoever runs the proxy.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def urlopen_direct(req: urllib.request.Request | str, timeout: float) -> Any:
+    """urllib's urlopen without any proxy from the environment."""
+    return _DIRECT.open(req, timeout=timeout)
+
 
 class HeadUnavailable(SpotctlError):
     exit_code = 9
@@ -27,7 +36,7 @@ class HeadClient:
         if data is not None:
             req.add_header("Content-Type", "application/json")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+            with urlopen_direct(req, timeout=self.timeout_s) as r:
                 return json.loads(r.read() or b"{}")
         except urllib.error.HTTPError as e:
             raise HeadUnavailable(f"head at {self.url} answered {e.code} to {path}") from None

@@ -119,7 +119,9 @@ class Coordinator:
 
     # -- events
     def record(self, type_: str, **data: Any) -> dict[str, Any]:
-        ev = {"seq": next(self.seq), "ts": self.clock(), "type": type_, **data}
+        # seq, ts and type are the head's own: fields of the same name in data never win
+        ev = {"seq": next(self.seq), "ts": self.clock(), "type": type_}
+        ev.update((k, v) for k, v in data.items() if k not in ev)
         self.events.append(ev)
         return ev
 
@@ -257,8 +259,9 @@ class Coordinator:
         deadline = now + DRAIN_TIMEOUT_S
         for nid in leavers:
             nd = self.nodes[nid].notice or {}
-            if nd.get("deadline"):
-                deadline = min(deadline, float(nd["deadline"]) - 2.0)
+            dl = nd.get("deadline")
+            if isinstance(dl, (int, float)) and math.isfinite(dl):
+                deadline = min(deadline, float(dl) - 2.0)
         self.drain = Drain(
             gen=next(self.gens), reason=reason, started_at=now, members=members,
             leavers=leavers, joiners=joiners, deadline=deadline,

@@ -2,12 +2,14 @@
 
 `spotctl head --dir DIR` (local mode: a detached process; cloud: a systemd unit on a
 small on-demand VM). The token is read from a file, never from the command line. Every
-API request needs `Authorization: Bearer <token>` (compared in constant time).
+API request needs `Authorization: Bearer <token>`: the cluster secret (the controller)
+or a node's own token (spotctl.head.auth), which may only call the node routes and speak
+for that node. Every field is validated (spotctl.head.validate); sizes, connections and
+the in-memory event list are capped; a failing tick is logged, never fatal.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import os
@@ -21,11 +23,52 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from spotctl.head import validate
+from spotctl.head.auth import Principal, identify
 from spotctl.head.coordinator import Coordinator
 from spotctl.state import write_json_atomic
 
 log = logging.getLogger("spotctl.head")
 MAX_BODY = 1 << 20
+MAX_CONNECTIONS = 256  # concurrent; more are closed at once
+MAX_NODES = 1024
+MAX_EVENTS = 10_000  # kept in memory (all are journaled to events.jsonl)
+MAX_EVENTS_REPLY = MAX_EVENTS
+HANDLER_TIMEOUT_S = 10.0
+# what a node's own credential may call (everything else is the controller's)
+NODE_ROUTES = {("GET", "/api/health"), ("POST", "/api/heartbeat"), ("POST", "/api/notice"),
+               ("POST", "/api/event")}
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, but at most MAX_CONNECTIONS at once."""
+
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*a, **kw)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -74,8 +117,7 @@ class HeadServer:
                 multi_tenant=True, master_listen_fd=sock.detach(), use_libuv=True,
             )
             self.store_port = self.store.port
-        self.httpd = ThreadingHTTPServer((host, http_port), self._handler())
-        self.httpd.daemon_threads = True
+        self.httpd = _BoundedHTTPServer((host, http_port), self._handler())
         self.http_port = self.httpd.server_address[1]
         self._stop = threading.Event()
 
@@ -88,87 +130,167 @@ class HeadServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            timeout = HANDLER_TIMEOUT_S  # a client that stalls mid-request is dropped
 
             def log_message(self, fmt: str, *args: Any) -> None:
                 pass
 
-            def _send(self, code: int, obj: Any) -> None:
+            def _send(self, code: int, obj: Any, close: bool = False) -> None:
                 body = json.dumps(obj).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
+                if close:
+                    self.send_header("Connection", "close")
+                    self.close_connection = True
                 self.end_headers()
                 self.wfile.write(body)
 
-            def _authorized(self) -> bool:
-                got = self.headers.get("Authorization", "")
-                want = f"Bearer {server.token}"
-                return hmac.compare_digest(got.encode(), want.encode())
+            def send_error(self, code: int, message: str | None = None,
+                           explain: str | None = None) -> None:
+                # malformed requests: a JSON 4xx with a status line (never HTTP/0.9's
+                # bare body), and the connection closed
+                self.request_version = "HTTP/1.1"
+                self._send(code, {"error": message or "bad request"}, close=True)
 
-            def _body(self) -> dict[str, Any] | None:
-                n = int(self.headers.get("Content-Length") or 0)
-                if n > MAX_BODY:
+            def _who(self) -> Principal | None:
+                return identify(server.token, self.headers.get("Authorization", ""))
+
+            def _length(self) -> int | None:
+                raw = self.headers.get("Content-Length")
+                if raw is None:
+                    return 0
+                raw = raw.strip()
+                if not raw.isascii() or not raw.isdigit():
                     return None
+                return int(raw)
+
+            def _body(self, n: int) -> dict[str, Any] | None:
                 raw = self.rfile.read(n) if n else b"{}"
+                if len(raw) != n:
+                    return None
                 try:
+                    # NaN/Infinity parse (a diverging loss is reported as NaN) and
+                    # validation keeps them out of every field but the metrics (-> None)
                     obj = json.loads(raw)
-                except ValueError:
+                except (ValueError, RecursionError):
                     return None
                 return obj if isinstance(obj, dict) else None
 
+            def _refuse(self, who: Principal | None, method: str, path: str) -> bool:
+                """Answer 401/403 (and close) when `who` may not call this route."""
+                if who is None:
+                    self._send(401, {"error": "missing or wrong token"}, close=True)
+                    return True
+                if not who.controller and (method, path) not in NODE_ROUTES:
+                    self._send(403, {"error": f"a node may not call {path}"}, close=True)
+                    return True
+                return False
+
+            def handle_one_request(self) -> None:
+                try:
+                    super().handle_one_request()
+                except (TimeoutError, ConnectionError):
+                    self.close_connection = True
+                except Exception:  # never let one request take a thread's loop down
+                    log.exception("request failed")
+                    self.close_connection = True
+                    try:
+                        self._send(500, {"error": "internal error"}, close=True)
+                    except OSError:
+                        pass
+
             def do_GET(self) -> None:
-                if not self._authorized():
-                    return self._send(401, {"error": "missing or wrong token"})
                 u = urlparse(self.path)
+                if self._refuse(self._who(), "GET", u.path):
+                    return
+                if u.path == "/api/health":
+                    return self._send(200, {"ok": True, "pid": os.getpid()})
+                if u.path not in ("/api/status", "/api/events"):
+                    return self._send(404, {"error": "no such endpoint"})
+                since = 0
+                if u.path == "/api/events":
+                    q = parse_qs(u.query).get("since", ["0"])[0]
+                    if not (q.isascii() and q.isdigit() and len(q) < 19):
+                        return self._send(400, {"error": "since must be a non-negative integer"})
+                    since = int(q)
                 with server.lock:
-                    server.coord.tick()
+                    server.safe_tick()
                     if u.path == "/api/status":
                         out = server.coord.status()
                         out["store_port"] = server.store_port
                         return self._send(200, out)
-                    if u.path == "/api/events":
-                        since = int(parse_qs(u.query).get("since", ["0"])[0])
-                        return self._send(
-                            200, {"events": [e for e in server.coord.events if e["seq"] > since]}
-                        )
-                    if u.path == "/api/health":
-                        return self._send(200, {"ok": True, "pid": os.getpid()})
-                self._send(404, {"error": "no such endpoint"})
+                    evs = [e for e in server.coord.events if e["seq"] > since][:MAX_EVENTS_REPLY]
+                    return self._send(200, {"events": evs})
 
             def do_POST(self) -> None:
-                if not self._authorized():
-                    self.rfile.read(min(int(self.headers.get("Content-Length") or 0), MAX_BODY))
-                    return self._send(401, {"error": "missing or wrong token"})
-                body = self._body()
-                if body is None:
-                    return self._send(400, {"error": "body must be a JSON object"})
                 path = urlparse(self.path).path
+                if self._refuse(self._who(), "POST", path):
+                    return
+                who = self._who()
+                assert who is not None
+                n = self._length()
+                if n is None:
+                    return self._send(400, {"error": "bad Content-Length"}, close=True)
+                if n > MAX_BODY:
+                    return self._send(413, {"error": f"body over {MAX_BODY} bytes"}, close=True)
+                body = self._body(n)
+                if body is None:
+                    return self._send(400, {"error": "body must be a JSON object"}, close=True)
                 try:
-                    with server.lock:
-                        if path == "/api/heartbeat":
-                            if "node_id" not in body:
-                                return self._send(400, {"error": "node_id missing"})
-                            return self._send(200, server.coord.heartbeat(body))
-                        if path == "/api/notice":
-                            server.coord.notice(str(body["node_id"]), body.get("notice", {}))
-                            return self._send(200, {"ok": True})
-                        if path == "/api/drain":
-                            gen = server.coord.request_drain(
-                                body.get("reason", "rebalance"), list(body.get("leavers", []))
-                            )
-                            return self._send(200, {"gen": gen})
-                        if path == "/api/forget":
-                            for nid in body.get("nodes", []):
-                                server.coord.forget(str(nid))
-                            return self._send(200, {"ok": True})
-                        if path == "/api/event":
-                            ev = server.coord.record(str(body.pop("type", "note")), **body)
-                            return self._send(200, {"seq": ev["seq"]})
-                except (KeyError, TypeError, ValueError) as e:
+                    return self._post(who, path, body)
+                except validate.BadInput as e:
                     return self._send(400, {"error": f"bad request: {e}"})
+
+            def _post(self, who: Principal, path: str, body: dict[str, Any]) -> None:
+                coord = server.coord
+                if path == "/api/heartbeat":
+                    hb = validate.heartbeat(body)
+                    if not who.may_speak_for(hb["node_id"]):
+                        return self._send(403, {"error": "a node may only speak for itself"})
+                    with server.lock:
+                        if hb["node_id"] not in coord.nodes and len(coord.nodes) >= MAX_NODES:
+                            return self._send(429, {"error": f"over {MAX_NODES} nodes"})
+                        return self._send(200, coord.heartbeat(hb))
+                if path == "/api/notice":
+                    nid = validate.node_id(body.get("node_id"))
+                    nt = validate.notice(body.get("notice", {}))
+                    if not who.may_speak_for(nid):
+                        return self._send(403, {"error": "a node may only speak for itself"})
+                    with server.lock:
+                        if nid not in coord.nodes and len(coord.nodes) >= MAX_NODES:
+                            return self._send(429, {"error": f"over {MAX_NODES} nodes"})
+                        coord.notice(nid, nt)
+                        return self._send(200, {"ok": True})
+                if path == "/api/drain":
+                    reason, leavers = validate.drain(body)
+                    with server.lock:
+                        leavers = [x for x in leavers if x in coord.nodes]
+                        return self._send(200, {"gen": coord.request_drain(reason, leavers)})
+                if path == "/api/forget":
+                    nodes = validate.node_list(body.get("nodes", []), "nodes")
+                    with server.lock:
+                        for nid in nodes:
+                            coord.forget(nid)
+                        return self._send(200, {"ok": True})
+                if path == "/api/event":
+                    type_, data = validate.event(body)
+                    if not who.controller and (
+                        type_ not in validate.NODE_EVENTS or data.get("node") != who.node_id
+                    ):
+                        return self._send(403, {"error": "a node may only report about itself"})
+                    with server.lock:
+                        return self._send(200, {"seq": coord.record(type_, **data)["seq"]})
                 self._send(404, {"error": "no such endpoint"})
 
         return Handler
+
+    def safe_tick(self) -> None:
+        """One coordinator step; an error is logged, never fatal (the lock is held)."""
+        try:
+            self.coord.tick()
+        except Exception:
+            log.exception("coordinator tick failed")
 
     def _flush_events(self) -> None:
         evs = self.coord.events[self._events_written :]
@@ -177,17 +299,27 @@ class HeadServer:
                 for e in evs:
                     f.write(json.dumps(e) + "\n")
             self._events_written += len(evs)
+        # memory stays bounded: journaled events beyond the last MAX_EVENTS are dropped
+        # from the list (events.jsonl keeps them all)
+        drop = min(len(self.coord.events) - MAX_EVENTS, self._events_written)
+        if drop > 0:
+            del self.coord.events[:drop]
+            self._events_written -= drop
 
     def _load_events(self) -> None:
-        """After a head restart keep numbering events after the ones already journaled."""
+        """After a head restart keep numbering events after the ones already journaled.
+        A damaged journal (garbage lines, huge numbers, non-objects) never stops the head."""
         if not self.events_path.exists():
             return
         last = 0
-        for line in self.events_path.read_text().splitlines():
-            try:
-                last = max(last, int(json.loads(line)["seq"]))
-            except (ValueError, KeyError):
-                continue
+        with open(self.events_path, "rb") as f:
+            for raw in f:
+                try:
+                    seq = json.loads(raw, parse_constant=_no_constant)["seq"]
+                except (ValueError, KeyError, TypeError, IndexError, RecursionError):
+                    continue
+                if isinstance(seq, int) and not isinstance(seq, bool) and 0 < seq < 1 << 53:
+                    last = max(last, seq)
         import itertools
 
         self.coord.seq = itertools.count(last + 1)
@@ -205,8 +337,11 @@ class HeadServer:
         last_capacity = 0.0
         while not self._stop.is_set():
             with self.lock:
-                self.coord.tick()
-                self._flush_events()
+                self.safe_tick()
+                try:
+                    self._flush_events()
+                except OSError as e:
+                    log.warning("could not journal events: %s", e)
             if time.time() - last_capacity >= 1.0:
                 last_capacity = time.time()
                 self._local_capacity()

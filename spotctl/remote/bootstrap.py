@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from spotctl.agent.config import AgentConfig
 from spotctl.errors import BootstrapError
+from spotctl.head.auth import node_token
+from spotctl.head.client import urlopen_direct
 from spotctl.providers.base import HeadInfo, Instance, ProviderContext
 from spotctl.remote.package import TORCH_SPEC, NodePackage, Project
 from spotctl.remote.ssh import HostTarget, RemoteResult, connect, run
@@ -156,7 +158,7 @@ class HeadProbe:
             self.url + "/api/status", headers={"Authorization": f"Bearer {self._token}"}
         )
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+            with urlopen_direct(req, timeout=self.timeout_s) as r:
                 status = json.load(r)
         except (urllib.error.URLError, OSError, ValueError):
             return {}
@@ -824,7 +826,7 @@ def _head_healthy(url: str, token: str) -> bool:
         url.rstrip("/") + "/api/health", headers={"Authorization": f"Bearer {token}"}
     )
     try:
-        with urllib.request.urlopen(req, timeout=3) as r:
+        with urlopen_direct(req, timeout=3) as r:
             return bool(json.load(r).get("ok"))
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -857,7 +859,9 @@ def bootstrap_agents(
         if upload_script and script.is_file():
             extra[f"train/{script.name}"] = script.read_bytes()
             cfg.script = f"{t.remote_dir}/train/{script.name}"
-        return render_bootstrap(t, cfg, token, python=python, extra=extra)
+        # the node gets its own credential (bound to its id), never the cluster secret
+        return render_bootstrap(t, cfg, node_token(token, cfg.node_id), python=python,
+                                extra=extra)
 
     probe = HeadProbe(probe_url, token) if probe_url else None
     return bootstrap_hosts(

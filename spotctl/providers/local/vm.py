@@ -25,7 +25,8 @@ from spotctl.state import write_json_atomic
 def main(node_dir: Path) -> int:
     vm_path = node_dir / "vm.json"
     vm = json.loads(vm_path.read_text())
-    token = (node_dir / "token").read_text().strip()
+    # the "cloud's" control endpoint answers the controller (cluster secret), not the node
+    token = (node_dir.parent.parent / "token").read_text().strip()
     from spotctl.providers.local.metadata import MetadataServer
 
     dead = threading.Event()

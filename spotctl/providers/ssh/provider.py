@@ -26,6 +26,7 @@ from typing import Any
 
 from spotctl.agent.config import AgentConfig
 from spotctl.errors import CapacityError, TransientError
+from spotctl.head.auth import node_token
 from spotctl.providers.base import HeadInfo, Instance, Offer, ProviderContext
 from spotctl.remote.bootstrap import (
     BootstrapFiles,
@@ -247,7 +248,9 @@ class SshProvider:
             if self.upload_script and script.is_file():
                 extra[f"train/{script.name}"] = script.read_bytes()
                 cfg.script = f"{t.remote_dir}/train/{script.name}"
-            return render_bootstrap(t, cfg, token, python=python, extra=extra)
+            # the node gets its own credential (bound to its id), never the cluster secret
+            return render_bootstrap(t, cfg, node_token(token, cfg.node_id), python=python,
+                                    extra=extra)
 
         probe_url = (head.public_url or head.url) if head else ""
         if not probe_url:

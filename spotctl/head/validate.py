@@ -1,0 +1,155 @@
+"""Input checks for the head's API: every field a client sends is typed and bounded here,
+so the coordinator only ever sees well-formed values. A check that fails raises BadInput
+(the server answers 400 naming the field)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from spotctl.head.auth import valid_node_id
+
+MAX_STR = 256
+MAX_WORKERS = 64  # per node (GPUs per VM are far fewer)
+MAX_STARTUP_KEYS = 32
+AGENT_STATES = ("waiting", "running", "leaving", "left", "finished")
+PHASES = ("init", "train", "draining", "drained", "drain-failed", "done")
+# Event types a client may post, with their fields (type checked). Anything else: 400.
+EVENT_FIELDS: dict[str, dict[str, type]] = {
+    "rebalance-recommendation": {"node": str},
+    "note": {"message": str, "node": str},
+}
+NODE_EVENTS = ("rebalance-recommendation",)  # the types a node may post (about itself)
+
+
+class BadInput(ValueError):
+    pass
+
+
+def _str(v: Any, what: str, max_len: int = MAX_STR) -> str:
+    if not isinstance(v, str) or len(v) > max_len or any(ord(c) < 32 for c in v):
+        raise BadInput(f"{what} must be a printable string of at most {max_len} characters")
+    return v
+
+
+def _int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise BadInput(f"{what} must be an integer in [{lo}, {hi}]")
+    return v
+
+
+def _num(v: Any, what: str, optional: bool = True) -> float | None:
+    """A finite number (None allowed when optional)."""
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise BadInput(f"{what} must be a finite number")
+    return float(v)
+
+
+def _metric(v: Any, what: str) -> float | None:
+    """Loss/throughput reported by a training script: NaN/inf is a fact (kept as None)."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return None
+    return _num(v, what)
+
+
+def node_id(v: Any, what: str = "node_id") -> str:
+    if not valid_node_id(v):
+        raise BadInput(f"{what} must be a node id ([A-Za-z0-9._-], at most 128)")
+    return str(v)
+
+
+def notice(v: Any) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise BadInput("notice must be an object")
+    out: dict[str, Any] = {}
+    for k in ("id", "source", "kind", "action"):
+        if k in v and v[k] is not None:
+            out[k] = _str(v[k], f"notice.{k}")
+    out["deadline"] = _num(v.get("deadline"), "notice.deadline")
+    if "received_at" in v:
+        out["received_at"] = _num(v["received_at"], "notice.received_at")
+    return out
+
+
+def worker(v: Any, i: int) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise BadInput(f"workers[{i}] must be an object")
+    w = f"workers[{i}]"
+    phase = v.get("phase")
+    if phase not in PHASES:
+        raise BadInput(f"{w}.phase must be one of {', '.join(PHASES)}")
+    out: dict[str, Any] = {
+        "rank": _int(v.get("rank"), f"{w}.rank", 0, 1 << 20),
+        "local_rank": _int(v.get("local_rank", 0), f"{w}.local_rank", 0, 1 << 20),
+        "world_size": _int(v.get("world_size"), f"{w}.world_size", 1, 1 << 20),
+        "step": _int(v.get("step", 0), f"{w}.step"),
+        "phase": phase,
+        "incarnation": _str(v.get("incarnation") or "", f"{w}.incarnation", 128),
+        "resume_step": _int(v.get("resume_step") or 0, f"{w}.resume_step"),
+        "first_step_at": _num(v.get("first_step_at"), f"{w}.first_step_at"),
+        "last_ckpt": _int(v.get("last_ckpt") or 0, f"{w}.last_ckpt"),
+        "loss": _metric(v.get("loss"), f"{w}.loss"),
+        "throughput": _metric(v.get("throughput"), f"{w}.throughput"),
+        "drain_step": None if v.get("drain_step") is None
+        else _int(v["drain_step"], f"{w}.drain_step"),
+        "pid": _int(v.get("pid") or 0, f"{w}.pid", 0, 1 << 31),
+    }
+    st = v.get("startup")
+    if st is not None:
+        if not isinstance(st, dict) or len(st) > MAX_STARTUP_KEYS:
+            raise BadInput(f"{w}.startup must be an object of at most {MAX_STARTUP_KEYS} numbers")
+        out["startup"] = {_str(k, f"{w}.startup key", 64): _num(x, f"{w}.startup.{k}")
+                          for k, x in st.items()}
+    return out
+
+
+def heartbeat(v: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {"node_id": node_id(v.get("node_id"))}
+    state = v.get("agent_state", "waiting")
+    if state not in AGENT_STATES:
+        raise BadInput(f"agent_state must be one of {', '.join(AGENT_STATES)}")
+    out["agent_state"] = state
+    if "addr" in v:
+        out["addr"] = _str(v["addr"], "addr", 128)
+    ws = v.get("workers", [])
+    if not isinstance(ws, list) or len(ws) > MAX_WORKERS:
+        raise BadInput(f"workers must be a list of at most {MAX_WORKERS}")
+    out["workers"] = [worker(w, i) for i, w in enumerate(ws)]
+    if "drain_gen" in v:
+        out["drain_gen"] = _int(v["drain_gen"], "drain_gen", 0, 1 << 40)
+    if v.get("notice") is not None:
+        out["notice"] = notice(v["notice"])
+    if not isinstance(v.get("ready", True), bool):
+        raise BadInput("ready must be true or false")
+    out["ready"] = v.get("ready", True)
+    return out
+
+
+def node_list(v: Any, what: str, max_len: int = 1024) -> list[str]:
+    if not isinstance(v, list) or len(v) > max_len:
+        raise BadInput(f"{what} must be a list of node ids")
+    return [node_id(x, f"{what}[{i}]") for i, x in enumerate(v)]
+
+
+def drain(v: dict[str, Any]) -> tuple[str, list[str]]:
+    reason = v.get("reason", "rebalance")
+    if reason not in ("rebalance",):
+        raise BadInput("reason must be 'rebalance'")
+    return reason, node_list(v.get("leavers", []), "leavers")
+
+
+def event(v: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    type_ = v.get("type")
+    if not isinstance(type_, str) or type_ not in EVENT_FIELDS:
+        raise BadInput(f"event type must be one of {', '.join(EVENT_FIELDS)}")
+    allowed = EVENT_FIELDS[type_]
+    data: dict[str, Any] = {}
+    for k, x in v.items():
+        if k == "type":
+            continue
+        if k not in allowed:
+            raise BadInput(f"event field {k!r} is not allowed for {type_}")
+        data[k] = node_id(x, k) if k == "node" else _str(x, k, 1024)
+    return type_, data
