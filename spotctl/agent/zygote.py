@@ -68,6 +68,15 @@ def _child(conn: socket.socket, req: dict, fds: list[int]) -> None:
         os._exit(code)
 
 
+def _cuda_initialized() -> bool:
+    """True once this process holds a CUDA context (fork would hand children a broken one)."""
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:  # noqa: BLE001 - a torch without CUDA support: nothing initialised
+        return False
+
+
 def serve(path: str) -> None:
     # warm everything a worker imports; nothing here may start threads before fork
     import torch  # noqa: F401
@@ -94,6 +103,18 @@ def serve(path: str) -> None:
                 msg, fds, _, _ = socket.recv_fds(conn, MAX_MSG, 8)
                 req = json.loads(msg)
             except (OSError, ValueError):
+                conn.close()
+                continue
+            if _cuda_initialized():
+                # a forked child cannot use CUDA its parent initialised: the launcher
+                # reads this refusal and starts the worker cold instead
+                try:
+                    conn.sendall(json.dumps({"error": "CUDA is initialised in the zygote; "
+                                             "refusing to fork"}).encode() + b"\n")
+                except OSError:
+                    pass
+                for fd in fds:
+                    os.close(fd)
                 conn.close()
                 continue
             sys.stdout.flush()

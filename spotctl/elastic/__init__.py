@@ -27,6 +27,7 @@ report "drained" to the agent and wait to be stopped (never exit 0 mid-job).
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -59,33 +60,71 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from spotctl.elastic.checkpoint import Checkpointer  # noqa: E402
+from spotctl.elastic.data import (  # noqa: E402
+    ElasticBatchSampler,
+    PermutationCache,
+    epoch_permutation,
+    micro_slices,
+    split_batch,
+)
 
 _T_IMPORTED = time.time()
 
-__all__ = ["Run", "epoch_permutation", "split_batch"]
+__all__ = ["ElasticBatchSampler", "ResumeMismatch", "Run", "epoch_permutation", "init",
+           "micro_slices", "split_batch"]
 log = logging.getLogger("spotctl.elastic")
-# Short process-group timeout: a vanished peer must not block survivors for 30 minutes.
-PG_TIMEOUT_S = float(os.environ.get("SPOTCTL_PG_TIMEOUT_S", "60"))
+_CUDA = torch.cuda.is_available()
+# Collective timeout. Short on CPU/gloo (a vanished peer must not block survivors for 30
+# minutes); long with CUDA, where a first step under torch.compile or a large load keeps
+# peers waiting for minutes. SPOTCTL_PG_TIMEOUT_S overrides both.
+PG_TIMEOUT_S = float(os.environ.get("SPOTCTL_PG_TIMEOUT_S", "900" if _CUDA else "60"))
 # Forming the group: a peer that never shows up (it left during the rendezvous) must not
 # hold the others for long; they fail, and torchrun re-forms without it.
 PG_INIT_TIMEOUT_S = float(os.environ.get("SPOTCTL_PG_INIT_TIMEOUT_S", "30"))
 REPORT_EVERY_S = 0.2
 
 
-def _init_process_group() -> None:
-    """gloo over the worker store at MASTER_ADDR:MASTER_PORT. Rank 0 hosts that store on
-    a socket bound to MASTER_ADDR only (TCPStore's own listener takes every interface,
-    and the store has no authentication)."""
+class ResumeMismatch(SystemExit):
+    """The checkpoint was written with a different global_batch, dataset_size or seed:
+    resuming would silently change the training trajectory. Exits with one line."""
+
+
+def _backend() -> str:
+    return "cuda:nccl,cpu:gloo" if _CUDA else "gloo"
+
+
+def init(timeout_s: float | None = None) -> torch.device:
+    """Set this process' device and form the process group (idempotent). With CUDA:
+    torch.cuda.set_device(LOCAL_RANK) first, then one group with cuda:nccl (training
+    collectives) and cpu:gloo (control). Without CUDA: gloo. Returns the device to put
+    the model and batches on. Call it before building a DeviceMesh / fully_shard."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if _CUDA else torch.device("cpu")
+    if _CUDA:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        _init_process_group(timeout_s or PG_TIMEOUT_S, device if _CUDA else None)
+    return device
+
+
+def _init_process_group(timeout_s: float, device_id: torch.device | None) -> None:
+    """Over the worker store at MASTER_ADDR:MASTER_PORT. Rank 0 hosts that store on a
+    socket bound to MASTER_ADDR only (TCPStore's own listener takes every interface, and
+    the store has no authentication)."""
     import socket
 
     env = os.environ
-    timeout = timedelta(seconds=PG_TIMEOUT_S)
+    timeout = timedelta(seconds=timeout_s)
     init_timeout = timedelta(seconds=PG_INIT_TIMEOUT_S)
+    kw: dict[str, Any] = {"timeout": timeout}
+    if device_id is not None:
+        kw["device_id"] = device_id
+    backend = _backend()
     try:
         addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     except (KeyError, ValueError):
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group(backend, **kw)
         return
     store = None
     if rank == 0:
@@ -102,32 +141,93 @@ def _init_process_group() -> None:
                         port, e)
             store = None
     if store is None and rank == 0:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group(backend, **kw)
         return
     if store is None:
         store = dist.TCPStore(addr, port, world, False, init_timeout, use_libuv=True)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, **kw)
 
 
-def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
-    g = torch.Generator()
-    g.manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(n, generator=g)
+def _is_sharded(model: torch.nn.Module) -> bool:
+    """An FSDP2 module, or one holding DTensor parameters (tensor parallel): use as given."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without these
+        return False
+    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
+        return True
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def split_batch(count: int, world: int, rank: int) -> tuple[int, int]:
-    """Contiguous share [start, end) of `count` items for `rank` of `world` (sizes differ
-    by at most one)."""
-    base, extra = divmod(count, world)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
+def _dp_coords(mesh: Any, dp_dim: str | tuple[str, ...] | None) -> tuple[int, int]:
+    """(rank, size) of this process in the data-parallel dimension(s) of a DeviceMesh."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if dp_dim is None:
+        if mesh.ndim != 1:
+            raise ValueError(f"dp_dim must name the data-parallel dimension(s) of the "
+                             f"{mesh.ndim}-D mesh {names}")
+        dims = (0,)
+    else:
+        wanted = (dp_dim,) if isinstance(dp_dim, str) else tuple(dp_dim)
+        for d in wanted:
+            if d not in names:
+                raise ValueError(f"dp_dim {d!r} is not a dimension of the mesh {names}")
+        dims = tuple(names.index(d) for d in wanted)
+    coord = mesh.get_coordinate()
+    rank, size = 0, 1
+    for d in dims:
+        rank = rank * mesh.size(d) + coord[d]
+        size *= mesh.size(d)
+    return rank, size
+
+
+def _rng_state() -> dict[str, Any]:
+    import random
+
+    st: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        st["numpy"] = np.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state()
+    return st
+
+
+def _set_rng_state(st: dict[str, Any]) -> None:
+    import random
+
+    random.setstate(st["python"])
+    torch.set_rng_state(st["torch"])
+    np = sys.modules.get("numpy")
+    if np is not None and "numpy" in st:
+        np.random.set_state(st["numpy"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state(st["cuda"])
 
 
 class Run:
+    """One elastic training run. See the module docstring for the loop.
+
+    model: a plain module (wrapped in DDP, on this rank's device), or one the user already
+      parallelised: FSDP2 `fully_shard`, DTensor parameters (tensor parallel), or DDP; those
+      are used as given.
+    optimizer: one optimizer or a list of them.
+    mesh / dp_dim: the DeviceMesh and the name(s) of its data-parallel dimension(s). Data is
+      split, and loss_scale computed, over that dimension only (tensor-parallel peers see the
+      same batch). Without a mesh, every rank is a data-parallel rank.
+    micro_batch: at most this many samples per forward/backward on a rank; every rank runs
+      the same number of micro-batches per step (empty ones where it has fewer samples) and
+      gradients are synchronised on the last one only. Memory stays bounded at any world
+      size; the update is still the mean over the fixed global batch.
+    schedulers, scaler, state: LR schedulers, a GradScaler, and named user objects with
+      state_dict()/load_state_dict(): checkpointed and restored with the model.
+    """
+
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
         dataset_size: int,
         global_batch: int,
         seed: int = 0,
@@ -136,27 +236,52 @@ class Run:
         checkpoint_every: int | None = None,
         checkpoint_dir: str | None = None,
         keep_last: int | None = None,
+        *,
+        micro_batch: int | None = None,
+        mesh: Any = None,
+        dp_dim: str | tuple[str, ...] | None = None,
+        schedulers: Any = (),
+        scaler: Any = None,
+        state: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
     ):
         env = os.environ
+        if dataset_size < 1 or global_batch < 1:
+            raise ValueError("dataset_size and global_batch must be >= 1")
+        if micro_batch is not None and micro_batch < 1:
+            raise ValueError(f"micro_batch must be >= 1, not {micro_batch}")
         self.drain_requested = False
         signal.signal(signal.SIGUSR1, self._on_drain_signal)
         t_init = time.time()
-        if not dist.is_initialized():
-            _init_process_group()
+        self.device = init(timeout_s)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.local_rank = int(env.get("LOCAL_RANK", "0"))
-        self.ckpt_pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
-        self.model = DDP(model)
+        t = timedelta(seconds=timeout_s or PG_TIMEOUT_S)
+        # control traffic (drain flag, incarnation) and checkpoint coordination: CPU/gloo,
+        # never a device synchronisation
+        self.ctl_pg = dist.new_group(backend="gloo", timeout=t)
+        self.ckpt_pg = dist.new_group(backend="gloo", timeout=t)
+        if mesh is not None:
+            self.dp_rank, self.dp_world = _dp_coords(mesh, dp_dim)
+        else:
+            self.dp_rank, self.dp_world = self.rank, self.world
+        self.model = self._wrap(model)
         self.optimizer = optimizer
+        self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        self.schedulers = ([schedulers] if hasattr(schedulers, "state_dict")
+                           else list(schedulers or ()))
+        self.scaler = scaler
+        self.user_state = dict(state or {})
         self.dataset_size = dataset_size
         self.global_batch = global_batch
+        self.micro_batch = micro_batch
         self.seed = seed
         self.epochs = epochs
         self.max_steps = max_steps if max_steps is not None else int(env.get("SPOTCTL_MAX_STEPS", "0"))
         self.every = checkpoint_every or int(env.get("SPOTCTL_CHECKPOINT_EVERY", "20"))
         root = checkpoint_dir or env.get("SPOTCTL_CHECKPOINT_DIR") or "checkpoints"
-        self.ckpt = Checkpointer(Path(root), keep_last or int(env.get("SPOTCTL_KEEP_LAST", "3")),
+        self.ckpt = Checkpointer(root, keep_last or int(env.get("SPOTCTL_KEEP_LAST", "3")),
                                  self.rank, self.ckpt_pg)
         self.status_dir = Path(env["SPOTCTL_STATUS_DIR"]) if env.get("SPOTCTL_STATUS_DIR") else None
         self.incarnation = self._make_incarnation()
@@ -171,6 +296,9 @@ class Run:
         self._rate_samples = 0
         self.throughput: float | None = None
         self.drain_step: int | None = None
+        self._perm = PermutationCache(dataset_size, seed)
+        self._drain_work: Any = None
+        self._drain_flag = torch.zeros(1, dtype=torch.int32)
         t_restore = time.time()
         self.resume_step = self._restore()
         t_ready = time.time()
@@ -186,30 +314,88 @@ class Run:
             "forked_warm": t_proc > _T_IMPORTED,
         }
         self._t_ready = t_ready
-        self._this_step: tuple[int, int] | None = None
         self.phase = "train"
         self._report(force=True)
 
     # -- setup
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        if isinstance(model, DDP) or _is_sharded(model):
+            return model
+        if self.dp_world != self.world:
+            raise ValueError("a plain module is wrapped in DDP over every rank: pass a module "
+                             "you parallelised yourself when the mesh has other dimensions")
+        if self.device.type == "cuda":
+            model.to(self.device)
+            return DDP(model, device_ids=[self.device.index], output_device=self.device.index)
+        return DDP(model)
+
     def _on_drain_signal(self, signum: int, frame: Any) -> None:
         self.drain_requested = True
 
     def _make_incarnation(self) -> str:
         obj = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(obj, src=0)
+        dist.broadcast_object_list(obj, src=0, group=self.ctl_pg)
         return str(obj[0])
 
-    def _state(self) -> dict[str, Any]:
-        msd, osd = get_state_dict(self.model, self.optimizer)
-        return {"model": msd, "optim": osd}
+    def _state(self, with_extra: bool = True) -> dict[str, Any]:
+        msd, osd = get_state_dict(self.model, self.optimizers)
+        st: dict[str, Any] = {"model": msd, "optim": osd}
+        if with_extra:
+            # every rank's RNG state, gathered: DCP keeps one copy of a non-tensor value
+            rngs: list[Any] = [None] * self.world
+            dist.all_gather_object(rngs, _rng_state(), group=self.ctl_pg)
+            extra = {
+                "schedulers": [s.state_dict() for s in self.schedulers],
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "user": {k: v.state_dict() for k, v in self.user_state.items()},
+                "rng": rngs,
+            }
+            buf = io.BytesIO()
+            torch.save(extra, buf)
+            st["extra"] = buf.getvalue()
+        return st
+
+    def _check_meta(self, meta: dict[str, Any], step: int) -> None:
+        for key, mine in (("global_batch", self.global_batch),
+                          ("dataset_size", self.dataset_size), ("seed", self.seed)):
+            theirs = meta.get(key)
+            if theirs is not None and theirs != mine:
+                msg = (f"spotctl.elastic: checkpoint step {step} under {self.ckpt.root} was "
+                       f"written with {key}={theirs}, this run has {key}={mine}; resuming "
+                       f"would change the training trajectory (use a new checkpoint_dir)")
+                log.error(msg)
+                raise ResumeMismatch(msg)
 
     def _restore(self) -> int:
-        state = self._state()
-        meta = self.ckpt.load_latest(state)
-        if meta is None:
+        steps = self.ckpt.committed_list()
+        if not steps:
+            # fresh start: never build DCP's state dict here, it would initialise the
+            # optimizer with a zero-gradient step (Adam's step counter one ahead)
             return 0
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+        newest = [self.ckpt.read_meta(steps[0]) if self.rank == 0 else None]
+        dist.broadcast_object_list(newest, src=0, group=self.ctl_pg)
+        self._check_meta(newest[0] or {}, steps[0])
+        state = self._state(with_extra=False)
+        state["extra"] = b""
+        meta = self.ckpt.load(steps, state)
+        self._check_meta(meta, int(meta["step"]))
+        set_state_dict(self.model, self.optimizers, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
+        if state["extra"]:
+            extra = torch.load(io.BytesIO(state["extra"]), weights_only=False)
+            for s, sd in zip(self.schedulers, extra["schedulers"], strict=False):
+                s.load_state_dict(sd)
+            if self.scaler is not None and extra.get("scaler"):
+                self.scaler.load_state_dict(extra["scaler"])
+            for k, obj in self.user_state.items():
+                if k in extra["user"]:
+                    obj.load_state_dict(extra["user"][k])
+            rngs = extra["rng"]
+            if self.rank < len(rngs) and len(rngs) == self.world:
+                _set_rng_state(rngs[self.rank])
+            else:
+                # another world size: a fresh, deterministic stream per rank
+                torch.manual_seed(self.seed * 1_000_003 + int(meta["step"]) * 1009 + self.rank)
         self.step = int(meta["step"])
         self.epoch = int(meta["epoch"])
         self.offset = int(meta["offset"])
@@ -220,7 +406,9 @@ class Run:
 
     def _meta(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "offset": self.offset, "world_size": self.world,
-                "incarnation": self.incarnation, "seed": self.seed}
+                "incarnation": self.incarnation, "seed": self.seed,
+                "global_batch": self.global_batch, "dataset_size": self.dataset_size,
+                "micro_batch": self.micro_batch}
 
     # -- per step
     @property
@@ -229,28 +417,64 @@ class Run:
 
     @property
     def loss_scale(self) -> float:
-        """Multiply a sum-reduced per-rank loss by this: DDP's gradient average over ranks
-        then equals the mean over the global batch, whatever the world size."""
-        return self.world / self.step_samples
+        """Multiply a sum-reduced per-rank loss by this: the data-parallel gradient
+        average then equals the mean over the global batch, whatever the world size."""
+        return self.dp_world / self.step_samples
+
+    def _slices(self) -> list[tuple[int, int]]:
+        return micro_slices(self.step_samples, self.dp_world, self.dp_rank, self.micro_batch)
 
     def batch_indices(self) -> torch.Tensor:
-        """This rank's dataset indices for the current step."""
-        perm = epoch_permutation(self.dataset_size, self.seed, self.epoch)
-        n = self.step_samples
-        a, b = split_batch(n, self.world, self.rank)
+        """This rank's dataset indices for the current step (all its micro-batches)."""
+        perm = self._perm.get(self.epoch)
+        a, b = split_batch(self.step_samples, self.dp_world, self.dp_rank)
         return perm[self.offset + a : self.offset + b]
 
+    def micro_batches(self, batches: Any = None) -> Any:
+        """Yield this step's micro-batches: index tensors, or the next items of `batches`
+        (an iterator over a DataLoader built on batch_sampler()). Gradient sync is turned
+        off for all but the last, which every rank reaches together."""
+        perm = self._perm.get(self.epoch)
+        sl = self._slices()
+        try:
+            for i, (a, b) in enumerate(sl):
+                self._set_grad_sync(i == len(sl) - 1)
+                yield perm[self.offset + a : self.offset + b] if batches is None else next(batches)
+        finally:
+            self._set_grad_sync(True)
+
+    def _set_grad_sync(self, on: bool) -> None:
+        m = self.model
+        if isinstance(m, DDP):
+            m.require_backward_grad_sync = on
+        elif hasattr(m, "set_requires_gradient_sync"):
+            m.set_requires_gradient_sync(on)
+
+    def batch_sampler(self) -> ElasticBatchSampler:
+        """For torch.utils.data.DataLoader(ds, batch_sampler=run.batch_sampler(), ...):
+        one batch per micro-batch of every step from the current position on."""
+        return ElasticBatchSampler(self.dataset_size, self.global_batch, self.seed,
+                                   self.dp_world, self.dp_rank, micro_batch=self.micro_batch,
+                                   epoch=self.epoch, offset=self.offset, step=self.step,
+                                   max_steps=self.max_steps or None, epochs=self.epochs)
+
     def next_step(self) -> bool:
-        """Agree on draining (one tiny collective), then say whether to run a step."""
+        """Agree on draining, then say whether to run a step. The agreement is one tiny
+        all_reduce on a CPU/gloo group, started here and read at the next call: it never
+        waits on the device, and every rank sees a notice at the same step."""
         self.ckpt.poll()
-        flag = torch.tensor([1 if self.drain_requested else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if int(flag.item()):
-            self._drain()
+        if self._drain_work is not None:
+            self._drain_work.wait()
+            self._drain_work = None
+            if int(self._drain_flag.item()):
+                self._drain()
         if self.max_steps and self.step >= self.max_steps:
             return False
         if self.epoch >= self.epochs:
             return False
+        self._drain_flag = torch.tensor([1 if self.drain_requested else 0], dtype=torch.int32)
+        self._drain_work = dist.all_reduce(self._drain_flag, op=dist.ReduceOp.MAX,
+                                           group=self.ctl_pg, async_op=True)
         return True
 
     def end_step(self, loss: float | None = None) -> None:
@@ -276,24 +500,33 @@ class Run:
         self.phase = "draining"
         self._report(force=True)
         S = self.step
-        ok = self.ckpt.save_sync(S, self._state(), self._meta())
+        # a step committed already (the resume step, or a periodic save just finished) is
+        # never written again; save_sync agrees on rank 0's view first
+        ok = self.ckpt.save_sync(S, self._state(), self._meta()) if S > 0 else True
         self.drain_step = S
         self.phase = "drained" if ok else "drain-failed"
         self._report(force=True)
         if self.rank == 0:
             log.info("drained at step %d (committed=%s); waiting to be stopped", S, ok)
+        self._after_drain()
+
+    def _after_drain(self) -> None:
         # Never exit 0 mid-job: the agent stops us (SIGTERM) once it is safe to re-form.
         while True:
             time.sleep(0.05)
 
     def finish(self) -> None:
-        """End of training: final save, then exit 0 on every rank together."""
-        self.ckpt.wait_pending()
-        if self.ckpt.last_committed < self.step:
+        """End of training: final save (all ranks agree whether it is needed), then exit 0
+        on every rank together."""
+        if self._drain_work is not None:
+            self._drain_work.wait()
+            self._drain_work = None
+        if self.step > 0:
             self.ckpt.save_sync(self.step, self._state(), self._meta())
+        self.ckpt.close()
         self.phase = "done"
         self._report(force=True)
-        dist.barrier()
+        dist.barrier(group=self.ctl_pg)
         dist.destroy_process_group()
 
     # -- reporting to the agent

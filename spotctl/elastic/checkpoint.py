@@ -1,11 +1,14 @@
 """Checkpoints with torch.distributed.checkpoint: async periodic saves, sync drain saves,
-atomic commit, keep-last-K, resume at any world size.
+atomic commit, keep-last-K, resume at any world size, on a local path or an object store.
 
-Layout under the checkpoint dir:
+Layout under the checkpoint root (a path, or an fsspec URL such as s3://bucket/prefix or
+gs://bucket/prefix):
     step-00000120/            DCP files (one per rank) + .metadata
-    step-00000120/COMMIT      written by rank 0 after every rank's data is on disk
-A directory without COMMIT is never loaded. Rank 0 writes COMMIT atomically (tmp+rename,
-fsync) only after DCP's finish step has gathered all ranks' write results.
+    step-00000120/COMMIT      written by rank 0 after every rank's data is stored
+A step without COMMIT is never loaded. Rank 0 writes COMMIT last, only after DCP's finish
+step has gathered all ranks' write results: on a path atomically (tmp+rename, fsync), on an
+object store as one PUT (an object appears whole or not at all). A committed step is never
+rewritten nor deleted except by keep-last-K pruning, which runs off the training thread.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -26,78 +31,257 @@ log = logging.getLogger("spotctl.elastic")
 COMMIT = "COMMIT"
 # DCP raises CheckpointException, a BaseException subclass: catch it, not interrupts
 _CKPT_ERRORS: tuple[type[BaseException], ...] = (Exception, dcp.api.CheckpointException)
+# a load that fails is retried this many times before an older step is tried
+LOAD_ATTEMPTS = int(os.environ.get("SPOTCTL_LOAD_ATTEMPTS", "2"))
 
 
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:08d}"
+def is_url(root: str | os.PathLike[str]) -> bool:
+    return "://" in str(root) and not str(root).startswith("file://")
 
 
-def committed_steps(root: Path) -> list[int]:
-    """Committed checkpoint steps, newest first."""
-    out = []
-    if not root.exists():
-        return out
-    for p in root.iterdir():
-        if p.name.startswith("step-") and (p / COMMIT).exists():
-            try:
-                out.append(int(p.name[5:]))
-            except ValueError:
-                continue
-    return sorted(out, reverse=True)
+def _step_name(step: int) -> str:
+    return f"step-{step:08d}"
 
 
-def read_commit(root: Path, step: int) -> dict[str, Any]:
-    return json.loads((step_dir(root, step) / COMMIT).read_text())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _parse_step(name: str) -> int | None:
+    name = name.rstrip("/").rsplit("/", 1)[-1]
+    if not name.startswith("step-"):
+        return None
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        return int(name[5:])
+    except ValueError:
+        return None
 
 
-def write_commit(root: Path, step: int, meta: dict[str, Any]) -> None:
-    d = step_dir(root, step)
-    tmp = d / (COMMIT + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(meta, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, d / COMMIT)
-    _fsync_dir(d)
+class Store:
+    """Where checkpoints live: a local (or mounted) directory."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        r = str(root)
+        self.root = Path(r[7:] if r.startswith("file://") else r)
+
+    def step_id(self, step: int) -> str:
+        return str(self.root / _step_name(step))
+
+    def prepare(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def steps(self) -> dict[int, bool]:
+        """Every step directory: step -> committed."""
+        out: dict[int, bool] = {}
+        if not self.root.exists():
+            return out
+        for p in self.root.iterdir():
+            s = _parse_step(p.name)
+            if s is not None:
+                out[s] = (p / COMMIT).exists()
+        return out
+
+    def committed(self, step: int) -> bool:
+        return (self.root / _step_name(step) / COMMIT).exists()
+
+    def has_metadata(self, step: int) -> bool:
+        return (self.root / _step_name(step) / ".metadata").exists()
+
+    def read_commit(self, step: int) -> dict[str, Any]:
+        return json.loads((self.root / _step_name(step) / COMMIT).read_text())
+
+    def write_commit(self, step: int, meta: dict[str, Any]) -> None:
+        d = self.root / _step_name(step)
+        tmp = d / (COMMIT + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, d / COMMIT)
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def remove(self, step: int) -> None:
+        shutil.rmtree(self.root / _step_name(step), ignore_errors=True)
+
+    def writer(self, step: int) -> Any:
+        return dcp.FileSystemWriter(self.step_id(step))
+
+    def reader(self, step: int) -> Any:
+        return dcp.FileSystemReader(self.step_id(step))
+
+
+class FsspecStore(Store):
+    """Checkpoints on an object store (s3://, gs://, ...) through fsspec. Storage options
+    (an endpoint, credentials) come from SPOTCTL_CHECKPOINT_STORAGE_OPTIONS (JSON) or the
+    store's usual environment (AWS_ENDPOINT_URL, GOOGLE_APPLICATION_CREDENTIALS...)."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
+        from fsspec.core import url_to_fs
+
+        self.url = url.rstrip("/")
+        env_opts = os.environ.get("SPOTCTL_CHECKPOINT_STORAGE_OPTIONS")
+        self.options = dict(storage_options if storage_options is not None
+                            else json.loads(env_opts) if env_opts else {})
+        self.fs, self.path = url_to_fs(self.url, **self.options)
+        self.path = self.path.rstrip("/")
+
+    def _p(self, step: int, name: str = "") -> str:
+        p = f"{self.path}/{_step_name(step)}"
+        return f"{p}/{name}" if name else p
+
+    def step_id(self, step: int) -> str:
+        return f"{self.url}/{_step_name(step)}"
+
+    def prepare(self) -> None:
+        self.fs.makedirs(self.path, exist_ok=True)
+
+    def _fresh(self) -> None:
+        # another rank or process wrote since the last listing: never trust a cached one
+        self.fs.invalidate_cache()
+
+    def steps(self) -> dict[int, bool]:
+        self._fresh()
+        out: dict[int, bool] = {}
+        try:
+            names = self.fs.ls(self.path, detail=False)
+        except FileNotFoundError:
+            return out
+        found = [s for s in (_parse_step(n) for n in names) if s is not None]
+        if not found:
+            return out
+        commits = set()
+        for p in self.fs.glob(f"{self.path}/step-*/{COMMIT}"):
+            s = _parse_step(p.rsplit("/", 2)[-2])
+            if s is not None:
+                commits.add(s)
+        return {s: s in commits for s in found}
+
+    def committed(self, step: int) -> bool:
+        self._fresh()
+        return bool(self.fs.exists(self._p(step, COMMIT)))
+
+    def has_metadata(self, step: int) -> bool:
+        self._fresh()
+        return bool(self.fs.exists(self._p(step, ".metadata")))
+
+    def read_commit(self, step: int) -> dict[str, Any]:
+        return json.loads(self.fs.cat_file(self._p(step, COMMIT)))
+
+    def write_commit(self, step: int, meta: dict[str, Any]) -> None:
+        self.fs.pipe_file(self._p(step, COMMIT), json.dumps(meta).encode())
+
+    def remove(self, step: int) -> None:
+        try:
+            self.fs.rm(self._p(step), recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def writer(self, step: int) -> Any:
+        from torch.distributed.checkpoint import FsspecWriter
+
+        return FsspecWriter(self.step_id(step), **self.options)
+
+    def reader(self, step: int) -> Any:
+        from torch.distributed.checkpoint import FsspecReader
+
+        return FsspecReader(self.step_id(step), **self.options)
+
+
+def open_store(root: str | os.PathLike[str]) -> Store:
+    return FsspecStore(str(root)) if is_url(root) else Store(root)
+
+
+# -- helpers kept for tools and tests that look at a local checkpoint directory
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / _step_name(step)
+
+
+def committed_steps(root: str | os.PathLike[str]) -> list[int]:
+    """Committed checkpoint steps, newest first."""
+    return sorted((s for s, c in open_store(root).steps().items() if c), reverse=True)
+
+
+def read_commit(root: str | os.PathLike[str], step: int) -> dict[str, Any]:
+    return open_store(root).read_commit(step)
+
+
+def _make_stager(mode: str) -> Any:
+    """A persistent stager: staging buffers are allocated once and reused by every save
+    (pinned host memory and a background copy where CUDA is available; shared memory so a
+    checkpoint process reads them without a copy)."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        return None
+    cuda = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda,
+                                        use_shared_memory=(mode == "process"),
+                                        use_async_staging=cuda, use_non_blocking_copy=cuda))
 
 
 class Checkpointer:
-    def __init__(self, root: Path, keep_last: int, rank: int, pg: Any):
-        self.root = Path(root)
+    """mode: "thread" (DCP's async save in a thread of this process) or "process" (a
+    persistent checkpoint process per rank, fed through a persistent stager)."""
+
+    def __init__(self, root: str | os.PathLike[str], keep_last: int, rank: int, pg: Any,
+                 mode: str | None = None):
+        self.store = open_store(root)
+        self.root = root
         self.keep_last = keep_last
         self.rank = rank
         self.pg = pg  # a separate gloo group: async saves run collectives off the main thread
-        self.pending: tuple[int, Future[Any], dict[str, Any], float] | None = None
-        self.last_committed = max(committed_steps(self.root), default=0) if rank == 0 else 0
+        self.mode = mode or os.environ.get("SPOTCTL_ASYNC_SAVE") or (
+            "process" if torch.cuda.is_available() else "thread")
+        if self.mode not in ("thread", "process"):
+            raise ValueError(f"SPOTCTL_ASYNC_SAVE must be thread or process, not {self.mode!r}")
+        self.stager: Any = None
+        self.pending: tuple[int, Any, dict[str, Any], float] | None = None
+        self.last_committed = 0
         self.save_failures = 0
         self.last_block_s = 0.0
+        self._pruner: threading.Thread | None = None
         if rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.store.prepare()
+            self.last_committed = max((s for s, c in self.store.steps().items() if c), default=0)
+
+    # -- agreement
+    def agreed_last_committed(self) -> int:
+        """Rank 0's view of the newest committed step, on every rank (collective)."""
+        t = torch.tensor([self.last_committed], dtype=torch.int64)
+        dist.broadcast(t, src=dist.get_global_rank(self.pg, 0), group=self.pg)
+        self.last_committed = int(t.item())
+        return self.last_committed
 
     # -- saving
     def save_async(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
         self.wait_pending()
         t0 = time.perf_counter()
         try:
-            fut = dcp.async_save(state, checkpoint_id=str(step_dir(self.root, step)),
-                                 process_group=self.pg)
+            fut = self._async_save(step, state)
         except _CKPT_ERRORS as e:
             self._failed(step, e)
             return
         self.last_block_s = time.perf_counter() - t0
         self.pending = (step, fut, meta, t0)
 
+    def _async_save(self, step: int, state: dict[str, Any]) -> Any:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        if self.stager is None:
+            self.stager = _make_stager(self.mode)
+        kind = (AsyncCheckpointerType.PROCESS if self.mode == "process"
+                else AsyncCheckpointerType.THREAD)
+        return dcp.async_save(state, storage_writer=self.store.writer(step),
+                              process_group=self.pg, async_checkpointer_type=kind,
+                              async_stager=self.stager)
+
+    @staticmethod
+    def _upload(fut: Any) -> Future[Any]:
+        return getattr(fut, "upload_completion", fut)
+
     def poll(self) -> None:
         """Commit a finished async save (rank 0). Cheap: called every step."""
-        if self.pending is not None and self.pending[1].done():
+        if self.pending is not None and self._upload(self.pending[1]).done():
             self.wait_pending()
 
     def wait_pending(self) -> None:
@@ -107,92 +291,127 @@ class Checkpointer:
         step, fut, meta, _ = self.pending
         self.pending = None
         try:
-            fut.result()
+            self._upload(fut).result()
         except _CKPT_ERRORS as e:
             self._failed(step, e)
             return
         self._commit(step, meta)
 
     def save_sync(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> bool:
-        """Collective save + commit; returns True when step is committed on disk."""
+        """Collective save + commit; returns True when step is committed. A step that is
+        committed already (rank 0's view, agreed) is never written again."""
         self.wait_pending()
+        if self.agreed_last_committed() >= step:
+            return True
         ok = 1
         try:
-            dcp.save(state, checkpoint_id=str(step_dir(self.root, step)), process_group=self.pg)
+            dcp.save(state, storage_writer=self.store.writer(step), process_group=self.pg)
         except _CKPT_ERRORS as e:
             self._failed(step, e)
             ok = 0
-        import torch
-
         flag = torch.tensor([ok])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pg)
         if int(flag.item()) != 1:
             return False
         self._commit(step, meta)
-        dist.barrier(group=self.pg)
-        return True
+        return self.agreed_last_committed() >= step
 
     def _commit(self, step: int, meta: dict[str, Any]) -> None:
         if self.rank != 0:
             self.last_committed = max(self.last_committed, step)
             return
-        d = step_dir(self.root, step)
-        if not (d / ".metadata").exists():
-            self._failed(step, RuntimeError("DCP metadata missing"))
-            return
         try:
-            write_commit(self.root, step, {**meta, "step": step, "committed_at": time.time()})
-        except OSError as e:
+            if not self.store.has_metadata(step):
+                raise RuntimeError("DCP metadata missing")
+            self.store.write_commit(step, {**meta, "step": step, "committed_at": time.time()})
+        except _CKPT_ERRORS as e:
             self._failed(step, e)
             return
         self.last_committed = max(self.last_committed, step)
-        self._prune()
+        self._prune_in_background()
 
     def _failed(self, step: int, err: BaseException) -> None:
         # A failed save (disk full, I/O error) must not stop training nor leave a partial
-        # directory that looks good: it has no COMMIT, and rank 0 removes it.
+        # directory that looks good: it has no COMMIT, and rank 0 removes it. A committed
+        # step is never removed here.
         self.save_failures += 1
         log.warning("checkpoint at step %d failed: %s", step, err)
         if self.rank == 0:
-            shutil.rmtree(step_dir(self.root, step), ignore_errors=True)
+            try:
+                if not self.store.committed(step):
+                    self.store.remove(step)
+            except _CKPT_ERRORS as e:
+                log.warning("could not remove the failed step %d: %s", step, e)
+
+    def _prune_in_background(self) -> None:
+        if self._pruner is not None and self._pruner.is_alive():
+            return  # the next commit prunes again
+        self._pruner = threading.Thread(target=self._prune, name="spotctl-prune", daemon=True)
+        self._pruner.start()
 
     def _prune(self) -> None:
-        keep = committed_steps(self.root)[: self.keep_last]
-        newest = keep[0] if keep else 0
-        for p in self.root.iterdir():
-            if not p.name.startswith("step-"):
-                continue
+        try:
+            steps = self.store.steps()
+            keep = sorted((s for s, c in steps.items() if c), reverse=True)[: self.keep_last]
+            newest = keep[0] if keep else 0
+            for s, committed in steps.items():
+                if (committed and s not in keep) or (not committed and s < newest):
+                    self.store.remove(s)
+        except _CKPT_ERRORS as e:
+            log.warning("pruning old checkpoints failed: %s", e)
+
+    def close(self) -> None:
+        self.wait_pending()
+        if self._pruner is not None:
+            self._pruner.join(timeout=60)
+        if self.stager is not None:
             try:
-                s = int(p.name[5:])
-            except ValueError:
-                continue
-            committed = (p / COMMIT).exists()
-            if (committed and s not in keep) or (not committed and s < newest):
-                shutil.rmtree(p, ignore_errors=True)
+                self.stager.close()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+            self.stager = None
 
     # -- loading
-    def load_latest(self, state: dict[str, Any]) -> dict[str, Any] | None:
-        """Load the newest committed checkpoint every rank can read; fall back to older
-        ones when one is corrupt. Returns its COMMIT meta, or None for a fresh start."""
-        import torch
-
-        steps = committed_steps(self.root)
-        # all ranks must try the same list: rank 0's view decides
+    def committed_list(self) -> list[int]:
+        """Committed steps, newest first, as rank 0 sees them (collective)."""
+        steps = sorted((s for s, c in self.store.steps().items() if c),
+                       reverse=True) if self.rank == 0 else []
         obj = [steps]
-        dist.broadcast_object_list(obj, src=0, group=self.pg)
-        steps = obj[0]
+        dist.broadcast_object_list(obj, src=dist.get_global_rank(self.pg, 0), group=self.pg)
+        return list(obj[0])
+
+    def load(self, steps: list[int], state: dict[str, Any]) -> dict[str, Any]:
+        """Load the newest of `steps` every rank can read (each tried LOAD_ATTEMPTS times,
+        then an older one, loudly). Returns its COMMIT meta. Raises when none loads: a
+        transient error must not restart training from scratch."""
+        errors = []
         for s in steps:
-            ok = 1
-            try:
-                dcp.load(state, checkpoint_id=str(step_dir(self.root, s)), process_group=self.pg)
-                meta = read_commit(self.root, s)
-            except _CKPT_ERRORS as e:
-                log.warning("checkpoint at step %d unreadable, trying an older one: %s", s, e)
-                ok = 0
-                meta = {}
-            flag = torch.tensor([ok])
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pg)
-            if int(flag.item()) == 1:
-                self.last_committed = s
-                return meta
-        return None
+            for attempt in range(LOAD_ATTEMPTS):
+                ok = 1
+                meta: dict[str, Any] = {}
+                try:
+                    meta = self.store.read_commit(s)
+                    dcp.load(state, storage_reader=self.store.reader(s), process_group=self.pg)
+                except _CKPT_ERRORS as e:
+                    log.warning("loading checkpoint step %d (attempt %d): %s", s, attempt + 1, e)
+                    errors.append(f"step {s}: {e}".splitlines()[0])
+                    ok = 0
+                flag = torch.tensor([ok])
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pg)
+                if int(flag.item()) == 1:
+                    if s != steps[0]:
+                        log.error("resumed from step %d: newer committed checkpoints %s did not "
+                                  "load", s, [x for x in steps if x > s])
+                    self.last_committed = s
+                    return meta
+                time.sleep(0.5 * (attempt + 1))
+        raise RuntimeError(f"committed checkpoints {steps} exist under {self.root} but none "
+                           f"loads ({'; '.join(errors[-2:])}); refusing to start over")
+
+    def load_latest(self, state: dict[str, Any]) -> dict[str, Any] | None:
+        """COMMIT meta of the newest loadable checkpoint, None for a fresh start."""
+        steps = self.committed_list()
+        return self.load(steps, state) if steps else None
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        return self.store.read_commit(step)

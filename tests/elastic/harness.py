@@ -1,0 +1,158 @@
+"""A real multi-process training run for spotctl.elastic tests: gloo groups started with
+torch.multiprocessing (spawn), a drain requested at a chosen step ends an incarnation the
+way the agent's stop would, and rank 0 records the global loss of every step."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from spotctl import elastic
+
+DIM = 6
+
+
+class Drained(Exception):
+    pass
+
+
+class _TestRun(elastic.Run):
+    def _after_drain(self) -> None:  # the agent would SIGTERM us here
+        raise Drained
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, DIM, generator=g)
+    y = x @ torch.randn(DIM, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
+    return x, y
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(DIM, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 1))
+
+
+def make_sched(opt: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.3 * s))
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.n = sd["n"]
+
+
+def plain_losses(cfg: dict[str, Any]) -> list[float]:
+    """The reference: one process, no spotctl, same data order, AdamW + scheduler."""
+    x, y = data(cfg["n"])
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    sched = make_sched(opt)
+    out, epoch, offset = [], 0, 0
+    for _ in range(cfg["steps"]):
+        perm = elastic.epoch_permutation(cfg["n"], cfg["seed"], epoch)
+        cnt = min(cfg["batch"], cfg["n"] - offset)
+        idx = perm[offset : offset + cnt]
+        loss = nn.functional.mse_loss(model(x[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        out.append(loss.item())
+        offset += cnt
+        if offset >= cfg["n"]:
+            epoch, offset = epoch + 1, 0
+    return out
+
+
+def _worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    model = make_model()
+    mesh = None
+    if cfg.get("fsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    sched = make_sched(opt)
+    counter = Counter()
+    x, y = data(cfg["n"])
+    run = _TestRun(model, opt, dataset_size=cfg["n"], global_batch=cfg["batch"],
+                   seed=cfg["seed"], max_steps=cfg["steps"], checkpoint_every=cfg["every"],
+                   checkpoint_dir=cfg["root"], keep_last=3, micro_batch=cfg.get("micro"),
+                   mesh=mesh, dp_dim="dp" if mesh is not None else None, schedulers=[sched],
+                   state={"counter": counter})
+    out = Path(cfg["out"])
+    rec: dict[str, Any] = {"resume": run.resume_step, "counter": counter.n,
+                           "lr": opt.param_groups[0]["lr"], "losses": {}, "rand": {}}
+    loader = None
+    if cfg.get("loader"):
+        from torch.utils.data import DataLoader, TensorDataset
+
+        loader = iter(DataLoader(TensorDataset(x, y), batch_sampler=run.batch_sampler(),
+                                 num_workers=cfg["loader"]))
+    try:
+        while True:
+            if rank == cfg.get("drain_rank", 0) and run.step == cfg.get("drain_at"):
+                run.drain_requested = True
+            if not run.next_step():
+                break
+            total = torch.zeros(1)
+            opt.zero_grad()
+            for mb in run.micro_batches(loader):
+                xb, yb = (x[mb], y[mb]) if loader is None else mb
+                loss_sum = nn.functional.mse_loss(model(xb) if mesh is not None
+                                                  else run.model(xb), yb, reduction="sum")
+                (loss_sum * run.loss_scale).backward()
+                total += loss_sum.detach()
+            opt.step()
+            sched.step()
+            counter.n += 1
+            rec["rand"][run.step + 1] = torch.rand(1).item()
+            dist.all_reduce(total)
+            rec["losses"][run.step + 1] = total.item() / run.step_samples
+            run.end_step(loss=total.item())
+        run.finish()
+        rec["end"] = "finished"
+    except Drained:
+        rec["end"] = f"drained@{run.drain_step}"
+        run.ckpt.close()
+        dist.destroy_process_group()
+    Path(f"{out}.r{rank}").write_text(json.dumps(rec))
+
+
+def launch(world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    mp.start_processes(_worker, args=(world, free_port(), cfg), nprocs=world, join=True,
+                       start_method="spawn")
+    return [json.loads(Path(f"{cfg['out']}.r{r}").read_text()) for r in range(world)]
