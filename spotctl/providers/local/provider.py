@@ -26,6 +26,7 @@ from typing import Any
 from spotctl.agent import proctree
 from spotctl.agent.config import AgentConfig
 from spotctl.errors import CapacityError, NotFoundError, SpotctlError
+from spotctl.head.auth import node_token
 from spotctl.providers.base import HeadInfo, Instance, Offer, ProviderContext
 from spotctl.state import write_json_atomic, write_private
 
@@ -207,7 +208,8 @@ class LocalProvider:
 
                 env.setdefault("GLOO_SOCKET_IFNAME", NODE_IFNAME)
             final = self.nodes_dir / nid
-            write_private(d / "token", self.cdir.token())
+            # the node's own credential: it can speak for this node only
+            write_private(d / "token", node_token(self.cdir.token(), nid))
             tr = self.spec.train
             cfg = AgentConfig(
                 cluster=self.ctx.cluster, node_id=nid, head_url=head.url,
