@@ -3,7 +3,16 @@
 Nothing is bought, launched or powered off. `launch` *joins* free hosts to the cluster
 (recorded in `<cluster dir>/ssh_nodes.json`), `bootstrap` makes them nodes over SSH, and
 `terminate` *releases* them: the agent is stopped and the token removed, the machine stays.
-The head runs on the controller, as for the local provider.
+The head runs on the controller, as for the local provider, on its 127.0.0.1 only; agents on
+other machines reach it through a reverse SSH forward per host (spotctl.remote.revtunnel)
+on their own loopback, so the store is never opened to a network.
+
+Delivery: with `[train] python` empty, each host gets this controller's spotctl wheel, its
+pinned dependencies and the project directory (spotctl.remote.package) and runs them in a
+venv made from the host's `python3` (its torch reused when it has one). With `python` set,
+that interpreter must already have spotctl and torch on every host; nothing is installed.
+Checkpoints: an object-store URI, or a path under `[ssh] shared_dir` (a mount every host
+has); the controller's own directory only when every host is this machine (loopback).
 
 Node ids are stable per host (`ssh-<address>-<port>`, with `-2`, `-3` for repeats), so a
 host keeps its id and its pinned host key across `down`/`up`.
@@ -25,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from spotctl.agent.config import AgentConfig
-from spotctl.errors import CapacityError, TransientError
+from spotctl.errors import CapacityError, SpecError, TransientError
 from spotctl.head.auth import node_token
 from spotctl.providers.base import HeadInfo, Instance, Offer, ProviderContext
 from spotctl.remote.bootstrap import (
@@ -37,12 +46,21 @@ from spotctl.remote.bootstrap import (
     release_hosts,
     render_bootstrap,
 )
+from spotctl.remote.package import NodePackage, Project, node_package, project_files
 from spotctl.remote.ssh import HostTarget
 from spotctl.spec import SshHost
 from spotctl.state import write_json_atomic
 
 STATE_FILE = "ssh_nodes.json"
 REMOTE_ROOT_VAR = "SPOTCTL_SSH_REMOTE_ROOT"
+TUNNEL_VAR = "SPOTCTL_SSH_TUNNEL"
+TUNNELS_DIR = "tunnels"
+_URI = re.compile(r"^[a-z][a-z0-9+.-]*://")
+
+
+def is_loopback(address: str) -> bool:
+    a = address.strip("[]").lower()
+    return a == "localhost" or a == "::1" or a.startswith("127.")
 # the class defines a method named `list`, which shadows the builtin in its annotations
 _HostResults = list[HostResult]
 _Strs = list[str]
@@ -83,6 +101,11 @@ class SshProvider:
         self.parallel = int(opts.get("ssh_parallel", 8))
         # Upload the training script next to the agent (hosts without the project on disk).
         self.upload_script = bool(opts.get("ssh_upload_script", True))
+        # Ship spotctl + the project (see the module docstring); base interpreter on hosts.
+        self.deliver = bool(opts.get("deliver", not ctx.spec.train.python))
+        self.base_python = str(opts.get("base_python") or ctx.spec.ssh.base_python)
+        # Reverse tunnels: "auto" for hosts that are not this machine, "always", "never".
+        self.tunnel = str(opts.get("ssh_tunnel") or os.environ.get(TUNNEL_VAR) or "auto")
         self._local: Any = None
 
     # -- joined hosts, recorded in the cluster directory
@@ -192,9 +215,12 @@ class SshProvider:
         results = release_hosts(
             targets, self.cdir.known_hosts, self.parallel, wait_s=min(self.wait_s, 10.0)
         )
+        from spotctl.remote import revtunnel
+
         with self._locked() as data:
             for t in targets:
                 data["nodes"].pop(t.node_id, None)
+                revtunnel.stop(self.cdir.path / TUNNELS_DIR, t.node_id)
         failed = [r for r in results if not r.ok]
         if failed:
             raise TransientError(
@@ -212,12 +238,67 @@ class SshProvider:
             store_host=head.store_host, store_port=head.store_port, token_file="",
             workdir="work", script=tr.script, args=list(tr.args), nproc_per_node=inst.gpus,
             max_nodes=max(1, self.spec.gpus.max // max(1, inst.gpus)),
-            checkpoint_dir=tr.checkpoint_dir or str(self.cdir.checkpoints),
+            checkpoint_dir=self.checkpoint_dir(),
             checkpoint_every=tr.checkpoint_every, keep_last=tr.keep_last,
             max_steps=tr.max_steps, python=tr.python, env=dict(tr.env),
             local_addr=inst.address, metadata="file" if notice else "none",
             notice_file=notice,
         )  # fmt: skip
+
+    def checkpoint_dir(self) -> str:
+        """Where every node reads and writes checkpoints: an object-store URI, a path under
+        `[ssh] shared_dir`, or (only when every host is this machine) the cluster dir."""
+        cd = self.spec.train.checkpoint_dir
+        shared = self.spec.ssh.shared_dir.rstrip("/")
+        if cd and _URI.match(cd):
+            return cd
+        if not cd and shared:
+            return f"{shared}/{self.cluster}/checkpoints"
+        if cd and shared and (cd.rstrip("/") + "/").startswith(shared + "/"):
+            return cd
+        if all(is_loopback(h.address) for h in self.hosts.values()):
+            return cd or str(self.cdir.checkpoints)
+        raise SpecError(
+            "train.checkpoint_dir: the ssh provider needs storage every host can read: an "
+            "object-store URI (s3://..., gs://...) or a path under [ssh] shared_dir "
+            f"(got {cd or 'nothing'!r}{', shared_dir ' + repr(shared) if shared else ''})"
+        )
+
+    def _needs_tunnel(self, inst: Instance) -> bool:
+        if self.tunnel == "never":
+            return False
+        return self.tunnel == "always" or not is_loopback(self._target(inst).address)
+
+    def _tunnels(self, instances: Sequence[Instance], head: HeadInfo) -> dict[str, HeadInfo]:
+        """Reverse forwards for hosts that need them: node id -> the head as that host
+        sees it (127.0.0.1 and the host-side ports)."""
+        from urllib.parse import urlparse
+
+        from spotctl.remote import revtunnel
+
+        out: dict[str, HeadInfo] = {}
+        api = urlparse(head.url).port or 80
+        for inst in instances:
+            if not self._needs_tunnel(inst):
+                continue
+            t = self._target(inst)
+            spec = revtunnel.TunnelSpec(
+                name=inst.id, address=t.address, port=t.port, user=t.user, key_file=t.key_path,
+                known_hosts=str(self.cdir.known_hosts), local_api=api,
+                local_store=head.store_port,
+            )  # fmt: skip
+            rapi, rstore = revtunnel.ensure(self.cdir.path / TUNNELS_DIR, spec)
+            out[inst.id] = dataclasses.replace(
+                head, url=f"http://127.0.0.1:{rapi}", store_host="127.0.0.1", store_port=rstore
+            )
+        return out
+
+    def _package(self) -> tuple[NodePackage | None, Project | None]:
+        if not self.deliver:
+            return None, None
+        script = Path(self.spec.train.script)
+        root = script.resolve().parent if script.is_file() else Path.cwd()
+        return node_package(self.cdir.path.parent.parent / "cache" / "package"), project_files(root)
 
     def bootstrap(
         self,
@@ -230,12 +311,15 @@ class SshProvider:
         """Make joined hosts nodes: upload, install if missing, start the agent, and wait
         for its first heartbeat at the head. Per-host results; never raises for one host."""
         token = token or self.cdir.token()
+        self.checkpoint_dir()  # refuses storage the hosts cannot share, before any work
         head: HeadInfo | None = None
         if agent_config_for is None:
             head = self.head_info()
-            agent_config_for = lambda i: self.agent_config(i, head)  # noqa: E731
+            via = self._tunnels(instances, head)
+            agent_config_for = lambda i: self.agent_config(i, via.get(i.id, head))  # noqa: E731
         by_id = {i.id: i for i in instances}
-        python = self.spec.train.python or sys.executable
+        package, project = self._package()
+        python = self.spec.train.python or (self.base_python if package else sys.executable)
 
         def render(t: HostTarget) -> BootstrapFiles:
             inst = by_id[t.node_id]
@@ -245,12 +329,12 @@ class SshProvider:
                 cfg.metadata, cfg.notice_file = "file", notice
             extra: dict[str, bytes] = {}
             script = Path(cfg.script)
-            if self.upload_script and script.is_file():
+            if self.upload_script and script.is_file() and project is None:
                 extra[f"train/{script.name}"] = script.read_bytes()
                 cfg.script = f"{t.remote_dir}/train/{script.name}"
             # the node gets its own credential (bound to its id), never the cluster secret
             return render_bootstrap(t, cfg, node_token(token, cfg.node_id), python=python,
-                                    extra=extra)
+                                    extra=extra, package=package, project=project)
 
         probe_url = (head.public_url or head.url) if head else ""
         if not probe_url:
@@ -275,6 +359,7 @@ class SshProvider:
         return self._local
 
     def prepare(self) -> None:
+        self.checkpoint_dir()  # a spec error, before anything is joined or started
         self._head().prepare()
 
     def ensure_head(self) -> HeadInfo:
@@ -291,6 +376,9 @@ class SshProvider:
             self.terminate(ids)
         except TransientError as e:
             leaks.append(str(e))
+        from spotctl.remote import revtunnel
+
+        revtunnel.stop_all(self.cdir.path / TUNNELS_DIR)
         left = self._head().stop_head()
         if left:
             leaks.append(f"head: processes {left} still alive")

@@ -1,0 +1,155 @@
+"""What the controller ships to nodes (spotctl.remote.package), the ssh provider's storage
+rule, and its reverse tunnel to the head (a real sshd on loopback, the real head)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import urllib.request
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from spotctl.errors import BootstrapError, SpecError
+from spotctl.providers.base import ProviderContext
+from spotctl.providers.ssh.provider import SshProvider
+from spotctl.remote import revtunnel
+from spotctl.remote.package import node_package, project_files
+from spotctl.spec import ClusterSpec
+from spotctl.state import Store
+
+from .conftest import Head, SshdFactory
+
+
+def _tree(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+
+
+PROJECT = {
+    "train.py": "print('hi')\n",
+    "model/net.py": "X = 1\n",
+    "data/big.bin": "x" * 100,
+    "notes.log": "log\n",
+    "keep/important.log": "kept\n",
+    "ckpt/step-1/x": "y",
+    ".venv/lib/x.py": "no\n",
+    "model/__pycache__/net.cpython-311.pyc": "no",
+    ".gitignore": "*.log\n!keep/important.log\ndata/\n",
+    ".spotctlignore": "ckpt/\n",
+}
+EXPECTED = {"train.py", "model/net.py", "keep/important.log", ".gitignore", ".spotctlignore"}
+
+
+def test_project_honours_gitignore_and_spotctlignore(tmp_path: Path) -> None:
+    _tree(tmp_path, PROJECT)
+    p = project_files(tmp_path)
+    assert set(p.files) == EXPECTED
+    assert p.files["model/net.py"] == b"X = 1\n"
+    assert f"{len(EXPECTED)} files" in p.summary()
+
+
+def test_project_in_a_git_work_tree_uses_git(tmp_path: Path) -> None:
+    _tree(tmp_path, PROJECT)
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    assert set(project_files(tmp_path).files) == EXPECTED
+
+
+def test_project_too_big_names_the_biggest_file(tmp_path: Path) -> None:
+    _tree(tmp_path, {"train.py": "x", "weights.pt": "w" * 5000})
+    with pytest.raises(
+        BootstrapError, match=r"weights\.pt .*\.spotctlignore|\.spotctlignore.*weights\.pt"
+    ):
+        project_files(tmp_path, max_bytes=1000)
+
+
+def test_node_package_is_pinned_and_self_contained(tmp_path: Path) -> None:
+    pkg = node_package(tmp_path / "cache")
+    pins = [ln for ln in pkg.requirements.splitlines() if ln]
+    names = {ln.split("==")[0].lower().replace("_", "-") for ln in pins}
+    assert all("==" in ln for ln in pins)
+    assert {"typer", "rich", "pydantic", "fabric", "platformdirs"} <= names
+    assert "torch" not in names and "spotctl" not in names
+    # every pinned dependency and spotctl itself are in the wheelhouse
+    wheel_names = {w.split("-")[0].lower().replace("_", "-") for w in pkg.wheels}
+    assert names | {"spotctl"} <= wheel_names
+    own = pkg.wheels[pkg.spotctl_wheel]
+    (tmp_path / pkg.spotctl_wheel).write_bytes(own)
+    with zipfile.ZipFile(tmp_path / pkg.spotctl_wheel) as z:
+        assert "spotctl/remote/package.py" in z.namelist()
+    # cached: a second call (new process memo aside) reuses the built files
+    assert node_package(tmp_path / "cache").key == pkg.key
+    assert "pkg/key" in pkg.files()
+
+
+def _provider(tmp_path: Path, ssh: dict[str, object], train: dict[str, object]) -> SshProvider:
+    spec = ClusterSpec.model_validate({"name": "c1", "provider": "ssh", "ssh": ssh, "train": train})
+    store = Store(tmp_path / "home")
+    return SshProvider(ProviderContext("c1", spec, store.cluster_dir("c1")))
+
+
+def test_ssh_checkpoints_must_be_shared(tmp_path: Path) -> None:
+    remote = {"hosts": [{"address": "10.0.0.5"}]}
+    with pytest.raises(SpecError, match="checkpoint_dir.*object-store URI"):
+        _provider(tmp_path, remote, {}).checkpoint_dir()
+    with pytest.raises(SpecError, match="shared_dir"):
+        _provider(
+            tmp_path, {**remote, "shared_dir": "/mnt/s"}, {"checkpoint_dir": "/data/c"}
+        ).checkpoint_dir()
+    assert (
+        _provider(tmp_path, remote, {"checkpoint_dir": "s3://b/p"}).checkpoint_dir() == "s3://b/p"
+    )
+    shared = _provider(tmp_path, {**remote, "shared_dir": "/mnt/s/"}, {})
+    assert shared.checkpoint_dir() == "/mnt/s/c1/checkpoints"
+    # every host is this machine: the controller's directory is shared by construction
+    local = _provider(tmp_path, {"hosts": [{"address": "127.0.0.1"}]}, {})
+    assert local.checkpoint_dir().endswith("checkpoints")
+
+
+@pytest.mark.ssh
+def test_reverse_tunnel_reaches_the_head_on_the_hosts_loopback(
+    sshd_factory: SshdFactory, client_key: Path, head: Head, tmp_path: Path
+) -> None:
+    s = sshd_factory.start()
+    api = int(head.url.rsplit(":", 1)[1])
+    spec = revtunnel.TunnelSpec(
+        name="n1", address="127.0.0.1", port=s.port, user="root", key_file=str(client_key),
+        known_hosts=str(tmp_path / "known_hosts"), local_api=api, local_store=head.store_port,
+    )  # fmt: skip
+    base = tmp_path / "tunnels"
+    rapi, rstore = revtunnel.ensure(base, spec)
+    try:
+        assert rapi not in (0, api) and rstore not in (0, head.store_port)
+        # sshd binds the forwards to the host's loopback (GatewayPorts no)
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{rapi}/api/health", headers={"Authorization": f"Bearer {head.token}"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert json.load(r)["ok"]
+        with socket.create_connection(("127.0.0.1", rstore), timeout=5):
+            pass
+        # reused while alive, same ports
+        assert revtunnel.ensure(base, spec) == (rapi, rstore)
+    finally:
+        revtunnel.stop(base, "n1")
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", rapi), timeout=2).close()
+
+
+@pytest.mark.ssh
+def test_reverse_tunnel_refuses_a_changed_host_key(
+    sshd_factory: SshdFactory, client_key: Path, tmp_path: Path
+) -> None:
+    s = sshd_factory.start()
+    kh = tmp_path / "known_hosts"
+    kh.write_text(
+        f"[127.0.0.1]:{s.port} ssh-ed25519 "
+        "AAAAC3NzaC1lZDI1NTE5AAAAIHk0dXBvYmNkZWZnaGlqa2xtbm9wcXJzdHV2d3h5ejAx\n"
+    )
+    spec = revtunnel.TunnelSpec("n2", "127.0.0.1", s.port, "root", str(client_key), str(kh), 1, 2)
+    with pytest.raises(BootstrapError, match="reverse tunnel.*did not come up"):
+        revtunnel.ensure(tmp_path / "t", spec, timeout_s=30)
