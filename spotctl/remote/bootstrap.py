@@ -195,6 +195,16 @@ def unit_name(cluster: str, node_id: str) -> str:
     return f"spotctl-agent-{safe}"
 
 
+def node_venv(node_dir: str, package: NodePackage, base_python: str) -> str:
+    """The venv a node runs in: `<remote root>/venvs/<hash of the pinned dependencies and
+    base interpreter>`, shared by the nodes of a host (a new spotctl wheel alone is
+    reinstalled in place; new dependencies get a new venv)."""
+    deps = hashlib.sha256(
+        (package.requirements + package.torch_spec + base_python).encode()
+    ).hexdigest()[:16]
+    return f"{str(PurePosixPath(node_dir).parent.parent).rstrip('/')}/venvs/{deps}"
+
+
 def render_bootstrap(
     target: HostTarget,
     config: AgentConfig,
@@ -225,10 +235,7 @@ def render_bootstrap(
     if not token or "\n" in token.strip():
         raise BootstrapError("cluster token is empty or not one line")
     if package is not None and not venv:
-        deps = hashlib.sha256(
-            (package.requirements + package.torch_spec + python).encode()
-        ).hexdigest()[:16]
-        venv = f"{str(PurePosixPath(d).parent.parent).rstrip('/')}/venvs/{deps}"
+        venv = node_venv(d, package, python)
     py = f"{venv.rstrip('/')}/bin/python" if venv else python
     workdir = config.workdir or "work"
     if not workdir.startswith("/"):
@@ -688,15 +695,37 @@ class CloudNodes:
         self.wait_s = float(opts.get("ssh_wait_s", 300.0))
         self.heartbeat_timeout_s = float(opts.get("ssh_heartbeat_timeout_s", 180.0))
         self.head_timeout_s = float(opts.get("head_start_timeout_s", 120.0))
-        self.parallel = int(opts.get("ssh_parallel", 8))
-        # On a VM the image's python3 (pip-installs spotctl if missing); on the test seam's
-        # loopback host, this interpreter (the project is installed in it).
+        # SSH work only: heartbeats are awaited outside these slots (bootstrap_hosts).
+        self.parallel = int(opts.get("ssh_parallel", 32))
+        # On a VM: spotctl ships itself (its wheel, pinned dependencies, the project) into
+        # a venv made from the image's python, which `[train] python` names (default
+        # python3; e.g. a Deep Learning image's torch environment), so that image's CUDA
+        # torch is reused. On the test seam's loopback host: this interpreter as it is.
         py = ctx.spec.train.python
-        self.python = py or (sys.executable if self.override else "python3")
+        self.deliver = bool(opts.get("deliver", self.override is None))
+        self.python = py or str(opts.get("base_python") or "") or (
+            "python3" if self.deliver else sys.executable
+        )
+        self._pkg: tuple[NodePackage, Project | None] | None = None
 
     @property
     def known_hosts(self) -> Path:
         return self.ctx.cluster_dir.known_hosts
+
+    def package(self) -> tuple[NodePackage | None, Project | None]:
+        """What the nodes install from (None, None when not delivering); built once."""
+        if not self.deliver:
+            return None, None
+        if self._pkg is None:
+            from spotctl.remote.package import node_package, project_files
+
+            cache = self.ctx.cluster_dir.path.parent.parent / "cache" / "package"
+            script = Path(self.ctx.spec.train.script)
+            project = project_files(script.resolve().parent) if script.is_file() else None
+            self._pkg = (node_package(cache), project)
+            log.info("%s%s", self._pkg[0].summary(),
+                     f"; {project.summary()}" if project else "")  # fmt: skip
+        return self._pkg
 
     def token(self) -> str:
         return self.ctx.cluster_dir.token(create=True)
@@ -740,9 +769,11 @@ class CloudNodes:
         coordinator answers /api/health at the URL the controller uses."""
         token = self.token()
         listen = self.override.address if self.override else "0.0.0.0"
+        package, _ = self.package()
 
         def render(t: HostTarget) -> BootstrapFiles:
             d = t.remote_dir
+            py = node_venv(d, package, self.python) + "/bin/python" if package else self.python
             cfg = AgentConfig(
                 cluster=self.ctx.cluster, node_id=HEAD_NODE_ID, head_url=info.url,
                 store_host=info.store_host, store_port=info.store_port, token_file="",
@@ -750,11 +781,12 @@ class CloudNodes:
             )  # fmt: skip
             # `-X` tags the command line with the node's agent.json path, which is how
             # bootstrap.sh recognises its own process (python ignores unknown -X options).
-            argv = [self.python, "-X", f"spotctl_node={d}/{AGENT_CONFIG}", "-m",
+            argv = [py, "-X", f"spotctl_node={d}/{AGENT_CONFIG}", "-m",
                     "spotctl.cli.app", "head", "--dir", f"{d}/head", "--token-file",
                     f"{d}/{TOKEN_FILE}", "--host", listen, "--http-port", str(self.api_port),
                     "--store-port", str(self.store_port)]  # fmt: skip
-            return render_bootstrap(t, cfg, token, python=self.python, agent_argv=argv)
+            return render_bootstrap(t, cfg, token, python=self.python, agent_argv=argv,
+                                    package=package)  # fmt: skip
 
         target = self.target(inst, HEAD_NODE_ID)
         (res,) = bootstrap_hosts([target], render, self.known_hosts, 1, None,
@@ -807,12 +839,13 @@ class CloudNodes:
         self, instances: Sequence[Instance], head: HeadInfo, *, progress: HostProgress | None = None
     ) -> list[HostResult]:
         """Agents on the workers; a host is ok once its agent heartbeats at the head."""
+        package, project = self.package()
         return bootstrap_agents(
             instances, {i.id: self.target(i) for i in instances},
             lambda i: self.agent_config(i, head), self.token(), self.known_hosts,
             python=self.python, probe_url=controller_url(head, self.known_hosts),
             parallel=self.parallel, progress=progress, wait_s=self.wait_s,
-            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s, package=package, project=project,
         )  # fmt: skip
 
     def release(self, instances: Sequence[Instance]) -> list[HostResult]:
@@ -846,22 +879,26 @@ def bootstrap_agents(
     progress: HostProgress | None = None,
     wait_s: float = 300.0,
     heartbeat_timeout_s: float = 120.0,
+    package: NodePackage | None = None,
+    project: Project | None = None,
 ) -> list[HostResult]:
     """Make instances nodes: render each one's agent config (the training script uploaded
-    next to it when it is a local file), bootstrap, and with `probe_url` wait for each
-    agent's first heartbeat at the head. Per-host results; never raises for one host."""
+    next to it when it is a local file, or the whole `project`), bootstrap (installing from
+    `package` when given, `python` being then the image's interpreter), and with
+    `probe_url` wait for each agent's first heartbeat at the head. Per-host results; never
+    raises for one host."""
     by_id = {i.id: i for i in instances}
 
     def render(t: HostTarget) -> BootstrapFiles:
         cfg = dataclasses.replace(config_for(by_id[t.node_id]))
         extra: dict[str, bytes] = {}
         script = Path(cfg.script)
-        if upload_script and script.is_file():
+        if upload_script and script.is_file() and project is None:
             extra[f"train/{script.name}"] = script.read_bytes()
             cfg.script = f"{t.remote_dir}/train/{script.name}"
         # the node gets its own credential (bound to its id), never the cluster secret
         return render_bootstrap(t, cfg, node_token(token, cfg.node_id), python=python,
-                                extra=extra)
+                                extra=extra, package=package, project=project)
 
     probe = HeadProbe(probe_url, token) if probe_url else None
     return bootstrap_hosts(
