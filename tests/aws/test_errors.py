@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from spotctl.errors import AuthError, CapacityError, QuotaError, TransientError
-from spotctl.providers.aws.provider import AwsProvider, launch_with_failover
+from spotctl.providers.aws.launch import launch_with_failover
+from spotctl.providers.aws.provider import AwsProvider
 
 from .conftest import FaultProxy, Rule
 

@@ -11,14 +11,14 @@ import pytest
 from spotctl.control.planner import Observed, plan
 from spotctl.errors import SpecError
 from spotctl.providers.aws import catalog as catalog_aws
-from spotctl.providers.aws.provider import (
+from spotctl.providers.aws.api import (
     COORDINATOR_PORT,
     STORE_PORT,
     TAG_CLUSTER,
     TAG_REQUEST,
     TAG_ROLE,
-    AwsProvider,
 )
+from spotctl.providers.aws.provider import AwsProvider
 from spotctl.providers.base import Provider
 
 pytestmark = pytest.mark.aws

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from spotctl.errors import AuthError, CapacityError, QuotaError, SpecError, TransientError
-from spotctl.providers.gcp.provider import GcpProvider, instance_name
+from spotctl.providers.gcp.api import instance_name
+from spotctl.providers.gcp.provider import GcpProvider
 
 from .conftest import CIDR, PROJECT, make_ctx
 

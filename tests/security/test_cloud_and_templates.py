@@ -66,7 +66,7 @@ def test_cloud_request_assertions_exist(path: str) -> None:
 
 
 def test_aws_provider_sends_imdsv2_hop_limit_1() -> None:
-    src = (REPO / "spotctl/providers/aws/provider.py").read_text()
+    src = (REPO / "spotctl/providers/aws/launch.py").read_text()
     assert '"HttpTokens": "required"' in src
     assert '"HttpPutResponseHopLimit": 1' in src
 

@@ -1,0 +1,288 @@
+"""AWS provider, launch: starting, listing and terminating instances.
+
+This module owns the instance lifecycle calls: the AMI a launch uses, `run_instances`
+(spot or on-demand, all or nothing, IMDSv2 with hop limit 1, tags at creation,
+ClientToken idempotency), idempotent `launch` by request id, `list` and `terminate` by
+cluster tag, the mapping of EC2 instances to spotctl Instances, and
+`launch_with_failover`, which walks offers on capacity errors.
+"""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from spotctl.errors import CapacityError, ProviderError, SpecError
+from spotctl.providers.aws.api import (
+    _ID_CHUNK,
+    _NOT_FOUND_CODES,
+    LIVE_STATES,
+    TAG_CLUSTER,
+    TAG_GPUS,
+    TAG_ON_DEMAND,
+    TAG_PRICE,
+    TAG_REQUEST,
+    TAG_ROLE,
+    _tag_map,
+    _tags,
+    error_code,
+)
+from spotctl.providers.aws.network import AwsNetwork
+from spotctl.providers.base import Instance, Offer
+
+# Default AMI when aws.ami is empty: AWS's Deep Learning Base AMI (NVIDIA driver, CUDA).
+DEFAULT_AMI_NAME = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) *"
+_ZONE_ID_RE = re.compile(r"[a-z]{2,4}\d+-az\d+")
+
+
+def client_token(request_id: str, offer: Offer) -> str:
+    """ClientToken for run_instances: the request id, plus the offer it was tried on.
+
+    A failover walk tries several offers under one request id; the same token with other
+    parameters would be refused (IdempotentParameterMismatch), so the offer goes into the
+    token. Retrying the same offer under the same request id reuses the token, which lets
+    EC2 itself return the first call's instances. At most 64 characters.
+    """
+    digest = hashlib.sha256(f"{offer.zone}/{offer.instance_type}".encode()).hexdigest()[:10]
+    return f"{request_id[:53]}-{digest}"
+
+
+class AwsLaunch(AwsNetwork):
+    """Instances of the cluster: run, launch, list, terminate."""
+
+    def _ami(self) -> str:
+        if self.spec.ami:
+            return self.spec.ami
+        if self._default_ami:
+            return self._default_ami
+        images = self._call(
+            f"find a Deep Learning AMI in {self.region}",
+            self.ec2.describe_images,
+            Owners=["amazon"],
+            Filters=[
+                {"Name": "name", "Values": [DEFAULT_AMI_NAME]},
+                {"Name": "state", "Values": ["available"]},
+                {"Name": "architecture", "Values": ["x86_64"]},
+            ],
+        ).get("Images", [])
+        if not images:
+            raise SpecError(
+                f"aws.ami: not set and no '{DEFAULT_AMI_NAME}' image found in "
+                f"{self.region}; set aws.ami"
+            )
+        newest = max(images, key=lambda i: str(i.get("CreationDate", "")))
+        self._default_ami = str(newest["ImageId"])
+        return self._default_ami
+
+    def _describe(self, filters: list[dict[str, Any]], what: str) -> list[dict[str, Any]]:
+        reservations = self._paged("describe_instances", what, "Reservations", Filters=filters)
+        return [i for r in reservations for i in r.get("Instances", [])]
+
+    def _to_instance(self, raw: dict[str, Any]) -> Instance:
+        tags = _tag_map(raw)
+        state = raw.get("State", {}).get("Name", "")
+        mapped = {"pending": "pending", "running": "running", "terminated": "gone"}.get(
+            state, "stopping"
+        )
+        launched = raw.get("LaunchTime")
+        itype = str(raw.get("InstanceType", ""))
+        gpus = int(tags.get(TAG_GPUS, "0") or 0)
+        return Instance(
+            id=str(raw["InstanceId"]),
+            cluster=tags.get(TAG_CLUSTER, ""),
+            role=tags.get(TAG_ROLE, "worker"),
+            zone=str(raw.get("Placement", {}).get("AvailabilityZone", "")),
+            instance_type=itype,
+            gpus=gpus,
+            state=mapped,
+            request_id=tags.get(TAG_REQUEST, ""),
+            price=float(tags.get(TAG_PRICE, "0") or 0),
+            on_demand_price=float(tags.get(TAG_ON_DEMAND, "0") or 0),
+            launched_at=launched.timestamp() if launched is not None else 0.0,
+            address=str(raw.get("PrivateIpAddress", "")),
+            public_address=str(raw.get("PublicIpAddress", "")),
+            spot=raw.get("InstanceLifecycle") == "spot",
+            ssh_port=22,
+            ssh_user=self.spec.ssh_user,
+            meta={
+                "key_file": str(self.key_path),
+                "region": self.region,
+                "aws_state": state,
+                "spot_request_id": raw.get("SpotInstanceRequestId", ""),
+            },
+        )
+
+    def _by_request(self, request_id: str) -> list[Instance]:
+        raw = self._describe(
+            self._cluster_filter()
+            + [
+                {"Name": f"tag:{TAG_REQUEST}", "Values": [request_id]},
+                {"Name": "instance-state-name", "Values": list(LIVE_STATES)},
+            ],
+            f"look up request {request_id}",
+        )
+        return [self._to_instance(i) for i in raw]
+
+    def _run(
+        self,
+        what: str,
+        *,
+        instance_type: str,
+        zone: str,
+        count: int,
+        request_id: str,
+        token: str,
+        role: str,
+        tags: dict[str, str],
+        spot: bool,
+    ) -> list[Instance]:
+        self.prepare()
+        assert self._prepared is not None
+        group, key = self._prepared
+        all_tags = {
+            TAG_CLUSTER: self.ctx.cluster,
+            TAG_ROLE: role,
+            TAG_REQUEST: request_id,
+            "Name": f"spotctl-{self.ctx.cluster}-{role}",
+            **tags,
+        }
+        kwargs: dict[str, Any] = dict(
+            ImageId=self._ami(),
+            InstanceType=instance_type,
+            # All or nothing: a launch yields exactly what the plan counted, and a zone
+            # that cannot fit the whole count fails over to the next offer.
+            MinCount=count,
+            MaxCount=count,
+            KeyName=key,
+            SecurityGroupIds=[group],
+            ClientToken=token,
+            MetadataOptions={
+                "HttpTokens": "required",
+                "HttpPutResponseHopLimit": 1,
+                "HttpEndpoint": "enabled",
+            },
+            TagSpecifications=[
+                {"ResourceType": "instance", "Tags": _tags(all_tags)},
+                {"ResourceType": "volume", "Tags": _tags({TAG_CLUSTER: self.ctx.cluster})},
+            ],
+        )
+        if zone:
+            kwargs["Placement"] = {"AvailabilityZone": zone}
+        if spot:
+            kwargs["InstanceMarketOptions"] = {
+                "MarketType": "spot",
+                "SpotOptions": {
+                    "SpotInstanceType": "one-time",
+                    "InstanceInterruptionBehavior": "terminate",
+                },
+            }
+        resp = self._call(what, self.ec2.run_instances, **kwargs)
+        return [self._to_instance(i) for i in resp.get("Instances", [])]
+
+    def launch(self, offer: Offer, count: int, request_id: str) -> list[Instance]:
+        """Start `count` spot workers of `offer`; idempotent by `request_id`.
+
+        Instances already tagged with this request id are returned instead of launching
+        (covers a retried `up`); the ClientToken covers the window where a just-launched
+        instance is not yet visible to describe_instances.
+        """
+        if count <= 0:
+            return []
+        if offer.region != self.region:
+            raise SpecError(
+                f"aws: offer {offer.instance_type} in {offer.zone} is in {offer.region}, "
+                f"not the cluster's region {self.region}"
+            )
+        if _ZONE_ID_RE.fullmatch(offer.zone):
+            raise SpecError(
+                f"aws: offer {offer.instance_type} in {offer.zone} comes from the catalog "
+                "(a zone ID); launches need a live offer with a zone name"
+            )
+        existing = self._by_request(request_id)
+        if existing:
+            return existing
+        return self._run(
+            f"launch {count} x {offer.instance_type} (spot) in {offer.zone}",
+            instance_type=offer.instance_type,
+            zone=offer.zone,
+            count=count,
+            request_id=request_id,
+            token=client_token(request_id, offer),
+            role="worker",
+            tags={
+                TAG_PRICE: f"{offer.spot_price:g}",
+                TAG_ON_DEMAND: f"{offer.on_demand_price or 0:g}",
+                TAG_GPUS: str(offer.gpus),
+            },
+            spot=True,
+        )
+
+    def list(self, cluster: str) -> list[Instance]:
+        raw = self._describe(
+            [
+                {"Name": f"tag:{TAG_CLUSTER}", "Values": [cluster]},
+                {"Name": "instance-state-name", "Values": list(LIVE_STATES)},
+            ],
+            f"list instances of cluster {cluster}",
+        )
+        return [self._to_instance(i) for i in raw]
+
+    def terminate(self, ids: Sequence[str]) -> None:
+        """Terminate instances of this cluster; gone, unknown or foreign ids are ignored.
+
+        Only ids tagged with this cluster are touched, so a stale id can never take down
+        someone else's machine.
+        """
+        ids = [i for i in dict.fromkeys(ids) if i]
+        targets = self._live_ids(ids, f"look up {len(ids)} instance(s) to terminate")
+        for i in range(0, len(targets), _ID_CHUNK):
+            chunk = targets[i : i + _ID_CHUNK]
+            try:
+                self._call(
+                    f"terminate {', '.join(chunk)}",
+                    self.ec2.terminate_instances,
+                    InstanceIds=chunk,
+                )
+            except ProviderError as e:
+                # Gone between the lookup and the call: that is what was asked for.
+                if error_code(e) not in _NOT_FOUND_CODES:
+                    raise
+
+    def _live_ids(self, ids: Sequence[str], what: str) -> builtins.list[str]:
+        """Which of these ids are live instances of this cluster (filters, so unknown
+        ids are simply absent instead of failing the whole call)."""
+        live: builtins.list[str] = []
+        for i in range(0, len(ids), _ID_CHUNK):
+            raw = self._describe(
+                self._cluster_filter()
+                + [
+                    {"Name": "instance-id", "Values": list(ids[i : i + _ID_CHUNK])},
+                    {"Name": "instance-state-name", "Values": list(LIVE_STATES)},
+                ],
+                what,
+            )
+            live.extend(str(x["InstanceId"]) for x in raw)
+        return live
+
+
+def launch_with_failover(
+    provider: Any, offers: Sequence[Offer], count: int, request_id: str
+) -> tuple[Offer, list[Instance]]:
+    """Try offers in order; a capacity error moves to the next at once.
+
+    Quota, auth and other errors stop the walk (they would fail the same way elsewhere).
+    Works with any provider whose launch raises CapacityError. When every offer is out
+    of capacity, raises one CapacityError listing each zone/type tried.
+    """
+    if not offers:
+        raise CapacityError("no offer to launch (none matched the spec)")
+    tried: list[str] = []
+    for offer in offers:
+        try:
+            return offer, provider.launch(offer, count, request_id)
+        except CapacityError as e:
+            tried.append(f"{offer.instance_type} in {offer.zone} ({error_code(e) or e})")
+    raise CapacityError(f"no capacity in any of {len(offers)} offer(s): " + "; ".join(tried))

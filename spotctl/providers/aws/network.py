@@ -1,0 +1,155 @@
+"""AWS provider, network and keys: the cluster's security group and key pair.
+
+This module owns what a cluster needs before its first instance: the security group
+(SSH only from aws.ssh_cidr or the caller's address, everything else only between
+members of the group) in the VPC it launches into, and the cluster's key pair (private
+half kept 0600 in the cluster dir), both found by tag/name so `prepare` is idempotent.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Any
+
+from spotctl.errors import SpecError
+from spotctl.providers.aws.api import KEY_FILE, TAG_CLUSTER, AwsApi, _tag_map, _tags
+
+
+class AwsNetwork(AwsApi):
+    """Security group and key pair of the cluster."""
+
+    @property
+    def _group_name(self) -> str:
+        return f"spotctl-{self.ctx.cluster}"
+
+    @property
+    def key_name(self) -> str:
+        return f"spotctl-{self.ctx.cluster}"
+
+    @property
+    def key_path(self) -> Path:
+        return self.ctx.path / KEY_FILE
+
+    def _ssh_cidr(self) -> str:
+        """Who may reach SSH: aws.ssh_cidr, else the caller's address from the CLI.
+
+        spotctl never guesses the caller's public address itself (that would call a
+        third-party service); without one of the two it refuses rather than open SSH to
+        the world.
+        """
+        raw = self.spec.ssh_cidr or str(self.ctx.options.get("ssh_cidr") or "")
+        if not raw:
+            raise SpecError(
+                "aws.ssh_cidr: not set and the caller's address is unknown; set it to the "
+                'address spotctl runs from, e.g. ssh_cidr = "203.0.113.7/32"'
+            )
+        try:
+            return str(ipaddress.ip_network(raw, strict=False))
+        except ValueError:
+            raise SpecError(f"aws.ssh_cidr: {raw!r} is not an IP address or CIDR") from None
+
+    def _cluster_filter(self) -> list[dict[str, Any]]:
+        return [{"Name": f"tag:{TAG_CLUSTER}", "Values": [self.ctx.cluster]}]
+
+    def _default_vpc(self) -> str:
+        vpcs = self._call(
+            f"find the default VPC in {self.region}",
+            self.ec2.describe_vpcs,
+            Filters=[{"Name": "isDefault", "Values": ["true"]}],
+        ).get("Vpcs", [])
+        if not vpcs:
+            raise SpecError(f"aws.region: {self.region} has no default VPC to launch into")
+        return str(vpcs[0]["VpcId"])
+
+    def _find_groups(self) -> list[dict[str, Any]]:
+        return self._paged(
+            "describe_security_groups",
+            f"find security groups of cluster {self.ctx.cluster}",
+            "SecurityGroups",
+            Filters=self._cluster_filter(),
+        )
+
+    def _ensure_group(self) -> str:
+        groups = self._find_groups()
+        if groups:
+            return str(groups[0]["GroupId"])
+        cidr = self._ssh_cidr()
+        vpc = self._default_vpc()
+        gid = str(
+            self._call(
+                f"create security group {self._group_name}",
+                self.ec2.create_security_group,
+                GroupName=self._group_name,
+                Description=f"spotctl cluster {self.ctx.cluster}",
+                VpcId=vpc,
+                TagSpecifications=[
+                    {
+                        "ResourceType": "security-group",
+                        "Tags": _tags({TAG_CLUSTER: self.ctx.cluster, "Name": self._group_name}),
+                    }
+                ],
+            )["GroupId"]
+        )
+        # SSH only from the user's address. Everything else (coordinator, rendezvous store,
+        # and the ephemeral ports gloo/NCCL pick between workers) only from the group.
+        self._call(
+            f"open SSH from {cidr} on {self._group_name}",
+            self.ec2.authorize_security_group_ingress,
+            GroupId=gid,
+            IpPermissions=[
+                {
+                    "IpProtocol": "tcp",
+                    "FromPort": 22,
+                    "ToPort": 22,
+                    "IpRanges": [{"CidrIp": cidr, "Description": "spotctl controller"}],
+                },
+                {
+                    "IpProtocol": "-1",
+                    "UserIdGroupPairs": [{"GroupId": gid, "Description": "cluster members"}],
+                },
+            ],
+        )
+        return gid
+
+    def _ensure_key(self) -> str:
+        pairs = self._call(
+            f"find key pair {self.key_name}",
+            self.ec2.describe_key_pairs,
+            Filters=[{"Name": "key-name", "Values": [self.key_name]}],
+        ).get("KeyPairs", [])
+        if pairs:
+            tags = _tag_map(pairs[0])
+            if tags.get(TAG_CLUSTER) != self.ctx.cluster:
+                raise SpecError(
+                    f"aws: key pair {self.key_name} exists but is not tagged for cluster "
+                    f"{self.ctx.cluster}; delete it or pick another cluster name"
+                )
+            if self.key_path.exists():
+                return self.key_name
+            # Our key, but its private half is lost: nothing can use it, so replace it.
+            self._call(
+                f"replace key pair {self.key_name}",
+                self.ec2.delete_key_pair,
+                KeyName=self.key_name,
+            )
+        resp = self._call(
+            f"create key pair {self.key_name}",
+            self.ec2.create_key_pair,
+            KeyName=self.key_name,
+            KeyType="ed25519",
+            TagSpecifications=[
+                {"ResourceType": "key-pair", "Tags": _tags({TAG_CLUSTER: self.ctx.cluster})}
+            ],
+        )
+        from spotctl.state import write_private
+
+        self.ctx.cluster_dir.ensure()
+        material = str(resp["KeyMaterial"])
+        write_private(self.key_path, material if material.endswith("\n") else material + "\n")
+        return self.key_name
+
+    def prepare(self) -> None:
+        """Security group and key pair of the cluster (idempotent, found by tag/name)."""
+        if self._prepared is None:
+            self._prepared = (self._ensure_group(), self._ensure_key())

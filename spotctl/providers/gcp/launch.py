@@ -1,0 +1,357 @@
+"""GCP provider, launch: creating, listing and deleting VMs.
+
+This module owns the VM lifecycle calls: listing by label across zones (aggregated list)
+and mapping VMs to spotctl Instances; `launch`, idempotent by deterministic names and
+insert request ids, which moves the rest of a request to the next zone on zone
+exhaustion and stops on any other error; the instance resource (spot scheduling, GPUs,
+boot disk, NIC, metadata); and `terminate` / deletes that treat a gone VM as done.
+"""
+
+from __future__ import annotations
+
+import builtins
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from spotctl.errors import CapacityError, ProviderError, SpecError
+from spotctl.providers.base import Instance, Offer
+from spotctl.providers.gcp import catalog as catalog_gcp
+from spotctl.providers.gcp.api import (
+    _STATES,
+    LABEL_CLUSTER,
+    LABEL_REQUEST,
+    LABEL_ROLE,
+    _is_exists,
+    _short,
+    _timestamp,
+    instance_name,
+    label_value,
+    network_tag,
+)
+from spotctl.providers.gcp.network import GcpNetwork
+from spotctl.providers.gcp.offers import GcpOffers
+
+
+@dataclass
+class _Failure:
+    """Why some names could not be created in one zone."""
+
+    names: list[str] = field(default_factory=list)
+    error: ProviderError | None = None
+
+
+class GcpLaunch(GcpOffers, GcpNetwork):
+    """VMs of the cluster: list, launch, terminate."""
+
+    # ----------------------------------------------------------------- listing
+
+    def _filter(self, **labels: str) -> str:
+        terms = [f'labels.{k} = "{v}"' for k, v in labels.items()]
+        return terms[0] if len(terms) == 1 else " AND ".join(f"({t})" for t in terms)
+
+    def _raw_list(self, **labels: str) -> builtins.list[Any]:
+        """Every VM in the project with these labels, in any zone (aggregated list)."""
+        from google.cloud import compute_v1
+
+        req = compute_v1.AggregatedListInstancesRequest(
+            project=self.project, filter=self._filter(**labels)
+        )
+
+        def run() -> builtins.list[Any]:
+            out = []
+            for _scope, scoped in self.clients.instances.aggregated_list(request=req, retry=None):
+                out.extend(scoped.instances)
+            return out
+
+        found = self._call("list instances", run) or []
+        for vm in found:
+            self._zone_of[vm.name] = _short(vm.zone)
+        return found
+
+    def list(self, cluster: str) -> builtins.list[Instance]:
+        vms = self._raw_list(**{LABEL_CLUSTER: label_value(cluster)})
+        out = [self._to_instance(vm) for vm in vms]
+        return [i for i in out if i.state != "gone"]
+
+    def _to_instance(self, vm: Any) -> Instance:
+        zone = _short(vm.zone)
+        machine = _short(vm.machine_type)
+        accel = list(vm.guest_accelerators)
+        gpus = sum(int(a.accelerator_count) for a in accel)
+        gpu_name = ""
+        if not accel and machine in catalog_gcp.BUNDLED:
+            gpu_name, gpus = catalog_gcp.BUNDLED[machine]
+        elif accel:
+            kind = _short(accel[0].accelerator_type)
+            gpu_name = next(
+                (g for g, a in catalog_gcp.GUEST_ACCELERATORS.items() if a == kind), kind
+            )
+        row = next(
+            (
+                r
+                for r in catalog_gcp.rows(None)
+                if r.zone == zone
+                and r.machine_type == machine
+                and r.gpus == gpus
+                and r.gpu_name == gpu_name
+            ),
+            None,
+        )
+        labels = dict(vm.labels)
+        spot = str(vm.scheduling.provisioning_model) == "SPOT"
+        nic = vm.network_interfaces[0] if vm.network_interfaces else None
+        internal = nic.network_i_p if nic else ""
+        external = nic.access_configs[0].nat_i_p if nic and nic.access_configs else ""
+        return Instance(
+            id=vm.name,
+            cluster=labels.get(LABEL_CLUSTER, ""),
+            role=labels.get(LABEL_ROLE, "worker"),
+            zone=zone,
+            instance_type=machine,
+            gpus=gpus,
+            state=_STATES.get(str(vm.status), "pending"),
+            request_id=labels.get(LABEL_REQUEST, ""),
+            price=(row.spot_price if spot else row.on_demand_price) if row else 0.0,
+            on_demand_price=row.on_demand_price if row else 0.0,
+            launched_at=_timestamp(vm.creation_timestamp),
+            address=internal,
+            public_address=external or internal,
+            spot=spot,
+            ssh_user=self.spec.ssh_user,
+            meta={
+                "gcp_status": str(vm.status),
+                "gpu_name": gpu_name,
+                "key_file": str(self._key_path()),
+                "project": self.project,
+            },
+        )
+
+    # ----------------------------------------------------------------- launch
+
+    def launch(self, offer: Offer, count: int, request_id: str) -> builtins.list[Instance]:
+        if offer.provider != "gcp":
+            raise SpecError(f"gcp: cannot launch a {offer.provider} offer")
+        if count <= 0:
+            return []
+        rid = label_value(request_id)
+        existing = [
+            self._to_instance(vm)
+            for vm in self._raw_list(
+                **{LABEL_CLUSTER: label_value(self.cluster), LABEL_REQUEST: rid}
+            )
+        ]
+        existing = [i for i in existing if i.role == "worker"]
+        have = {i.id for i in existing}
+        wanted = [
+            n
+            for n in (instance_name(self.cluster, request_id, i) for i in range(count))
+            if n not in have
+        ]
+        launched = list(existing)
+        exhausted: builtins.list[str] = []
+        last: ProviderError | None = None
+        for zone in self._failover_zones(offer):
+            if not wanted:
+                break
+            created, failure = self._insert_in_zone(zone, offer, wanted, rid)
+            launched.extend(created)
+            wanted = failure.names
+            if failure.error is None:
+                continue
+            if isinstance(failure.error, CapacityError):
+                exhausted.append(zone)
+                last = failure.error
+                continue
+            raise failure.error
+        if wanted and not launched:
+            raise CapacityError(
+                f"gcp: no capacity for {offer.instance_type} ({offer.gpus} x {offer.gpu_name}) "
+                f"in {', '.join(exhausted) or offer.zone}" + (f" ({last})" if last else "")
+            )
+        return launched
+
+    def _insert_in_zone(
+        self, zone: str, offer: Offer, names: builtins.list[str], rid: str
+    ) -> tuple[builtins.list[Instance], _Failure]:
+        """Insert `names` in `zone`; wait for all; report what failed and why."""
+        accel = self._guest_accelerator(offer)
+        pending: builtins.list[tuple[str, Any]] = []
+        failure = _Failure()
+        for i, name in enumerate(names):
+            resource = self._instance_resource(
+                name=name,
+                zone=zone,
+                machine_type=offer.instance_type,
+                role="worker",
+                rid=rid,
+                spot=True,
+                accel=accel,
+                gpus=offer.gpus,
+            )
+            try:
+                op = self._insert(zone, resource, f"{name}/{rid}")
+            except CapacityError as e:
+                # The zone said no: the rest of the request goes to the next zone now.
+                failure = _Failure(names=names[i:], error=e)
+                break
+            pending.append((name, op))
+        created: builtins.list[Instance] = []
+        for name, op in pending:
+            err = self._wait(op, f"create {name} in {zone}", zone) if op is not None else None
+            if err is not None:
+                failure.names.append(name)
+                # Capacity errors fail over; any other error wins, since it stops the launch.
+                if failure.error is None or (
+                    isinstance(failure.error, CapacityError) and not isinstance(err, CapacityError)
+                ):
+                    failure.error = err
+                continue
+            vm = self._call(
+                f"get {name}",
+                partial(
+                    self.clients.instances.get,
+                    project=self.project,
+                    zone=zone,
+                    instance=name,
+                    retry=None,
+                ),
+                missing_ok=True,
+            )
+            if vm is not None:
+                self._zone_of[name] = zone
+                created.append(self._to_instance(vm))
+        return created, failure
+
+    def _insert(self, zone: str, resource: Any, key: str) -> Any:
+        """Insert one VM. None when it already exists (a retry of an earlier insert)."""
+        from google.cloud import compute_v1
+
+        req = compute_v1.InsertInstanceRequest(
+            project=self.project,
+            zone=zone,
+            instance_resource=resource,
+            # Same (name, request) -> same UUID: GCP dedupes a re-sent insert server-side.
+            request_id=str(uuid.uuid5(uuid.NAMESPACE_URL, f"spotctl/{self.cluster}/{zone}/{key}")),
+        )
+
+        def run() -> Any:
+            try:
+                return self.clients.instances.insert_unary(request=req, retry=None)
+            except Exception as exc:  # noqa: BLE001
+                if _is_exists(exc):
+                    return None
+                raise
+
+        return self._call(f"create {resource.name} in {zone}", run)
+
+    def _instance_resource(
+        self,
+        *,
+        name: str,
+        zone: str,
+        machine_type: str,
+        role: str,
+        rid: str,
+        spot: bool,
+        accel: str = "",
+        gpus: int = 0,
+    ) -> Any:
+        from google.cloud import compute_v1
+
+        if spot:
+            scheduling = compute_v1.Scheduling(
+                provisioning_model="SPOT",
+                # A reclaimed spot VM is deleted, not stopped: nothing to pay for or clean.
+                instance_termination_action="DELETE",
+                # GPU VMs cannot live-migrate; spot VMs never restart by themselves.
+                on_host_maintenance="TERMINATE",
+                automatic_restart=False,
+            )
+        else:
+            scheduling = compute_v1.Scheduling(
+                provisioning_model="STANDARD",
+                on_host_maintenance="MIGRATE",
+                automatic_restart=True,
+            )
+        accelerators = []
+        if accel and gpus:
+            accelerators.append(
+                compute_v1.AcceleratorConfig(
+                    accelerator_count=gpus,
+                    accelerator_type=f"projects/{self.project}/zones/{zone}/acceleratorTypes/{accel}",
+                )
+            )
+        disk_gb = int(self.ctx.options.get("gcp_disk_gb", 100 if role == "worker" else 20))
+        return compute_v1.Instance(
+            name=name,
+            machine_type=f"zones/{zone}/machineTypes/{machine_type}",
+            labels={
+                LABEL_CLUSTER: label_value(self.cluster),
+                LABEL_ROLE: role,
+                LABEL_REQUEST: rid,
+            },
+            tags=compute_v1.Tags(items=[network_tag(self.cluster)]),
+            scheduling=scheduling,
+            guest_accelerators=accelerators,
+            disks=[
+                compute_v1.AttachedDisk(
+                    boot=True,
+                    auto_delete=True,
+                    initialize_params=compute_v1.AttachedDiskInitializeParams(
+                        source_image=self.spec.image, disk_size_gb=disk_gb
+                    ),
+                )
+            ],
+            network_interfaces=[
+                compute_v1.NetworkInterface(
+                    network="global/networks/default",
+                    access_configs=[
+                        compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")
+                    ],
+                )
+            ],
+            metadata=compute_v1.Metadata(
+                items=[
+                    compute_v1.Items(key="ssh-keys", value=self._ssh_keys_entry()),
+                    # Only the cluster key logs in: no project-wide keys, no OS Login.
+                    compute_v1.Items(key="block-project-ssh-keys", value="TRUE"),
+                    compute_v1.Items(key="enable-oslogin", value="FALSE"),
+                ]
+            ),
+        )
+
+    # ----------------------------------------------------------------- terminate
+
+    def terminate(self, ids: Sequence[str]) -> None:
+        ids = [i for i in ids if i]
+        if not ids:
+            return
+        if any(i not in self._zone_of for i in ids):
+            self._raw_list(**{LABEL_CLUSTER: label_value(self.cluster)})
+        self._delete([(self._zone_of[i], i) for i in ids if i in self._zone_of])
+
+    def _delete(self, targets: Iterable[tuple[str, str]]) -> None:
+        """Delete (zone, name) pairs; a VM that is already gone is not an error."""
+        pending = []
+        for zone, name in targets:
+            op = self._call(
+                f"delete {name}",
+                partial(
+                    self.clients.instances.delete_unary,
+                    project=self.project,
+                    zone=zone,
+                    instance=name,
+                    retry=None,
+                ),
+                missing_ok=True,
+            )
+            self._zone_of.pop(name, None)
+            if op is not None:
+                pending.append((zone, name, op))
+        for zone, name, op in pending:
+            err = self._wait(op, f"delete {name}", zone)
+            if err is not None and "RESOURCE_NOT_FOUND" not in str(err):
+                raise err

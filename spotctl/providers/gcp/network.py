@@ -1,0 +1,171 @@
+"""GCP provider, network and keys: the cluster's firewall rules and SSH key.
+
+This module owns what a cluster needs before its first VM: the firewall rules (SSH only
+from gcp.ssh_cidr or the caller's address; traffic between members only, by network tag),
+created, replaced when the controller's address changes, listed and deleted by exact
+name; and the cluster's own SSH key (private half 0600) that goes into each VM's
+ssh-keys metadata.
+"""
+
+from __future__ import annotations
+
+import builtins
+import ipaddress
+from collections.abc import Iterable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from spotctl.errors import SpecError
+from spotctl.providers.gcp.api import GcpApi, _is_exists, firewall_names, network_tag
+from spotctl.state import write_private
+
+
+class GcpNetwork(GcpApi):
+    """Firewall rules and SSH key of the cluster."""
+
+    def prepare(self) -> None:
+        """Firewall rules: SSH only from the controller's CIDR; all ports between members."""
+        from google.cloud import compute_v1
+
+        cidr = self._ssh_cidr()
+        tag = network_tag(self.cluster)
+        ssh_name, internal_name = firewall_names(self.cluster)
+        wanted = {
+            ssh_name: compute_v1.Firewall(
+                name=ssh_name,
+                network="global/networks/default",
+                direction="INGRESS",
+                priority=1000,
+                description=f"spotctl cluster {self.cluster}: SSH from the controller",
+                allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])],
+                source_ranges=[cidr],
+                target_tags=[tag],
+            ),
+            internal_name: compute_v1.Firewall(
+                name=internal_name,
+                network="global/networks/default",
+                direction="INGRESS",
+                priority=1000,
+                description=f"spotctl cluster {self.cluster}: traffic between members",
+                # Rendezvous, coordinator API and gloo/NCCL use dynamic ports.
+                allowed=[
+                    compute_v1.Allowed(I_p_protocol="tcp"),
+                    compute_v1.Allowed(I_p_protocol="udp"),
+                    compute_v1.Allowed(I_p_protocol="icmp"),
+                ],
+                source_tags=[tag],
+                target_tags=[tag],
+            ),
+        }
+        have = {fw.name: fw for fw in self._list_firewalls()}
+        ops = []
+        for name, rule in wanted.items():
+            old = have.get(name)
+            if old is not None and sorted(old.source_ranges) == sorted(rule.source_ranges):
+                continue
+            if old is not None:
+                # The controller's address changed: replace the rule rather than widen it.
+                self._delete_firewalls([name])
+            ops.append((name, self._insert_firewall(rule)))
+        for name, op in ops:
+            if op is not None:
+                err = self._wait(op, f"create firewall {name}", None)
+                if err is not None:
+                    raise err
+
+    def _insert_firewall(self, rule: Any) -> Any:
+        def run() -> Any:
+            try:
+                return self.clients.firewalls.insert_unary(
+                    project=self.project, firewall_resource=rule, retry=None
+                )
+            except Exception as exc:  # noqa: BLE001
+                if _is_exists(exc):
+                    return None
+                raise
+
+        return self._call(f"create firewall {rule.name}", run)
+
+    def _list_firewalls(self) -> builtins.list[Any]:
+        from google.cloud import compute_v1
+
+        names = "|".join(firewall_names(self.cluster))
+        # Regex filter (eq), full match: a cluster named "demo" must not see "demo-2"'s rules.
+        req = compute_v1.ListFirewallsRequest(project=self.project, filter=f'name eq "({names})"')
+        return (
+            self._call(
+                "list firewalls", lambda: list(self.clients.firewalls.list(request=req, retry=None))
+            )
+            or []
+        )
+
+    def _delete_firewalls(self, names: Iterable[str]) -> None:
+        pending = []
+        for name in names:
+            op = self._call(
+                f"delete firewall {name}",
+                partial(
+                    self.clients.firewalls.delete_unary,
+                    project=self.project,
+                    firewall=name,
+                    retry=None,
+                ),
+                missing_ok=True,
+            )
+            if op is not None:
+                pending.append((name, op))
+        for name, op in pending:
+            err = self._wait(op, f"delete firewall {name}", None)
+            if err is not None and "RESOURCE_NOT_FOUND" not in str(err):
+                raise err
+
+    # ----------------------------------------------------------------- ssh key
+
+    def _key_path(self) -> Path:
+        return self.ctx.path / "ssh" / "id_ed25519"
+
+    def _ssh_keys_entry(self) -> str:
+        """`user:key comment` for the ssh-keys metadata item."""
+        pub = str(self.ctx.options.get("ssh_public_key") or "")
+        if not pub:
+            pub = self._ensure_key()
+        return f"{self.spec.ssh_user}:{pub.strip()}"
+
+    def _ssh_cidr(self) -> str:
+        """gcp.ssh_cidr, else the caller's address the CLI passed; never SSH open to all."""
+        raw = self.spec.ssh_cidr or str(self.ctx.options.get("ssh_cidr") or "")
+        if not raw:
+            raise SpecError(
+                "gcp.ssh_cidr: not set and the caller's address is unknown; set it to the "
+                'address spotctl runs from, e.g. ssh_cidr = "203.0.113.7/32"'
+            )
+        try:
+            return str(ipaddress.ip_network(raw, strict=False))
+        except ValueError:
+            raise SpecError(f"gcp.ssh_cidr: {raw!r} is not an IP address or CIDR") from None
+
+    def _ensure_key(self) -> str:
+        """The cluster's own SSH key (created once, private part 0600)."""
+        priv = self._key_path()
+        pub = priv.with_suffix(".pub")
+        if pub.exists() and priv.exists():
+            return pub.read_text().strip()
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        key = Ed25519PrivateKey.generate()
+        private_text = key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.OpenSSH,
+            serialization.NoEncryption(),
+        ).decode()
+        public_text = (
+            key.public_key()
+            .public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+            .decode()
+            + f" spotctl-{self.cluster}"
+        )
+        write_private(priv, private_text)
+        pub.write_text(public_text + "\n")
+        return public_text
