@@ -33,7 +33,8 @@ def register(app: typer.Typer) -> None:
         checkpoint_every: int = typer.Option(None, "--checkpoint-every", min=1),
         budget: float = typer.Option(None, "--budget", min=0, help="USD/h cap (0 = none)."),
         dry_run: bool = typer.Option(False, "--dry-run", help="Plan only; launch nothing."),
-        json_out: bool = typer.Option(False, "--json", help="Print JSON."),
+        json_out: bool = typer.Option(
+            False, "--json", help="Print the result as JSON (phases: JSON lines on stderr)."),
         wait: float = typer.Option(180.0, "--wait", min=0, help="Seconds to wait for nodes."),
     ) -> None:
         """Start (or reconcile) a cluster: head, nodes, and the elastic training job."""
@@ -58,27 +59,30 @@ def register(app: typer.Typer) -> None:
                 con.print(f"launch {a.count} x {o.instance_type} ({o.gpus} GPU) in {o.zone} "
                           f"at ${o.spot_price:.4f}/h each: {a.reason}")
             return
+        from spotctl.cli.up_progress import Reporter, watch
+
         con = console(stderr=True)
+        live = con.is_terminal and not json_out
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                      console=con, transient=not con.is_terminal) as prog:
+                      console=con, transient=True, disable=not live) as prog:
             task = prog.add_task("reconciling", total=None)
-
-            def report(msg: str, frac: float | None = None) -> None:
-                prog.update(task, description=msg)
-
-            res = reconcile.reconcile(store, spec, progress=report)
-            seen, want = reconcile.wait_for_nodes(store, spec.name, wait, report)
+            phases = Reporter(json_out, (lambda line: prog.update(task, description=line))
+                              if live else None, lambda line: prog.console.print(f"up: {line}"))
+            res = reconcile.reconcile(store, spec, progress=phases.reconcile)
+            seen, want, training = watch(store, spec.name, wait, phases, spec.gpus.min)
         out = res.to_json()
         out["nodes_reporting"] = seen
+        out["training"] = training
         if json_out:
             print_json(out)
         else:
             console().print(
                 f"cluster {spec.name}: {len(res.launched)} node(s) launched, "
-                f"{seen}/{want} reporting; `spotctl status --name {spec.name}` to watch"
+                f"{seen}/{want} reporting{', training' if training else ''}; "
+                f"`spotctl status` to watch"
             )
             for e in res.errors:
                 console().print(f"warning: {e}")
         if want and seen < want:
             raise SpotctlError(f"only {seen} of {want} nodes reported within {wait:.0f}s "
-                               f"(see `spotctl logs NODE --name {spec.name}`)")
+                               "(see `spotctl logs --all`)")

@@ -1,0 +1,185 @@
+"""Where `spotctl up` is: launching (per offer), bootstrapping (per node), booting, joining,
+first step. Phases are dicts; a terminal gets a live line naming the slowest node, a pipe
+gets one plain line per phase, `--json` gets one JSON line per phase on stderr (stdout keeps
+the single result object)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from spotctl.state import Store
+
+Emit = Callable[[dict[str, Any]], None]
+
+_LAUNCH = re.compile(r"launching (\d+) x (\S+) in (\S+)")
+_BOOTSTRAPPING = re.compile(r"bootstrapping (\d+) node")
+_BOOTSTRAPPED = re.compile(r"bootstrapped (\S+) in ([\d.]+)s \((\d+)/(\d+), (.*)\)")
+
+
+def reconcile_phase(msg: str, frac: float | None = None) -> dict[str, Any]:
+    """A reconcile progress message as a phase."""
+    if m := _LAUNCH.match(msg):
+        return {"phase": "launching", "count": int(m[1]), "instance_type": m[2], "zone": m[3]}
+    if m := _BOOTSTRAPPING.match(msg):
+        return {"phase": "bootstrapping", "nodes": int(m[1])}
+    if m := _BOOTSTRAPPED.match(msg):
+        return {"phase": "bootstrapped", "node": m[1], "seconds": float(m[2]),
+                "done": int(m[3]), "total": int(m[4]), "ok": m[5] == "ok"}
+    if msg.startswith("starting the head"):
+        return {"phase": "head"}
+    if msg.startswith("preparing"):
+        return {"phase": "preparing"}
+    return {"phase": "reconcile", "message": msg}
+
+
+def describe(p: dict[str, Any]) -> str:
+    """One line for people."""
+    ph = p["phase"]
+    if ph == "launching":
+        return f"launching {p['count']} x {p['instance_type']} in {p['zone']}"
+    if ph == "bootstrapping":
+        return f"bootstrapping {p['nodes']} node(s)"
+    if ph == "bootstrapped":
+        return (f"bootstrapped {p['node']} in {p['seconds']:.1f}s ({p['done']}/{p['total']}"
+                + ("" if p["ok"] else ", failed") + ")")
+    if ph == "head":
+        return "starting the head"
+    if ph == "preparing":
+        return "preparing cluster resources"
+    if ph == "nodes":
+        parts = [f"{k} {','.join(v)}" for k, v in p["by_phase"].items() if v]
+        slow = p.get("slowest")
+        return ("; ".join(parts) or "no nodes") + (
+            f"  (slowest: {slow['node']}, {slow['phase']} {slow['for_s']:.0f}s)" if slow else "")
+    if ph == "first-step":
+        return f"training: step {p['step']} at world size {p['world_size']}"
+    if ph == "waiting":
+        return p.get("message", "waiting")
+    return str(p.get("message", ph))
+
+
+NODE_PHASES = ("booting", "joining", "training")
+
+
+def node_phase(h: dict[str, Any] | None) -> str | None:
+    """booting: no heartbeat at the head yet; joining: at the head, not in a step yet;
+    training: in the job. None: leaving or gone."""
+    if not h:
+        return "booting"
+    st = h.get("state")
+    if st in ("leaving", "left"):
+        return None
+    if st == "finished":  # the job already ran to its last step
+        return "training"
+    if st == "running" and h.get("step") is not None and (h.get("heartbeat_age_s") or 99) < 5:
+        return "training"
+    return "joining"
+
+
+FIRST_STEP_WAIT_S = 60.0  # after every node reports: how long to wait for a step
+
+
+def watch(store: Store, name: str, timeout_s: float, emit: Emit, min_gpus: int = 0,
+          status: Callable[[], dict[str, Any]] | None = None,
+          clock: Callable[[], float] = time.monotonic) -> tuple[int, int, bool]:
+    """Follow every live node through booting -> joining -> training until all report and
+    the job takes a step, or `timeout_s`. Emits a "nodes" phase on each change and one
+    "first-step". Once every node reports, it waits for a step only when their GPUs reach
+    `min_gpus`, and at most FIRST_STEP_WAIT_S. Returns (reporting, expected, training)."""
+    from spotctl.control.reconcile import head_client
+    from spotctl.head.client import HeadUnavailable
+
+    def head_status() -> dict[str, Any]:
+        return head_client(store, name, timeout_s=2).status()
+
+    status = status or head_status
+    start = clock()
+    deadline = start + timeout_s
+    since: dict[tuple[str, str], float] = {}
+    last: tuple[Any, ...] | None = None
+    seen = want = 0
+    reported_at: float | None = None
+    while True:
+        try:
+            st = status()
+        except HeadUnavailable:
+            st = {"nodes": {}}
+        hn = st.get("nodes", {})
+        by: dict[str, list[str]] = {k: [] for k in NODE_PHASES}
+        now = clock()
+        for n in store.nodes(name, include_ended=False):
+            ph = node_phase(hn.get(n.id))
+            if ph is None:
+                continue
+            by[ph].append(n.id)
+            since.setdefault((n.id, ph), now)
+        want = sum(len(v) for v in by.values())
+        seen = sum(1 for nid in by["joining"] + by["training"]
+                   if (hn.get(nid, {}).get("heartbeat_age_s") or 99) < 5)
+        behind = [(since[(nid, ph)], nid, ph) for ph in ("booting", "joining") for nid in by[ph]]
+        slowest = None
+        if behind:
+            t0, nid, ph = min(behind)
+            slowest = {"node": nid, "phase": ph, "for_s": round(now - t0, 1)}
+        key = tuple(tuple(v) for v in by.values())
+        if key != last:
+            last = key
+            emit({"phase": "nodes", "by_phase": by, "slowest": slowest,
+                  "reporting": seen, "expected": want})
+        training = bool(st.get("world_size")) and (st.get("step") or 0) > 0 and not (
+            by["booting"] or by["joining"])
+        if training:
+            emit({"phase": "first-step", "step": st.get("step"), "world_size": st.get("world_size"),
+                  "after_s": round(now - start, 1)})
+            return seen, want, True
+        if now >= deadline:
+            return seen, want, False
+        if seen >= want:
+            gpus = sum(n.gpus for n in store.nodes(name, include_ended=False)
+                       if n.id in by["joining"] or n.id in by["training"])
+            if want == 0:
+                return seen, want, False
+            if gpus < min_gpus:
+                emit({"phase": "waiting", "message": f"{gpus} GPU(s) reporting, below the "
+                      f"minimum {min_gpus}: training starts when capacity comes"})
+                return seen, want, False
+            reported_at = reported_at or now
+            if now - reported_at >= FIRST_STEP_WAIT_S:
+                emit({"phase": "waiting", "message": f"every node reports; no step after "
+                      f"{FIRST_STEP_WAIT_S:.0f}s (`spotctl logs --all`)"})
+                return seen, want, False
+        time.sleep(0.3)
+
+
+class Reporter:
+    """Shows phases: a rich live line (terminal), plain lines (pipe) or JSON lines."""
+
+    def __init__(self, json_lines: bool, live: Callable[[str], None] | None = None,
+                 note: Callable[[str], None] | None = None):
+        self.json_lines = json_lines
+        self.live = live  # the line that changes (node phases)
+        self.note = note  # lines that stay (launches, bootstraps, the first step)
+        self.last_line = ""
+
+    def __call__(self, p: dict[str, Any]) -> None:
+        if self.json_lines:
+            sys.stderr.write(json.dumps(p, separators=(",", ":")) + "\n")
+            sys.stderr.flush()
+            return
+        line = describe(p)
+        if self.live is not None:
+            self.live(line)
+            if self.note is not None and p["phase"] not in ("nodes", "bootstrapping"):
+                self.note(line)
+        elif line != self.last_line:
+            sys.stderr.write(f"up: {line}\n")
+            sys.stderr.flush()
+        self.last_line = line
+
+    def reconcile(self, msg: str, frac: float | None = None) -> None:
+        self(reconcile_phase(msg, frac))

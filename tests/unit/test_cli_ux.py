@@ -1,0 +1,187 @@
+"""Issue 15: --name defaulting, --version, completion, the preempt line, honest prices and
+`up` phases."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from spotctl.cli import up_progress
+from spotctl.cli.app import app
+from spotctl.cli.cmd_preempt import notice_line
+from spotctl.cli.common import resolve_name
+from spotctl.errors import NotFoundError
+from spotctl.state import NodeRow, Store
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    h = tmp_path / "home"
+    monkeypatch.setenv("SPOTCTL_HOME", str(h))
+    monkeypatch.chdir(tmp_path)
+    return h
+
+
+def test_name_from_spec_file_then_only_cluster_then_a_list(home: Path, tmp_path: Path) -> None:
+    store = Store(home)
+    with pytest.raises(NotFoundError, match=r"no clusters yet \(`spotctl up` starts one\)"):
+        resolve_name(store, None)
+    store.upsert_cluster("alpha", "local", {}, "running")
+    assert resolve_name(store, None) == "alpha"  # the only one
+    assert resolve_name(store, "given") == "given"  # --name wins
+    store.upsert_cluster("beta", "local", {}, "down")
+    with pytest.raises(NotFoundError, match="which cluster. pass --name, one of: alpha, beta"):
+        resolve_name(store, None)
+    (tmp_path / "spotctl.toml").write_text('name = "beta"\nprovider = "local"\n')
+    assert resolve_name(store, None) == "beta"
+    (tmp_path / "spotctl.toml").write_text('provider = "local"\n')
+    assert resolve_name(store, None) == "spotctl"  # the spec's default name
+    (tmp_path / "spotctl.toml").write_text("not = [toml")
+    with pytest.raises(NotFoundError, match="one of: alpha, beta"):
+        resolve_name(store, None)
+
+
+def test_commands_use_the_default_name(home: Path, tmp_path: Path) -> None:
+    store = Store(home)
+    store.upsert_cluster("only", "local", {"name": "only"}, "down")
+    store.add_event("only", "launch", {"node": "n1", "zone": "local-a", "instance_type": "local",
+                                       "gpus": 1, "price": 0.0, "reason": "below minimum"})
+    res = CliRunner().invoke(app, ["events"])
+    assert res.exit_code == 0, res.output
+    assert "launch" in res.output and "local in local-a, 1 GPU: below minimum" in res.output
+    res = CliRunner().invoke(app, ["status", "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)["cluster"] == "only"
+    (tmp_path / "spotctl.toml").write_text('name = "other"\n')
+    res = CliRunner().invoke(app, ["events"])
+    assert isinstance(res.exception, NotFoundError) and "other" in str(res.exception)
+
+
+def test_version_and_completion(home: Path) -> None:
+    res = CliRunner().invoke(app, ["--version"])
+    assert res.exit_code == 0 and res.output.startswith("spotctl ")
+    env = dict(os.environ, _SPOTCTL_COMPLETE="complete_bash", COMP_WORDS="spotctl rep",
+               COMP_CWORD="1")
+    spotctl = Path(sys.executable).parent / "spotctl"
+    out = subprocess.run([str(spotctl)], env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["report"], out.stderr
+    res = CliRunner().invoke(app, ["--show-completion", "bash"])
+    assert res.exit_code == 0 and "_spotctl_completion" in res.output
+
+
+def test_preempt_line_says_lead_time_and_clock_time() -> None:
+    now = time.time()
+    line = notice_line("n2", "aws", now + 120, now)
+    at = time.strftime("%H:%M:%S", time.localtime(now + 120))
+    assert line == f"notice sent to n2 (aws): hard stop in 120 s, at {at} (local time)"
+    assert "no hard stop" in notice_line("n2", "gcp", None, now)
+
+
+def test_prices_without_aws_credentials_fall_back_to_the_catalog(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+              "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_EC2"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(home / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(home / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    res = CliRunner().invoke(app, ["prices", "--provider", "aws", "--gpu", "A10G"])
+    assert res.exit_code == 0, res.output
+    assert res.stderr.count("\n") == 1 and "no usable aws credentials" in res.stderr
+    assert "catalog" in res.stderr and "not live" in res.stderr
+    assert "aws spot offers (catalog)" in res.stdout and "g5.xlarge" in res.stdout
+    assert "spot and on-demand $/h: the catalog shipped with spotctl" in res.stdout
+    res = CliRunner().invoke(app, ["prices", "--provider", "aws", "--gpu", "A10G", "--json"])
+    rows = json.loads(res.stdout)
+    assert rows and all(r["price_source"] == {"spot": "catalog", "on_demand": "catalog"}
+                        for r in rows)
+
+
+def test_gcp_prices_are_labelled_catalog_not_live(home: Path) -> None:
+    res = CliRunner().invoke(app, ["prices", "--provider", "gcp", "--gpu", "T4"])
+    assert res.exit_code == 0, res.output
+    assert "gcp spot offers (catalog)" in res.stdout and "live" not in res.stdout.split("\n")[0]
+    assert "not fetched live" in res.stdout
+
+
+def test_reconcile_messages_become_phases() -> None:
+    assert up_progress.reconcile_phase("launching 2 x g5.xlarge in us-east-1a") == {
+        "phase": "launching", "count": 2, "instance_type": "g5.xlarge", "zone": "us-east-1a"}
+    p = up_progress.reconcile_phase("bootstrapped n3 in 41.2s (2/3, ok)", 0.66)
+    assert p == {"phase": "bootstrapped", "node": "n3", "seconds": 41.2, "done": 2, "total": 3,
+                 "ok": True}
+    assert up_progress.describe(p) == "bootstrapped n3 in 41.2s (2/3)"
+    assert up_progress.reconcile_phase("something new")["phase"] == "reconcile"
+
+
+def test_watch_follows_nodes_to_the_first_step(tmp_path: Path) -> None:
+    store = Store(tmp_path / "home")
+    store.upsert_cluster("c", "local", {}, "running")
+    for i in (1, 2):
+        store.upsert_node(NodeRow(id=f"n{i}", cluster="c", provider="local", zone="z",
+                                  instance_type="local", gpus=1, state="running", price=0.0,
+                                  on_demand_price=0.0, launched_at=0.0, ended_at=None,
+                                  request_id="r", address=""))
+    head_seq: list[dict[str, Any]] = [
+        {"nodes": {}},
+        {"nodes": {"n1": {"state": "waiting", "heartbeat_age_s": 0.1}}},
+        {"nodes": {"n1": {"state": "waiting", "heartbeat_age_s": 0.1},
+                   "n2": {"state": "waiting", "heartbeat_age_s": 0.1}}},
+        {"world_size": 2, "step": 1,
+         "nodes": {"n1": {"state": "running", "step": 1, "heartbeat_age_s": 0.1},
+                   "n2": {"state": "running", "step": 1, "heartbeat_age_s": 0.1}}},
+    ]
+    calls = {"n": 0}
+
+    def status() -> dict[str, Any]:
+        st = head_seq[min(calls["n"], len(head_seq) - 1)]
+        calls["n"] += 1
+        return st
+
+    ticks = iter(range(1000))
+    out: list[dict[str, Any]] = []
+    seen, want, training = up_progress.watch(store, "c", 60, out.append, 2, status=status,
+                                             clock=lambda: float(next(ticks)))
+    assert (seen, want, training) == (2, 2, True)
+    nodes = [p for p in out if p["phase"] == "nodes"]
+    assert [p["by_phase"] for p in nodes] == [
+        {"booting": ["n1", "n2"], "joining": [], "training": []},
+        {"booting": ["n2"], "joining": ["n1"], "training": []},
+        {"booting": [], "joining": ["n1", "n2"], "training": []},
+        {"booting": [], "joining": [], "training": ["n1", "n2"]},
+    ]
+    assert nodes[1]["slowest"]["node"] == "n2" and nodes[1]["slowest"]["phase"] == "booting"
+    assert out[-1]["phase"] == "first-step" and out[-1]["step"] == 1
+
+
+def test_watch_stops_when_capacity_is_below_the_minimum(tmp_path: Path) -> None:
+    store = Store(tmp_path / "home")
+    store.upsert_cluster("c", "local", {}, "running")
+    store.upsert_node(NodeRow(id="n1", cluster="c", provider="local", zone="z",
+                              instance_type="local", gpus=1, state="running", price=0.0,
+                              on_demand_price=0.0, launched_at=0.0, ended_at=None,
+                              request_id="r", address=""))
+    out: list[dict[str, Any]] = []
+    res = up_progress.watch(store, "c", 60, out.append, 2,
+                            status=lambda: {"nodes": {"n1": {"state": "waiting",
+                                                             "heartbeat_age_s": 0.1}}})
+    assert res == (1, 1, False)
+    assert "below the minimum 2" in out[-1]["message"]
+
+
+def test_json_phases_are_lines_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    r = up_progress.Reporter(json_lines=True)
+    r.reconcile("launching 1 x local in local-a")
+    r({"phase": "first-step", "step": 3, "world_size": 2, "after_s": 1.0})
+    cap = capsys.readouterr()
+    assert cap.out == ""
+    lines = [json.loads(x) for x in cap.err.splitlines()]
+    assert [x["phase"] for x in lines] == ["launching", "first-step"]
