@@ -83,10 +83,7 @@ def ami(ec2: Any) -> str:
     return str(ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"])
 
 
-@pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("SPOTCTL_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
+# `home` (a fresh SPOTCTL_HOME) is tests/conftest.py's.
 
 
 # head_process off: these fake instances have no SSH (tests/aws/test_up_flow.py has one).

@@ -24,12 +24,7 @@ def fake() -> Iterator[FakeCompute]:
         yield f
 
 
-@pytest.fixture
-def spotctl_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    home = tmp_path / "home"
-    monkeypatch.setenv("SPOTCTL_HOME", str(home))
-    monkeypatch.delenv("SPOTCTL_GCP_ENDPOINT", raising=False)
-    return home
+# `spotctl_home` (a fresh SPOTCTL_HOME, SPOTCTL_GCP_ENDPOINT unset) is tests/conftest.py's.
 
 
 def make_ctx(fake: FakeCompute, home: Path, cluster: str = "demo", **gcp: Any) -> ProviderContext:

@@ -1,0 +1,551 @@
+"""What every test directory shares, in one place.
+
+- a network guard: a test that opens a connection (or resolves a name) beyond loopback and
+  the local provider's network namespaces fails, naming the address
+- `free_port()`, `wait_until()`: a free loopback port; poll a condition with a deadline
+- `spotctl_home` / `home`: a fresh state dir in SPOTCTL_HOME, no test seam left set
+- `run_cli`: the typer app in-process (CliRunner), with that state dir
+- `CliProject`: a project dir with spotctl.toml + train.py and the real CLI run in it as a
+  subprocess (the up -> train -> down harness); `LocalCluster` / `local_cluster` on it
+- real OpenSSH sshd on loopback (`Sshd`, `SshdFactory`, `client_key`, `sshd_factory`,
+  `sshd`) and the real head as a child process (`Head`, `head`)
+- `metadata_server`: a factory for the local metadata emulator (AWS IMDSv2 + GCP)
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SPOTCTL = [sys.executable, "-m", "spotctl.cli.app"]
+SSHD = "/usr/sbin/sshd"
+T = TypeVar("T")
+
+# --- the network guard ----------------------------------------------------------------------
+
+# Loopback, and 10.213.0.0/16: the addresses spotctl.providers.local.net gives the network
+# namespaces a test makes (`[local] netns = true`).
+ALLOWED_NETS = [
+    ipaddress.ip_network("127.0.0.0/8"),
+    ipaddress.ip_network("::1/128"),
+    ipaddress.ip_network("10.213.0.0/16"),
+]
+_violations: list[str] = []
+_lock = threading.Lock()
+
+
+class NetworkGuardError(ConnectionRefusedError):
+    """A test tried to reach beyond loopback and its own namespaces."""
+
+
+def _allowed_host(host: object) -> bool:
+    if host is None or host == "":
+        return True
+    if isinstance(host, bytes):
+        host = host.decode(errors="replace")
+    name = str(host).split("%")[0]
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:
+        return name in ("localhost", socket.gethostname()) or name.endswith(".localhost")
+    if ip.is_unspecified:
+        return True
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return any(ip in n for n in ALLOWED_NETS)
+
+
+def _deny(what: str) -> NetworkGuardError:
+    with _lock:
+        _violations.append(what)
+    return NetworkGuardError(f"tests may not reach the network: {what}")
+
+
+def _install_network_guard() -> None:
+    cls = socket.socket
+    if getattr(cls, "_spotctl_guarded", False):
+        return
+    connect, connect_ex, sendto = cls.connect, cls.connect_ex, cls.sendto
+    getaddrinfo = socket.getaddrinfo
+
+    def check(sock: socket.socket, address: Any) -> None:
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and not _allowed_host(address[0]):
+            raise _deny(f"connect to {address!r}")
+
+    def g_connect(self: socket.socket, address: Any) -> None:
+        check(self, address)
+        connect(self, address)
+
+    def g_connect_ex(self: socket.socket, address: Any) -> int:
+        check(self, address)
+        return connect_ex(self, address)
+
+    def g_sendto(self: socket.socket, data: Any, *args: Any) -> int:
+        check(self, args[-1])
+        return sendto(self, data, *args)  # type: ignore[arg-type]
+
+    def g_getaddrinfo(host: Any, *args: Any, **kw: Any) -> Any:
+        if not _allowed_host(host):
+            raise _deny(f"resolve {host!r}")
+        return getaddrinfo(host, *args, **kw)
+
+    cls.connect = g_connect  # type: ignore[method-assign]
+    cls.connect_ex = g_connect_ex  # type: ignore[method-assign]
+    cls.sendto = g_sendto  # type: ignore[method-assign,assignment]
+    socket.getaddrinfo = g_getaddrinfo
+    cls._spotctl_guarded = True  # type: ignore[attr-defined]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _install_network_guard()
+
+
+@pytest.fixture(autouse=True)
+def _no_network() -> Iterator[None]:
+    """Fail the test if it (or a thread it started) tried to reach beyond loopback, even
+    when the code under test caught the error."""
+    with _lock:
+        _violations.clear()
+    yield
+    with _lock:
+        seen, _violations[:] = list(_violations), []
+    if seen:
+        pytest.fail("test reached beyond loopback: " + "; ".join(seen[:5]), pytrace=False)
+
+
+# --- small helpers --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago (nobody listens on it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(
+    pred: Callable[[], T], timeout: float, what: str, interval: float = 0.2,
+    on_timeout: Callable[[], str] | None = None,
+) -> T:
+    """Poll `pred` until it returns something truthy (returned); AssertionError naming
+    `what` (and the last value) after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        last = pred()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            extra = on_timeout() if on_timeout else ""
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; "
+                                 f"last: {str(last)[:2000]}\n{extra}")  # fmt: skip
+        time.sleep(interval)
+
+
+# Environment seams a test sets for the process under test; none leaks into the next test.
+SEAMS = (
+    "SPOTCTL_GCP_ENDPOINT",
+    "SPOTCTL_SSH_OVERRIDE",
+    "SPOTCTL_SSH_OVERRIDE_KEY",
+    "SPOTCTL_HEAD_PORTS",
+    "SPOTCTL_SSH_REMOTE_ROOT",
+    "SPOTCTL_CRONTAB",
+)
+
+
+@pytest.fixture
+def spotctl_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh state dir (not created: spotctl makes it) in SPOTCTL_HOME for this test."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("SPOTCTL_HOME", str(home))
+    for k in SEAMS:
+        monkeypatch.delenv(k, raising=False)
+    return home
+
+
+@pytest.fixture
+def home(spotctl_home: Path) -> Path:
+    return spotctl_home
+
+
+@pytest.fixture
+def run_cli(spotctl_home: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
+    """Invoke the typer app in-process: run_cli("prices", "-p", "gcp", "--json")."""
+    from typer.testing import CliRunner
+
+    from spotctl.cli.app import app
+
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "200")
+    runner = CliRunner()
+
+    def run(*args: str, input: str | None = None) -> Any:
+        return runner.invoke(app, list(args), input=input)
+
+    return run
+
+
+# --- the real CLI in a project dir: up -> train -> down -------------------------------------
+
+
+class CliProject:
+    """A project dir (train.py from templates/, spotctl.toml written by the test) and the
+    real CLI run in it as a subprocess with its own SPOTCTL_HOME."""
+
+    def __init__(self, tmp: Path, name: str, env_extra: dict[str, str] | None = None):
+        self.tmp = tmp
+        self.name = name
+        self.home = tmp / "home"
+        self.project = tmp / "project"
+        self.project.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / "templates" / "train.py", self.project / "train.py")
+        self.env = dict(os.environ, SPOTCTL_HOME=str(self.home), NO_COLOR="1")
+        self.env.update(env_extra or {})
+
+    def debug(self) -> str:
+        return ""
+
+    def cli(self, *args: str, check: bool = True, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+        p = subprocess.run([*SPOTCTL, *args], cwd=self.project, env=self.env, text=True,
+                           capture_output=True, timeout=timeout)  # fmt: skip
+        if check and p.returncode != 0:
+            raise AssertionError(f"spotctl {' '.join(args)} exited {p.returncode}:\n"
+                                 f"{p.stdout}\n{p.stderr}\n{self.debug()}")  # fmt: skip
+        return p
+
+    def status(self) -> dict[str, Any]:
+        return dict(json.loads(self.cli("status", "--name", self.name, "--json").stdout))
+
+    def events(self, type_: str | None = None) -> list[dict[str, Any]]:
+        args = ["events", "--name", self.name, "--json"]
+        if type_:
+            args += ["--type", type_]
+        return list(json.loads(self.cli(*args).stdout))
+
+    def wait_for(self, what: str, pred: Callable[[dict[str, Any]], bool], timeout: float = 120,
+                 interval: float = 0.5) -> dict[str, Any]:  # fmt: skip
+        last: list[dict[str, Any]] = [{}]
+
+        def check() -> dict[str, Any] | None:
+            last[0] = self.status()
+            return last[0] if pred(last[0]) else None
+
+        return wait_until(check, timeout, what, interval,
+                          lambda: f"last status: {json.dumps(last[0])[:3000]}\n{self.debug()}")  # fmt: skip
+
+    def wait_event(self, type_: str, count: int = 1, timeout: float = 120,
+                   where: Callable[[dict[str, Any]], bool] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+        """Wait for `count` events of `type_` (those `where` accepts, when given)."""
+        def check() -> list[dict[str, Any]] | None:
+            evs = [e for e in self.events(type_) if where is None or where(e)]
+            return evs if len(evs) >= count else None
+
+        return wait_until(check, timeout, f"{count} {type_} event(s)", 0.5,
+                          lambda: f"{self.events(type_)}\n{self.debug()}")  # fmt: skip
+
+
+class LocalCluster(CliProject):
+    """A real local cluster (head, agents, torchrun, gloo workers) driven through the CLI."""
+
+    def __init__(self, tmp: Path, name: str, env_extra: dict[str, str] | None = None):
+        super().__init__(tmp, name, env_extra)
+        self.trace_dir = tmp / "samples"
+        self.trace_dir.mkdir(exist_ok=True)
+
+    def write_spec(self, gpus: str, checkpoint_every: int = 20, train_env: dict[str, str] | None = None,
+                   extra: str = "") -> None:  # fmt: skip
+        env = {"SPOTCTL_TRACE_SAMPLES": str(self.trace_dir), "TRAIN_STEP_SLEEP_S": "0.05"}
+        env.update(train_env or {})
+        env_toml = ", ".join(f'{k} = "{v}"' for k, v in env.items())
+        (self.project / "spotctl.toml").write_text(
+            f'name = "{self.name}"\nprovider = "local"\ngpus = "{gpus}"\n\n'
+            f'[train]\nscript = "train.py"\ncheckpoint_every = {checkpoint_every}\n'
+            f"env = {{ {env_toml} }}\n{extra}\n"
+        )
+
+    def steps_advance(self, world: int, by: int = 5, timeout: float = 120) -> dict[str, Any]:
+        first = self.wait_for(f"world size {world}", lambda s: s["world_size"] == world, timeout)
+        return self.wait_for(f"step to advance past {first['step'] + by} at world {world}",
+                             lambda s: s["world_size"] == world and s["step"] >= first["step"] + by,
+                             timeout)  # fmt: skip
+
+    def assert_one_world(self, st: dict[str, Any]) -> None:
+        """No split brain: every training node is in the same worker group, whose world
+        size counts exactly those nodes' GPUs."""
+        running = [n for n in st["nodes"] if n["state"] == "running"]
+        groups = {tuple(n["incarnations"]) for n in running}
+        assert len(groups) == 1 and len(next(iter(groups))) == 1, f"split brain: {running}"
+        assert st["world_size"] == sum(n["gpus"] for n in running), st
+
+    @property
+    def cluster_dir(self) -> Path:
+        return self.home / "clusters" / self.name
+
+    def processes(self) -> list[int]:
+        from spotctl.agent import proctree
+
+        return proctree.tagged_prefix(str(self.cluster_dir) + "/")
+
+    def debug(self) -> str:
+        out = []
+        for p in sorted(self.cluster_dir.glob("nodes/*/*.log")) + [self.cluster_dir / "head" / "head.log"]:
+            if p.exists():
+                lines = [x for x in p.read_text(errors="replace").splitlines() if "registry.py" not in x]
+                out.append(f"--- {p.relative_to(self.cluster_dir)}\n" + "\n".join(lines[-15:]))
+        return "\n".join(out)
+
+    def teardown(self) -> None:
+        from spotctl.agent import proctree
+
+        if (self.home / "state.db").exists():
+            self.cli("down", "--name", self.name, "--yes", check=False)
+        proctree.signal_all(self.processes(), 9)
+
+
+@pytest.fixture
+def local_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
+    made: list[LocalCluster] = []
+
+    def make(name: str = "e2e", **kw: Any) -> LocalCluster:
+        c = LocalCluster(tmp_path / name, name, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.teardown()
+
+
+# --- real sshd on loopback ------------------------------------------------------------------
+
+
+def sshd_missing() -> str | None:
+    """Why sshd is unusable here, or None. Nothing is installed mid-session: scripts/test
+    runs scripts/install-sshd before pytest starts."""
+    if not os.path.exists(SSHD):
+        return "OpenSSH sshd is not installed (scripts/test installs it: scripts/install-sshd)"
+    if not shutil.which("ssh-keygen"):
+        return "ssh-keygen is not installed (scripts/install-sshd)"
+    return None
+
+
+def keygen(path: Path) -> Path:
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "spotctl-test", "-f", str(path)],
+        check=True,
+    )
+    return path
+
+
+@dataclass
+class Sshd:
+    """A running sshd on 127.0.0.1:port."""
+
+    port: int
+    host_key: Path  # private host key; the public one is host_key.with_suffix(".pub")
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    @property
+    def host_pub(self) -> str:
+        return Path(str(self.host_key) + ".pub").read_text().split()[1]
+
+
+class SshdFactory:
+    """Each sshd runs as a non-daemon child (`sshd -D -e -f <config>`) on a free 127.0.0.1
+    port, with its own ed25519 host key and one authorized test key."""
+
+    def __init__(self, base: Path, client_key: Path):
+        self.base = base
+        self.client_key = client_key
+        self.started: list[Sshd] = []
+        self.n = 0
+
+    def start(self, port: int | None = None, host_key: Path | None = None) -> Sshd:
+        self.n += 1
+        d = self.base / f"sshd{self.n}"
+        d.mkdir(mode=0o700)
+        port = port or free_port()
+        host_key = host_key or keygen(d / "host_ed25519")
+        auth = d / "authorized_keys"
+        auth.write_text(Path(str(self.client_key) + ".pub").read_text())
+        sftp = next(
+            (
+                p
+                for p in ("/usr/lib/openssh/sftp-server", "/usr/libexec/openssh/sftp-server")
+                if os.path.exists(p)
+            ),
+            "internal-sftp",
+        )
+        cfg = d / "sshd_config"
+        cfg.write_text(
+            f"Port {port}\nListenAddress 127.0.0.1\nHostKey {host_key}\n"
+            f"PidFile {d / 'sshd.pid'}\nAuthorizedKeysFile {auth}\n"
+            "PasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+            "PubkeyAuthentication yes\nPermitRootLogin yes\nStrictModes no\nUsePAM no\n"
+            f"Subsystem sftp {sftp}\nLogLevel VERBOSE\nMaxStartups 50\n"
+        )
+        # sshd insists on its privilege separation directory.
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+        log = d / "sshd.log"
+        proc = subprocess.Popen(
+            [SSHD, "-D", "-e", "-f", str(cfg)],
+            stdout=open(log, "ab"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        sshd = Sshd(port, host_key, proc, log)
+        self.started.append(sshd)
+
+        def banner() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"sshd exited: {log.read_text()[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                    return s.recv(4).startswith(b"SSH-")
+            except OSError:
+                return False
+
+        wait_until(banner, 20, "sshd to listen", 0.1, lambda: log.read_text()[-2000:])
+        return sshd
+
+    def stop_all(self) -> None:
+        for s in self.started:
+            s.stop()
+
+
+@pytest.fixture(scope="session")
+def client_key(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    why = sshd_missing()
+    if why:
+        pytest.skip(why)
+    d = tmp_path_factory.mktemp("client")
+    return keygen(d / "id_ed25519")
+
+
+@pytest.fixture
+def sshd_factory(tmp_path: Path, client_key: Path) -> Iterator[SshdFactory]:
+    f = SshdFactory(tmp_path, client_key)
+    try:
+        yield f
+    finally:
+        f.stop_all()
+
+
+@pytest.fixture
+def sshd(sshd_factory: SshdFactory) -> Sshd:
+    return sshd_factory.start()
+
+
+class Head:
+    """The real head (`spotctl head`) as a child process on loopback."""
+
+    def __init__(self, base: Path):
+        import secrets
+
+        self.dir = base / "head"
+        self.dir.mkdir(mode=0o700)
+        self.token = secrets.token_urlsafe(32)
+        self.token_file = base / "head-token"
+        fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT, 0o600)
+        os.write(fd, self.token.encode())
+        os.close(fd)
+        # What the agents' torchrun runs in bootstrap tests: nothing, for a long time.
+        self.script = base / "idle_train.py"
+        self.script.write_text("import time\ntime.sleep(3600)\n")
+        http_port, store_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{http_port}"
+        self.store_port = store_port
+        self.log = self.dir / "head.log"
+        self.proc = subprocess.Popen(
+            [*SPOTCTL, "head", "--dir", str(self.dir), "--token-file", str(self.token_file),
+             "--host", "127.0.0.1", "--http-port", str(http_port), "--store-port", str(store_port)],
+            stdout=open(self.log, "ab"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+
+        def up() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"head exited: {self.log.read_text()[-2000:]}")
+            return self.healthy()
+
+        wait_until(up, 60, "the head to answer /api/health", 0.2,
+                   lambda: self.log.read_text()[-2000:])  # fmt: skip
+
+    def _get(self, path: str) -> dict[str, Any]:
+        req = urllib.request.Request(
+            self.url + path, headers={"Authorization": f"Bearer {self.token}"}
+        )
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return dict(json.load(r))
+
+    def healthy(self) -> bool:
+        try:
+            return bool(self._get("/api/health").get("ok"))
+        except OSError:
+            return False
+
+    def status(self) -> dict[str, Any]:
+        return self._get("/api/status")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def head(tmp_path: Path) -> Iterator[Head]:
+    h = Head(tmp_path)
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+# --- the metadata emulator ------------------------------------------------------------------
+
+
+@pytest.fixture
+def metadata_server() -> Iterator[Callable[..., Any]]:
+    """metadata_server(**kw) starts a MetadataServer(**kw) on loopback, stopped after the
+    test."""
+    from spotctl.providers.local.metadata import MetadataServer
+
+    started: list[Any] = []
+
+    def start(**kw: Any) -> Any:
+        srv = MetadataServer(**kw).start()
+        started.append(srv)
+        return srv
+
+    yield start
+    for srv in started:
+        srv.stop()
