@@ -40,7 +40,9 @@ KINDS = ("spot-interruption", "rebalance", "preempted", "maintenance")
 # GCP gives 30 s between `preempted` turning TRUE and the ACPI shutdown; the same grace
 # is assumed for a notice file that names no deadline.
 GCP_PREEMPT_GRACE_S = 30.0
-# TERMINATE_ON_HOST_MAINTENANCE is announced 60 s before the host goes.
+# TERMINATE_ON_HOST_MAINTENANCE is announced 60 s before the host goes for most VMs, but
+# up to an hour before for GPU VMs; the window's own start (instance/upcoming-maintenance)
+# is the deadline when the metadata server gives one, this grace only when it does not.
 GCP_MAINTENANCE_GRACE_S = 60.0
 FILE_NOTICE_GRACE_S = 30.0
 
@@ -471,9 +473,31 @@ class GcpMetadataMonitor(_ErrorCounter):
             )
         if not value.startswith("TERMINATE"):
             return None  # NONE, or a live migration: the node stays
-        return make_notice(
-            self.source, "maintenance", "terminate", now + GCP_MAINTENANCE_GRACE_S, now, value
-        )
+        start = self._maintenance_window_start()
+        deadline = start if start is not None and start > now else now + GCP_MAINTENANCE_GRACE_S
+        return make_notice(self.source, "maintenance", "terminate", deadline, now, value)
+
+    def _maintenance_window_start(self) -> float | None:
+        """Start of the announced maintenance window (unix time), or None when the
+        metadata server has none or says something odd (then the short grace applies)."""
+        url = self.base_url + GCP_PREFIX + "upcoming-maintenance"
+        try:
+            reply = http_request("GET", url, {"Metadata-Flavor": "Google"}, 5.0)
+        except FetchError as exc:
+            self._odd(f"upcoming-maintenance: {exc}")
+            return None
+        if reply.status != 200:
+            return None
+        try:
+            doc = json.loads(reply.body)
+            text = str(doc["window_start_time"])
+            when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except (ValueError, KeyError, TypeError) as exc:
+            self._odd(f"upcoming-maintenance: no usable window_start_time ({exc})")
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=timezone.utc)
+        return when.timestamp()
 
 
 class FileNoticeMonitor(_ErrorCounter):

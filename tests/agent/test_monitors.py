@@ -201,6 +201,23 @@ def test_gcp_maintenance(server: MetadataServer) -> None:
     assert mon.errors == 0
 
 
+def test_gcp_maintenance_of_a_gpu_vm_uses_the_announced_window(server: MetadataServer) -> None:
+    # GPU VMs hear of a TERMINATE maintenance up to an hour ahead: the deadline is the
+    # window's start, not 60 s from now (which would drain the node an hour early).
+    start = time.time() + 3000
+    mon = GcpMetadataMonitor(server.url, key="maintenance-event")
+    server.set_maintenance("TERMINATE_ON_HOST_MAINTENANCE", window_start=start)
+    [notice] = mon.poll()
+    assert notice.kind == "maintenance" and abs(notice.deadline - start) < 1.5
+    assert mon.errors == 0
+    # Without an announced window, the short grace stands.
+    server.clear()
+    mon2 = GcpMetadataMonitor(server.url, key="maintenance-event")
+    server.set_maintenance("TERMINATE_ON_HOST_MAINTENANCE")
+    [short] = mon2.poll()
+    assert short.deadline - time.time() < 120
+
+
 def test_gcp_503_sets_retry_after(server: MetadataServer) -> None:
     server.set_gcp_preempted(True)
     server.inject("5xx", 1)

@@ -33,7 +33,6 @@ def _zones(p: AwsProvider, itype: str = "g5.xlarge") -> list[Any]:
     ("code", "status"),
     [
         ("InsufficientInstanceCapacity", 500),
-        ("MaxSpotInstanceCountExceeded", 400),
         ("SpotMaxPriceTooLow", 400),
         ("UnfulfillableCapacity", 400),
         ("InsufficientCapacity", 500),
@@ -83,7 +82,9 @@ def test_capacity_error_message_names_offer_and_zone(
         p.launch(offer, 1, "req-msg")
 
 
-@pytest.mark.parametrize("code", ["VcpuLimitExceeded", "InstanceLimitExceeded"])
+@pytest.mark.parametrize(
+    "code", ["VcpuLimitExceeded", "InstanceLimitExceeded", "MaxSpotInstanceCountExceeded"]
+)
 def test_quota_stops_the_walk_with_one_line(
     make_provider: MakeProvider, fault_proxy: FaultProxy, code: str
 ) -> None:
@@ -94,6 +95,8 @@ def test_quota_stops_the_walk_with_one_line(
         launch_with_failover(p, offers, 1, "req-q")
     assert "\n" not in str(err.value) and code in str(err.value)
     assert offers[0].zone in str(err.value)
+    if code == "MaxSpotInstanceCountExceeded":  # the spot vCPU quota, named by its code
+        assert "L-3819A6DF" in str(err.value)
     assert len(fault_proxy.calls("RunInstances")) == 1  # no other zone was tried
 
 

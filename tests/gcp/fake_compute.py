@@ -13,6 +13,9 @@ Fault injection:
 - `quota(style)`: every insert fails with QUOTA_EXCEEDED ("http403" or "operation").
 - `fail(key, status, reason, times)`: the next `times` calls of `key` (e.g.
   "instances.insert") answer `status` with `reason` (5xx once, 429, 401, 403 ...).
+- `op_fail(code, status, zone, times)`: the next `times` inserts (in `zone`, or any zone
+  when empty) finish with an operation error `code` (UNSUPPORTED_OPERATION,
+  RESOURCE_OPERATION_RATE_EXCEEDED, ...) and create nothing.
 - `pending_polls = N`: new operations come back PENDING and turn DONE on the N-th poll.
 
 Filters supported: `labels.K = "V"`, `(labels.K = "V") AND (labels.K2 = "V2")`,
@@ -132,6 +135,7 @@ class FakeCompute:
         self.exhausted: dict[str, str] = {}
         self.quota_style: str = ""
         self.faults: list[Fault] = []
+        self.op_faults: list[list[Any]] = []  # [code, status, zone, times left]
         self.pending_polls = 0
         self._by_request_id: dict[str, str] = {}
         self._ids = itertools.count(1000)
@@ -195,6 +199,9 @@ class FakeCompute:
     def quota(self, style: str = "http403") -> None:
         assert style in ("http403", "operation")
         self.quota_style = style
+
+    def op_fail(self, code: str, status: int = 400, zone: str = "", times: int = 1) -> None:
+        self.op_faults.append([code, status, zone, times])
 
     def fail(
         self, key: str, status: int, reason: str = "backendError", times: int = 1, message: str = ""
@@ -343,6 +350,13 @@ class FakeCompute:
         elif self.quota_style == "operation":
             error = {"errors": [{"code": "QUOTA_EXCEEDED", "message": quota_msg}]}
             status = 403
+        else:
+            for f in self.op_faults:
+                if f[3] > 0 and f[2] in ("", zone):
+                    f[3] -= 1
+                    error = {"errors": [{"code": f[0], "message": f"injected {f[0]} in {zone}"}]}
+                    status = f[1]
+                    break
         n = next(self._ids)
         vm = dict(body)
         vm.update(

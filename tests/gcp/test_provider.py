@@ -107,6 +107,31 @@ def test_every_zone_exhausted_raises_capacity_error(fake, spotctl_home):
     assert fake.instances == {}
 
 
+def test_unsupported_operation_fails_over_to_next_zone(fake, provider):
+    fake.op_fail("UNSUPPORTED_OPERATION", 400, zone="us-central1-a", times=10)
+    out = provider.launch(_offer(provider), 2, "unsup")
+    assert len(out) == 2 and all(i.zone != "us-central1-a" for i in out)
+    zones = [c.path.split("/zones/")[1].split("/")[0] for c in fake.calls("instances.insert")]
+    assert zones.count("us-central1-a") == 2  # one try per name, then the next zone
+
+
+def test_operation_rate_exceeded_backs_off_and_retries_in_the_same_zone(fake, provider):
+    fake.op_fail("RESOURCE_OPERATION_RATE_EXCEEDED", 403, zone="us-central1-a", times=2)
+    out = provider.launch(_offer(provider), 2, "rate")
+    assert len(out) == 2 and {i.zone for i in out} == {"us-central1-a"}
+    inserts = fake.calls("instances.insert")
+    assert len(inserts) == 4  # both names failed once, then went again in the same zone
+    # The retry is a new request (GCP would replay a reused requestId's failed operation).
+    assert len({c.query["requestId"] for c in inserts}) == 4
+
+
+def test_operation_rate_exceeded_everywhere_gives_up_as_transient(fake, provider):
+    fake.op_fail("RESOURCE_OPERATION_RATE_EXCEEDED", 403, times=100)
+    with pytest.raises(TransientError, match="RESOURCE_OPERATION_RATE_EXCEEDED") as e:
+        provider.launch(_offer(provider), 1, "rate-all")
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("style", ["http403", "operation"])
 def test_quota_stops_with_one_clear_line(fake, provider, style):
     fake.quota(style)

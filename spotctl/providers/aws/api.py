@@ -56,7 +56,6 @@ CAPACITY_CODES = frozenset(
     {
         "InsufficientInstanceCapacity",
         "InsufficientCapacity",
-        "MaxSpotInstanceCountExceeded",
         "SpotMaxPriceTooLow",
         "UnfulfillableCapacity",
         # The type is not offered in that zone: as good as no capacity there.
@@ -75,6 +74,15 @@ AUTH_CODES = frozenset(
         "Blocked",
     }
 )
+# Account limits: the same launch fails the same way in every zone, so they stop the walk.
+# MaxSpotInstanceCountExceeded is the spot vCPU quota (0 on new accounts), not capacity.
+QUOTA_CODES = frozenset({"MaxSpotInstanceCountExceeded", "VcpuLimitExceeded"})
+# Service Quotas codes (service "ec2") of the vCPU limits spot GPU launches count against.
+SPOT_QUOTA_CODES = {
+    "g": ("L-3819A6DF", "All G and VT Spot Instance Requests"),
+    "p": ("L-7212CCBC", "All P Spot Instance Requests"),
+}
+ON_DEMAND_STANDARD_QUOTA = ("L-1216C47A", "Running On-Demand Standard instances")
 THROTTLE_CODES = frozenset(
     {
         "RequestLimitExceeded",
@@ -96,6 +104,8 @@ def _classify(code: str, status: int) -> type[ProviderError] | None:
     """The typed error for an API error code, None for 'not one of ours'."""
     if code in CAPACITY_CODES:
         return CapacityError
+    if code in QUOTA_CODES:
+        return QuotaError
     if code in AUTH_CODES:
         return AuthError
     if code in THROTTLE_CODES or status >= 500:
@@ -205,6 +215,12 @@ class AwsApi:
                     continue
                 if kind is TransientError:
                     msg += f" (gave up after {attempt} tries)"
+                if code == "MaxSpotInstanceCountExceeded":
+                    g, p = SPOT_QUOTA_CODES["g"][0], SPOT_QUOTA_CODES["p"][0]
+                    msg += (
+                        f" (spot vCPU quota: ask for more in Service Quotas, ec2 {g} for G/VT, "
+                        f"{p} for P; `spotctl check --provider aws` shows it)"
+                    )
                 raise _coded((kind or ProviderError)(msg), code) from None
             except (NoCredentialsError, PartialCredentialsError) as e:
                 raise AuthError(

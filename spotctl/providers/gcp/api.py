@@ -49,6 +49,11 @@ COMPUTE_SCOPE = "https://www.googleapis.com/auth/compute"
 CAPACITY_CODES = frozenset(
     {"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS"}
 )
+# The zone cannot run this shape now (e.g. a GPU type not offered there this hour): as
+# good as no capacity, so the request moves to the next zone.
+UNSUPPORTED_CODES = frozenset({"UNSUPPORTED_OPERATION"})
+# Too many operations on one resource / project per second: back off and retry.
+RATE_CODES = frozenset({"RESOURCE_OPERATION_RATE_EXCEEDED", "RATE_LIMIT_EXCEEDED"})
 QUOTA_CODES = frozenset({"QUOTA_EXCEEDED", "quotaExceeded"})
 THROTTLE_REASONS = frozenset({"rateLimitExceeded", "userRateLimitExceeded"})
 GONE_CODES = frozenset({"RESOURCE_NOT_FOUND", "notFound"})
@@ -151,6 +156,12 @@ def classify(exc: Exception, what: str) -> ProviderError:
     capacity = sorted(c for c in CAPACITY_CODES if c in text)
     if capacity:
         return CapacityError(f"gcp: {what}: {capacity[-1]}: {msg}")
+    unsupported = sorted(c for c in UNSUPPORTED_CODES if c in text)
+    if unsupported:
+        return CapacityError(f"gcp: {what}: {unsupported[0]}: {msg}")
+    rate = sorted(c for c in RATE_CODES if c in text)
+    if rate:
+        return TransientError(f"gcp: {what}: {rate[0]}: {msg}")
     if reasons & QUOTA_CODES or "QUOTA_EXCEEDED" in text:
         return QuotaError(f"gcp: {what}: quota exceeded: {msg}")
     if code == 429 or reasons & THROTTLE_REASONS:
@@ -175,9 +186,11 @@ def classify_operation(op: Any, what: str) -> ProviderError | None:
         return None
     codes = [str(e.code) for e in errors]
     msg = _one_line(errors[0].message or codes[0])
-    capacity = [c for c in codes if c in CAPACITY_CODES]
+    capacity = [c for c in codes if c in CAPACITY_CODES or c in UNSUPPORTED_CODES]
     if capacity:
         return CapacityError(f"gcp: {what}: {capacity[0]}: {msg}")
+    if any(c in RATE_CODES for c in codes):
+        return TransientError(f"gcp: {what}: {codes[0]}: {msg}")
     if any(c in QUOTA_CODES for c in codes):
         return QuotaError(f"gcp: {what}: quota exceeded: {msg}")
     status = int(op.http_error_status_code or 0)

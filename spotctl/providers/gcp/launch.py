@@ -10,13 +10,15 @@ boot disk, NIC, metadata); and `terminate` / deletes that treat a gone VM as don
 from __future__ import annotations
 
 import builtins
+import random
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from spotctl.errors import CapacityError, ProviderError, SpecError
+from spotctl.errors import CapacityError, ProviderError, SpecError, TransientError
 from spotctl.providers.base import Instance, Offer
 from spotctl.providers.gcp import catalog as catalog_gcp
 from spotctl.providers.gcp.api import (
@@ -154,18 +156,27 @@ class GcpLaunch(GcpOffers, GcpNetwork):
         exhausted: builtins.list[str] = []
         last: ProviderError | None = None
         for zone in self._failover_zones(offer):
-            if not wanted:
-                break
-            created, failure = self._insert_in_zone(zone, offer, wanted, rid)
-            launched.extend(created)
-            wanted = failure.names
-            if failure.error is None:
-                continue
-            if isinstance(failure.error, CapacityError):
-                exhausted.append(zone)
-                last = failure.error
-                continue
-            raise failure.error
+            delay = self.retry.base_s
+            for attempt in range(1, self.retry.attempts + 1):
+                if not wanted:
+                    break
+                created, failure = self._insert_in_zone(zone, offer, wanted, rid, attempt)
+                launched.extend(created)
+                wanted = failure.names
+                if failure.error is None:
+                    break
+                if isinstance(failure.error, CapacityError):
+                    exhausted.append(zone)
+                    last = failure.error
+                    break
+                if isinstance(failure.error, TransientError) and attempt < self.retry.attempts:
+                    # e.g. RESOURCE_OPERATION_RATE_EXCEEDED on the inserts' operations: the
+                    # same names go again after a backoff, under new insert requestIds (GCP
+                    # would answer a reused one with the failed operation).
+                    time.sleep(min(delay, self.retry.max_s) * random.uniform(0.5, 1.0))
+                    delay *= 2
+                    continue
+                raise failure.error
         if wanted and not launched:
             raise CapacityError(
                 f"gcp: no capacity for {offer.instance_type} ({offer.gpus} x {offer.gpu_name}) "
@@ -174,7 +185,7 @@ class GcpLaunch(GcpOffers, GcpNetwork):
         return launched
 
     def _insert_in_zone(
-        self, zone: str, offer: Offer, names: builtins.list[str], rid: str
+        self, zone: str, offer: Offer, names: builtins.list[str], rid: str, attempt: int = 1
     ) -> tuple[builtins.list[Instance], _Failure]:
         """Insert `names` in `zone`; wait for all; report what failed and why."""
         accel = self._guest_accelerator(offer)
@@ -192,7 +203,8 @@ class GcpLaunch(GcpOffers, GcpNetwork):
                 gpus=offer.gpus,
             )
             try:
-                op = self._insert(zone, resource, f"{name}/{rid}")
+                key = f"{name}/{rid}" + (f"/{attempt}" if attempt > 1 else "")
+                op = self._insert(zone, resource, key)
             except CapacityError as e:
                 # The zone said no: the rest of the request goes to the next zone now.
                 failure = _Failure(names=names[i:], error=e)

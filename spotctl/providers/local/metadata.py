@@ -74,6 +74,7 @@ class MetadataServer:
             "preempted": ["FALSE", 0],
             "maintenance-event": ["NONE", 0],
         }
+        self._upcoming: dict[str, Any] | None = None  # instance/upcoming-maintenance
         self._faults: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
         self._deadline: float | None = None
         self._deadline_timer: threading.Timer | None = None
@@ -147,9 +148,21 @@ class MetadataServer:
     def set_gcp_preempted(self, value: bool = True) -> None:
         self._set_gcp("preempted", "TRUE" if value else "FALSE")
 
-    def set_maintenance(self, value: str) -> None:
+    def set_maintenance(self, value: str, window_start: float | None = None) -> None:
+        """`window_start` (unix time) also publishes `instance/upcoming-maintenance` with
+        that window, as GCP does for GPU VMs (announced up to an hour ahead)."""
         if value not in GCP_MAINTENANCE_VALUES:
             raise ValueError(f"maintenance value must be one of {GCP_MAINTENANCE_VALUES}")
+        with self._cond:
+            self._upcoming = None
+            if window_start is not None and value != "NONE":
+                self._upcoming = {
+                    "type": "SCHEDULED",
+                    "can_reschedule": False,
+                    "window_start_time": format_iso_utc(window_start),
+                    "window_end_time": format_iso_utc(window_start + 3600),
+                    "maintenance_status": "PENDING",
+                }
         self._set_gcp("maintenance-event", value)
 
     def _set_gcp(self, key: str, value: str) -> None:
@@ -165,6 +178,7 @@ class MetadataServer:
         self.set_gcp_preempted(False)
         self._set_gcp("maintenance-event", "NONE")
         with self._cond:
+            self._upcoming = None
             self._aws_action = None
             self._rebalance = None
             self._faults = dict.fromkeys(FAULT_KINDS, 0)
@@ -480,6 +494,14 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             value, etag = meta._gcp_read(key, wait, last_etag, timeout_s)
             self._send(200, value, headers={**flavor, "ETag": etag})
+            return
+        if key == "upcoming-maintenance":
+            with meta._cond:
+                upcoming = meta._upcoming
+            if upcoming is None:
+                self._send(404, "Not Found", headers=flavor)
+            else:
+                self._send(200, json.dumps(upcoming), headers=flavor)
             return
         static = {
             "id": str(int(hashlib.sha256(meta.instance_id.encode()).hexdigest()[:12], 16)),
