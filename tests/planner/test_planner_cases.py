@@ -306,12 +306,19 @@ def test_planner_cooldown_reason_counts_real_blocked_zone() -> None:
     for now in (0.0, NOW, NOW + 899.0):
         p = plan(spec("1..1"), Observed(), offers, {"r1-a": NOW + 900}, now)
         assert launch_pairs(p) == [("r1-b", 1)]
+    # ...and the launch's reason names where it goes, not the blocked zone
+    (a,) = p.actions
+    assert "in r1-b" in a.reason and "r1-a" not in a.reason, a.reason
     p = plan(spec("1..1"), Observed(), offers, {"r1-a": NOW + 900}, NOW + 900)
     assert launch_pairs(p) == [("r1-a", 1)]
+    assert "in r1-a" in p.actions[0].reason, p.actions[0].reason
+    # every zone blocked: nothing launched, and the plan says why
+    p = plan(spec("1..1"), Observed(), offers, {"r1-a": NOW + 900, "r1-b": NOW + 900}, NOW)
+    assert not p.actions and any("blocked" in n for n in p.notes), p.notes
 
 
-def test_planner_large_inputs_are_fast_enough_to_run_from_cron() -> None:
-    # Not a timing assert: a smoke check that a big input plans at all (bench times it).
+def test_planner_large_inputs_grow_to_max_with_the_cheapest_offer() -> None:
+    # 1,000 nodes x 500 offers (scripts/bench control times it; no timing assert here).
     nodes = tuple(node(f"n{i}", f"r1-{'ab'[i % 2]}", price=1.0 + i % 7) for i in range(1000))
     offers = [
         offer(f"r{i % 5}-{'abc'[i % 3]}", 0.5 + (i % 11) / 10, gpus=[1, 2, 4, 8][i % 4])
@@ -319,3 +326,14 @@ def test_planner_large_inputs_are_fast_enough_to_run_from_cron() -> None:
     ]
     p = plan(spec("500..2000", budget=5000.0), Observed(nodes), offers, {}, NOW)
     assert p.gpus_after <= 2000 and p.usd_per_hour_after <= 5000 + 1e-6
+    # the budget allows the maximum: grow to it with the cheapest $/GPU-h offer of the
+    # nodes' region, one launch
+    best = min((o for o in offers if o.region == "r1"), key=lambda o: o.spot_price / o.gpus)
+    have, cost = 1000, sum(n.price for n in nodes)
+    ((z, count),) = launch_pairs(p)
+    (a,) = p.launches
+    assert a.offer is not None and a.offer.region == "r1"
+    assert a.offer.spot_price / a.offer.gpus == pytest.approx(best.spot_price / best.gpus)
+    assert count == (2000 - have) // best.gpus
+    assert p.gpus_after == 2000
+    assert p.usd_per_hour_after == pytest.approx(cost + count * best.spot_price)
