@@ -126,8 +126,19 @@ class GcpSpec(_Strict):
     zones: list[str] = Field(default_factory=list)
     machine_types: list[str] = Field(default_factory=list)
     gpu: str = ""
-    image: str = "projects/debian-cloud/global/images/family/debian-12"
+    # Workers: a Deep Learning VM image family (NVIDIA driver installed at first boot via
+    # the install-nvidia-driver metadata, CUDA PyTorch). The head is a small CPU image.
+    image: str = (
+        "projects/deeplearning-platform-release/global/images/family/"
+        "pytorch-2-4-cu124-debian-11-py310"
+    )
+    head_image: str = "projects/debian-cloud/global/images/family/debian-12"
     head_machine_type: str = "e2-small"
+    # Boot disk GB of workers; 0 = 100, and never below the image's own minimum.
+    disk_gb: int = Field(default=0, ge=0, le=65536)
+    # Boot disk type; empty = the one the machine family takes (pd-balanced, or
+    # hyperdisk-balanced on families without persistent disks).
+    disk_type: str = ""
     ssh_user: str = "spotctl"
     ssh_cidr: str = ""
 

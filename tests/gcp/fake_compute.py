@@ -1,7 +1,12 @@
 """A local fake of the Compute Engine v1 REST API, for the real google-cloud-compute client.
 
 It implements exactly the calls spotctl uses: instances insert / get / list / delete /
-aggregatedList, zone and global operations get / wait, firewalls insert / list / delete.
+aggregatedList, zone and global operations get / wait, firewalls insert / list / delete,
+images get / getFromFamily (a small table of public images with their minimum disk size).
+Inserts are refused as GCP refuses them: an unknown image, a boot disk smaller than the
+image, pd-standard (GCP's default disk type) or a non-Hyperdisk disk on families that do
+not take it, a missing gVNIC on families that require it (g2, a3, ...), and more external
+addresses in a region than `address_quota[region]` (QUOTA_EXCEEDED IN_USE_ADDRESSES).
 Error bodies have the real shape {"error": {"code", "message", "errors": [{"reason", ...}]}},
 operation errors the real {"error": {"errors": [{"code", "message"}]}} with
 httpErrorStatusCode. Every request is recorded (method, call key, path, query, JSON body)
@@ -53,11 +58,26 @@ ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
         ),
         ("GET", "globalOperations.get", P + r"/global/operations/(?P<op>[^/]+)"),
         ("POST", "globalOperations.wait", P + r"/global/operations/(?P<op>[^/]+)/wait"),
+        ("GET", "images.getFromFamily", P + r"/global/images/family/(?P<name>[^/]+)"),
+        ("GET", "images.get", P + r"/global/images/(?P<name>[^/]+)"),
         ("POST", "firewalls.insert", P + r"/global/firewalls"),
         ("GET", "firewalls.list", P + r"/global/firewalls"),
         ("DELETE", "firewalls.delete", P + r"/global/firewalls/(?P<name>[^/]+)"),
     ]
 ]
+
+# Public images the fake knows: (project, family) -> (image name, minimum disk GB).
+IMAGES: dict[tuple[str, str], tuple[str, int]] = {
+    ("debian-cloud", "debian-12"): ("debian-12-bookworm-v20241112", 10),
+    ("deeplearning-platform-release", "pytorch-2-4-cu124-debian-11-py310"): (
+        "pytorch-2-4-cu124-debian-11-py310-v20241118",
+        50,
+    ),
+}
+# What GCP refuses, by machine family (prefix of the machine type name).
+NO_PD_STANDARD = ("g2-", "a3-", "a4-", "c3-", "c3d-", "c4-", "n4-", "h3-")
+HYPERDISK_ONLY = ("a3-ultragpu", "a4-", "c4-", "n4-")
+GVNIC_REQUIRED = ("g2-", "a3-", "a4-", "c3-", "c4-", "n4-", "h3-")
 
 _LABEL_TERM = r'labels\.([a-z0-9_-]+)\s*=\s*"([^"]*)"'
 
@@ -136,6 +156,8 @@ class FakeCompute:
         self.quota_style: str = ""
         self.faults: list[Fault] = []
         self.op_faults: list[list[Any]] = []  # [code, status, zone, times left]
+        # External (in-use) addresses allowed per region; a region not listed is unlimited.
+        self.address_quota: dict[str, int] = {}
         self.pending_polls = 0
         self._by_request_id: dict[str, str] = {}
         self._ids = itertools.count(1000)
@@ -326,6 +348,7 @@ class FakeCompute:
                 "alreadyExists",
                 f"The resource 'projects/{project}/zones/{zone}/instances/{name}' already exists",
             )
+        self._validate_instance(project, zone, body)
         exhausted = self.exhausted.get(zone)
         pool_msg = (
             f"The zone 'projects/{project}/zones/{zone}' does not have enough resources "
@@ -349,6 +372,19 @@ class FakeCompute:
             status = 503
         elif self.quota_style == "operation":
             error = {"errors": [{"code": "QUOTA_EXCEEDED", "message": quota_msg}]}
+            status = 403
+        elif self._over_address_quota(zone, body):
+            region = zone.rsplit("-", 1)[0]
+            limit = self.address_quota[region]
+            error = {
+                "errors": [
+                    {
+                        "code": "QUOTA_EXCEEDED",
+                        "message": f"Quota 'IN_USE_ADDRESSES' exceeded.  Limit: {limit:.1f} "
+                        f"in region {region}.",
+                    }
+                ]
+            }
             status = 403
         else:
             for f in self.op_faults:
@@ -384,6 +420,85 @@ class FakeCompute:
         if rid:
             self._by_request_id[rid] = op["name"]
         return op
+
+    def _image(self, url: str) -> tuple[str, int]:
+        m = re.fullmatch(r"(?:.*/)?projects/([^/]+)/global/images/(family/)?([^/]+)", url or "")
+        if m is None:
+            raise ApiError(400, "invalid", f"Invalid value for field 'sourceImage': {url!r}")
+        project, family, name = m.group(1), m.group(2), m.group(3)
+        for (proj, fam), (image, size) in IMAGES.items():
+            if proj == project and (fam == name if family else image == name):
+                return f"{self._base(proj)}/global/images/{image}", size
+        raise ApiError(404, "notFound", f"The resource '{url}' was not found")
+
+    def _validate_instance(self, project: str, zone: str, body: dict[str, Any]) -> None:
+        """Refuse, with GCP's 400s, what GCP refuses: boot disk smaller than the image,
+        a disk type or NIC the machine family does not take."""
+        machine = body["machineType"].rsplit("/", 1)[-1]
+        for i, disk in enumerate(body.get("disks") or []):
+            params = disk.get("initializeParams") or {}
+            if not params:
+                continue
+            _, minimum = self._image(params.get("sourceImage", ""))
+            size = int(params.get("diskSizeGb") or minimum)
+            if size < minimum:
+                raise ApiError(
+                    400,
+                    "invalid",
+                    f"Invalid value for field 'resource.disks[{i}].initializeParams.diskSizeGb':"
+                    f" '{size}'. Requested disk size cannot be smaller than the image size "
+                    f"({minimum} GB)",
+                )
+            kind = str(params.get("diskType") or "pd-standard").rsplit("/", 1)[-1]
+            if (kind == "pd-standard" and machine.startswith(NO_PD_STANDARD)) or (
+                not kind.startswith("hyperdisk") and machine.startswith(HYPERDISK_ONLY)
+            ):
+                raise ApiError(
+                    400,
+                    "invalid",
+                    f"[{kind}] features are not compatible for creating instance "
+                    f"of machine type {machine}.",
+                )
+        for i, nic in enumerate(body.get("networkInterfaces") or []):
+            if machine.startswith(GVNIC_REQUIRED) and nic.get("nicType") != "GVNIC":
+                raise ApiError(
+                    400,
+                    "invalid",
+                    f"Invalid value for field 'resource.networkInterfaces[{i}].nicType': "
+                    f"'{nic.get('nicType', '')}'. {machine} requires gVNIC.",
+                )
+
+    def _over_address_quota(self, zone: str, body: dict[str, Any]) -> bool:
+        region = zone.rsplit("-", 1)[0]
+        limit = self.address_quota.get(region)
+        if limit is None:
+            return False
+        wants = sum(len(n.get("accessConfigs") or []) for n in body.get("networkInterfaces") or [])
+        in_use = sum(
+            len(n.get("accessConfigs") or [])
+            for (z, _name), vm in self.instances.items()
+            if z.rsplit("-", 1)[0] == region
+            for n in vm.get("networkInterfaces") or []
+        )
+        return in_use + wants > limit
+
+    def _images_getFromFamily(self, project: str, name: str, **_: Any) -> dict[str, Any]:
+        link, size = self._image(f"projects/{project}/global/images/family/{name}")
+        return self._image_resource(link, size, name)
+
+    def _images_get(self, project: str, name: str, **_: Any) -> dict[str, Any]:
+        link, size = self._image(f"projects/{project}/global/images/{name}")
+        return self._image_resource(link, size, "")
+
+    def _image_resource(self, link: str, size: int, family: str) -> dict[str, Any]:
+        return {
+            "kind": "compute#image",
+            "name": link.rsplit("/", 1)[-1],
+            "selfLink": link,
+            "diskSizeGb": str(size),
+            "family": family,
+            "status": "READY",
+        }
 
     def _instances_get(self, project: str, zone: str, name: str, **_: Any) -> dict[str, Any]:
         vm = self.instances.get((zone, name))

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from spotctl.errors import AuthError, CapacityError, QuotaError, SpecError, TransientError
+from spotctl.errors import (
+    AuthError,
+    CapacityError,
+    ProviderError,
+    QuotaError,
+    SpecError,
+    TransientError,
+)
 from spotctl.providers.gcp.api import instance_name
 from spotctl.providers.gcp.provider import GcpProvider
 
@@ -223,6 +230,12 @@ def test_head_is_standard_vm_and_reused(fake, provider):
     assert ins.body["scheduling"]["provisioningModel"] == "STANDARD"
     assert ins.body["labels"]["spotctl-role"] == "head"
     assert ins.body["machineType"].endswith("/e2-small")
+    # The head runs a small CPU image: no GPU driver install, no DLVM-sized disk.
+    disk = ins.body["disks"][0]["initializeParams"]
+    assert disk["sourceImage"].endswith("/global/images/debian-12-bookworm-v20241112")
+    assert int(disk["diskSizeGb"]) == 20
+    meta = {i["key"] for i in ins.body["metadata"]["items"]}
+    assert "install-nvidia-driver" not in meta
 
 
 def test_cleanup_leaves_nothing(fake, provider):
@@ -240,3 +253,60 @@ def test_missing_project_is_a_spec_error(fake, spotctl_home, monkeypatch):
     p = GcpProvider(make_ctx(fake, spotctl_home, project=""))
     with pytest.raises(SpecError, match="gcp.project"):
         p.list("demo")
+
+
+# ---- images, disks and NICs that the machine families accept (the fake refuses the rest)
+
+
+@pytest.mark.parametrize(
+    "machine,gpu,nic", [("g2-standard-4", "L4", "GVNIC"), ("a3-highgpu-1g", "H100", "GVNIC"),
+                        ("n1-standard-8", "T4", None)]
+)  # fmt: skip
+def test_gpu_workers_get_dlvm_image_driver_balanced_disk_and_gvnic(
+    fake, provider, machine, gpu, nic
+):
+    [inst] = provider.launch(_offer(provider, machine=machine, gpu=gpu), 1, f"img-{machine}")
+    assert inst.state == "running"
+    body = fake.calls("instances.insert")[0].body
+    disk = body["disks"][0]["initializeParams"]
+    assert "deeplearning-platform-release" in disk["sourceImage"]
+    assert disk["diskType"] == "zones/us-central1-a/diskTypes/pd-balanced"
+    assert int(disk["diskSizeGb"]) == 100
+    assert body["networkInterfaces"][0].get("nicType") == nic
+    meta = {i["key"]: i["value"] for i in body["metadata"]["items"]}
+    assert meta["install-nvidia-driver"] == "True"
+
+
+def test_disk_is_raised_to_the_image_minimum(fake, spotctl_home):
+    p = GcpProvider(make_ctx(fake, spotctl_home, disk_gb=30))
+    p.launch(_offer(p), 1, "small-disk")
+    disk = fake.calls("instances.insert")[0].body["disks"][0]["initializeParams"]
+    assert int(disk["diskSizeGb"]) == 50  # the DLVM image's own minimum
+
+
+def test_fake_refuses_pd_standard_on_g2(fake, spotctl_home):
+    p = GcpProvider(make_ctx(fake, spotctl_home, disk_type="pd-standard"))
+    with pytest.raises(ProviderError, match="pd-standard") as e:
+        p.launch(_offer(p, machine="g2-standard-4", gpu="L4"), 1, "pdstd")
+    assert not isinstance(e.value, CapacityError) and "\n" not in str(e.value)
+    assert fake.instances == {}
+
+
+def test_fake_refuses_a3_without_gvnic(fake, provider, monkeypatch):
+    monkeypatch.setattr("spotctl.providers.gcp.launch.nic_type_for", lambda _m: "")
+    with pytest.raises(ProviderError, match="gVNIC"):
+        provider.launch(_offer(provider, machine="a3-highgpu-1g", gpu="H100"), 1, "nognic")
+    assert fake.instances == {}
+
+
+def test_unknown_image_is_a_spec_error(fake, spotctl_home):
+    p = GcpProvider(make_ctx(fake, spotctl_home, image="projects/nope/global/images/family/x"))
+    with pytest.raises(SpecError, match="gcp.image"):
+        p.launch(_offer(p), 1, "noimg")
+
+
+def test_address_quota_stops_with_one_line(fake, provider):
+    fake.address_quota["us-central1"] = 2
+    with pytest.raises(QuotaError, match="IN_USE_ADDRESSES") as e:
+        provider.launch(_offer(provider), 3, "addr")
+    assert "\n" not in str(e.value)

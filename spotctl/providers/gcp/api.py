@@ -116,6 +116,7 @@ class _Clients:
     zone_ops: Any
     global_ops: Any
     firewalls: Any
+    images: Any = None
 
 
 def _api_error_parts(exc: Exception) -> tuple[int | None, set[str], str]:
@@ -244,6 +245,7 @@ class GcpApi:
         self._clients: _Clients | None = None
         self._project: str = self.spec.project
         self._zone_of: dict[str, str] = {}  # instance name -> zone, from the last listing
+        self._images: dict[str, tuple[str, int]] = {}  # image URL -> (self link, min GB)
         self._nodes = CloudNodes(
             ctx, metadata="gcp", metadata_url=METADATA_URL,
             api_port=COORDINATOR_PORT, store_port=STORE_PORT,
@@ -299,6 +301,7 @@ class GcpApi:
             zone_ops=compute_v1.ZoneOperationsClient(**kw),
             global_ops=compute_v1.GlobalOperationsClient(**kw),
             firewalls=compute_v1.FirewallsClient(**kw),
+            images=compute_v1.ImagesClient(**kw),
         )
 
     @property

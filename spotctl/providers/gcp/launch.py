@@ -34,7 +34,7 @@ from spotctl.providers.gcp.api import (
     network_tag,
 )
 from spotctl.providers.gcp.network import GcpNetwork
-from spotctl.providers.gcp.offers import GcpOffers
+from spotctl.providers.gcp.offers import GcpOffers, nic_type_for
 
 
 @dataclass
@@ -296,7 +296,17 @@ class GcpLaunch(GcpOffers, GcpNetwork):
                     accelerator_type=f"projects/{self.project}/zones/{zone}/acceleratorTypes/{accel}",
                 )
             )
-        disk_gb = int(self.ctx.options.get("gcp_disk_gb", 100 if role == "worker" else 20))
+        image, disk_type, disk_gb = self._boot_disk(zone, machine_type, role)
+        nic = nic_type_for(machine_type)
+        metadata = [
+            compute_v1.Items(key="ssh-keys", value=self._ssh_keys_entry()),
+            # Only the cluster key logs in: no project-wide keys, no OS Login.
+            compute_v1.Items(key="block-project-ssh-keys", value="TRUE"),
+            compute_v1.Items(key="enable-oslogin", value="FALSE"),
+        ]
+        if role == "worker":
+            # Deep Learning VM images install the NVIDIA driver at first boot when asked.
+            metadata.append(compute_v1.Items(key="install-nvidia-driver", value="True"))
         return compute_v1.Instance(
             name=name,
             machine_type=f"zones/{zone}/machineTypes/{machine_type}",
@@ -313,7 +323,7 @@ class GcpLaunch(GcpOffers, GcpNetwork):
                     boot=True,
                     auto_delete=True,
                     initialize_params=compute_v1.AttachedDiskInitializeParams(
-                        source_image=self.spec.image, disk_size_gb=disk_gb
+                        source_image=image, disk_size_gb=disk_gb, disk_type=disk_type
                     ),
                 )
             ],
@@ -323,16 +333,10 @@ class GcpLaunch(GcpOffers, GcpNetwork):
                     access_configs=[
                         compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")
                     ],
+                    **({"nic_type": nic} if nic else {}),
                 )
             ],
-            metadata=compute_v1.Metadata(
-                items=[
-                    compute_v1.Items(key="ssh-keys", value=self._ssh_keys_entry()),
-                    # Only the cluster key logs in: no project-wide keys, no OS Login.
-                    compute_v1.Items(key="block-project-ssh-keys", value="TRUE"),
-                    compute_v1.Items(key="enable-oslogin", value="FALSE"),
-                ]
-            ),
+            metadata=compute_v1.Metadata(items=metadata),
         )
 
     # ----------------------------------------------------------------- terminate

@@ -1,14 +1,18 @@
 """GCP provider, offers: spot offers from the shipped catalog, and what a shape needs.
 
-This module owns what can be bought (no API calls): the rows of
+This module owns what can be bought and what each shape requires: the rows of
 spotctl/providers/gcp/catalog.py filtered by region, zones, machine types and GPU; the
-zones a launch may fail over to (same shape, same region, cheapest first); and the guest
-accelerator type a machine needs (none for a2/a3/g2, which bundle their GPUs).
+zones a launch may fail over to (same shape, same region, cheapest first); the guest
+accelerator type a machine needs (none for a2/a3/g2, which bundle their GPUs); and the
+boot disk and NIC a machine family accepts (disk type, gVNIC, the image's minimum size,
+read from the image itself).
 """
 
 from __future__ import annotations
 
 import builtins
+import re
+from functools import partial
 
 from spotctl.errors import SpecError
 from spotctl.providers.base import Offer
@@ -57,3 +61,54 @@ class GcpOffers(GcpApi):
                 f"knows (use a2/a3/g2 or n1 with {', '.join(catalog_gcp.GUEST_ACCELERATORS)})"
             )
         return accel
+
+    # ----------------------------------------------------------------- boot disk and NIC
+
+    def _image(self, url: str) -> tuple[str, int]:
+        """(self link, minimum disk GB) of an image URL or image-family URL."""
+        cached = self._images.get(url)
+        if cached is not None:
+            return cached
+        m = re.fullmatch(r"(?:.*/)?projects/([^/]+)/global/images/(family/)?([^/]+)", url)
+        if m is None:
+            raise SpecError(
+                f"gcp image {url!r}: expected projects/P/global/images/NAME "
+                "or projects/P/global/images/family/FAMILY"
+            )
+        project, family, name = m.group(1), bool(m.group(2)), m.group(3)
+        images = self.clients.images
+        fn = (
+            partial(images.get_from_family, project=project, family=name, retry=None)
+            if family
+            else partial(images.get, project=project, image=name, retry=None)
+        )
+        image = self._call(f"look up image {url}", fn, missing_ok=True)
+        if image is None:
+            raise SpecError(f"gcp image {url!r}: not found (gcp.image / gcp.head_image)")
+        found = (str(image.self_link or url), int(image.disk_size_gb or 10))
+        self._images[url] = found
+        return found
+
+    def _boot_disk(self, zone: str, machine_type: str, role: str) -> tuple[str, str, int]:
+        """(image, disk type URL, size GB) for a VM of `machine_type`."""
+        image, minimum = self._image(self.spec.image if role == "worker" else self.spec.head_image)
+        size = self.spec.disk_gb or (100 if role == "worker" else 20)
+        size = int(self.ctx.options.get("gcp_disk_gb", size))
+        kind = self.spec.disk_type or disk_type_for(machine_type)
+        return image, f"zones/{zone}/diskTypes/{kind}", max(size, minimum)
+
+
+# Families whose VMs take only Hyperdisk boot disks; the others get pd-balanced (pd-standard,
+# GCP's default when no type is sent, is refused by g2, a3, c3 and newer families).
+HYPERDISK_ONLY = ("a3-ultragpu", "a4-", "c4-", "c4a-", "c4d-", "n4-", "x4-")
+# Families that refuse the VirtIO NIC: they need gVNIC (GCP's own virtual NIC).
+GVNIC_ONLY = ("a3-", "a4-", "g2-", "c3-", "c3d-", "c4-", "n4-", "h3-")
+
+
+def disk_type_for(machine_type: str) -> str:
+    return "hyperdisk-balanced" if machine_type.startswith(HYPERDISK_ONLY) else "pd-balanced"
+
+
+def nic_type_for(machine_type: str) -> str:
+    """"GVNIC" where the family requires it, else "" (GCP's default VirtIO)."""
+    return "GVNIC" if machine_type.startswith(GVNIC_ONLY) else ""
