@@ -39,7 +39,14 @@ class HeadClient:
             with urlopen_direct(req, timeout=self.timeout_s) as r:
                 return json.loads(r.read() or b"{}")
         except urllib.error.HTTPError as e:
-            raise HeadUnavailable(f"head at {self.url} answered {e.code} to {path}") from None
+            why = ""
+            try:
+                why = str(json.loads(e.read(4096) or b"{}").get("error", ""))[:200]
+            except (ValueError, OSError, AttributeError):
+                pass
+            raise HeadUnavailable(
+                f"head at {self.url} answered {e.code} to {path}" + (f": {why}" if why else "")
+            ) from None
         except (urllib.error.URLError, OSError, ValueError) as e:
             raise HeadUnavailable(f"head at {self.url} is not reachable: {e}") from None
 

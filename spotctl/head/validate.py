@@ -100,8 +100,13 @@ def worker(v: Any, i: int) -> dict[str, Any]:
     if st is not None:
         if not isinstance(st, dict) or len(st) > MAX_STARTUP_KEYS:
             raise BadInput(f"{w}.startup must be an object of at most {MAX_STARTUP_KEYS} numbers")
-        out["startup"] = {_str(k, f"{w}.startup key", 64): _num(x, f"{w}.startup.{k}")
-                          for k, x in st.items()}
+        # timings reported by the training library: numbers, flags or short labels are
+        # kept, anything else is dropped (it is informational only)
+        out["startup"] = {
+            _str(k, f"{w}.startup key", 64): x for k, x in st.items()
+            if x is None or isinstance(x, bool) or (isinstance(x, str) and len(x) <= 64)
+            or (isinstance(x, (int, float)) and math.isfinite(x))
+        }
     return out
 
 

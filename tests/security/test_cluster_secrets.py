@@ -5,8 +5,14 @@ listen on loopback only."""
 
 from __future__ import annotations
 
+import json
+import socket
 import stat
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,6 +56,21 @@ def _listening(pids: list[int]) -> dict[int, list[tuple[str, int]]]:
                 ip = ".".join(str(int(hexip[i : i + 2], 16)) for i in (6, 4, 2, 0))
             out.setdefault(inodes[f[9]], []).append((ip, int(hexport, 16)))
     return out
+
+
+def _get(url: str, token: str) -> int:
+    return _post(url, token, None)
+
+
+def _post(url: str, token: str, body: dict[str, Any] | None) -> int:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method="POST" if body is not None else "GET",
+                                 headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def _cmd(pid: int) -> str:
@@ -96,6 +117,7 @@ def test_running_cluster_keeps_its_token_secret(local_cluster) -> None:  # noqa:
     assert holders, "the token file itself must be found (the scan works)"
     for p in holders:
         assert p.name == "token", f"token leaked into {p}"
+        assert p.parent == c.cluster_dir, f"the cluster secret was given to a node: {p}"
         assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
     logs = [*c.cluster_dir.rglob("*.log"), *c.cluster_dir.rglob("*.jsonl")]
     assert any(p.name == "torchrun.log" for p in logs) and any(p.name == "head.log" for p in logs)
@@ -127,5 +149,39 @@ def test_running_cluster_keeps_its_token_secret(local_cluster) -> None:  # noqa:
     }
     # the workers' own store (rank 0) and gloo listen on the node's address only
     assert others == {}, f"non-loopback listeners: {others}"
+
+    # 5. ...and a client from outside loopback (this machine's other addresses) is refused
+    # by every listener of the cluster: head API, head store, workers' store, gloo, metadata
+    from tests.security.test_head_api import _outside_addresses
+
+    ports = sorted({port for addrs in listening.values() for _, port in addrs})
+    assert ports
+    for ip in _outside_addresses():
+        for port in ports:
+            with pytest.raises(OSError):
+                socket.create_connection((ip, port), timeout=2).close()
+
+    # 6. each node holds its own credential (not the cluster secret); it speaks for that
+    # node only and opens no controller route; workers' environments hold none
+    head_url = json.loads((c.cluster_dir / "head" / "head.json").read_text())["url"]
+    node_dirs = [p for p in (c.cluster_dir / "nodes").iterdir() if p.is_dir()]
+    node_tokens = {p.name: (p / "token").read_text().strip() for p in node_dirs}
+    assert len(node_tokens) == 2
+    for nid, nt in node_tokens.items():
+        assert nt != token and token not in nt and nt.startswith(f"node:{nid}:")
+        assert _get(head_url + "/api/health", nt) == 200
+        assert _get(head_url + "/api/status", nt) == 403
+        other = next(n for n in node_tokens if n != nid)
+        assert _post(head_url + "/api/notice", nt, {"node_id": other, "notice": {
+            "id": "forged", "deadline": time.time() + 30}}) == 403
+        for pid in pids:
+            if "spotctl.cli.app agent" in roles[pid]:
+                continue  # the agent itself holds its token in memory, not in its env
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes()
+            except OSError:
+                continue
+            assert nt.encode() not in env, f"node token in env of {roles[pid]}"
+    assert _get(head_url + "/api/status", token) == 200
     c.cli("down", "--name", "sec", "--yes")
     assert c.processes() == []

@@ -223,6 +223,19 @@ def test_a_worker_reporting_nan_loss_is_kept_without_it(head: HeadServer) -> Non
     assert call(head, "POST", "/api/heartbeat", CTL, hb("n1", drain_gen=float("inf")))[0] == 400
 
 
+def test_the_training_librarys_own_report_is_accepted(head: HeadServer) -> None:
+    """The exact shape spotctl.elastic writes (extra keys, a flag among the timings)."""
+    w = {"rank": 0, "local_rank": 0, "world_size": 2, "step": 5, "phase": "train",
+         "incarnation": "abc", "resume_step": 0, "first_step_at": time.time(), "last_ckpt": 0,
+         "loss": 0.5, "throughput": 10.0, "drain_step": None, "pid": 123, "epoch": 0,
+         "offset": 7, "startup": {"imports": 0.0, "process_group": 0.2, "restore": 0.01,
+                                  "started_at": time.time(), "forked_warm": True,
+                                  "first_step": 0.3}}
+    code, reply = call(head, "POST", "/api/heartbeat", _bearer("n1"), hb("n1", workers=[w]))
+    assert code == 200, reply
+    assert head.coord.nodes["n1"].workers[0].startup["forked_warm"] is True
+
+
 @pytest.mark.parametrize("query", ["since=x", "since=-1", "since=1e3", "since=" + "9" * 40])
 def test_bad_event_queries_are_400(head: HeadServer, query: str) -> None:
     assert call(head, "GET", "/api/events?" + query, CTL)[0] == 400
