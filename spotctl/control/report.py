@@ -85,16 +85,21 @@ def _integral(series: list[tuple[float, float]], end: float) -> float:
 
 
 def marks_of(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """The events the plot marks. A hard loss is a node lost without a notice: a failure
-    rescale's cause, an unresponsive node, a node the provider no longer lists."""
+    """The events the plot marks. A hard loss is a node lost without a notice: one that
+    went unresponsive and never came back, or that the provider no longer lists."""
     noticed: set[str] = set()
     out: dict[str, list[dict[str, Any]]] = {k: [] for k in MARK_KINDS}
-    for e in events:
+    for i, e in enumerate(events):
         t = e.get("type")
         node = e.get("node")
         if t == "notice":
             noticed.add(str(node))
             out["notice"].append({"ts": e["ts"], "node": node})
+        elif t == "node-unresponsive" and any(
+            later.get("type") == "node-back" and later.get("node") == node
+            for later in events[i + 1:]
+        ):
+            continue  # slow, not lost: it came back
         elif t in _HARD and str(node) not in noticed:
             out["hard-loss"].append({"ts": e["ts"], "node": node, "why": t})
         elif t == "rescale":

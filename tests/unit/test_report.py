@@ -35,6 +35,8 @@ def store(tmp_path: Path) -> Store:
         (165, "rescale", {"from_world_size": 3, "to_world_size": 2, "reason": "notice",
                           "checkpoint_step": 140, "lost_steps": 0, "notice_to_resume_s": 5.0}),
         (200, "preempted", {"node": "n2", "zone": "local-a", "state": "preempted"}),
+        (250, "node-unresponsive", {"node": "n1", "silent_s": 10}),  # slow, not lost
+        (255, "node-back", {"node": "n1"}),
         (300, "node-unresponsive", {"node": "n3", "silent_s": 10}),
         (310, "rescale", {"from_world_size": 2, "to_world_size": 1, "reason": "failure",
                           "checkpoint_step": 250, "lost_steps": 7, "notice_to_resume_s": 6.0}),
@@ -84,7 +86,8 @@ def test_plot_marks_match_the_events(store: Store, tmp_path: Path) -> None:
     assert drawn["notice"] == rel("notice")
     assert drawn["rescale"] == rel("rescale")
     assert drawn["join"] == rel("join")
-    assert drawn["hard-loss"] == rel("node-unresponsive")  # n2's loss came with a notice
+    # n2's loss came with a notice; n1 was slow and came back; n3 is the one hard loss
+    assert drawn["hard-loss"] == [300.0]
 
 
 def test_plot_to_an_unwritable_path_is_one_error(store: Store, tmp_path: Path) -> None:

@@ -1,0 +1,81 @@
+"""Issue 15: the CLI as a new user types it. `init`, `up`, then plain `status --once`,
+`events`, `logs`, `report --plot` and `down`, with no --name anywhere (the cluster comes
+from ./spotctl.toml, then from being the only one), on a real local cluster."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any) -> None:
+    c = local_cluster("demo")  # the name `spotctl init` writes; the harness tears it down
+    c.cli("init", ".", "--force")
+    assert 'name = "demo"' in (c.project / "spotctl.toml").read_text()
+
+    up = c.cli("up", "--gpus", "1..2", "--wait", "150")
+    assert "cluster demo: 2 node(s) launched, 2/2 reporting, training" in up.stdout
+    # the phases, one plain line each on a pipe: per offer, per node, first step
+    assert "up: launching 2 x local in local-a" in up.stderr, up.stderr
+    assert "up: booting" in up.stderr or "up: joining" in up.stderr, up.stderr
+    assert "up: training: step " in up.stderr, up.stderr
+
+    st = c.cli("status", "--once").stdout
+    assert "cluster demo" in st and "n1" in st and "n2" in st and "running" in st
+
+    def status() -> dict[str, Any]:
+        return json.loads(c.cli("status", "--json").stdout)
+
+    p = c.cli("preempt", "n2", "--style", "aws", "--in", "6")
+    assert "notice sent to n2 (aws): hard stop in 6 s, at " in p.stdout
+    deadline = time.monotonic() + 150
+    evs: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        evs = json.loads(c.cli("events", "--json").stdout)
+        if any(e["type"] == "rescale" for e in evs) and status()["step"] > 0:
+            break
+        time.sleep(0.5)
+    rescales = [e for e in evs if e["type"] == "rescale"]
+    assert rescales and (rescales[-1]["from_world_size"], rescales[-1]["to_world_size"]) == (2, 1)
+    time.sleep(4)  # a couple of samples at the new size
+
+    ev = c.cli("events").stdout
+    assert "world 2 -> 1, notice, checkpoint step" in ev and "{" not in ev
+    assert any(x.split()[1:2] == ["notice"] and "n2" in x for x in ev.splitlines())
+
+    one = c.cli("logs", "n1", "-n", "5").stdout
+    assert one.strip()
+    every = c.cli("logs", "--all", "-n", "3").stdout.splitlines()
+    assert {x.split(" | ")[0].strip() for x in every} == {"n1", "n2"}
+
+    png = c.tmp / "run.png"
+    rep = json.loads(c.cli("report", "--plot", str(png), "--json").stdout)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    t = rep["totals"]
+    assert t["steps"] > 0 and t["pauses"] >= 1 and t["notices"] == 1, t
+    assert t["hard_losses"] == 0, rep["marks"]
+    assert t["gpu_hours_offered"] > t["gpu_hours_training"] > 0
+    assert rep["samples"], "the head sampled nothing"
+    evs = json.loads(c.cli("events", "--json").stdout)
+
+    def rel(typ: str) -> list[float]:
+        return [round(e["ts"] - rep["start"], 3) for e in evs if e["type"] == typ]
+
+    drawn = rep["plot"]["marks"]
+    assert drawn["notice"] == rel("notice") and len(drawn["notice"]) == 1
+    assert drawn["rescale"] == rel("rescale")
+    assert drawn["join"] == rel("join")
+    text = c.cli("report").stdout
+    assert "goodput" in text and "lost steps" in text
+
+    assert c.cli("down", "--yes").stdout.strip() == "cluster demo is down"
+    # a finished run still reports; with no ./spotctl.toml the only cluster is the one
+    (c.project / "spotctl.toml").unlink()
+    done = json.loads(c.cli("report", "--json").stdout)
+    assert done["state"] == "down" and done["end"] >= rep["end"]
+    assert "demo" in c.cli("list").stdout
