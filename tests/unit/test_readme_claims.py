@@ -1,0 +1,57 @@
+"""README claims that no other test would catch if they were false."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tests.unit.test_coordinator import Clock, hb, w
+
+REPO = Path(__file__).resolve().parents[2]
+README = (REPO / "README.md").read_text()
+# Set by spotctl for its own child processes; tests read them to find or drive those.
+INTERNAL = {"SPOTCTL_NODE_TAG", "SPOTCTL_ZYGOTE", "SPOTCTL_COMPLETE"}
+
+
+def _names(paths: list[Path]) -> set[str]:
+    out: set[str] = set()
+    for p in paths:
+        out |= set(re.findall(r"\bSPOTCTL_[A-Z_]*[A-Z]\b", p.read_text(errors="replace")))
+    return out
+
+
+def test_readme_lists_every_test_seam_and_each_is_read_by_the_code() -> None:
+    m = re.search(r"Test seams, for tests only:(.*?)\.\n", README, re.S)
+    assert m, "README: the 'Test seams, for tests only:' sentence is gone"
+    listed = set(re.findall(r"`(SPOTCTL_[A-Z_]+|AWS_[A-Z_]+)", m.group(1)))
+    code = _names(list((REPO / "spotctl").rglob("*.py")) + [REPO / "templates" / "train.py"])
+    # every seam the tests set on spotctl is in the list...
+    used = _names(list((REPO / "tests").rglob("*.py"))) & code
+    assert used - INTERNAL <= listed, sorted(used - INTERNAL - listed)
+    # ...and every listed one is still read somewhere
+    assert {x for x in listed if x.startswith("SPOTCTL_")} <= code, sorted(listed - code)
+
+
+def test_a_node_silent_for_4_s_by_default_is_declared_unresponsive() -> None:
+    """README: 'a node that goes silent for 4 s is declared unresponsive and its peers'
+    workers are killed' - with the head's own default, not a value the test picks."""
+    import tempfile
+
+    from spotctl.head.server import HeadServer
+
+    for silent, killed in ((3.9, 0), (4.1, 1)):
+        clk = Clock()
+        with tempfile.TemporaryDirectory() as d:  # the coordinator the head really builds
+            c = HeadServer(Path(d), "t", with_store=False).coord
+        c.clock = clk
+        for n in ("a", "b"):
+            hb(c, n, "waiting")
+        for i, n in enumerate(("a", "b")):
+            hb(c, n, workers=[w(i, "inc1", 30, ws=2, first=999.0)])
+        clk.t += silent
+        r = hb(c, "a", workers=[w(0, "inc1", 31, ws=2)])
+        assert c.kill_gen == killed, (silent, r)
+        if killed:
+            assert r["kill_incarnation"] == "inc1" and c.nodes["b"].unresponsive
+        else:
+            assert not c.nodes["b"].unresponsive
