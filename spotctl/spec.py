@@ -22,7 +22,20 @@ else:  # Python 3.10 (e.g. the AWS Deep Learning AMI's): the same parser, from P
 
 PROVIDERS = ("local", "aws", "gcp", "ssh")
 SPEC_FILE = "spotctl.toml"
-_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,38}[a-z0-9]$|^[a-z]$")
+_NAME_RE = re.compile(r"[a-z][a-z0-9-]{0,38}[a-z0-9]|[a-z]")  # fullmatch: no trailing \n
+_ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+# a host name or an IP address; never starts with '-' (ssh would read it as an option)
+_HOST_RE = re.compile(r"[A-Za-z0-9_\[][A-Za-z0-9._:\[\]-]{0,252}")
+_USER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
+
+
+def _no_control(v: Any, where: str) -> None:
+    """Strings that reach shell scripts, systemd units or crontabs hold no control
+    characters (a newline there starts a new line of the unit or the crontab)."""
+    vals = v if isinstance(v, list) else [v]
+    for x in vals:
+        if isinstance(x, str) and any(ord(c) < 32 or ord(c) == 127 for c in x):
+            raise ValueError(f"{where} must not contain control characters (newline, tab...)")
 
 
 class GpuRange(BaseModel):
@@ -44,10 +57,11 @@ def parse_gpu_range(text: str | int) -> GpuRange:
         lo = hi = text
     else:
         s = str(text).strip()
-        m = re.fullmatch(r"(\d+)\s*\.\.\s*(\d+)", s)
+        # ASCII digits only: int() would read other scripts' digits (e.g. '٣' as 3)
+        m = re.fullmatch(r"([0-9]+)\s*\.\.\s*([0-9]+)", s, re.ASCII)
         if m:
             lo, hi = int(m.group(1)), int(m.group(2))
-        elif re.fullmatch(r"\d+", s):
+        elif re.fullmatch(r"[0-9]+", s, re.ASCII):
             lo = hi = int(s)
         else:
             raise ValueError(f"expected MIN..MAX or N (e.g. 8..64), got {s!r}")
@@ -61,7 +75,15 @@ def parse_gpu_range(text: str | int) -> GpuRange:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and nan are never a meaningful price, time or count
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _printable(cls, v: Any, info: Any) -> Any:
+        if info.field_name != "env":
+            _no_control(v, info.field_name)
+        return v
 
 
 class TrainSpec(_Strict):
@@ -76,24 +98,35 @@ class TrainSpec(_Strict):
     python: str = ""
     env: dict[str, str] = Field(default_factory=dict)
 
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, x in v.items():
+            if not _ENV_KEY_RE.fullmatch(k):
+                raise ValueError(f"{k!r} is not an environment variable name "
+                                 "(letters, digits and '_', not starting with a digit)")
+            if "\0" in x:
+                raise ValueError(f"{k}: a value must not contain NUL")
+        return v
+
 
 class BudgetSpec(_Strict):
     # USD per hour for the whole cluster; 0 means no cap.
-    max_usd_per_hour: float = Field(default=0.0, ge=0)
+    max_usd_per_hour: float = Field(default=0.0, ge=0, le=1e7)
 
 
 class CapacityStep(_Strict):
     """From `at_s` seconds after the cluster was created, at most `nodes` local nodes exist."""
 
-    at_s: float = Field(ge=0)
-    nodes: int = Field(ge=0)
+    at_s: float = Field(ge=0, le=1e9)
+    nodes: int = Field(ge=0, le=10_000)
 
 
 class LocalSpec(_Strict):
     gpus_per_node: int = Field(default=1, ge=1, le=64)
     zones: list[str] = Field(default_factory=lambda: ["local-a", "local-b"])
-    price_per_node: float = Field(default=0.0, ge=0)
-    on_demand_price_per_node: float = Field(default=0.0, ge=0)
+    price_per_node: float = Field(default=0.0, ge=0, le=1e6)
+    on_demand_price_per_node: float = Field(default=0.0, ge=0, le=1e6)
     capacity: list[CapacityStep] = Field(default_factory=list)
     # each node in its own network namespace on a bridge (root + iproute2): real links,
     # which a test can cut to partition a node
@@ -152,6 +185,20 @@ class SshHost(_Strict):
     # A file whose appearance means the host is about to be taken away.
     notice_file: str = ""
 
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        if not _HOST_RE.fullmatch(v):
+            raise ValueError(f"{v!r} is not a host name or IP address")
+        return v
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str) -> str:
+        if not _USER_RE.fullmatch(v):
+            raise ValueError(f"{v!r} is not a user name (letters, digits, '_', '.', '-')")
+        return v
+
 
 class SshSpec(_Strict):
     hosts: list[SshHost] = Field(default_factory=list)
@@ -164,10 +211,10 @@ class SshSpec(_Strict):
 
 
 class RebalanceSpec(_Strict):
-    cooldown_s: float = Field(default=900.0, ge=0)
+    cooldown_s: float = Field(default=900.0, ge=0, le=1e7)
     replace_saving_pct: float = Field(default=30.0, ge=0, le=100)
-    lost_after_observations: int = Field(default=3, ge=1)
-    lost_after_s: float = Field(default=60.0, ge=0)
+    lost_after_observations: int = Field(default=3, ge=1, le=1_000_000)
+    lost_after_s: float = Field(default=60.0, ge=0, le=1e7)
 
 
 class ClusterSpec(_Strict):
@@ -185,6 +232,8 @@ class ClusterSpec(_Strict):
     @field_validator("gpus", mode="before")
     @classmethod
     def _gpus(cls, v: Any) -> Any:
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
         if isinstance(v, GpuRange | dict):
             return v
         return parse_gpu_range(v)
@@ -192,7 +241,7 @@ class ClusterSpec(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not _NAME_RE.match(v):
+        if not _NAME_RE.fullmatch(v):
             raise ValueError(
                 f"{v!r} is not a valid cluster name (lowercase letters, digits and '-', "
                 "starting with a letter, at most 40 characters)"

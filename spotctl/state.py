@@ -12,8 +12,9 @@ import json
 import os
 import secrets
 import sqlite3
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,14 +83,34 @@ def write_private(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable (the directory entry, not only the data)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_json_atomic(path: Path, obj: Any, mode: int = 0o644) -> None:
+    """Replace `path` with `obj` as JSON: after a crash it is either old or new, whole
+    (data fsynced before the rename, the directory after)."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "w") as f:
         json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
 @dataclass
@@ -119,6 +140,16 @@ class ClusterRow:
     created_at: float
     updated_at: float
     head: dict[str, Any]
+
+
+def lock_holder(path: Path) -> str:
+    """Who holds the lock at `path`, in words (from what the holder wrote into it)."""
+    try:
+        h = json.loads(path.read_text() or "{}")
+        since = time.strftime("%H:%M:%S", time.localtime(float(h["since"])))
+        return f"held by pid {int(h['pid'])} since {since}: {str(h.get('command', ''))[:120]}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "lock held"
 
 
 class ClusterDir:
@@ -161,18 +192,47 @@ class ClusterDir:
         return self.path / "checkpoints"
 
     @contextmanager
-    def lock(self, what: str = "reconcile", wait: bool = True) -> Iterator[None]:
-        """One reconcile (up/rebalance/down) at a time per cluster, across processes."""
+    def lock(
+        self, what: str = "reconcile", wait: bool = True,
+        on_wait: Callable[[str, float | None], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> Iterator[None]:
+        """One reconcile (up/rebalance/down) at a time per cluster, across processes.
+
+        The holder writes who it is (pid, command, since) into the lock file; a caller
+        that has to wait is told that (`on_wait`) and errors name it."""
         self.ensure()
-        f = open(self.path / f"{what}.lock", "w")
+        path = self.path / f"{what}.lock"
+        # never truncate on open: the file names the current holder
+        f = os.fdopen(os.open(path, os.O_RDWR | os.O_CREAT, 0o600), "r+")
         try:
-            flags = fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB)
             try:
-                fcntl.flock(f, flags)
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise StateError(
-                    f"cluster {self.name}: another {what} is running (lock held)"
-                ) from None
+                holder = lock_holder(path)
+                if not wait:
+                    raise StateError(
+                        f"cluster {self.name}: another {what} is running ({holder})"
+                    ) from None
+                if on_wait is not None:
+                    on_wait(f"waiting for the {what} lock of {self.name}: {holder}", None)
+                deadline = None if timeout_s is None else time.monotonic() + timeout_s
+                while True:
+                    try:
+                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if deadline is not None and time.monotonic() >= deadline:
+                            raise StateError(
+                                f"cluster {self.name}: the {what} lock is still held after "
+                                f"{timeout_s:.0f}s ({lock_holder(path)})"
+                            ) from None
+                        time.sleep(0.2)
+            f.seek(0)
+            f.truncate()
+            f.write(json.dumps({"pid": os.getpid(), "since": time.time(),
+                                "command": " ".join(sys.argv)[:300]}))
+            f.flush()
             yield
         finally:
             f.close()
@@ -308,6 +368,18 @@ class Store:
             q += " AND type=?"
             args.append(type_)
         rows = self.db.execute(q + " ORDER BY ts, seq", args).fetchall()
-        return [
-            {"ts": r["ts"], "type": r["type"], **json.loads(r["data_json"])} for r in rows
-        ]
+        out = []
+        for r in rows:
+            # a row written before import was validated may hold anything: skip it rather
+            # than crash status, events, cost or rebalance
+            try:
+                ts = float(r["ts"])
+                data = json.loads(r["data_json"])
+            except (TypeError, ValueError):
+                continue
+            if ts != ts or not isinstance(data, dict):
+                continue
+            ev = {"ts": ts, "type": str(r["type"])}
+            ev.update((k, v) for k, v in data.items() if k not in ev)
+            out.append(ev)
+        return out

@@ -89,7 +89,7 @@ def register(app: typer.Typer) -> None:
         row = store.get_cluster(name)
         cdir = store.cluster_dir(name)
         if which not in LOGS:
-            raise NotFoundError(f"--log must be one of {', '.join(LOGS)}")
+            raise SpecError(f"--log must be one of {', '.join(LOGS)}")
         if node is None:
             if row.provider != "local":
                 raise SpecError("logs --all reads local clusters' logs; for a cloud node use "

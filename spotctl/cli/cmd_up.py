@@ -18,7 +18,8 @@ def spec_from_flags(config: Path | None, **flags: Any):
         "train.checkpoint_every": flags.get("checkpoint_every"),
         "budget.max_usd_per_hour": flags.get("budget"),
     }
-    return load_spec(config, overrides, check_script=not flags.get("dry_run", False))
+    # a missing script is an error with --dry-run too (exit 2): the plan would not run
+    return load_spec(config, overrides)
 
 
 def register(app: typer.Typer) -> None:

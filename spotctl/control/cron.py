@@ -12,12 +12,15 @@ another program with the same interface (tests use a fake that keeps the table i
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,22 +207,38 @@ def install(
     cluster_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # the shell opens the log
     log = cluster_dir / LOG_NAME
     line = entry_line(name, schedule, spotctl_executable(), home, log)
-    lines = tab.read()
-    new = with_entry(lines, name, line)
-    if new != lines:
-        tab.write(new)
+    with _crontab_lock():
+        lines = tab.read()
+        new = with_entry(lines, name, line)
+        if new != lines:
+            tab.write(new)
     return CronEntry(name, schedule, line, str(log))
 
 
 def remove(name: str, tab: Crontab | None = None) -> bool:
     """Remove this cluster's line; True when there was one. Other lines stay as they were."""
     tab = tab or Crontab()
-    lines = tab.read()
-    new = without_entry(lines, name)
-    if new == lines:
-        return False
-    tab.write(new)
+    with _crontab_lock():
+        lines = tab.read()
+        new = without_entry(lines, name)
+        if new == lines:
+            return False
+        tab.write(new)
     return True
+
+
+@contextmanager
+def _crontab_lock() -> Iterator[None]:
+    """One read-modify-write of the crontab at a time (two `up`/`down` of different
+    clusters would otherwise drop each other's line). A file lock in spotctl's home."""
+    from spotctl.state import home
+
+    fd = os.open(home() / "crontab.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def show(name: str | None = None, tab: Crontab | None = None) -> list[CronEntry]:

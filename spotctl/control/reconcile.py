@@ -22,7 +22,7 @@ from typing import Any
 
 from spotctl.control.cooldown import ZoneCooldowns, zone_cooldowns
 from spotctl.control.planner import Observed, ObservedNode, Plan, plan
-from spotctl.errors import CapacityError, NotFoundError, SpotctlError
+from spotctl.errors import CapacityError, NotFoundError, SpotctlError, StateError
 from spotctl.head.client import HeadClient, HeadUnavailable
 from spotctl.providers import get_provider
 from spotctl.providers.base import HeadInfo, Instance, ProviderContext
@@ -94,18 +94,20 @@ def _plan(store: Store, spec: ClusterSpec, obs: Observed, provider: Any, t: floa
     return plan(spec, obs, provider.offers(), cd.blocked, t, cooling=cd.cooling)
 
 
-def observe(store: Store, spec: ClusterSpec, provider: Any) -> tuple[list[Instance], Observed]:
-    """List the provider's instances, journal arrivals and departures, build Observed."""
+def observe(store: Store, spec: ClusterSpec, provider: Any,
+            journal: bool = True) -> tuple[list[Instance], Observed]:
+    """List the provider's instances, journal arrivals and departures (unless `journal` is
+    False: a dry run writes nothing), build Observed."""
     name = spec.name
     live = [i for i in provider.list(name) if i.role == "worker"]
     ids = {i.id for i in live}
     known = {n.id: n for n in store.nodes(name)}
     for inst in live:
         row = known.get(inst.id)
-        if row is None or row.state != inst.state or row.ended_at is not None:
+        if journal and (row is None or row.state != inst.state or row.ended_at is not None):
             store.upsert_node(_row(inst, name, spec.provider))
     for nid, row in known.items():
-        if row.ended_at is None and nid not in ids:
+        if journal and row.ended_at is None and nid not in ids:
             end = _end_state(provider, nid)
             store.set_node_state(name, nid, end, ended=True)
             store.add_event(name, "preempted" if end == "preempted" else "node-gone",
@@ -114,8 +116,11 @@ def observe(store: Store, spec: ClusterSpec, provider: Any) -> tuple[list[Instan
     head_ok = True
     try:
         st = head_client(store, name, timeout_s=2).status()
+        # the head's answer is input too: anything malformed counts as no answer
+        if not isinstance(st, dict) or not isinstance(st.get("nodes", {}), dict):
+            raise HeadUnavailable(f"cluster {name}: the head's status is malformed")
         draining = st.get("drain") is not None
-        head_nodes = st.get("nodes", {})
+        head_nodes = {k: v for k, v in st.get("nodes", {}).items() if isinstance(v, dict)}
     except (HeadUnavailable, NotFoundError):
         head_nodes, head_ok = {}, False
     detector = _load_detector(store, spec)
@@ -127,7 +132,9 @@ def observe(store: Store, spec: ClusterSpec, provider: Any) -> tuple[list[Instan
         state = "draining" if hs in ("leaving", "left") else i.state
         # No false recoveries: one silent reply never makes a node lost; N silent
         # observations spanning T seconds do (or the provider saying it is gone).
-        fresh = hs not in ("", "unresponsive") and (h.get("heartbeat_age_s") or 0) < 10
+        age = h.get("heartbeat_age_s")
+        age = age if isinstance(age, (int, float)) and not isinstance(age, bool) else 0
+        fresh = hs not in ("", "unresponsive") and age < 10
         booting = now - (i.launched_at or now) < 300 and not hs
         if head_ok and not booting:
             if detector.observe(i.id, seen=fresh, provider_gone=False, now=now).value == "lost":
@@ -137,7 +144,8 @@ def observe(store: Store, spec: ClusterSpec, provider: Any) -> tuple[list[Instan
             gpus=i.gpus, price=i.price, state=state,
         ))
     detector.prune({i.id for i in live})
-    write_json_atomic(store.cluster_dir(name).path / "liveness.json", detector.to_dict())
+    if journal:
+        write_json_atomic(store.cluster_dir(name).path / "liveness.json", detector.to_dict())
     return live, Observed(nodes=tuple(obs_nodes), drain_in_progress=draining)
 
 
@@ -195,14 +203,18 @@ def reconcile(
         obs = Observed()
         try:
             store.get_cluster(name)
-            _, obs = observe(store, spec, provider)
+            _, obs = observe(store, spec, provider, journal=False)
         except NotFoundError:
             pass
         p = _plan(store, spec, obs, provider, now())
         return ReconcileResult(cluster=name, plan=p, dry_run=True)
     if not create:
         store.get_cluster(name)
-    with cdir.lock():
+    with cdir.lock(on_wait=progress):
+        # Re-checked under the lock: a rebalance that waited for `down` must not bring
+        # the cluster back (down holds this lock while it cleans up).
+        if not create and store.get_cluster(name).state == "down":
+            raise StateError(f"cluster {name} is down; `spotctl up` starts it again")
         store.upsert_cluster(name, spec.provider, spec.model_dump(mode="json"), "starting")
         progress("preparing cluster resources", None)
         if hasattr(provider, "prepare"):
@@ -320,10 +332,21 @@ def _resume_intent(store: Store, spec: ClusterSpec, provider: Any, result: Recon
     p = store.cluster_dir(spec.name).path / "launch-intent.json"
     if not p.exists():
         return
-    intent = json.loads(p.read_text())
     from spotctl.providers.base import Offer
 
-    offer = Offer(**intent["offer"])
+    try:
+        intent = json.loads(p.read_text())
+        offer = Offer(**intent["offer"])
+        if not isinstance(intent["request_id"], str) or int(intent["count"]) < 1:
+            raise ValueError("bad request_id or count")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        # unreadable: set it aside (kept for a post-mortem) instead of blocking every
+        # later run; whatever it launched is tagged and found by the next observe()
+        bad = p.with_name(f"launch-intent.corrupt-{int(time.time())}.json")
+        p.replace(bad)
+        result.errors.append(f"set aside a corrupt launch intent ({e}): {bad.name}")
+        store.add_event(spec.name, "launch-intent-corrupt", {"file": bad.name, "error": str(e)})
+        return
     try:
         insts = provider.launch(offer, int(intent["count"]), intent["request_id"])
     except SpotctlError as e:
@@ -379,19 +402,52 @@ def wait_for_nodes(store: Store, name: str, timeout_s: float,
     return seen, count
 
 
-def sync_events(store: Store, name: str) -> None:
-    """Import the head's events into the journal (deduped by the head's sequence number)."""
+def sync_events(store: Store, name: str) -> int:
+    """Import the head's events into the journal (deduped by the head's sequence number).
+
+    Best effort: the head's answer is checked event by event (seq an integer, ts a finite
+    number, type a short printable name, data JSON); a malformed event is skipped, never
+    raised. Returns how many were skipped."""
     try:
         client = head_client(store, name, timeout_s=3)
         evs = client.events(0)
     except (HeadUnavailable, NotFoundError):
-        return
+        return 0
+    if not isinstance(evs, list):
+        return 1
+    skipped = 0
     for e in evs:
-        e = dict(e)
-        seq = e.pop("seq")
-        ts = e.pop("ts")
-        typ = e.pop("type")
-        store.add_event(name, typ, e, ts=ts, source_key=f"head:{name}:{seq}:{int(ts)}")
+        ok = _head_event(e)
+        if ok is None:
+            skipped += 1
+            continue
+        seq, ts, typ, data = ok
+        try:
+            store.add_event(name, typ, data, ts=ts, source_key=f"head:{name}:{seq}:{int(ts)}")
+        except (ValueError, TypeError, OverflowError):
+            skipped += 1
+    return skipped
+
+
+def _head_event(e: Any) -> tuple[int, float, str, dict[str, Any]] | None:
+    import math
+
+    if not isinstance(e, dict):
+        return None
+    seq, ts, typ = e.get("seq"), e.get("ts"), e.get("type")
+    if isinstance(seq, bool) or not isinstance(seq, int) or not 0 < seq < 1 << 53:
+        return None
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) \
+            or not 0 <= ts < 1e11:
+        return None
+    if not isinstance(typ, str) or not 0 < len(typ) <= 64 or not typ.isprintable():
+        return None
+    data = {k: v for k, v in e.items() if k not in ("seq", "ts", "type")}
+    try:
+        json.dumps(data, allow_nan=False)
+    except (ValueError, TypeError, RecursionError):
+        return None
+    return seq, float(ts), typ, data
 
 
 def down(store: Store, name: str, options: dict[str, Any] | None = None,
@@ -400,8 +456,18 @@ def down(store: Store, name: str, options: dict[str, Any] | None = None,
     row = store.get_cluster(name)
     spec = ClusterSpec.model_validate(row.spec)
     provider = provider_for(store, spec, options)
-    with store.cluster_dir(name).lock():
-        sync_events(store, name)
+    # the cron line goes first: no scheduled rebalance starts while (or after) we clean up
+    try:
+        from spotctl.control import cron
+
+        cron.remove(name)
+    except Exception:  # no crontab on this machine, or no line: nothing to remove
+        pass
+    with store.cluster_dir(name).lock(on_wait=progress):
+        try:
+            sync_events(store, name)
+        except Exception as e:  # the head's events are a nicety; cleanup is not
+            progress(f"could not import the head's events: {e}", None)
         progress("stopping nodes and head", None)
         leaks = provider.cleanup() if hasattr(provider, "cleanup") else []
         if not hasattr(provider, "cleanup"):
@@ -410,10 +476,4 @@ def down(store: Store, name: str, options: dict[str, Any] | None = None,
             store.set_node_state(name, n.id, "terminated", ended=True)
         store.set_cluster_state(name, "down")
         store.add_event(name, "down", {"leaks": leaks})
-        try:
-            from spotctl.control import cron
-
-            cron.remove(name)
-        except Exception:  # no crontab on this machine, or no line: nothing to remove
-            pass
         return leaks

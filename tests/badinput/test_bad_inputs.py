@@ -1,8 +1,9 @@
-"""Issue 9, bad input: every case goes through the real CLI entry point (a subprocess of
-`python -m spotctl.cli.app`) and must give a non-zero exit, exactly one line naming what is
-wrong (`error: ...`, or click's usage block with one `Error: ...` line), no traceback, and
-start nothing: no cluster row in the state journal, no process tagged with the test's
-SPOTCTL_HOME, no cluster directory holding a head or nodes."""
+"""Issues 9 and 14, bad input: every case goes through the real CLI entry point (a
+subprocess of `python -m spotctl.cli.app`) and must exit 2 (spec and flag errors; 3 for an
+unknown cluster or node), give exactly one line naming what is wrong (`error: ...`, or
+click's usage block with one `Error: ...` line), no traceback, and start nothing: no
+cluster row in the state journal, no process tagged with the test's SPOTCTL_HOME, no
+cluster directory holding a head or nodes."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class Case:
     files: dict[str, str] = field(default_factory=dict)  # more files in the project dir
     no_train_py: bool = False
     existing_cluster: bool = False  # journal a (down) cluster "live" first
+    rc: int = 2  # spec and flag errors exit 2; others name their class (errors.py)
 
 
 def up(*extra: str) -> tuple[str, ...]:
@@ -197,29 +199,29 @@ CASES: list[Case] = [
     Case("missing-script-flag", up("--script", "nope.py"), "nope.py"),
     Case("config-is-dir", up("--config", "adir"), "adir", toml=None, files={"adir/x": ""}),
     # --- unknown names
-    Case("status-unknown", ("status", "--name", "ghost", "--json"), "ghost"),
-    Case("down-unknown", ("down", "--name", "ghost", "--yes"), "ghost"),
-    Case("logs-unknown-cluster", ("logs", "n1", "--name", "ghost"), "ghost"),
-    Case("preempt-unknown-cluster", ("preempt", "n1", "--name", "ghost"), "ghost"),
-    Case("kill-unknown-cluster", ("kill", "n1", "--name", "ghost"), "ghost"),
-    Case("events-unknown", ("events", "--name", "ghost"), "ghost"),
-    Case("cost-unknown", ("cost", "--name", "ghost"), "ghost"),
-    Case("cron-install-unknown", ("cron", "install", "--name", "ghost"), "ghost"),
+    Case("status-unknown", ("status", "--name", "ghost", "--json"), "ghost", rc=3),
+    Case("down-unknown", ("down", "--name", "ghost", "--yes"), "ghost", rc=3),
+    Case("logs-unknown-cluster", ("logs", "n1", "--name", "ghost"), "ghost", rc=3),
+    Case("preempt-unknown-cluster", ("preempt", "n1", "--name", "ghost"), "ghost", rc=3),
+    Case("kill-unknown-cluster", ("kill", "n1", "--name", "ghost"), "ghost", rc=3),
+    Case("events-unknown", ("events", "--name", "ghost"), "ghost", rc=3),
+    Case("cost-unknown", ("cost", "--name", "ghost"), "ghost", rc=3),
+    Case("cron-install-unknown", ("cron", "install", "--name", "ghost"), "ghost", rc=3),
     Case(
         "preempt-bad-style",
         ("preempt", "n1", "--name", "live", "--style", "bogus"),
         "--style",
         existing_cluster=True,
     ),
-    Case("preempt-unknown-node", ("preempt", "n9", "--name", "live"), "n9", existing_cluster=True),
+    Case("preempt-unknown-node", ("preempt", "n9", "--name", "live"), "n9", existing_cluster=True, rc=3),
     Case(
         "preempt-in-zero",
         ("preempt", "n1", "--name", "live", "--in", "0"),
         "--in",
         existing_cluster=True,
     ),
-    Case("kill-unknown-node", ("kill", "n9", "--name", "live"), "n9", existing_cluster=True),
-    Case("logs-unknown-node", ("logs", "n9", "--name", "live"), "n9", existing_cluster=True),
+    Case("kill-unknown-node", ("kill", "n9", "--name", "live"), "n9", existing_cluster=True, rc=3),
+    Case("logs-unknown-node", ("logs", "n9", "--name", "live"), "n9", existing_cluster=True, rc=3),
     Case(
         "logs-bad-kind",
         ("logs", "head", "--name", "live", "--log", "bogus"),
@@ -258,6 +260,50 @@ CASES: list[Case] = [
     Case("simulate-zero-nodes", ("simulate", "--trace", "p3-trace", "--nodes", "0"), "--nodes"),
     Case("prices-unknown-provider", ("prices", "--provider", "azure"), "azure"),
     Case("init-exists", ("init", "."), "already exists"),
+]
+
+
+# Issue 14: classes of input that reach shells, unit files, crontabs or numbers
+SSH = 'name = "bad"\nprovider = "ssh"\n' + TRAIN + "\n[[ssh.hosts]]\n"
+CASES += [
+    Case("name-newline-flag", up("--name", "demo\n"), "name"),
+    Case("name-newline-toml", up(), "name", toml='name = "demo\\n"\n' + TRAIN),
+    Case("name-cr-flag", up("--name", "demo\rx"), "name"),
+    Case("gpus-arabic-indic-digit", up("--gpus", "\u0663"), "gpus"),
+    Case("gpus-fullwidth-range", up("--gpus", "\uff11..\uff12"), "gpus"),
+    Case("budget-inf-flag", up("--budget", "inf"), "budget"),
+    Case("budget-nan-flag", up("--budget", "nan"), "budget"),
+    Case("budget-inf-toml", up(), "budget", toml=OK + "[budget]\nmax_usd_per_hour = inf\n"),
+    Case("budget-huge-toml", up(), "budget", toml=OK + "[budget]\nmax_usd_per_hour = 1e308\n"),
+    Case("local-price-nan", up(), "local.price_per_node",
+         toml=OK + "[local]\nprice_per_node = nan\n"),
+    Case("capacity-at-inf", up(), "local.capacity",
+         toml=OK + "[local]\ncapacity = [{at_s = inf, nodes = 1}]\n"),
+    Case("cooldown-inf", up(), "rebalance.cooldown_s",
+         toml=OK + "[rebalance]\ncooldown_s = inf\n"),
+    Case("env-key-with-equals", up(), "train.env", toml=OK + '[train.env]\n"A=B" = "x"\n'),
+    Case("env-key-empty", up(), "train.env", toml=OK + '[train.env]\n"" = "x"\n'),
+    Case("env-key-newline", up(), "train.env", toml=OK + '[train.env]\n"A\\nB" = "x"\n'),
+    Case("env-key-digit-first", up(), "train.env", toml=OK + '[train.env]\n"1A" = "x"\n'),
+    Case("env-value-nul", up(), "train.env", toml=OK + '[train.env]\nA = "x\\u0000y"\n'),
+    Case("train-python-newline", up(), "train.python",
+         toml=HEAD + '[train]\nscript = "train.py"\npython = "python3\\nExecStartPre=/bin/sh"\n'),
+    Case("train-args-newline", up(), "train.args",
+         toml=HEAD + '[train]\nscript = "train.py"\nargs = ["--x\\ny"]\n'),
+    Case("checkpoint-dir-newline", up(), "train.checkpoint_dir",
+         toml=HEAD + '[train]\nscript = "train.py"\ncheckpoint_dir = "a\\nb"\n'),
+    Case("ssh-address-is-an-option", up(), "ssh.hosts.0.address",
+         toml=SSH + 'address = "-oProxyCommand=touch /tmp/pwned"\n'),
+    Case("ssh-address-space", up(), "ssh.hosts.0.address", toml=SSH + 'address = "a b"\n'),
+    Case("ssh-address-newline", up(), "ssh.hosts.0.address", toml=SSH + 'address = "a\\nb"\n'),
+    Case("ssh-user-newline", up(), "ssh.hosts.0.user",
+         toml=SSH + 'address = "10.0.0.1"\nuser = "root\\nExecStart=/bin/sh"\n'),
+    Case("ssh-user-is-an-option", up(), "ssh.hosts.0.user",
+         toml=SSH + 'address = "10.0.0.1"\nuser = "-oProxyCommand=x"\n'),
+    Case("ssh-notice-file-newline", up(), "ssh.hosts.0.notice_file",
+         toml=SSH + 'address = "10.0.0.1"\nnotice_file = "a\\nb"\n'),
+    Case("dry-run-missing-script", up("--dry-run"), "train.script", no_train_py=True),
+    Case("zones-newline", up(), "local.zones", toml=OK + '[local]\nzones = ["a\\nb"]\n'),
 ]
 
 
@@ -319,7 +365,7 @@ def test_bad_input(case: Case, tmp_path: Path) -> None:
         stdin=subprocess.DEVNULL,
     )
     out = p.stdout + p.stderr
-    assert p.returncode != 0, out
+    assert p.returncode == case.rc, f"exit {p.returncode}, want {case.rc}:\n{out}"
     assert "Traceback" not in out, out
     lines = _error_lines(p.stderr)
     assert len(lines) == 1, f"want exactly one error line, got:\n{p.stderr}"
