@@ -146,7 +146,24 @@ class AwsSpec(_Strict):
     zones: list[str] = Field(default_factory=list)
     instance_types: list[str] = Field(default_factory=list)
     gpu: str = ""
+    # Workers' image: aws.ami, else the AMI that this public SSM parameter names (AWS's
+    # Deep Learning AMI: NVIDIA driver, CUDA PyTorch). A pinned aws.ami is the head's too.
     ami: str = ""
+    ami_ssm_parameter: str = (
+        "/aws/service/deeplearning/ami/x86_64/"
+        "oss-nvidia-driver-gpu-pytorch-2.7-ubuntu-22.04/latest/ami-id"
+    )
+    # The head's small CPU image: head_ami, else this SSM parameter (Canonical's Ubuntu).
+    head_ami: str = ""
+    head_ami_ssm_parameter: str = (
+        "/aws/service/canonical/ubuntu/server/22.04/stable/current/amd64/hvm/ebs-gp2/ami-id"
+    )
+    # Workers' root volume GB; 0 = 100. Never below the image's own snapshot.
+    root_volume_gb: int = Field(default=0, ge=0, le=16384)
+    # Network: empty = the region's default VPC, else the VPC tagged spotctl:vpc=true.
+    vpc_id: str = ""
+    # Subnets to launch into (one per zone is enough); empty = every subnet of the VPC.
+    subnet_ids: list[str] = Field(default_factory=list)
     head_instance_type: str = "t3.small"
     ssh_user: str = "ubuntu"
     # CIDR allowed to reach SSH; empty means the caller's own address.

@@ -48,6 +48,7 @@ TAG_REQUEST = "spotctl:request-id"
 TAG_PRICE = "spotctl:price"
 TAG_ON_DEMAND = "spotctl:on-demand-price"
 TAG_GPUS = "spotctl:gpus"
+TAG_VPC = "spotctl:vpc"  # "true" on the VPC to use where the region has no default VPC
 KEY_FILE = "aws-key.pem"
 HEAD_TOKEN_FILE = "aws-head-request"
 LIVE_STATES = ("pending", "running", "shutting-down", "stopping", "stopped")
@@ -178,12 +179,18 @@ class AwsApi:
         if opts.get("endpoint_url"):
             kwargs["endpoint_url"] = opts["endpoint_url"]
         try:
-            self.ec2 = boto3.session.Session().client("ec2", **kwargs)
+            session = boto3.session.Session()
+            self.ec2 = session.client("ec2", **kwargs)
+            # Public SSM parameters name the current Deep Learning / Ubuntu AMIs.
+            self.ssm = session.client("ssm", **kwargs)
         except (NoRegionError, BotoCoreError) as e:
             raise SpecError(f"aws: cannot create an EC2 client: {_one_line(str(e))}") from None
         self._types: dict[str, dict[str, Any]] = {}
         self._prepared: tuple[str, str] | None = None  # (security group id, key name)
-        self._default_ami = ""  # looked up once when aws.ami is empty
+        self._amis: dict[str, str] = {}  # SSM parameter -> AMI id, looked up once
+        self._roots: dict[str, tuple[str, int]] = {}  # AMI -> (root device, snapshot GB)
+        self._network: tuple[str, bool] | None = None  # (VPC id, is the default VPC)
+        self._subnets: list[dict[str, Any]] | None = None
         self._nodes = CloudNodes(
             ctx, metadata="aws", metadata_url=METADATA_URL,
             api_port=COORDINATOR_PORT, store_port=STORE_PORT,

@@ -33,8 +33,6 @@ from spotctl.providers.aws.api import (
 from spotctl.providers.aws.network import AwsNetwork
 from spotctl.providers.base import Instance, Offer
 
-# Default AMI when aws.ami is empty: AWS's Deep Learning Base AMI (NVIDIA driver, CUDA).
-DEFAULT_AMI_NAME = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) *"
 _ZONE_ID_RE = re.compile(r"[a-z]{2,4}\d+-az\d+")
 
 
@@ -53,29 +51,65 @@ def client_token(request_id: str, offer: Offer) -> str:
 class AwsLaunch(AwsNetwork):
     """Instances of the cluster: run, launch, list, terminate."""
 
-    def _ami(self) -> str:
+    def _ami(self, role: str = "worker") -> str:
+        """The AMI for a role: pinned (aws.ami / aws.head_ami) or named by a public SSM
+        parameter (aws.ami_ssm_parameter / aws.head_ami_ssm_parameter)."""
+        if role == "head":
+            if self.spec.head_ami or self.spec.ami:
+                return self.spec.head_ami or self.spec.ami
+            return self._ssm_ami(self.spec.head_ami_ssm_parameter, "aws.head_ami")
         if self.spec.ami:
             return self.spec.ami
-        if self._default_ami:
-            return self._default_ami
-        images = self._call(
-            f"find a Deep Learning AMI in {self.region}",
-            self.ec2.describe_images,
-            Owners=["amazon"],
-            Filters=[
-                {"Name": "name", "Values": [DEFAULT_AMI_NAME]},
-                {"Name": "state", "Values": ["available"]},
-                {"Name": "architecture", "Values": ["x86_64"]},
-            ],
-        ).get("Images", [])
-        if not images:
-            raise SpecError(
-                f"aws.ami: not set and no '{DEFAULT_AMI_NAME}' image found in "
-                f"{self.region}; set aws.ami"
+        return self._ssm_ami(self.spec.ami_ssm_parameter, "aws.ami")
+
+    def _ssm_ami(self, name: str, field: str) -> str:
+        if name in self._amis:
+            return self._amis[name]
+        try:
+            resp = self._call(f"resolve image parameter {name}", self.ssm.get_parameter, Name=name)
+        except ProviderError as e:
+            if error_code(e) in ("ParameterNotFound", "ValidationException"):
+                raise SpecError(
+                    f"{field}: not set, and the SSM parameter {name} does not exist in "
+                    f"{self.region}; set {field} or {field}_ssm_parameter"
+                ) from None
+            raise
+        ami = str(resp["Parameter"]["Value"])
+        self._amis[name] = ami
+        return ami
+
+    def _block_devices(self, ami: str, role: str) -> list[dict[str, Any]]:
+        """Root volume sized for the role (workers: aws.root_volume_gb or 100 GB, the head
+        20 GB), never below the image's own snapshot; gp3, deleted with the instance."""
+        if ami not in self._roots:
+            images = self._call(
+                f"describe image {ami}", self.ec2.describe_images, ImageIds=[ami]
+            ).get("Images", [])
+            if not images:
+                raise SpecError(f"aws.ami: image {ami} not found in {self.region}")
+            image = images[0]
+            root = str(image.get("RootDeviceName") or "/dev/sda1")
+            size = max(
+                (
+                    int((m.get("Ebs") or {}).get("VolumeSize") or 0)
+                    for m in image.get("BlockDeviceMappings", [])
+                    if m.get("DeviceName") == root
+                ),
+                default=0,
             )
-        newest = max(images, key=lambda i: str(i.get("CreationDate", "")))
-        self._default_ami = str(newest["ImageId"])
-        return self._default_ami
+            self._roots[ami] = (root, size)
+        root, minimum = self._roots[ami]
+        want = (self.spec.root_volume_gb or 100) if role == "worker" else 20
+        return [
+            {
+                "DeviceName": root,
+                "Ebs": {
+                    "VolumeSize": max(want, minimum),
+                    "VolumeType": "gp3",
+                    "DeleteOnTermination": True,
+                },
+            }
+        ]
 
     def _describe(self, filters: list[dict[str, Any]], what: str) -> list[dict[str, Any]]:
         reservations = self._paged("describe_instances", what, "Reservations", Filters=filters)
@@ -149,8 +183,10 @@ class AwsLaunch(AwsNetwork):
             "Name": f"spotctl-{self.ctx.cluster}-{role}",
             **tags,
         }
+        ami = self._ami(role)
         kwargs: dict[str, Any] = dict(
-            ImageId=self._ami(),
+            ImageId=ami,
+            BlockDeviceMappings=self._block_devices(ami, role),
             InstanceType=instance_type,
             # All or nothing: a launch yields exactly what the plan counted, and a zone
             # that cannot fit the whole count fails over to the next offer.
@@ -171,6 +207,20 @@ class AwsLaunch(AwsNetwork):
         )
         if zone:
             kwargs["Placement"] = {"AvailabilityZone": zone}
+        subnet = self._subnet(zone)
+        if subnet:
+            # Not the default VPC: its subnets do not hand out public addresses by
+            # default, and SSH from the controller needs one.
+            del kwargs["SecurityGroupIds"]
+            kwargs["NetworkInterfaces"] = [
+                {
+                    "DeviceIndex": 0,
+                    "SubnetId": subnet,
+                    "Groups": [group],
+                    "AssociatePublicIpAddress": True,
+                    "DeleteOnTermination": True,
+                }
+            ]
         if spot:
             kwargs["InstanceMarketOptions"] = {
                 "MarketType": "spot",

@@ -1,9 +1,11 @@
 """AWS provider, network and keys: the cluster's security group and key pair.
 
-This module owns what a cluster needs before its first instance: the security group
+This module owns what a cluster needs before its first instance: the VPC and the subnet
+per zone it launches into (aws.vpc_id, else the default VPC, else the VPC tagged
+spotctl:vpc=true; aws.subnet_ids or any subnet of that VPC in the zone), the security group
 (SSH only from aws.ssh_cidr or the caller's address, everything else only between
-members of the group) in the VPC it launches into, and the cluster's key pair (private
-half kept 0600 in the cluster dir), both found by tag/name so `prepare` is idempotent.
+members of the group) in that VPC, and the cluster's key pair (private half kept 0600 in
+the cluster dir), both found by tag/name so `prepare` is idempotent.
 """
 
 from __future__ import annotations
@@ -12,8 +14,16 @@ import ipaddress
 from pathlib import Path
 from typing import Any
 
-from spotctl.errors import SpecError
-from spotctl.providers.aws.api import KEY_FILE, TAG_CLUSTER, AwsApi, _tag_map, _tags
+from spotctl.errors import CapacityError, SpecError
+from spotctl.providers.aws.api import (
+    KEY_FILE,
+    TAG_CLUSTER,
+    TAG_VPC,
+    AwsApi,
+    _coded,
+    _tag_map,
+    _tags,
+)
 
 
 class AwsNetwork(AwsApi):
@@ -52,15 +62,71 @@ class AwsNetwork(AwsApi):
     def _cluster_filter(self) -> list[dict[str, Any]]:
         return [{"Name": f"tag:{TAG_CLUSTER}", "Values": [self.ctx.cluster]}]
 
-    def _default_vpc(self) -> str:
-        vpcs = self._call(
-            f"find the default VPC in {self.region}",
-            self.ec2.describe_vpcs,
-            Filters=[{"Name": "isDefault", "Values": ["true"]}],
-        ).get("Vpcs", [])
-        if not vpcs:
-            raise SpecError(f"aws.region: {self.region} has no default VPC to launch into")
-        return str(vpcs[0]["VpcId"])
+    def _vpc(self) -> tuple[str, bool]:
+        """(VPC id, is default): aws.vpc_id, else the region's default VPC, else the one
+        VPC tagged spotctl:vpc=true (accounts made since 2013 may have deleted theirs)."""
+        if self._network is not None:
+            return self._network
+        if self.spec.vpc_id:
+            vpcs = self._call(
+                f"find VPC {self.spec.vpc_id} in {self.region}",
+                self.ec2.describe_vpcs,
+                Filters=[{"Name": "vpc-id", "Values": [self.spec.vpc_id]}],
+            ).get("Vpcs", [])
+            if not vpcs:
+                raise SpecError(f"aws.vpc_id: {self.spec.vpc_id} does not exist in {self.region}")
+            self._network = (str(vpcs[0]["VpcId"]), bool(vpcs[0].get("IsDefault")))
+            return self._network
+        for filters in (
+            [{"Name": "isDefault", "Values": ["true"]}],
+            [{"Name": f"tag:{TAG_VPC}", "Values": ["true"]}],
+        ):
+            vpcs = self._call(
+                f"find a VPC in {self.region}", self.ec2.describe_vpcs, Filters=filters
+            ).get("Vpcs", [])
+            if vpcs:
+                vpcs.sort(key=lambda v: str(v["VpcId"]))
+                self._network = (str(vpcs[0]["VpcId"]), bool(vpcs[0].get("IsDefault")))
+                return self._network
+        raise SpecError(
+            f"aws.vpc_id: {self.region} has no default VPC and no VPC tagged "
+            f"{TAG_VPC}=true; set aws.vpc_id (and aws.subnet_ids) or tag one"
+        )
+
+    def _subnet(self, zone: str) -> str:
+        """The subnet to launch into in `zone` ("" = any zone), or "" to let EC2 use the
+        default VPC's default subnet. A zone without a subnet is no place to launch."""
+        vpc, default = self._vpc()
+        if default and not self.spec.subnet_ids:
+            return ""
+        if self._subnets is None:
+            filters = [{"Name": "vpc-id", "Values": [vpc]}]
+            if self.spec.subnet_ids:
+                filters.append({"Name": "subnet-id", "Values": list(self.spec.subnet_ids)})
+            self._subnets = sorted(
+                self._paged(
+                    "describe_subnets", f"find subnets of {vpc}", "Subnets", Filters=filters
+                ),
+                key=lambda n: (str(n.get("AvailabilityZone")), str(n["SubnetId"])),
+            )
+            if self.spec.subnet_ids:
+                missing = set(self.spec.subnet_ids) - {str(n["SubnetId"]) for n in self._subnets}
+                if missing:
+                    raise SpecError(
+                        f"aws.subnet_ids: {', '.join(sorted(missing))} not in {vpc} ({self.region})"
+                    )
+        usable = [
+            n
+            for n in self._subnets
+            if (not zone or n.get("AvailabilityZone") == zone)
+            and int(n.get("AvailableIpAddressCount", 1)) > 0
+        ]
+        if not usable:
+            raise _coded(
+                CapacityError(f"aws: no subnet of {vpc} in {zone or self.region} to launch into"),
+                "NoSubnet",
+            )
+        return str(usable[0]["SubnetId"])
 
     def _find_groups(self) -> list[dict[str, Any]]:
         return self._paged(
@@ -75,7 +141,7 @@ class AwsNetwork(AwsApi):
         if groups:
             return str(groups[0]["GroupId"])
         cidr = self._ssh_cidr()
-        vpc = self._default_vpc()
+        vpc, _ = self._vpc()
         gid = str(
             self._call(
                 f"create security group {self._group_name}",
