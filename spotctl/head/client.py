@@ -56,14 +56,27 @@ class HeadClient:
     def notice(self, node_id: str, notice: dict[str, Any]) -> None:
         self._call("POST", "/api/notice", {"node_id": node_id, "notice": notice})
 
+    def _obj(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """An answer that must be a JSON object (the head's answers are input too)."""
+        out = self._call(method, path, body)
+        if not isinstance(out, dict):
+            raise HeadUnavailable(f"head at {self.url} gave a malformed answer to {path}")
+        return out
+
     def status(self) -> dict[str, Any]:
-        return self._call("GET", "/api/status")
+        return self._obj("GET", "/api/status")
 
     def events(self, since: int = 0) -> list[dict[str, Any]]:
-        return self._call("GET", f"/api/events?since={since}")["events"]
+        evs = self._obj("GET", f"/api/events?since={since}").get("events")
+        if not isinstance(evs, list):
+            raise HeadUnavailable(f"head at {self.url} gave a malformed event list")
+        return evs
 
     def drain(self, reason: str, leavers: list[str]) -> int:
-        return int(self._call("POST", "/api/drain", {"reason": reason, "leavers": leavers})["gen"])
+        gen = self._obj("POST", "/api/drain", {"reason": reason, "leavers": leavers}).get("gen")
+        if isinstance(gen, bool) or not isinstance(gen, int):
+            raise HeadUnavailable(f"head at {self.url} gave a malformed drain answer")
+        return gen
 
     def forget(self, nodes: list[str]) -> None:
         self._call("POST", "/api/forget", {"nodes": nodes})
@@ -72,4 +85,4 @@ class HeadClient:
         self._call("POST", "/api/event", {"type": type_, **data})
 
     def health(self) -> dict[str, Any]:
-        return self._call("GET", "/api/health")
+        return self._obj("GET", "/api/health")
