@@ -61,8 +61,8 @@ def _step_series(nodes: list[NodeRow], end: float, value: Any) -> list[tuple[flo
     deltas: list[tuple[float, Any]] = []
     for n in nodes:
         deltas.append((n.launched_at, value(n)))
-        stop = n.ended_at if n.ended_at is not None else end
-        deltas.append((stop, -value(n)))
+        if n.ended_at is not None and n.ended_at < end:
+            deltas.append((n.ended_at, -value(n)))  # still there at the end: no drop
     deltas.sort(key=lambda d: d[0])
     out: list[tuple[float, Any]] = []
     cur: Any = 0
@@ -255,6 +255,9 @@ def write_plot(rep: Report, path: str | Path) -> dict[str, list[float]]:
             xs = [x(t) for t, _ in rep.usd_per_hour] + [x(rep.end)]
             usd = [v for _, v in rep.usd_per_hour] + [rep.usd_per_hour[-1][1]]
             ax_c.step(xs, usd, where="post", color="tab:blue")
+        if not any(v for _, v in rep.usd_per_hour):
+            ax_c.text(0.5, 0.5, "$0/h: these nodes cost nothing", transform=ax_c.transAxes,
+                      ha="center", va="center", color="0.4")
         ax_c.set_ylabel("$/h")
         ax_c.set_ylim(bottom=0)
         ax_c.set_xlabel(f"{unit} since the first launch")
