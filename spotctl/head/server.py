@@ -151,6 +151,8 @@ class HeadServer:
                 # malformed requests: a JSON 4xx with a status line (never HTTP/0.9's
                 # bare body), and the connection closed
                 self.request_version = "HTTP/1.1"
+                if code == 501:  # a method we do not serve: the client's fault
+                    code, message = 405, "method not allowed"
                 self._send(code, {"error": message or "bad request"}, close=True)
 
             def _who(self) -> Principal | None:
