@@ -63,6 +63,7 @@ from spotctl.elastic.checkpoint import Checkpointer  # noqa: E402
 from spotctl.elastic.data import (  # noqa: E402
     ElasticBatchSampler,
     PermutationCache,
+    empty_like_batch,
     epoch_permutation,
     micro_slices,
     split_batch,
@@ -436,10 +437,19 @@ class Run:
         off for all but the last, which every rank reaches together."""
         perm = self._perm.get(self.epoch)
         sl = self._slices()
+        template = None
         try:
             for i, (a, b) in enumerate(sl):
                 self._set_grad_sync(i == len(sl) - 1)
-                yield perm[self.offset + a : self.offset + b] if batches is None else next(batches)
+                if batches is None:
+                    yield perm[self.offset + a : self.offset + b]
+                elif b > a:
+                    template = next(batches)
+                    yield template
+                else:  # an empty micro-batch (the sampler sends a stand-in if all are)
+                    if template is None:
+                        template = next(batches)
+                    yield empty_like_batch(template)
         finally:
             self._set_grad_sync(True)
 
@@ -457,6 +467,17 @@ class Run:
                                    self.dp_world, self.dp_rank, micro_batch=self.micro_batch,
                                    epoch=self.epoch, offset=self.offset, step=self.step,
                                    max_steps=self.max_steps or None, epochs=self.epochs)
+
+    def dataloader(self, dataset: Any, **kwargs: Any) -> Any:
+        """A torch.utils.data.DataLoader over `dataset` in this run's exact order (kwargs:
+        num_workers, pin_memory, collate_fn...). Its worker seeds come from a generator of
+        its own, so creating it after a resume leaves the global RNG streams where an
+        uninterrupted run has them."""
+        from torch.utils.data import DataLoader
+
+        g = torch.Generator()
+        g.manual_seed(self.seed * 1_000_003 + self.step)
+        return DataLoader(dataset, batch_sampler=self.batch_sampler(), generator=g, **kwargs)
 
     def next_step(self) -> bool:
         """Agree on draining, then say whether to run a step. The agreement is one tiny

@@ -79,12 +79,22 @@ class ElasticBatchSampler(Sampler[list[int]]):
                 perm, perm_epoch = epoch_permutation(self.n, self.seed, epoch), epoch
             assert perm is not None
             count = min(self.global_batch, self.n - offset)
-            for a, b in micro_slices(count, self.world, self.rank, self.micro_batch):
-                yield perm[offset + a : offset + b].tolist()
+            sl = micro_slices(count, self.world, self.rank, self.micro_batch)
+            if sl[0][0] == sl[0][1]:
+                # no sample for this rank this step: one stand-in the run trims to empty
+                yield perm[offset : offset + 1].tolist()
+            for a, b in sl:
+                if b > a:  # empty micro-batches are not fetched: the run makes them
+                    yield perm[offset + a : offset + b].tolist()
             step += 1
             offset += count
             if offset >= self.n:
                 epoch, offset = epoch + 1, 0
 
-    def batches_per_step(self) -> int:
-        return len(micro_slices(self.global_batch, self.world, self.rank, self.micro_batch))
+
+
+def empty_like_batch(batch: object) -> object:
+    """The same structure with every tensor cut to zero rows (an empty micro-batch)."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) else t, batch)

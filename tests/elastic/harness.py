@@ -104,6 +104,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    torch.manual_seed(100 + rank)  # a different RNG stream per rank, to be carried
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     sched = make_sched(opt)
     counter = Counter()
@@ -118,10 +119,9 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
                            "lr": opt.param_groups[0]["lr"], "losses": {}, "rand": {}}
     loader = None
     if cfg.get("loader"):
-        from torch.utils.data import DataLoader, TensorDataset
+        from torch.utils.data import TensorDataset
 
-        loader = iter(DataLoader(TensorDataset(x, y), batch_sampler=run.batch_sampler(),
-                                 num_workers=cfg["loader"]))
+        loader = iter(run.dataloader(TensorDataset(x, y), num_workers=cfg["loader"]))
     try:
         while True:
             if rank == cfg.get("drain_rank", 0) and run.step == cfg.get("drain_at"):
