@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from spotctl.cli.common import console, print_json
+from spotctl.control.tables import Col, fit_table
 from spotctl.errors import SpecError
 
 SHIPPED_TRACES = Path(__file__).resolve().parent.parent / "data" / "traces"
@@ -27,14 +28,29 @@ def _trace_path(text: str) -> Path:
     raise SpecError(f"--trace {text}: no such file (nor a shipped trace in {SHIPPED_TRACES})")
 
 
-def build_table(data: dict[str, Any]) -> Table:
-    """Pure renderer of `simulate`'s JSON document."""
+SIM_COLS = (
+    Col("policy"), Col("cost $", right=True), Col("steps", right=True, drop=3),
+    Col("$/step÷OD", right=True), Col("goodput", right=True),
+    Col("finish h", right=True, drop=2), Col("lost", right=True, drop=4),
+    Col("preempted", right=True, drop=1, short="pre/ntc"),
+)
+
+
+def build_table(data: dict[str, Any], width: int = 120) -> Table:
+    """Pure renderer of `simulate`'s JSON document, fit to `width`."""
     tr, m = data["trace"], data["model"]
 
     def fmt(v: Any, spec: str) -> str:
         return "-" if v is None else format(v, spec)
 
-    table = Table(
+    rows = [(
+        r["policy"], f"{r['cost_usd']:.2f}", f"{r['progress_steps']:.0f}",
+        fmt(r["cost_per_progress_vs_on_demand"], ".3f"), fmt(r["goodput_vs_oracle"], ".3f"),
+        fmt(r["time_to_finish_h"], ".2f"), f"{r['lost_steps']:.0f}",
+        f"{r['preemptions']}/{r['notices']}",
+    ) for r in data["policies"]]
+    return fit_table(
+        SIM_COLS, rows, width,
         title=(
             f"{tr['name']} ({tr['format']}, {tr['span_h']:.1f} h, {tr['removals']} removals), "
             f"{m['nodes']} nodes, target {m['target_steps']:.0f} steps"
@@ -42,32 +58,9 @@ def build_table(data: dict[str, Any]) -> Table:
         caption=(
             f"spot: {m['spot_source']}; on-demand {m['on_demand_usd_per_node_hour']} $/node-h: "
             f"{m['on_demand_source']}; goodput = steps / oracle ({m['oracle_steps']:.0f}); "
-            f"$/step÷OD = cost per step / on-demand's"
+            f"$/step÷OD = cost per step / on-demand's; preempted = preemptions/notices"
         ),
     )
-    for col in (
-        "policy",
-        "cost $",
-        "steps",
-        "$/step÷OD",
-        "goodput",
-        "finish h",
-        "lost",
-        "preempted",
-    ):
-        table.add_column(col, justify="left" if col == "policy" else "right")
-    for r in data["policies"]:
-        table.add_row(
-            r["policy"],
-            f"{r['cost_usd']:.2f}",
-            f"{r['progress_steps']:.0f}",
-            fmt(r["cost_per_progress_vs_on_demand"], ".3f"),
-            fmt(r["goodput_vs_oracle"], ".3f"),
-            fmt(r["time_to_finish_h"], ".2f"),
-            f"{r['lost_steps']:.0f}",
-            f"{r['preemptions']}/{r['notices']}",
-        )
-    return table
 
 
 def simulate_cmd(
@@ -207,7 +200,7 @@ def simulate_cmd(
         print_json(data)
         return
     con = console()
-    con.print(build_table(data))
+    con.print(build_table(data, con.width))
     if plot is not None:
         con.print(f"plot written to {plot}")
 

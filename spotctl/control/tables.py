@@ -34,9 +34,10 @@ def _measure(t: Table) -> int:
 
 
 def _build(cols: Sequence[Col], keep: list[int], rows: Sequence[Sequence[Any]], short: bool,
-           title: str | None, table_box: Any, flex_max: int | None = None) -> Table:
+           title: str | None, table_box: Any, flex_max: int | None = None,
+           caption: str | None = None) -> Table:
     t = Table(title=title, box=table_box, show_edge=False, header_style="bold",
-              title_justify="left")
+              title_justify="left", caption=caption, caption_justify="left")
     for i in keep:
         c = cols[i]
         t.add_column((c.short or c.name) if short else c.name,
@@ -52,28 +53,31 @@ def _empty(rows: Sequence[Sequence[Any]], i: int) -> bool:
 
 
 def fit_table(cols: Sequence[Col], rows: Sequence[Sequence[Any]], width: int,
-              title: str | None = None, table_box: Any = box.SIMPLE_HEAD) -> Table:
-    """The fullest table of `cols` x `rows` no wider than `width`."""
+              title: str | None = None, table_box: Any = box.SIMPLE_HEAD,
+              caption: str | None = None) -> Table:
+    """The fullest table of `cols` x `rows` no wider than `width` (title and caption wrap
+    as text; rows never do)."""
     keep = list(range(len(cols)))
     short = False
     while True:
-        t = _build(cols, keep, rows, short, title, table_box)
+        t = _build(cols, keep, rows, short, None, table_box)
         over = _measure(t) - width
         if over <= 0:
-            return t
+            return _build(cols, keep, rows, short, title, table_box, None, caption)
         flex = [i for i in keep if cols[i].flex]
         if flex:
             natural = max((Text(str(r[flex[0]])).cell_len for r in rows), default=0)
             room = natural - over
             if room >= max(8, len(cols[flex[0]].name)):
-                t = _build(cols, keep, rows, short, title, table_box, flex_max=room)
+                t = _build(cols, keep, rows, short, None, table_box, flex_max=room)
                 if _measure(t) <= width:
-                    return t
+                    return _build(cols, keep, rows, short, title, table_box, room, caption)
         if not short and any(c.short for c in cols):
             short = True
             continue
         droppable = [i for i in keep if cols[i].drop > 0]
         if not droppable:
+            t = _build(cols, keep, rows, short, title, table_box, None, caption)
             t.width = width  # rich shrinks the widest cells with an ellipsis
             return t
         keep.remove(max(droppable, key=lambda i: (_empty(rows, i), cols[i].drop)))

@@ -149,3 +149,23 @@ def test_fit_drops_the_least_useful_column_first() -> None:
     assert "keep" in header and "second" in header and "first" not in header
     header = render(fit_table(cols, rows, 30), 30)[0]
     assert header.split() == ["keep"]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_simulate_table_fits(width: int, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from spotctl.cli import cmd_simulate
+    from spotctl.cli.app import app
+
+    monkeypatch.setenv("SPOTCTL_HOME", str(tmp_path))
+    res = CliRunner().invoke(app, ["simulate", "--trace",
+                                   "aws-1node-04-22-2023-first48h_us-east-1c_v100_1", "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    lines = render(cmd_simulate.build_table(data, width), width)
+    names = [c.name for c in cmd_simulate.SIM_COLS] + [c.short for c in cmd_simulate.SIM_COLS
+                                                       if c.short]
+    check_table(lines, width, names, [p["policy"] for p in data["policies"]])
