@@ -13,16 +13,22 @@ Rules (cool-downs rank, they do not forbid):
   plus `start_s` x 2^(k-1) (k = capacity errors in that zone since its last successful
   launch), capped at `cooldown_s`. So a capacity error costs one API call per back-off,
   not a whole cool-down.
-- A successful launch in a zone resets its back-off (k = 0), and so does a cool-down that
-  ran out without a new error.
+- A capacity error for several instances at once (`count` > 1: the cloud refuses the
+  whole request) sets no back-off: it *caps* the zone at half that count, so the next try
+  (at once, in the same reconcile) asks for less. Only a refused single instance backs
+  off. So a zone with k of N free is found in about log2(N) calls, not missed for good.
+- A successful launch in a zone resets its back-off (k = 0) and its cap, and a cool-down
+  that ran out without a new error forgets both.
 - A preemption sets no back-off: capacity that comes back is used at the next reconcile.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from spotctl.providers.base import Offer
 
 BACKOFF_START_S = 60.0
 BAD = ("capacity-error", "preempted")
@@ -36,12 +42,24 @@ class ZoneCooldowns:
     blocked: dict[str, float] = field(default_factory=dict)
     cooling: dict[str, float] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)  # capacity errors since a launch
+    caps: dict[str, int] = field(default_factory=dict)  # zone -> most instances to ask for
+
+    def offers(self, offers: Sequence[Offer]) -> list[Offer]:
+        """`offers` with each capped zone's availability lowered to its cap."""
+        out = []
+        for o in offers:
+            cap = self.caps.get(o.zone)
+            if cap is not None and (o.available is None or o.available > cap):
+                o = replace(o, available=cap)
+            out.append(o)
+        return out
 
     def to_json(self) -> dict[str, Any]:
         return {
             "blocked": {z: round(t, 3) for z, t in sorted(self.blocked.items())},
             "cooling": {z: round(t, 3) for z, t in sorted(self.cooling.items())},
             "failures": dict(sorted(self.failures.items())),
+            "caps": dict(sorted(self.caps.items())),
         }
 
 
@@ -63,6 +81,7 @@ def zone_cooldowns(
     failures: dict[str, int] = {}
     retry: dict[str, float] = {}
     cool: dict[str, float] = {}
+    caps: dict[str, int] = {}
     for ev in sorted(events, key=lambda e: float(e["ts"])):
         zone, ts, typ = ev.get("zone"), float(ev["ts"]), ev["type"]
         if not zone or ts > now:
@@ -70,9 +89,15 @@ def zone_cooldowns(
         if typ == "launch":
             failures.pop(zone, None)
             retry.pop(zone, None)
+            caps.pop(zone, None)
         elif typ in BAD:
+            if cool.get(zone, ts) < ts:  # the last cool-down ran out: start afresh
+                caps.pop(zone, None)
             cool[zone] = max(cool.get(zone, ts), ts + cooldown_s)
-            if typ == "capacity-error":
+            count = int(ev.get("count") or 1)
+            if typ == "capacity-error" and count > 1:
+                caps[zone] = min(caps.get(zone, count), count) // 2
+            elif typ == "capacity-error":
                 # a cool-down that ran out forgets the old errors
                 k = failures.get(zone, 0) + 1 if retry.get(zone, -1e300) + cooldown_s > ts else 1
                 failures[zone] = k
@@ -81,4 +106,5 @@ def zone_cooldowns(
         blocked={z: t for z, t in retry.items() if t > now},
         cooling={z: t for z, t in cool.items() if t > now},
         failures={z: k for z, k in failures.items() if cool.get(z, 0) > now},
+        caps={z: c for z, c in caps.items() if cool.get(z, 0) > now},
     )

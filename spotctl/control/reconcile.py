@@ -91,7 +91,7 @@ def blocked_zones(store: Store, spec: ClusterSpec, now: float) -> dict[str, floa
 
 def _plan(store: Store, spec: ClusterSpec, obs: Observed, provider: Any, t: float) -> Plan:
     cd = cooldowns(store, spec, t)
-    return plan(spec, obs, provider.offers(), cd.blocked, t, cooling=cd.cooling)
+    return plan(spec, obs, cd.offers(provider.offers()), cd.blocked, t, cooling=cd.cooling)
 
 
 def observe(store: Store, spec: ClusterSpec, provider: Any,
@@ -270,7 +270,8 @@ def _launch(store: Store, spec: ClusterSpec, provider: Any, act: Any, head: Head
     except CapacityError as e:
         (cdir.path / "launch-intent.json").unlink(missing_ok=True)
         store.add_event(spec.name, "capacity-error", {
-            "zone": act.offer.zone, "instance_type": act.offer.instance_type, "error": str(e)})
+            "zone": act.offer.zone, "instance_type": act.offer.instance_type, "count": act.count,
+            "error": str(e)})
         result.errors.append(str(e))
         return False
     _journal_launch(store, spec, insts, act.reason, req)

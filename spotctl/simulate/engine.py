@@ -472,7 +472,14 @@ class _Spotctl(_Replay):
         for _ in range(MAX_FAILOVERS):
             cd = zone_cooldowns(self.journal, self.model.cooldown_s, t)
             self.no_launch_until = cd.blocked.get(self.zone, -math.inf)
-            p = plan(self._spec, self.observed(), self.offers(t), cd.blocked, t, cooling=cd.cooling)
+            p = plan(
+                self._spec,
+                self.observed(),
+                cd.offers(self.offers(t)),
+                cd.blocked,
+                t,
+                cooling=cd.cooling,
+            )
             failed = False
             for action in p.launches:
                 if action.count <= 0 or action.offer is None:
@@ -487,7 +494,14 @@ class _Spotctl(_Replay):
                     }
                 )
                 if action.count > self.cap.free():
-                    self.journal.append({"ts": t, "type": "capacity-error", "zone": self.zone})
+                    self.journal.append(
+                        {
+                            "ts": t,
+                            "type": "capacity-error",
+                            "zone": self.zone,
+                            "count": action.count,
+                        }
+                    )
                     failed = True
                     break
                 for node in self.take(t, action.count, "pending"):

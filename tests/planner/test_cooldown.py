@@ -88,3 +88,17 @@ def test_a_replacement_never_targets_a_cooling_zone() -> None:
 def test_other_events_change_nothing(typ: str) -> None:
     cd = zone_cooldowns([ev(NOW - 1, typ)], 900, NOW)
     assert cd.blocked == {} and cd.cooling == {}
+
+
+def test_a_refused_multi_instance_launch_halves_instead_of_backing_off() -> None:
+    errs = [{"ts": NOW - 2, "type": "capacity-error", "zone": "r1-a", "count": 8}]
+    cd = zone_cooldowns(errs, 900, NOW)
+    assert cd.caps == {"r1-a": 4} and cd.blocked == {}
+    cd = zone_cooldowns([*errs, {**errs[0], "ts": NOW - 1, "count": 4}], 900, NOW)
+    assert cd.caps == {"r1-a": 2} and cd.blocked == {}
+    assert [o.available for o in cd.offers([offer("r1-a"), offer("r1-b", available=9)])] == [2, 9]
+    # a refused single instance backs off; a launch clears cap and back-off
+    one = {"ts": NOW - 0.5, "type": "capacity-error", "zone": "r1-a", "count": 1}
+    assert zone_cooldowns([*errs, one], 900, NOW).blocked == {"r1-a": NOW - 0.5 + 60}
+    cd = zone_cooldowns([*errs, one, ev(NOW - 0.1, "launch")], 900, NOW)
+    assert cd.caps == {} and cd.blocked == {}

@@ -79,3 +79,15 @@ def test_synthetic_traces_are_deterministic_and_shaped() -> None:
     assert max(drops) >= 2
     r = run_policy("spotctl", b, SimModel(), PRICES, 8)
     assert 0 < r.progress_steps <= oracle_steps(b, SimModel(), 8)
+
+
+def test_blind_offers_find_partial_capacity_by_halving(tmp_path: Path) -> None:
+    # 4 nodes, 3 taken at 60 s, 1 back at 120 s. At 60 the planner asks for 3, the cloud
+    # refuses the whole request, the zone is capped at 1, the same reconcile asks for 1:
+    # refused too, so the zone backs off 60 s; at 120 one launch gets the returned node.
+    tr = count_trace(tmp_path, [4, 1, 2, 2, 2, 2], gap=60)
+    m = SimModel(reconcile_interval_s=30, provision_s=10, notice_fraction=1.0)
+    r = run_policy("spotctl", tr, m, PRICES, 4, blind_offers=True)
+    got = [(a["t_s"], a["count"]) for a in r.plan_actions]
+    assert got[:3] == [(60.0, 3), (60.0, 1), (120.0, 1)], got
+    assert r.samples[-1].world == 2
