@@ -47,7 +47,7 @@ def cluster_spec(store: Store, name: str) -> ClusterSpec:
 
 def spec_file_name(path: Path | None = None) -> str | None:
     """The cluster name ./spotctl.toml gives (its default when the file names none)."""
-    import tomllib
+    from spotctl.spec import tomllib  # tomli on Python 3.10
 
     path = path or Path.cwd() / "spotctl.toml"
     if not path.is_file():
