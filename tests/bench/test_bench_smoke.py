@@ -61,6 +61,7 @@ def test_steplog_transition(tmp_path: Path) -> None:
     assert steplog.transition(es, 101.6, 4) is None
 
 
+@pytest.mark.slow  # runs a benchmark (moto / gloo)
 def test_control_smoke(tmp_path: Path) -> None:
     from bench_lib import control
 
@@ -73,6 +74,7 @@ def test_control_smoke(tmp_path: Path) -> None:
     assert "WARNING" not in up.note  # both paths ended with 3 instances running
 
 
+@pytest.mark.slow  # runs a benchmark (moto / gloo)
 def test_checkpoint_smoke(tmp_path: Path) -> None:
     ctx = _ctx(tmp_path)
     rows = get("checkpoint")(ctx, size_mb=4, repeat=1)
@@ -93,6 +95,7 @@ def test_cli_rejects_unknown_names_and_bad_repeat(tmp_path: Path) -> None:
         assert p.stderr.startswith("error: ") and len(p.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # runs scripts/bench checkpoint in a subprocess
 def test_cli_json_and_recovery_file(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()

@@ -63,6 +63,7 @@ def _run(world: int, root: Path, mode: str, out: Path) -> None:
                        nprocs=world, join=True, start_method="spawn")
 
 
+@pytest.mark.slow  # several gloo process groups
 def test_commit_prune_reshard_and_fallback(tmp_path):
     root = tmp_path / "ck"
     _run(2, root, "save", tmp_path / "o")

@@ -18,7 +18,7 @@ import pytest
 
 from .conftest import REPO, SshdFactory
 
-pytestmark = [pytest.mark.ssh, pytest.mark.e2e]
+pytestmark = [pytest.mark.ssh, pytest.mark.e2e, pytest.mark.slow]  # real torchrun over sshd
 
 SPOTCTL = [sys.executable, "-m", "spotctl.cli.app"]
 

@@ -50,6 +50,7 @@ def test_host_ids_are_stable_and_unique() -> None:
     ]  # fmt: skip
 
 
+@pytest.mark.slow  # real agents bootstrapped over sshd
 def test_join_bootstrap_notice_release(
     sshd_factory: SshdFactory, client_key: Path, tmp_path: Path
 ) -> None:
