@@ -23,6 +23,7 @@ else:  # Python 3.10 (e.g. the AWS Deep Learning AMI's): the same parser, from P
 PROVIDERS = ("local", "aws", "gcp", "ssh")
 SPEC_FILE = "spotctl.toml"
 _NAME_RE = re.compile(r"[a-z][a-z0-9-]{0,38}[a-z0-9]|[a-z]")  # fullmatch: no trailing \n
+_URI_RE = re.compile(r"[a-z][a-z0-9+.-]*://", re.ASCII)  # match: an object-store URI
 _ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 # a host name or an IP address; never starts with '-' (ssh would read it as an option)
 _HOST_RE = re.compile(r"[A-Za-z0-9_\[][A-Za-z0-9._:\[\]-]{0,252}")
@@ -89,8 +90,11 @@ class _Strict(BaseModel):
 class TrainSpec(_Strict):
     script: str = "train.py"
     args: list[str] = Field(default_factory=list)
-    # A directory every node can reach (local: the cluster directory; cloud: a shared mount).
+    # Where every node reads and writes checkpoints: a path (local: the cluster directory),
+    # an object-store URI (s3://bucket/prefix, gs://bucket/prefix), or on clouds a path
+    # under `shared_mount`, a filesystem the spec declares mounted on every node.
     checkpoint_dir: str = ""
+    shared_mount: str = ""
     checkpoint_every: int = Field(default=20, ge=1, le=1_000_000)
     keep_last: int = Field(default=3, ge=1, le=1000)
     max_steps: int = Field(default=0, ge=0)
@@ -356,7 +360,17 @@ def load_spec(
             if kf is not None and not kf.is_file():
                 # fail before a head starts or a host is waited on for minutes
                 raise SpecError(f"ssh.hosts.{i}.key: key file {kf} not found")
-    if spec.train.checkpoint_dir:
-        ck = Path(spec.train.checkpoint_dir).expanduser()
-        spec.train.checkpoint_dir = str(ck if ck.is_absolute() else base / ck)
+    cd = spec.train.checkpoint_dir
+    if cd and not _URI_RE.match(cd):
+        ck = Path(cd).expanduser()
+        spec.train.checkpoint_dir = cd = str(ck if ck.is_absolute() else base / ck)
+        if spec.provider in ("aws", "gcp"):
+            mount = spec.train.shared_mount.rstrip("/")
+            if not mount or not (cd.rstrip("/") + "/").startswith(mount + "/"):
+                # checked before anything launches: a node-local path would lose every
+                # checkpoint with the node that wrote it
+                raise SpecError(
+                    f"train.checkpoint_dir: on {spec.provider} every node must read the "
+                    f"checkpoints; {cd!r} is a local path: use an object-store URI (s3://..., "
+                    "gs://...) or a path under train.shared_mount (a mount on every node)")
     return spec
