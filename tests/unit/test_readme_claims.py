@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from tests.unit.test_coordinator import Clock, hb, w
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,3 +57,36 @@ def test_a_node_silent_for_4_s_by_default_is_declared_unresponsive() -> None:
             assert r["kill_incarnation"] == "inc1" and c.nodes["b"].unresponsive
         else:
             assert not c.nodes["b"].unresponsive
+
+
+@pytest.mark.slow  # builds the wheel
+def test_prices_ship_in_the_built_wheel(tmp_path: Path) -> None:
+    """README: 'Prices ship with the package (spotctl/data/...)'. Build the wheel as users
+    get it, unpack it away from the checkout, and price offers from it alone."""
+    import subprocess
+    import sys
+    import zipfile
+
+    from spotctl.remote.package import spotctl_wheel
+
+    wheel = spotctl_wheel(tmp_path / "cache")
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        z.extractall(tmp_path / "site")
+    for f in ("aws_gpu_catalog.csv", "aws_spot_advisor.json", "gcp_gpu_catalog.csv",
+              "AWS_SOURCES.md", "GCP_SOURCES.md"):  # fmt: skip
+        assert f"spotctl/data/{f}" in names, f
+    code = (
+        "import spotctl, json\n"
+        "from spotctl.providers.aws import catalog as a\n"
+        "from spotctl.providers.gcp import catalog as g\n"
+        "aws = a.load_offers()\n"
+        "print(json.dumps([spotctl.__file__, len(aws), sum(o.spot_price > 0 for o in aws),"
+        " len(g.catalog())]))\n"
+    )
+    p = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(tmp_path / 'site')!r})\n" + code],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    where, n_aws, priced, n_gcp = __import__("json").loads(p.stdout)
+    assert where.startswith(str(tmp_path / "site")), where  # the wheel's copy, not the checkout
+    assert n_aws > 10 and priced == n_aws and n_gcp > 10, (n_aws, priced, n_gcp)
