@@ -19,8 +19,9 @@ POLICY = Path(__file__).parents[2] / "templates" / "aws-iam-policy.json"
 # Allowed for what EC2 does on the provider's behalf, not called by it directly.
 IMPLICIT = {"ec2:CreateTags", "iam:CreateServiceLinkedRole"}
 # Not EC2 query-protocol calls, so the fault proxy does not name them; each is asserted by
-# its own test (tests/aws/test_network.py: SSM image parameters).
-OTHER_SERVICES = {"ssm:GetParameter"}
+# its own test (tests/aws/test_network.py: SSM image parameters; test_check.py: quotas).
+# sts:GetCallerIdentity (`spotctl check`) needs no permission.
+OTHER_SERVICES = {"ssm:GetParameter", "servicequotas:GetServiceQuota"}
 
 
 def _policy_actions() -> set[str]:
@@ -42,9 +43,11 @@ def test_policy_matches_the_calls_of_a_whole_lifecycle(
     p.ensure_head()
     p.terminate([inst.id])
     assert p.cleanup() == []
+    p.checks()  # `spotctl check --provider aws`
     with pytest.raises(SpecError, match="aws.ami"):  # the default-AMI lookup
         make_provider(ami="", options={"endpoint_url": fault_proxy.url})._ami()
-    called = {f"ec2:{action}" for action, _, _ in fault_proxy.seen if action}
+    # STS speaks the same query protocol: its GetCallerIdentity needs no permission.
+    called = {f"ec2:{a}" for a, _, _ in fault_proxy.seen if a and a != "GetCallerIdentity"}
     allowed = _policy_actions()
     assert called <= allowed, f"calls missing from the policy: {called - allowed}"
     assert OTHER_SERVICES <= allowed

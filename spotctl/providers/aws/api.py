@@ -180,6 +180,7 @@ class AwsApi:
             kwargs["endpoint_url"] = opts["endpoint_url"]
         try:
             session = boto3.session.Session()
+            self._session, self._client_kwargs = session, kwargs  # more clients: check.py
             self.ec2 = session.client("ec2", **kwargs)
             # Public SSM parameters name the current Deep Learning / Ubuntu AMIs.
             self.ssm = session.client("ssm", **kwargs)

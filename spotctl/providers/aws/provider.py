@@ -1,7 +1,7 @@
 """AWS provider: spot GPU instances through boto3 (the only module that imports it).
 
-This module owns the assembled AwsProvider (offers.py, network.py and launch.py on top of
-api.py), the head (start, wait, `spotctl head` over SSH), worker bootstrap and cleanup.
+This module owns the assembled AwsProvider (offers.py, network.py, launch.py and check.py
+on top of api.py), the head (start, wait, `spotctl head` over SSH), worker bootstrap and cleanup.
 
 Everything the cluster owns is tagged at creation with `spotctl:cluster` (instances also
 with `spotctl:role` and `spotctl:request-id`), and tags are the source of truth: `list`,
@@ -34,13 +34,12 @@ from typing import Any
 
 from spotctl.errors import ProviderError, TransientError
 from spotctl.providers.aws.api import HEAD_TOKEN_FILE, TAG_REQUEST, error_code
-from spotctl.providers.aws.launch import AwsLaunch
-from spotctl.providers.aws.offers import AwsOffers
+from spotctl.providers.aws.check import AwsChecks
 from spotctl.providers.base import HeadInfo, Instance, ProviderContext
 from spotctl.remote.bootstrap import HostResult
 
 
-class AwsProvider(AwsOffers, AwsLaunch):
+class AwsProvider(AwsChecks):
     """Spot workers and an on-demand head in one region, tagged by cluster.
 
     Launch path: `run_instances` with `InstanceMarketOptions` spot, one offer (type and

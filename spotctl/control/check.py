@@ -1,0 +1,44 @@
+"""`spotctl check`: is this cloud account ready for `up`? The core behind cmd_check.py.
+
+This module owns building a provider for a check (no cluster is created: a placeholder
+name, nothing written but the store's directory) and asking it for its checks; the
+provider decides what to look at (spotctl/providers/aws/check.py, gcp/check.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from spotctl.errors import SpecError
+from spotctl.providers import ProviderContext, get_provider
+from spotctl.providers.checks import Check
+from spotctl.spec import ClusterSpec
+
+CHECK_CLUSTER = "check"
+CLOUDS = ("aws", "gcp")
+
+
+def check_account(
+    provider: str, spec: ClusterSpec, options: dict[str, Any] | None = None
+) -> list[Check]:
+    """The provider's checks, in order. Raises SpecError for a provider without any."""
+    if provider not in CLOUDS:
+        raise SpecError(f"--provider: check knows {' and '.join(CLOUDS)}, not {provider!r}")
+    from spotctl.state import Store
+
+    store = Store()
+    try:
+        ctx = ProviderContext(
+            cluster=CHECK_CLUSTER,
+            spec=spec,
+            cluster_dir=store.cluster_dir(CHECK_CLUSTER),
+            options=dict(options or {}),
+        )
+        checks: list[Check] = get_provider(provider, ctx).checks()  # type: ignore[attr-defined]
+    finally:
+        store.close()
+    return checks
+
+
+def blocking_failures(checks: list[Check]) -> list[Check]:
+    return [c for c in checks if not c.ok and c.blocking]
