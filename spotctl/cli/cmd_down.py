@@ -21,6 +21,9 @@ def register(app: typer.Typer) -> None:
         store.get_cluster(name)
         if not yes and not typer.confirm(f"Tear down cluster {name}?"):
             raise typer.Abort()
+        from spotctl.control.report import fetch_samples
+
+        fetch_samples(store, name)  # a cloud head's samples, for `spotctl report` afterwards
         leaks = reconcile.down(store, name)
         if json_out:
             print_json({"cluster": name, "leaks": leaks})

@@ -59,6 +59,7 @@ def register(app: typer.Typer) -> None:
         name = resolve_name(store, name)
         store.get_cluster(name)
         sync_events(store, name)
+        rp.fetch_samples(store, name)
         rep = rp.build(store, name)
         drawn = rp.write_plot(rep, plot) if plot is not None else None
         if json_out:

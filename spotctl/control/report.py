@@ -8,12 +8,14 @@ and throughput every few seconds, see spotctl.head.samples). The plot has the lo
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spotctl.errors import SpecError
+from spotctl.errors import NotFoundError, SpecError
 from spotctl.head.samples import SAMPLES_FILE, read_samples
 from spotctl.state import NodeRow, Store
 
@@ -111,6 +113,28 @@ def marks_of(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
         elif t == "join":
             out["join"].append({"ts": e["ts"], "node": node})
     return out
+
+
+def fetch_samples(store: Store, name: str) -> int:
+    """A cloud head keeps its samples on its VM: copy them next to the journal, so the
+    report of a finished cluster still has them. Local heads write there already.
+    Returns the samples copied (0 when the head is not reachable)."""
+    from spotctl.control.reconcile import head_client
+    from spotctl.head.client import HeadUnavailable
+
+    row = store.get_cluster(name)
+    if row.provider == "local" or row.state == "down":
+        return 0
+    try:
+        got = head_client(store, name, timeout_s=5).samples()
+    except (HeadUnavailable, NotFoundError):
+        return 0
+    head_dir = store.cluster_dir(name).head_dir
+    head_dir.mkdir(parents=True, exist_ok=True)
+    tmp = head_dir / (SAMPLES_FILE + ".tmp")
+    tmp.write_text("".join(json.dumps(x, separators=(",", ":")) + "\n" for x in got))
+    os.replace(tmp, head_dir / SAMPLES_FILE)
+    return len(got)
 
 
 def build(store: Store, name: str, now: float | None = None) -> Report:
@@ -246,7 +270,7 @@ def write_plot(rep: Report, path: str | Path) -> dict[str, list[float]]:
             ax_t.set_ylim(bottom=0)
             ax_t.legend(loc="lower right", fontsize="small")
         else:
-            ax_p.text(0.5, 0.5, "no samples (the head samples local clusters)",
+            ax_p.text(0.5, 0.5, "no samples yet",
                       transform=ax_p.transAxes, ha="center", color="0.4")
         ax_p.set_ylabel("step")
         ax_p.legend(loc="upper left", fontsize="small")

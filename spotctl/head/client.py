@@ -66,6 +66,13 @@ class HeadClient:
     def status(self) -> dict[str, Any]:
         return self._obj("GET", "/api/status")
 
+    def samples(self) -> list[dict[str, Any]]:
+        """The head's samples of world size, step and throughput (spotctl.head.samples)."""
+        got = self._obj("GET", "/api/samples").get("samples")
+        if not isinstance(got, list):
+            raise HeadUnavailable(f"head at {self.url} gave a malformed sample list")
+        return [s for s in got if isinstance(s, dict)]
+
     def events(self, since: int = 0) -> list[dict[str, Any]]:
         evs = self._obj("GET", f"/api/events?since={since}").get("events")
         if not isinstance(evs, list):

@@ -208,6 +208,10 @@ class HeadServer:
                     return
                 if u.path == "/api/health":
                     return self._send(200, {"ok": True, "pid": os.getpid()})
+                if u.path == "/api/samples":  # what `spotctl report` draws (bounded file)
+                    from spotctl.head.samples import SAMPLES_FILE, read_samples
+
+                    return self._send(200, {"samples": read_samples(server.dir / SAMPLES_FILE)})
                 if u.path not in ("/api/status", "/api/events"):
                     return self._send(404, {"error": "no such endpoint"})
                 since = 0

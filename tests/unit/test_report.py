@@ -111,3 +111,61 @@ def test_sample_file_stays_bounded(tmp_path: Path) -> None:
     assert max(gaps) <= 2 * min(gaps)
     # a restarted head keeps the pace the file reached
     assert SampleLog(path, interval_s=1.0, max_samples=100).interval_s > 1.0
+
+
+def test_head_serves_its_samples_to_the_controller_only(tmp_path: Path) -> None:
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from spotctl.head.auth import node_token
+    from spotctl.head.client import HeadClient
+    from spotctl.head.server import HeadServer
+
+    srv = HeadServer(tmp_path, "s3cret", with_store=False)
+    t = threading.Thread(target=srv.serve, daemon=True)
+    t.start()
+    try:
+        assert HeadClient(srv.url, "s3cret").samples() == []
+        log = SampleLog(tmp_path / SAMPLES_FILE)
+        for k in range(3):
+            log.add(sample_of({"world_size": 2, "step": k, "nodes": {}}, T0 + 10 * k))
+        got = HeadClient(srv.url, "s3cret").samples()
+        assert [s["step"] for s in got] == [0, 1, 2]
+        req = urllib.request.Request(srv.url + "/api/samples")
+        req.add_header("Authorization", "Bearer " + node_token("s3cret", "n1"))
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=5)
+        assert e.value.code in (401, 403)
+    finally:
+        srv.stop()
+        t.join(5)
+
+
+def test_a_cloud_heads_samples_are_copied_for_later_reports(tmp_path: Path) -> None:
+    import threading
+
+    from spotctl.head.server import HeadServer
+
+    store = Store(tmp_path / "home")
+    store.upsert_cluster("cl", "aws", {"name": "cl"}, "running")
+    token = store.cluster_dir("cl").ensure().token(create=True)
+    vm = tmp_path / "head-vm"  # the head's own folder, elsewhere (on its VM)
+    vm.mkdir()
+    srv = HeadServer(vm, token, with_store=False)
+    t = threading.Thread(target=srv.serve, daemon=True)
+    t.start()
+    try:
+        store.set_head("cl", {"url": srv.url})
+        log = SampleLog(vm / SAMPLES_FILE)
+        for k in range(4):
+            log.add(sample_of({"world_size": 1, "step": k, "nodes": {}}, T0 + 10 * k))
+        assert rp.fetch_samples(store, "cl") == 4
+        local = store.cluster_dir("cl").head_dir / SAMPLES_FILE
+        assert [s["step"] for s in read_samples(local)] == [0, 1, 2, 3]
+    finally:
+        srv.stop()
+        t.join(5)
+    store.set_cluster_state("cl", "down")
+    assert rp.fetch_samples(store, "cl") == 0  # a finished cluster keeps its copy
+    assert len(read_samples(store.cluster_dir("cl").head_dir / SAMPLES_FILE)) == 4
