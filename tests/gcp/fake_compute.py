@@ -2,7 +2,8 @@
 
 It implements exactly the calls spotctl uses: instances insert / get / list / delete /
 aggregatedList, zone and global operations get / wait, firewalls insert / list / delete,
-images get / getFromFamily (a small table of public images with their minimum disk size).
+images get / getFromFamily (a small table of public images with their minimum disk size),
+regions get (quotas from `region_quotas`), networks get (`networks`).
 Inserts are refused as GCP refuses them: an unknown image, a boot disk smaller than the
 image, pd-standard (GCP's default disk type) or a non-Hyperdisk disk on families that do
 not take it, a missing gVNIC on families that require it (g2, a3, ...), and more external
@@ -60,6 +61,8 @@ ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
         ("POST", "globalOperations.wait", P + r"/global/operations/(?P<op>[^/]+)/wait"),
         ("GET", "images.getFromFamily", P + r"/global/images/family/(?P<name>[^/]+)"),
         ("GET", "images.get", P + r"/global/images/(?P<name>[^/]+)"),
+        ("GET", "regions.get", P + r"/regions/(?P<region>[^/]+)"),
+        ("GET", "networks.get", P + r"/global/networks/(?P<name>[^/]+)"),
         ("POST", "firewalls.insert", P + r"/global/firewalls"),
         ("GET", "firewalls.list", P + r"/global/firewalls"),
         ("DELETE", "firewalls.delete", P + r"/global/firewalls/(?P<name>[^/]+)"),
@@ -156,6 +159,17 @@ class FakeCompute:
         self.quota_style: str = ""
         self.faults: list[Fault] = []
         self.op_faults: list[list[Any]] = []  # [code, status, zone, times left]
+        # regions.get: the project's quotas per region (metric -> limit), as a new project
+        # has them (no GPU quota), and the networks that exist.
+        self.region_quotas: dict[str, float] = {
+            "CPUS": 24.0,
+            "IN_USE_ADDRESSES": 8.0,
+            "NVIDIA_T4_GPUS": 0.0,
+            "PREEMPTIBLE_NVIDIA_T4_GPUS": 0.0,
+            "NVIDIA_L4_GPUS": 0.0,
+            "PREEMPTIBLE_NVIDIA_L4_GPUS": 0.0,
+        }
+        self.networks: set[str] = {"default"}
         # External (in-use) addresses allowed per region; a region not listed is unlimited.
         self.address_quota: dict[str, int] = {}
         self.pending_polls = 0
@@ -481,6 +495,27 @@ class FakeCompute:
             for n in vm.get("networkInterfaces") or []
         )
         return in_use + wants > limit
+
+    def _regions_get(self, project: str, region: str, **_: Any) -> dict[str, Any]:
+        if not re.fullmatch(r"[a-z]+-[a-z]+\d", region):
+            raise ApiError(404, "notFound", f"The resource 'projects/{project}/regions/{region}' "
+                           "was not found")  # fmt: skip
+        return {
+            "kind": "compute#region",
+            "name": region,
+            "status": "UP",
+            "zones": [f"{self._base(project)}/zones/{region}-{z}" for z in "abcf"],
+            "quotas": [
+                {"metric": m, "limit": v, "usage": 0.0} for m, v in self.region_quotas.items()
+            ],
+        }
+
+    def _networks_get(self, project: str, name: str, **_: Any) -> dict[str, Any]:
+        if name not in self.networks:
+            raise ApiError(404, "notFound", f"The resource 'projects/{project}/global/networks/"
+                           f"{name}' was not found")  # fmt: skip
+        return {"kind": "compute#network", "name": name,
+                "selfLink": f"{self._base(project)}/global/networks/{name}"}  # fmt: skip
 
     def _images_getFromFamily(self, project: str, name: str, **_: Any) -> dict[str, Any]:
         link, size = self._image(f"projects/{project}/global/images/family/{name}")

@@ -117,6 +117,8 @@ class _Clients:
     global_ops: Any
     firewalls: Any
     images: Any = None
+    regions: Any = None
+    networks: Any = None
 
 
 def _api_error_parts(exc: Exception) -> tuple[int | None, set[str], str]:
@@ -302,6 +304,8 @@ class GcpApi:
             global_ops=compute_v1.GlobalOperationsClient(**kw),
             firewalls=compute_v1.FirewallsClient(**kw),
             images=compute_v1.ImagesClient(**kw),
+            regions=compute_v1.RegionsClient(**kw),
+            networks=compute_v1.NetworksClient(**kw),
         )
 
     @property

@@ -1,7 +1,7 @@
 """GCP provider: Spot VMs through google-cloud-compute (REST), labels as the source of truth.
 
-This module owns the assembled GcpProvider (offers.py, network.py and launch.py on top of
-api.py), the head VM, worker bootstrap and cleanup.
+This module owns the assembled GcpProvider (offers.py, network.py, launch.py and check.py
+on top of api.py), the head VM, worker bootstrap and cleanup.
 
 What it assumes and guarantees (on top of providers/base.py):
 - Every VM carries the labels spotctl-cluster / spotctl-role / spotctl-request-id and the
@@ -57,11 +57,11 @@ from spotctl.providers.gcp.api import (
     head_name,
     label_value,
 )
-from spotctl.providers.gcp.launch import GcpLaunch
+from spotctl.providers.gcp.check import GcpChecks
 from spotctl.remote.bootstrap import HostResult
 
 
-class GcpProvider(GcpLaunch):
+class GcpProvider(GcpChecks):
     """Spot workers and one standard head VM in one GCP project and region."""
 
     name = "gcp"
