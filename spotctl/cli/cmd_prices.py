@@ -40,6 +40,10 @@ def catalog_offers(provider: str, region: str | None, gpu: str | None) -> list[O
     except ImportError:
         raise SpecError(f"--catalog: provider {provider!r} ships no price catalog") from None
     offers: list[Offer] = mod.load_offers(region)
+    if region and not offers:
+        known = sorted({o.region for o in mod.load_offers(None)})
+        raise SpecError(f"--region: {provider} has no region {region!r} in the shipped catalog "
+                        f"(known: {', '.join(known[:12])}{', ...' if len(known) > 12 else ''})")
     return [o for o in offers if _gpu_matches(o, gpu)]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +147,20 @@ def simulate_cmd(
         raise SpecError(f"--nodes {nodes}: must be at least 1")
     if gpus_per_node is not None and gpus_per_node < 1:
         raise SpecError(f"--gpus-per-node {gpus_per_node}: must be at least 1")
+    # every number flag: finite and in a range where the simulation ends in bounded time
+    for flag, v, lo, hi in (
+        ("--hours", hours, 1e-6, 1e6), ("--target-steps", target_steps, 1, 1e15),
+        ("--step-time", step_time, 1e-4, 1e6), ("--checkpoint-cost", checkpoint_cost, 0, 1e6),
+        ("--notice-recovery", notice_recovery, 0, 1e6),
+        ("--hard-recovery", hard_recovery, 0, 1e6), ("--join-pause", join_pause, 0, 1e6),
+        ("--provision", provision, 0, 1e6), ("--job-start", job_start, 0, 1e6),
+        ("--teardown", teardown, 0, 1e6), ("--restart-retry", restart_retry, 1, 1e6),
+        ("--reconcile-interval", reconcile_interval, 1, 1e6),
+        ("--notice-fraction", notice_fraction, 0, 1), ("--spot-price", spot_price, 0, 1e5),
+        ("--on-demand-price", on_demand_price, 0, 1e5),
+    ):
+        if v is not None and not (math.isfinite(v) and lo <= v <= hi):
+            raise SpecError(f"{flag} {v}: must be a number from {lo:g} to {hi:g}")
     if hours is not None and hours <= 0:
         raise SpecError(f"--hours {hours}: must be positive")
     if target_steps is not None and target_steps <= 0:

@@ -20,7 +20,6 @@ import bisect
 import csv
 import io
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,6 +140,12 @@ def read_trace(path: str | Path) -> Trace:
     return _with_hints(tr, p)
 
 
+# bounds that keep a replay finite and its figures printable
+MAX_GAP_S = 7 * 86400.0
+MAX_SPAN_S = 1e8  # about three years
+MAX_PRICE = 1e5  # USD per node-hour
+
+
 def _fail(where: str, msg: str) -> SpecError:
     return SpecError(f"trace {where}: {msg}")
 
@@ -156,8 +161,9 @@ def _parse_json(text: str, where: str) -> Trace:
     if not isinstance(meta, dict) or "gap_seconds" not in meta:
         raise _fail(where, "metadata.gap_seconds is missing")
     gap = meta["gap_seconds"]
-    if isinstance(gap, bool) or not isinstance(gap, int | float) or not gap > 0:
-        raise _fail(where, f"metadata.gap_seconds must be a positive number, got {gap!r}")
+    if isinstance(gap, bool) or not isinstance(gap, int | float) or not 0 < gap <= MAX_GAP_S:
+        raise _fail(where, f"metadata.gap_seconds must be a positive number up to "
+                    f"{MAX_GAP_S:g}, got {gap!r}")
     data = doc.get("data")
     if not isinstance(data, list) or not data:
         raise _fail(where, "data must be a non-empty list of node counts")
@@ -170,10 +176,13 @@ def _parse_json(text: str, where: str) -> Trace:
         if not isinstance(raw_prices, list) or len(raw_prices) != len(data):
             raise _fail(where, f"prices must be a list as long as data ({len(data)})")
         for i, v in enumerate(raw_prices):
-            if isinstance(v, bool) or not isinstance(v, int | float) or v < 0 or math.isnan(v):
-                raise _fail(where, f"prices[{i}] must be a non-negative number, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= MAX_PRICE:
+                raise _fail(where, f"prices[{i}] must be a number from 0 to {MAX_PRICE:g}, "
+                            f"got {v!r}")
             if not prices or prices[-1][1] != float(v):
                 prices.append((i * float(gap), float(v)))
+    if len(data) * float(gap) > MAX_SPAN_S:
+        raise _fail(where, f"spans {len(data) * float(gap):g} s, past {MAX_SPAN_S:g} s")
     counts = [(i * float(gap), int(v)) for i, v in enumerate(data)]
     return _from_counts(counts, len(data) * float(gap), where, "spot-traces", float(gap), prices)
 
@@ -232,6 +241,8 @@ def _parse_csv(text: str, where: str) -> Trace:
             ) from None
         if t_ms < last_ms:
             raise _fail(where, f"row {lineno}: time {t_ms} ms goes back (previous {last_ms})")
+        if t_ms > MAX_SPAN_S * 1000:
+            raise _fail(where, f"row {lineno}: time {t_ms} ms is past {MAX_SPAN_S:g} s")
         if kind not in ("add", "remove"):
             raise _fail(where, f"row {lineno}: event {kind!r} is not 'add' or 'remove'")
         if not node:
