@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from spotctl.agent import proctree
+from spotctl.head.client import urlopen_direct
 
 log = logging.getLogger("spotctl.head")
 
@@ -95,7 +96,7 @@ def enforce(cluster_dir: Path, now: float | None = None) -> list[str]:
         req.add_header("Authorization", f"Bearer {token}")
         req.add_header("Content-Type", "application/json")
         try:
-            urllib.request.urlopen(req, timeout=3).read()
+            urlopen_direct(req, timeout=3).read()
         except OSError as e:
             log.warning("capacity: could not notify %s: %s", vm["node_id"], e)
             continue

@@ -27,6 +27,7 @@ from spotctl.agent import proctree
 from spotctl.agent.config import AgentConfig
 from spotctl.errors import CapacityError, NotFoundError, SpotctlError
 from spotctl.head.auth import node_token
+from spotctl.head.client import urlopen_direct
 from spotctl.providers.base import HeadInfo, Instance, Offer, ProviderContext
 from spotctl.state import write_json_atomic, write_private
 
@@ -282,7 +283,7 @@ class LocalProvider:
         req = urllib.request.Request(h["url"] + "/api/health")
         req.add_header("Authorization", f"Bearer {self.cdir.token()}")
         try:
-            with urllib.request.urlopen(req, timeout=2) as r:
+            with urlopen_direct(req, timeout=2) as r:
                 return r.status == 200
         except (urllib.error.URLError, OSError):
             return False
@@ -407,7 +408,7 @@ class LocalProvider:
         req.add_header("Authorization", f"Bearer {self.cdir.token()}")
         req.add_header("Content-Type", "application/json")
         try:
-            with urllib.request.urlopen(req, timeout=5) as r:
+            with urlopen_direct(req, timeout=5) as r:
                 return json.loads(r.read() or b"{}")
         except (urllib.error.URLError, OSError) as e:
             raise SpotctlError(f"node {node_id}: metadata endpoint did not answer: {e}") from None
