@@ -255,3 +255,23 @@ def test_kill_tag_never_signals_a_reused_pid() -> None:
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_a_dry_run_writes_nothing(store: Store, tmp_path: Path) -> None:
+    spec = _cluster(store, "http://127.0.0.1:9", tmp_path)
+    n_events = len(store.events("c1"))
+    before = sorted(p.name for p in store.cluster_dir("c1").path.iterdir())
+    res = reconcile.reconcile(store, spec, dry_run=True)
+    assert res.dry_run
+    assert sorted(p.name for p in store.cluster_dir("c1").path.iterdir()) == before
+    assert len(store.events("c1")) == n_events
+    assert store.get_cluster("c1").state == "running"
+
+
+def test_training_processes_get_no_credential() -> None:
+    from spotctl.agent.supervisor import worker_env
+
+    tok = "node:n1:" + "ab" * 32
+    env = {"PATH": "/bin", "LEAK": tok, "WRAPPED": f"x{tok}y", "SPOTCTL_TOKEN_FILE": "/t",
+           "WANDB_API_KEY": "user's own"}
+    assert worker_env(env, tok) == {"PATH": "/bin", "WANDB_API_KEY": "user's own"}
