@@ -1,0 +1,72 @@
+"""README: `templates/gcp-roles.txt` lists the permissions spotctl needs. Run a whole
+provider lifecycle against the fake Compute server, map every REST call it made to the
+IAM permissions Compute checks for it, and compare with the list both ways."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .fake_compute import ROUTES
+
+pytestmark = pytest.mark.gcp
+
+REPO = Path(__file__).resolve().parents[2]
+# REST method -> the permissions Compute Engine checks for it (insert also checks the
+# resources the instance references: boot disk, image, subnetwork, external IP, and the
+# metadata/labels/tags it is created with; a firewall rule updates its network's policy).
+PERMISSIONS: dict[str, set[str]] = {
+    "instances.insert": {
+        "compute.instances.create", "compute.disks.create", "compute.images.useReadOnly",
+        "compute.subnetworks.use", "compute.subnetworks.useExternalIp",
+        "compute.instances.setMetadata", "compute.instances.setLabels",
+        "compute.instances.setTags",
+    },
+    "instances.list": {"compute.instances.list"},
+    "instances.aggregatedList": {"compute.instances.list"},
+    "instances.get": {"compute.instances.get"},
+    "instances.delete": {"compute.instances.delete"},
+    "zoneOperations.get": {"compute.zoneOperations.get"},
+    "zoneOperations.wait": {"compute.zoneOperations.get"},
+    "globalOperations.get": {"compute.globalOperations.get"},
+    "globalOperations.wait": {"compute.globalOperations.get"},
+    "images.get": {"compute.images.get"},
+    "images.getFromFamily": {"compute.images.getFromFamily"},
+    "regions.get": {"compute.regions.get"},
+    "networks.get": {"compute.networks.get"},
+    "firewalls.insert": {"compute.firewalls.create", "compute.networks.updatePolicy"},
+    "firewalls.list": {"compute.firewalls.list"},
+    "firewalls.get": {"compute.firewalls.get"},
+    "firewalls.delete": {"compute.firewalls.delete", "compute.networks.updatePolicy"},
+}  # fmt: skip
+
+
+def _roles() -> set[str]:
+    lines = (REPO / "templates" / "gcp-roles.txt").read_text().splitlines()
+    return {ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")}
+
+
+def test_every_call_of_a_lifecycle_is_covered_by_the_role_list(fake: Any, provider: Any) -> None:
+    provider.prepare()  # key, firewall rules
+    offer = next(o for o in provider.offers() if o.gpus == 1)
+    head = provider.ensure_head()
+    got = provider.launch(offer, 2, "req-roles")
+    assert len(provider.list(provider.ctx.cluster)) >= 2
+    provider.terminate([i.id for i in got] + [head.instance_id])
+    provider.cleanup()
+    made = {r.key for r in fake.requests if r.key}
+    assert {"instances.insert", "instances.delete", "firewalls.insert"} <= made, made
+    unknown = made - PERMISSIONS.keys()
+    assert not unknown, f"calls with no known permission (add them here): {unknown}"
+    needed = set().union(*(PERMISSIONS[k] for k in made))
+    assert needed <= _roles(), f"missing from templates/gcp-roles.txt: {sorted(needed - _roles())}"
+
+
+def test_the_role_list_asks_for_nothing_no_call_needs() -> None:
+    served = {key for _, key, _ in ROUTES}
+    assert served <= PERMISSIONS.keys(), served - PERMISSIONS.keys()
+    possible = set().union(*(PERMISSIONS[k] for k in served))
+    extra = _roles() - possible
+    assert not extra, f"templates/gcp-roles.txt grants what no call spotctl makes needs: {extra}"
