@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -35,12 +35,8 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def server(clock: FakeClock) -> Iterator[MetadataServer]:
-    srv = MetadataServer(control_token="secret", clock=clock).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(clock: FakeClock, metadata_server: Callable[..., MetadataServer]) -> MetadataServer:
+    return metadata_server(control_token="secret", clock=clock)
 
 
 def _token(srv: MetadataServer, ttl: str = "60") -> str:

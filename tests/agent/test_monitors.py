@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,23 +21,17 @@ from spotctl.agent.monitors import (
     parse_iso_utc,
 )
 from spotctl.providers.local.metadata import MetadataServer
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def server() -> Iterator[MetadataServer]:
-    srv = MetadataServer(control_token="secret", timeout_sleep_s=1.5).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(metadata_server: Callable[..., MetadataServer]) -> MetadataServer:
+    return metadata_server(control_token="secret", timeout_sleep_s=1.5)
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+_closed_port = free_port  # a loopback port nobody listens on
 
 
 # --- AWS ----------------------------------------------------------------------------------
