@@ -205,14 +205,33 @@ def test_terminate_and_delete_of_gone_instance_is_noop(fake, provider):
 def test_prepare_creates_firewall_rules_idempotently(fake, provider):
     provider.prepare()
     provider.prepare()
-    assert set(fake.firewalls) == {"spotctl-demo-ssh", "spotctl-demo-internal"}
-    assert len(fake.calls("firewalls.insert")) == 2
+    assert set(fake.firewalls) == {"spotctl-demo-ssh", "spotctl-demo-internal", "spotctl-demo-deny"}
+    assert len(fake.calls("firewalls.insert")) == 3
     ssh = fake.firewalls["spotctl-demo-ssh"]
     assert ssh["sourceRanges"] == [CIDR] and ssh["targetTags"] == ["spotctl-demo"]
     assert ssh["allowed"] == [{"IPProtocol": "tcp", "ports": ["22"]}]
     internal = fake.firewalls["spotctl-demo-internal"]
     assert internal["sourceTags"] == ["spotctl-demo"] and internal["targetTags"] == ["spotctl-demo"]
     assert "sourceRanges" not in internal
+    # Everything else to members is denied, ahead of the default network's stock rules
+    # (default-allow-internal: every VM of the project to every port, priority 65534).
+    deny = fake.firewalls["spotctl-demo-deny"]
+    assert deny["denied"] == [{"IPProtocol": "all"}] and deny["sourceRanges"] == ["0.0.0.0/0"]
+    assert deny["targetTags"] == ["spotctl-demo"]
+    assert ssh["priority"] < deny["priority"] < 65534 and internal["priority"] < deny["priority"]
+
+
+def test_prepare_reconciles_a_rule_widened_by_hand(fake, provider):
+    provider.prepare()
+    internal = fake.firewalls["spotctl-demo-internal"]
+    internal["sourceRanges"] = ["0.0.0.0/0"]  # someone opened the cluster to the world
+    del internal["sourceTags"]
+    provider.prepare()  # every `up` calls it
+    fixed = fake.firewalls["spotctl-demo-internal"]
+    assert fixed["sourceTags"] == ["spotctl-demo"] and "sourceRanges" not in fixed
+    assert [c.path.rsplit("/", 1)[-1] for c in fake.calls("firewalls.delete")] == [
+        "spotctl-demo-internal"
+    ]
 
 
 def test_prepare_without_cidr_is_a_spec_error(fake, spotctl_home):

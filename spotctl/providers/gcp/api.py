@@ -92,9 +92,9 @@ def network_tag(cluster: str) -> str:
     return f"spotctl-{cluster}"
 
 
-def firewall_names(cluster: str) -> tuple[str, str]:
-    """(ssh from the controller, everything between cluster members)."""
-    return (f"spotctl-{cluster}-ssh", f"spotctl-{cluster}-internal")
+def firewall_names(cluster: str) -> tuple[str, str, str]:
+    """(ssh from the controller, everything between cluster members, deny the rest)."""
+    return (f"spotctl-{cluster}-ssh", f"spotctl-{cluster}-internal", f"spotctl-{cluster}-deny")
 
 
 def _one_line(text: str) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from spotctl.errors import SpecError
-from spotctl.providers.gcp.api import GcpApi, _is_exists, firewall_names, network_tag
+from spotctl.providers.gcp.api import GcpApi, _is_exists, _short, firewall_names, network_tag
 from spotctl.state import write_private
 
 
@@ -25,18 +25,26 @@ class GcpNetwork(GcpApi):
     """Firewall rules and SSH key of the cluster."""
 
     def prepare(self) -> None:
-        """Firewall rules: SSH only from the controller's CIDR; all ports between members."""
+        """Firewall rules, reconciled on every call: SSH only from the controller's CIDR,
+        all ports between members, and everything else to members denied.
+
+        The deny rule outranks the default network's stock rules (default-allow-internal
+        lets every VM of the project reach every port; default-allow-ssh opens 22 to the
+        world), so the head's store and API answer cluster members only. A rule that
+        drifted from what is wanted (edited by hand, or the controller's address changed)
+        is replaced, never widened.
+        """
         from google.cloud import compute_v1
 
         cidr = self._ssh_cidr()
         tag = network_tag(self.cluster)
-        ssh_name, internal_name = firewall_names(self.cluster)
+        ssh_name, internal_name, deny_name = firewall_names(self.cluster)
         wanted = {
             ssh_name: compute_v1.Firewall(
                 name=ssh_name,
                 network="global/networks/default",
                 direction="INGRESS",
-                priority=1000,
+                priority=ALLOW_PRIORITY,
                 description=f"spotctl cluster {self.cluster}: SSH from the controller",
                 allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])],
                 source_ranges=[cidr],
@@ -46,7 +54,7 @@ class GcpNetwork(GcpApi):
                 name=internal_name,
                 network="global/networks/default",
                 direction="INGRESS",
-                priority=1000,
+                priority=ALLOW_PRIORITY,
                 description=f"spotctl cluster {self.cluster}: traffic between members",
                 # Rendezvous, coordinator API and gloo/NCCL use dynamic ports.
                 allowed=[
@@ -57,15 +65,25 @@ class GcpNetwork(GcpApi):
                 source_tags=[tag],
                 target_tags=[tag],
             ),
+            deny_name: compute_v1.Firewall(
+                name=deny_name,
+                network="global/networks/default",
+                direction="INGRESS",
+                priority=DENY_PRIORITY,
+                description=f"spotctl cluster {self.cluster}: nothing else reaches members",
+                denied=[compute_v1.Denied(I_p_protocol="all")],
+                source_ranges=["0.0.0.0/0"],
+                target_tags=[tag],
+            ),
         }
         have = {fw.name: fw for fw in self._list_firewalls()}
         ops = []
         for name, rule in wanted.items():
             old = have.get(name)
-            if old is not None and sorted(old.source_ranges) == sorted(rule.source_ranges):
+            if old is not None and _rule_key(old) == _rule_key(rule):
                 continue
             if old is not None:
-                # The controller's address changed: replace the rule rather than widen it.
+                # Drifted (or the controller's address changed): replace, never widen.
                 self._delete_firewalls([name])
             ops.append((name, self._insert_firewall(rule)))
         for name, op in ops:
@@ -169,3 +187,27 @@ class GcpNetwork(GcpApi):
         write_private(priv, private_text)
         pub.write_text(public_text + "\n")
         return public_text
+
+
+# Lower number = evaluated first. The cluster's allows beat its deny, which beats the
+# default network's stock allow rules (priority 65534).
+ALLOW_PRIORITY = 900
+DENY_PRIORITY = 950
+
+
+def _rule_key(fw: Any) -> tuple[Any, ...]:
+    """What a firewall rule lets through, comparable between the API's and ours."""
+
+    def perms(items: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        return tuple(sorted((str(a.I_p_protocol), tuple(sorted(a.ports))) for a in items))
+
+    return (
+        _short(str(fw.network)),
+        str(fw.direction),
+        int(fw.priority),
+        perms(fw.allowed),
+        perms(fw.denied),
+        tuple(sorted(fw.source_ranges)),
+        tuple(sorted(fw.source_tags)),
+        tuple(sorted(fw.target_tags)),
+    )
