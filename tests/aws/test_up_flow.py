@@ -105,11 +105,16 @@ class Flow:
     def run(self, provider: str, nodes: int, want_steps: int = 5) -> dict[str, Any]:
         """up, wait for the nodes (and a few training steps) in status, then down.
         Returns the last status seen before down."""
-        up = json.loads(
-            self.cli("up", "--provider", provider, "--gpus", str(nodes), "--wait", "240",
-                     "--json", timeout=600).stdout
-        )  # fmt: skip
+        p = self.cli("up", "--provider", provider, "--gpus", str(nodes), "--wait", "240",
+                     "--json", timeout=600)  # fmt: skip
+        up = json.loads(p.stdout)
         assert len(up["launched"]) == nodes and up["nodes_reporting"] == nodes, up
+        # `up --json` phases: JSON lines on stderr, per offer, then per node
+        phases = [json.loads(x) for x in p.stderr.splitlines() if x.startswith('{"phase"')]
+        assert any(x["phase"] == "launching" for x in phases), p.stderr
+        if provider == "aws":  # its bootstrap reports each host as it finishes
+            done = [x for x in phases if x["phase"] == "bootstrapped"]
+            assert sorted(x["node"] for x in done) == sorted(up["launched"]), p.stderr
         deadline = time.monotonic() + 240
         st = self.status()
         while not (st.get("world_size") == nodes and (st.get("step") or 0) >= want_steps):

@@ -36,7 +36,7 @@ from spotctl.errors import ProviderError, TransientError
 from spotctl.providers.aws.api import HEAD_TOKEN_FILE, TAG_REQUEST, error_code
 from spotctl.providers.aws.check import AwsChecks
 from spotctl.providers.base import HeadInfo, Instance, ProviderContext
-from spotctl.remote.bootstrap import HostResult
+from spotctl.remote.bootstrap import HostProgress, HostResult
 
 
 class AwsProvider(AwsChecks):
@@ -113,7 +113,9 @@ class AwsProvider(AwsChecks):
         self._head = self._nodes.head(inst, self._head_process, "aws")
         return self._head
 
-    def bootstrap(self, instances: Sequence[Instance]) -> builtins.list[HostResult]:
+    def bootstrap(
+        self, instances: Sequence[Instance], progress: HostProgress | None = None
+    ) -> builtins.list[HostResult]:
         """Make launched workers nodes over SSH: wait until each runs (addresses known),
         start its agent (AWS IMDSv2 notices), confirm its first heartbeat at the head.
         Per-host results; one host failing never hides the others."""
@@ -125,7 +127,14 @@ class AwsProvider(AwsChecks):
                 ready.append(self._to_instance(self._wait_running(inst.id)))
             except ProviderError as e:
                 failed.append(HostResult(inst.id, False, str(e), False, 0.0))
-        return failed + self._nodes.bootstrap(ready, head)
+        def each(r: HostResult, n: int, _total: int) -> None:  # counted over every host
+            if progress is not None:
+                progress(r, len(failed) + n, len(instances))
+
+        for i, r in enumerate(failed, 1):
+            if progress is not None:
+                progress(r, i, len(instances))
+        return failed + self._nodes.bootstrap(ready, head, progress=each)
 
     def _head_gone(self) -> bool:
         """True when the saved head token already launched a head that is now gone."""
