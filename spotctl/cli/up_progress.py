@@ -47,6 +47,11 @@ def describe(p: dict[str, Any]) -> str:
     if ph == "bootstrapped":
         return (f"bootstrapped {p['node']} in {p['seconds']:.1f}s ({p['done']}/{p['total']}"
                 + ("" if p["ok"] else ", failed") + ")")
+    if ph == "bootstrap-done":
+        sl = p["slowest"]
+        return (f"bootstrapped {p['nodes']} node(s)"
+                + (f", {p['failed']} failed" if p["failed"] else "")
+                + f"; slowest {sl['node']} ({sl['seconds']:.1f}s)")
     if ph == "head":
         return "starting the head"
     if ph == "preparing":
@@ -161,6 +166,7 @@ class Reporter:
 
     def __init__(self, json_lines: bool, live: Callable[[str], None] | None = None,
                  note: Callable[[str], None] | None = None):
+        self.booted: list[dict[str, Any]] = []
         self.json_lines = json_lines
         self.live = live  # the line that changes (node phases)
         self.note = note  # lines that stay (launches, bootstraps, the first step)
@@ -182,4 +188,14 @@ class Reporter:
         self.last_line = line
 
     def reconcile(self, msg: str, frac: float | None = None) -> None:
-        self(reconcile_phase(msg, frac))
+        p = reconcile_phase(msg, frac)
+        self(p)
+        if p["phase"] == "bootstrapping":
+            self.booted = []
+        elif p["phase"] == "bootstrapped":
+            self.booted.append(p)
+            if p["done"] >= p["total"]:
+                slow = max(self.booted, key=lambda b: b["seconds"])
+                self({"phase": "bootstrap-done", "nodes": len(self.booted),
+                      "failed": sum(1 for b in self.booted if not b["ok"]),
+                      "slowest": {"node": slow["node"], "seconds": slow["seconds"]}})

@@ -185,3 +185,19 @@ def test_json_phases_are_lines_on_stderr(capsys: pytest.CaptureFixture[str]) -> 
     assert cap.out == ""
     lines = [json.loads(x) for x in cap.err.splitlines()]
     assert [x["phase"] for x in lines] == ["launching", "first-step"]
+
+
+def test_bootstrap_names_the_slowest_node(capsys: pytest.CaptureFixture[str]) -> None:
+    r = up_progress.Reporter(json_lines=False)
+    r.reconcile("bootstrapping 3 node(s)")
+    r.reconcile("bootstrapped i-b in 12.0s (1/3, ok)")
+    r.reconcile("bootstrapped i-a in 41.5s (2/3, ok)")
+    r.reconcile("bootstrapped i-c in 20.0s (3/3, failed: agent never heartbeat)")
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "up: bootstrapping 3 node(s)",
+        "up: bootstrapped i-b in 12.0s (1/3)",
+        "up: bootstrapped i-a in 41.5s (2/3)",
+        "up: bootstrapped i-c in 20.0s (3/3, failed)",
+        "up: bootstrapped 3 node(s), 1 failed; slowest i-a (41.5s)",
+    ]
