@@ -176,6 +176,9 @@ class FakeCompute:
         self._by_request_id: dict[str, str] = {}
         self._ids = itertools.count(1000)
         self._lock = threading.RLock()
+        self.insert_latency_s = 0.0  # each instances.insert takes this long to answer
+        self.max_parallel_inserts = 0  # most inserts seen in flight at once
+        self._inserts_now = 0
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -190,7 +193,20 @@ class FakeCompute:
             def _handle(self) -> None:
                 n = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(n) if n else b""
-                status, payload = fake.handle(self.command, self.path, raw)
+                insert = self.command == "POST" and self.path.split("?")[0].endswith("/instances")
+                if insert:
+                    with fake._lock:
+                        fake._inserts_now += 1
+                        fake.max_parallel_inserts = max(
+                            fake.max_parallel_inserts, fake._inserts_now
+                        )
+                    time.sleep(fake.insert_latency_s)  # outside the lock, as a real API's latency
+                try:
+                    status, payload = fake.handle(self.command, self.path, raw)
+                finally:
+                    if insert:
+                        with fake._lock:
+                            fake._inserts_now -= 1
                 out = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json; charset=UTF-8")

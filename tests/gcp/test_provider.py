@@ -114,6 +114,14 @@ def test_every_zone_exhausted_raises_capacity_error(fake, spotctl_home):
     assert fake.instances == {}
 
 
+def test_inserts_go_out_in_parallel(fake, provider):
+    fake.insert_latency_s = 0.2
+    out = provider.launch(_offer(provider), 12, "wide")
+    assert len(out) == 12 and len(fake.calls("instances.insert")) == 12
+    # The first insert probes the zone alone, the other 11 are in flight together.
+    assert fake.max_parallel_inserts >= 8
+
+
 def test_unsupported_operation_fails_over_to_next_zone(fake, provider):
     fake.op_fail("UNSUPPORTED_OPERATION", 400, zone="us-central1-a", times=10)
     out = provider.launch(_offer(provider), 2, "unsup")
