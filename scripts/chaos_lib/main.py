@@ -9,7 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .result import Result, table
+from .result import Result, table, unmeasured
 
 
 def run_all(root: Path, only: set[str] | None = None, log=print) -> list[Result]:
@@ -20,7 +20,8 @@ def run_all(root: Path, only: set[str] | None = None, log=print) -> list[Result]
     if not only or only & cluster_keys:
         rows += local.run_cluster_scenarios(root, only & cluster_keys if only else None, log)
     if not only or "9" in only:
-        rows.append(cloud.capacity_everywhere())
+        rows.append(cloud.capacity_everywhere(root))
+        log(f"{rows[-1].scenario}: survived={rows[-1].survived} {rows[-1].notes}")
     if not only or "10" in only:
         rows.append(cloud.throttling())
     if not only or "13" in only:
@@ -52,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(table(rows))
     bad = [
-        r for r in rows if not r.blocked and (not r.survived or r.leaks or r.committed_steps_lost)
+        r
+        for r in rows
+        if not r.blocked
+        and (not r.survived or r.leaks or r.committed_steps_lost or unmeasured(r))
     ]
     return 1 if bad else 0
 
