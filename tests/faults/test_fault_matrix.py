@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from scripts.chaos_lib import cloud, disk, local  # noqa: E402
-from scripts.chaos_lib.result import Result  # noqa: E402
+from scripts.chaos_lib.result import Result, unmeasured  # noqa: E402
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -30,7 +30,10 @@ def cluster_rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
 
 def _check(r: Result) -> None:
     assert r.survived, f"{r.scenario}: {r.notes}\n{r.detail}"
-    assert r.committed_steps_lost == 0, r.detail
+    # every figure was measured, or is declared not applicable and left null (never 0)
+    assert unmeasured(r) == [], (r.scenario, unmeasured(r))
+    if "committed_steps_lost" not in r.not_applicable:
+        assert r.committed_steps_lost == 0, r.detail
     assert r.leaks == [], r.leaks
 
 
@@ -47,12 +50,33 @@ def test_cluster_scenario(cluster_rows: dict[str, Result], key: str) -> None:
         assert r.steps_replayed is not None and r.steps_replayed <= 2 * local.EVERY + 1, r.detail
 
 
-def test_capacity_errors_in_every_zone() -> None:
-    _check(cloud.capacity_everywhere())
+def test_capacity_exhausted_while_training(tmp_path: Path) -> None:
+    r = cloud.capacity_everywhere(tmp_path)
+    _check(r)
+    # measured on the training job: the reclaim was a notice (no replay), the replacement
+    # launched nothing while the pool was empty and the job kept training at 2
+    assert r.not_applicable == [] and r.steps_replayed == 0, r.detail
+    assert r.detail["exhausted_up"]["out"]["launched"] == [], r.detail
+    assert r.detail["steps_at_2_while_exhausted"] >= 5, r.detail
+    assert all(z in m for z, m in r.detail["api"]["errors"].items()), r.detail
 
 
 def test_throttling_and_5xx_are_retried() -> None:
-    _check(cloud.throttling())
+    r = cloud.throttling()
+    _check(r)
+    # no job trains in this one: its job figures are null, not a made-up 0
+    assert r.committed_steps_lost is None and r.steps_replayed is None
+    assert r.recover_s is not None and r.detail["insert_calls"] == 3
+
+
+def test_unmeasured_figures_fail_the_check() -> None:
+    made_up = Result("x", survived=True, recover_s=1.0)  # lost/replayed never filled in
+    assert unmeasured(made_up) == ["committed_steps_lost", "steps_replayed"]
+    with pytest.raises(AssertionError):
+        _check(made_up)
+    zero_for_na = Result("y", survived=True, committed_steps_lost=0, steps_replayed=0,
+                         recover_s=1.0, not_applicable=["steps_replayed"])  # fmt: skip
+    assert unmeasured(zero_for_na) == ["steps_replayed (not applicable, yet set)"]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
