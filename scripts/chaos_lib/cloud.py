@@ -1,15 +1,30 @@
-"""9 and 10: cloud API faults against the GCP test server (tests/gcp/fake_compute.py) with
-the real GcpProvider and google-cloud-compute client over REST."""
+"""9 and 10: capacity and API faults.
+
+9 runs the way it meets users: a 3-node local cluster trains, the local "cloud" takes a
+node back (its capacity drops to 2: a GCP-style notice), the replacement `up` meets the
+exhausted pool while the job trains at 2, capacity comes back and `up` restores 3; the
+figures are measured on that job. The same scenario's cloud API half runs against the GCP
+test server (tests/gcp/fake_compute.py) with the real GcpProvider and google-cloud-compute
+client over REST: every zone exhausted gives one clear CapacityError per zone and leaves
+nothing behind.
+
+10 (429 and 5xx from the API) is a provider-level check only: no job trains while it runs,
+so the job figures are reported as not applicable (null), never as 0.
+
+Neither touches the caller's environment: SPOTCTL_HOME is passed to the provider's
+context, never set in os.environ.
+"""
 
 from __future__ import annotations
 
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from .result import Result
+
+NOT_A_JOB = ["committed_steps_lost", "steps_replayed"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,48 +82,139 @@ def _fake():
     return FakeCompute()
 
 
-def capacity_everywhere() -> Result:
-    """9: every zone out of capacity: one clear error, nothing left behind, a later retry
-    (capacity back) succeeds."""
+def _capacity_api(res: Result) -> bool:
+    """The API half of 9: every GCP zone exhausted (one with a 503-flavoured variant)."""
     from spotctl.errors import CapacityError
 
-    res = Result("9 capacity errors in every zone")
     zones = ["us-central1-a", "us-central1-b"]
     with tempfile.TemporaryDirectory() as tmp, _fake() as fake:
-        os.environ["SPOTCTL_HOME"] = tmp
         p = _provider(fake, Path(tmp), zones)
         fake.exhaust(zones[0])
         fake.exhaust(zones[1], "http503")
-        t0 = time.time()
-        msg = ""
+        msgs: dict[str, str] = {}
         try:
             for z in zones:  # the reconciler tries every zone in turn
                 try:
                     p.launch(_offer(p, z), 1, f"req-{z}")
                 except CapacityError as e:
-                    msg = str(e)
+                    msgs[z] = str(e)
         except Exception as e:
-            res.notes = f"wrong error type {type(e).__name__}: {e}"
-            return res
+            res.detail["api"] = {"error": f"wrong error type {type(e).__name__}: {e}"}
+            return False
         leaked = list(fake.instances)
         fake.exhausted.clear()  # capacity comes back
         insts = p.launch(_offer(p, zones[0]), 1, "req-later")
-        res.recover_s = round(time.time() - t0, 1)
-        res.leaks = [f"instance {i} left by a failed launch" for i in leaked]
-        clear = bool(msg) and "\n" not in msg and zones[0] in msg
-        res.survived = clear and not leaked and len(insts) == 1 and len(p.list("chaos")) == 1
-        res.committed_steps_lost = res.steps_replayed = 0
-        res.detail = {"error": msg, "later_launch": [i.id for i in insts]}
-        res.notes = f"CapacityError: {msg[:70]}"
+        res.leaks += [f"instance {i} left by a failed launch" for i in leaked]
+        clear = sorted(msgs) == zones and all(z in m and "\n" not in m for z, m in msgs.items())
+        ok = clear and not leaked and len(insts) == 1 and len(p.list("chaos")) == 1
+        res.detail["api"] = {"errors": msgs, "later_launch": [i.id for i in insts], "ok": ok}
         p.terminate([i.id for i in insts])
+    return ok
+
+
+def capacity_everywhere(root: Path) -> Result:
+    """9: the pool runs out while the job trains: a reclaimed node, a replacement that
+    cannot launch, training at reduced size meanwhile, and the join once capacity is back."""
+    from spotctl.providers.local.capacity import set_capacity
+
+    from .cluster import Cluster
+    from .local import EVERY, _cycle
+
+    res = Result("9 capacity exhausted while training", notice=True)
+    api_ok = _capacity_api(res)
+    c = Cluster(
+        root / "capacity",
+        "cap",
+        "2..3",
+        EVERY,
+        train_env={"TRAIN_DATASET_SIZE": "4096", "TRAIN_GLOBAL_BATCH": "24"},
+        # cooldown 0: the replacement tries the reclaimed zone again at once
+        extra_toml="\n[rebalance]\ncooldown_s = 0\n\n[local]\ncapacity = [{ at_s = 0, nodes = 3 }]\n",
+    )
+    try:
+        c.up()
+        c.training(3, past=EVERY + 2, timeout=240)
+        # the cloud takes one node back: notice, drain, the job goes on at 2
+        reclaim = Result("reclaim", notice=True)
+        _cycle(c, reclaim, lambda: set_capacity(c.cluster_dir, 2), 2)
+        res.detail["reclaim"] = reclaim.detail | {"recover_s": reclaim.recover_s}
+        # the reclaimed node counts until its hard stop (30 s), as on a cloud: from then on
+        # the pool is exhausted with the job at 2
+        deadline = time.monotonic() + 90
+        while len(c.live_nodes()) > 2:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reclaimed node still alive: {c.live_nodes()}")
+            time.sleep(1)
+        # the replacement meets the exhausted pool; the job trains at 2 meanwhile
+        st0 = c.status()
+        t0 = time.time()
+        up = c.cli("up", "--json", "--wait", "30", check=False, timeout=200)
+        up_out = _json(up.stdout)
+        st1 = c.training(2, past=st0["step"] + 5, timeout=120)
+        exhausted_s = round(time.time() - t0, 1)
+        launched_while_full = list(up_out.get("launched") or [])
+        res.detail["exhausted_up"] = {"rc": up.returncode, "out": up_out,
+                                      "stderr": up.stderr.strip()[-300:]}  # fmt: skip
+        # capacity back: `up` joins a third node through a drain
+        join = Result("join", notice=True)
+
+        def back() -> None:
+            set_capacity(c.cluster_dir, 3)
+            p = c.cli("up", "--json", "--wait", "150", check=False, timeout=240)
+            res.detail["back_up"] = {"rc": p.returncode, "out": _json(p.stdout),
+                                     "stderr": p.stderr.strip()[-500:]}  # fmt: skip
+
+        _cycle(c, join, back, 3)
+        res.recover_s = join.recover_s  # capacity back -> training at 3 again
+        res.committed_steps_lost = max(reclaim.committed_steps_lost or 0,
+                                       join.committed_steps_lost or 0)  # fmt: skip
+        res.steps_replayed = (reclaim.steps_replayed or 0) + (join.steps_replayed or 0)
+        res.detail.update(
+            steps_at_2_while_exhausted=st1["step"] - st0["step"],
+            seconds_exhausted=exhausted_s,  # failed `up`, then 5+ steps at 2
+            join=join.detail,
+        )  # fmt: skip
+        res.survived = (
+            api_ok
+            and reclaim.survived
+            and join.survived
+            and up.returncode == 0
+            and not launched_while_full
+            and st1["world_size"] == 2
+        )
+        res.notes = (
+            f"reclaimed at 2 in {reclaim.recover_s}s; up while exhausted launched "
+            f"{len(launched_while_full)}; trained {st1['step'] - st0['step']} steps at 2; "
+            f"back at 3 in {join.recover_s}s"
+        )
+    except Exception as e:
+        res.survived = False
+        res.notes = f"{type(e).__name__}: {str(e)[:200]}"
+        res.detail["error"] = str(e)[-4000:]
+        try:
+            res.detail["events"] = c.events()[-30:]
+        except Exception:
+            pass
+    finally:
+        res.leaks += c.down()
     return res
+
+
+def _json(text: str) -> dict:
+    import json
+
+    try:
+        out = json.loads(text)
+    except ValueError:
+        return {}
+    return out if isinstance(out, dict) else {}
 
 
 def throttling() -> Result:
     """10: 429 and 5xx on insert and list: retried with backoff, then succeeds."""
-    res = Result("10 API throttling and 5xx")
+    # no job trains here: lost and replayed steps do not apply (null, never 0)
+    res = Result("10 API throttling and 5xx (provider only)", not_applicable=list(NOT_A_JOB))
     with tempfile.TemporaryDirectory() as tmp, _fake() as fake:
-        os.environ["SPOTCTL_HOME"] = tmp
         p = _provider(fake, Path(tmp), ["us-central1-a"])
         fake.fail("instances.insert", 429, "rateLimitExceeded", times=2)
         fake.fail("instances.aggregatedList", 503, "backendError", times=2)
@@ -122,7 +228,6 @@ def throttling() -> Result:
         inserts = len(fake.calls("instances.insert"))
         lists = len(fake.calls("instances.aggregatedList"))
         res.survived = len(insts) == 1 and inserts == 3 and len(fake.instances) == 1
-        res.committed_steps_lost = res.steps_replayed = 0
         res.detail = {"insert_calls": inserts, "list_calls": lists}
         res.notes = f"insert tried {inserts}x, list {lists}x, then launched"
         p.terminate([i.id for i in insts])
