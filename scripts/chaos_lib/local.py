@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from . import trust
 from .cluster import Cluster, Timeout
 from .result import Result
 
@@ -110,7 +111,8 @@ def flaky_metadata(c: Cluster) -> Result:
     res = Result("11 flaky metadata replies")
     node = _victim(c)
     vm = c.vm(node)
-    token = (c.cluster_dir / "nodes" / node / "token").read_text().strip()
+    # the local "cloud's" control endpoint takes the controller's secret (not a node's)
+    token = (c.cluster_dir / "token").read_text().strip()
     n_notices = len(c.events("notice"))
     n_rescales = len(c.events("rescale"))
     st0 = c.status()
@@ -395,6 +397,8 @@ def run_cluster_scenarios(
     out: list[Result] = []
     plan: list[tuple[str, Callable[[], Result], bool]] = [
         ("11", lambda: flaky_metadata(c), False),
+        ("15", lambda: trust.forged_notice(c, WORLD), False),
+        ("16", lambda: trust.head_garbage(c, WORLD), False),
         ("1", lambda: notice(c, "aws"), False),
         ("7", lambda: cli_killed_mid_up(c), False),  # also the join back to 3
         ("2", lambda: notice(c, "gcp"), False),
@@ -446,6 +450,14 @@ def run_cluster_scenarios(
             v = r.detail.get("victim")
             if v and c.node_pids(v):
                 r.leaks.append(f"{v}: alive after its hard stop")
+        if not only or "17" in only:  # last: it takes the cluster down
+            try:
+                r = trust.rebalance_racing_down(c)
+            except Exception as e:
+                r = Result("17 (failed)", notes=f"{type(e).__name__}: {str(e)[:300]}")
+            out.append(r)
+            log(f"{r.scenario}: survived={r.survived} lost={r.committed_steps_lost} "
+                f"leaks={r.leaks}")
     finally:
         leaks = c.down()
         if out:

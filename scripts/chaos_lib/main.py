@@ -16,7 +16,7 @@ def run_all(root: Path, only: set[str] | None = None, log=print) -> list[Result]
     from . import cloud, disk, local
 
     rows: list[Result] = []
-    cluster_keys = {"1", "2", "3", "4", "5", "6", "7", "8", "11", "12"}
+    cluster_keys = {"1", "2", "3", "4", "5", "6", "7", "8", "11", "12", "15", "16", "17"}
     if not only or only & cluster_keys:
         rows += local.run_cluster_scenarios(root, only & cluster_keys if only else None, log)
     if not only or "9" in only:

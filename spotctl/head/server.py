@@ -259,6 +259,7 @@ class HeadServer:
                             return self._send(429, {"error": f"over {MAX_NODES} nodes"})
                         return self._send(200, coord.heartbeat(hb))
                 if path == "/api/notice":
+                    validate.fields(body, ("node_id", "notice"), ("node_id", "notice"))
                     nid = validate.node_id(body.get("node_id"))
                     nt = validate.notice(body.get("notice", {}))
                     if not who.may_speak_for(nid):
@@ -274,7 +275,8 @@ class HeadServer:
                         leavers = [x for x in leavers if x in coord.nodes]
                         return self._send(200, {"gen": coord.request_drain(reason, leavers)})
                 if path == "/api/forget":
-                    nodes = validate.node_list(body.get("nodes", []), "nodes")
+                    validate.fields(body, ("nodes",), ("nodes",))
+                    nodes = validate.node_list(body["nodes"], "nodes")
                     with server.lock:
                         for nid in nodes:
                             coord.forget(nid)

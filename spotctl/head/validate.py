@@ -110,7 +110,21 @@ def worker(v: Any, i: int) -> dict[str, Any]:
     return out
 
 
+def fields(v: dict[str, Any], allowed: tuple[str, ...], required: tuple[str, ...] = ()) -> None:
+    """A request body holds only the route's fields, and all of its required ones."""
+    extra = [k for k in v if k not in allowed]
+    if extra:
+        raise BadInput(f"unexpected field {str(extra[0])[:40]!r} (allowed: {', '.join(allowed)})")
+    missing = [k for k in required if k not in v]
+    if missing:
+        raise BadInput(f"{missing[0]} missing")
+
+
+HEARTBEAT_FIELDS = ("node_id", "agent_state", "addr", "workers", "drain_gen", "notice", "ready")
+
+
 def heartbeat(v: dict[str, Any]) -> dict[str, Any]:
+    fields(v, HEARTBEAT_FIELDS, ("node_id",))
     out: dict[str, Any] = {"node_id": node_id(v.get("node_id"))}
     state = v.get("agent_state", "waiting")
     if state not in AGENT_STATES:
@@ -139,7 +153,8 @@ def node_list(v: Any, what: str, max_len: int = 1024) -> list[str]:
 
 
 def drain(v: dict[str, Any]) -> tuple[str, list[str]]:
-    reason = v.get("reason", "rebalance")
+    fields(v, ("reason", "leavers"), ("reason", "leavers"))
+    reason = v.get("reason")
     if reason not in ("rebalance",):
         raise BadInput("reason must be 'rebalance'")
     return reason, node_list(v.get("leavers", []), "leavers")

@@ -18,7 +18,7 @@ from scripts.chaos_lib.result import Result, unmeasured  # noqa: E402
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(1200)]
 
-CLUSTER = ["1", "2", "3", "4", "5", "6", "7", "8", "11", "12"]
+CLUSTER = ["1", "2", "3", "4", "5", "6", "7", "8", "11", "12", "15", "16", "17"]
 HARD = {"3", "4", "5", "6"}  # no notice for (all of) the loss: replay bounded by the interval
 
 

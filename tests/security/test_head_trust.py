@@ -236,6 +236,27 @@ def test_the_training_librarys_own_report_is_accepted(head: HeadServer) -> None:
     assert head.coord.nodes["n1"].workers[0].startup["forked_warm"] is True
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/api/heartbeat", {**hb("n1"), "agent_sate": "left"}),  # a field the route has not
+    ("/api/notice", {"node_id": "n1", "notice": {}, "extra": 1}),
+    ("/api/notice", {"node_id": "n1"}),
+    ("/api/drain", {"type": "note", "message": "hi"}),  # no reason, no leavers: no drain
+    ("/api/drain", {"reason": "rebalance"}),
+    ("/api/forget", {}),
+    ("/api/forget", {"type": "note"}),
+])
+def test_a_body_holds_only_and_all_of_its_routes_fields(head: HeadServer, path: str,
+                                                        body: dict[str, Any]) -> None:
+    """Even with the controller's secret, a body meant for another route (or missing what
+    the route needs) is refused, never read with defaults."""
+    call(head, "POST", "/api/heartbeat", CTL, hb("n1"))
+    n = len(head.coord.events)
+    code, reply = call(head, "POST", path, CTL, body)
+    assert code == 400, reply
+    assert len(head.coord.events) == n and head.coord.drain is None
+    assert head.coord.nodes["n1"].state == "running"
+
+
 @pytest.mark.parametrize("query", ["since=x", "since=-1", "since=1e3", "since=" + "9" * 40])
 def test_bad_event_queries_are_400(head: HeadServer, query: str) -> None:
     assert call(head, "GET", "/api/events?" + query, CTL)[0] == 400
