@@ -448,7 +448,21 @@ def _head_event(e: Any) -> tuple[int, float, str, dict[str, Any]] | None:
         json.dumps(data, allow_nan=False)
     except (ValueError, TypeError, RecursionError):
         return None
+    # fields that status, cost, report and the planner compute with have their type
+    for k, v in data.items():
+        if k in _NUMERIC_EVENT_FIELDS and v is not None and (
+                isinstance(v, bool) or not isinstance(v, (int, float))):
+            return None
+        if k in ("node", "zone", "reason") and not isinstance(v, str):
+            return None
     return seq, float(ts), typ, data
+
+
+_NUMERIC_EVENT_FIELDS = frozenset({
+    "lost_steps", "resume_step", "checkpoint_step", "from_world_size", "to_world_size",
+    "world_size", "notice_to_resume_s", "worker_spawned_after_s", "gen", "step",
+    "previous_seq", "silent_s", "count", "price",
+})
 
 
 def down(store: Store, name: str, options: dict[str, Any] | None = None,

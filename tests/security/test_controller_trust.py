@@ -38,6 +38,9 @@ POISON = [
     None,
     {"seq": 7, "ts": 1004.0},
     {"seq": 8, "ts": 1005.0, "type": "rescale", "lost_steps": 0},
+    {"seq": 9, "ts": 1006.0, "type": "rescale", "lost_steps": "x"},
+    {"seq": 10, "ts": 1007.0, "type": "rescale", "to_world_size": [3]},
+    {"seq": 11, "ts": 1008.0, "type": "notice", "node": {"id": 1}},
 ]
 
 
