@@ -223,9 +223,6 @@ class SshHost(_Strict):
 
 class SshSpec(_Strict):
     hosts: list[SshHost] = Field(default_factory=list)
-    # A directory mounted at this same path on every host (NFS, a cluster filesystem): the
-    # checkpoint_dir may be a path under it; otherwise it must be an object-store URI.
-    shared_dir: str = ""
     # The hosts' interpreter that each node's venv is made from (its torch is reused);
     # used when [train] python is empty, which makes spotctl ship itself to the hosts.
     base_python: str = "python3"

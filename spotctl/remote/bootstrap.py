@@ -717,12 +717,13 @@ class CloudNodes:
         if not self.deliver:
             return None, None
         if self._pkg is None:
-            from spotctl.remote.package import node_package, project_files
+            from spotctl.remote.package import node_package, packages_for, project_files
 
             cache = self.ctx.cluster_dir.path.parent.parent / "cache" / "package"
             script = Path(self.ctx.spec.train.script)
             project = project_files(script.resolve().parent) if script.is_file() else None
-            self._pkg = (node_package(cache), project)
+            also = packages_for(self.ctx.spec.train.checkpoint_dir)
+            self._pkg = (node_package(cache, also=also), project)
             log.info("%s%s", self._pkg[0].summary(),
                      f"; {project.summary()}" if project else "")  # fmt: skip
         return self._pkg

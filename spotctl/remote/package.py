@@ -52,9 +52,9 @@ __all__ = [
 
 # torch pinned: the bootstrap must never pull a newer (multi-GB) build onto a node.
 TORCH_SPEC = "torch==2.13.0"
-# Optional extras shipped to nodes when their requirements are installed on the controller
-# (e.g. an object-store checkpoint backend). "train" is torch: the image's, or TORCH_SPEC.
-NODE_EXTRAS = ("s3", "gcs")
+# What a checkpoint_dir's scheme needs on the nodes besides spotctl (fsspec backends), as
+# installed on the controller: `pip install 'spotctl[storage]'` there.
+SCHEME_PACKAGES = {"s3": ("s3fs",), "gs": ("gcsfs",), "gcs": ("gcsfs",)}
 # Never uploaded from a project directory, whatever the ignore files say.
 ALWAYS_IGNORED = (".git", "__pycache__", "*.pyc", ".spotctl", ".venv", ".mypy_cache",
                   ".pytest_cache", ".ruff_cache")  # fmt: skip
@@ -266,10 +266,11 @@ def _marker_ok(marker: str, extra: str) -> bool:
     return bool(Marker(marker).evaluate({"extra": extra}))
 
 
-def _closure(extras: tuple[str, ...]) -> list[md.Distribution]:
-    """spotctl's installed dependencies (not spotctl, not torch), markers evaluated here."""
+def _closure(extras: tuple[str, ...], also: tuple[str, ...] = ()) -> list[md.Distribution]:
+    """spotctl's installed dependencies and `also`'s (not spotctl, not torch), markers
+    evaluated here."""
     out: dict[str, md.Distribution] = {}
-    todo: list[tuple[str, tuple[str, ...]]] = []
+    todo: list[tuple[str, tuple[str, ...]]] = [(n, ()) for n in also]
     root = md.distribution("spotctl")
     for raw in root.requires or []:
         name, wanted, marker = _requirement(raw)
@@ -294,26 +295,10 @@ def _closure(extras: tuple[str, ...]) -> list[md.Distribution]:
     return [out[k] for k in sorted(out)]
 
 
-def _installed_extras() -> tuple[str, ...]:
-    """NODE_EXTRAS that spotctl declares and whose requirements are all installed here."""
-    dist = md.distribution("spotctl")
-    declared = set(dist.metadata.get_all("Provides-Extra") or [])
-    out = []
-    for extra in NODE_EXTRAS:
-        if extra not in declared:
-            continue
-        names = [
-            _requirement(r)[0]
-            for r in dist.requires or []
-            if f'extra == "{extra}"' in r or f"extra == '{extra}'" in r
-        ]
-        try:
-            for n in names:
-                md.distribution(n)
-        except md.PackageNotFoundError:
-            continue
-        out.append(extra)
-    return tuple(out)
+def packages_for(checkpoint_dir: str) -> tuple[str, ...]:
+    """The fsspec backend a checkpoint URI needs on the nodes (none for a path)."""
+    scheme, sep, _ = checkpoint_dir.partition("://")
+    return SCHEME_PACKAGES.get(scheme.lower(), ()) if sep else ()
 
 
 def spotctl_wheel(cache: Path) -> Path:
@@ -324,10 +309,21 @@ def spotctl_wheel(cache: Path) -> Path:
     return _repack(md.distribution("spotctl"), cache)
 
 
-def node_package(cache: Path, extras: tuple[str, ...] | None = None) -> NodePackage:
-    """The package every node installs from; built once per process and content."""
-    extras = _installed_extras() if extras is None else extras
-    memo_key = f"{cache}|{','.join(extras)}"
+def node_package(
+    cache: Path, extras: tuple[str, ...] = (), also: tuple[str, ...] = ()
+) -> NodePackage:
+    """The package every node installs from: spotctl (with `extras`) and the distributions
+    named in `also` (see packages_for), each with its dependencies as installed here.
+    Built once per process and content."""
+    for name in also:
+        try:
+            md.distribution(name)
+        except md.PackageNotFoundError:
+            raise BootstrapError(
+                f"nodes need {name} for this checkpoint_dir, and it is not installed on the "
+                "controller (pip install 'spotctl[storage]')"
+            ) from None
+    memo_key = f"{cache}|{','.join(extras)}|{','.join(also)}"
     root = _source_tree()
     if root is not None:
         memo_key += "|" + _tree_hash(root)
@@ -337,7 +333,7 @@ def node_package(cache: Path, extras: tuple[str, ...] | None = None) -> NodePack
         own = spotctl_wheel(cache)
         wheels = {own.name: own.read_bytes()}
         pins = []
-        for dist in _closure(extras):
+        for dist in _closure(extras, also):
             w = _repack(dist, cache)
             wheels[w.name] = w.read_bytes()
             pins.append(f"{dist.metadata['Name']}=={dist.version}")

@@ -6,10 +6,8 @@ must upload this controller's wheel, its pinned wheelhouse and the project direc
 install them into a venv made from the image python (reusing its torch, installing
 nothing by name: pip runs with --no-index), start the agent, which reaches the head on the
 controller through the reverse SSH tunnel (forced here: the host is loopback), trains and
-commits checkpoints to the directory the spec declares shared.
-
-Checkpoints go to a shared directory, not to S3 on moto: s3fs is not part of this
-project's environment, so the object-store path is covered by the elastic tests only.
+commits checkpoints to S3 (a moto server on loopback) through s3fs, which the controller
+shipped because checkpoint_dir is an s3:// URI.
 """
 
 from __future__ import annotations
@@ -144,9 +142,18 @@ def test_bootstrap_from_uploaded_wheels_into_a_clean_account(
     assert not (HOME / ".spotctl").exists()
 
     factory, s = _sshd_for_user(client_key)
-    shared = Path(f"/tmp/spotctl-cleanroom-shared-{os.getpid()}")
-    shared.mkdir(mode=0o777, exist_ok=True)
-    os.chmod(shared, 0o777)
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    moto_url = "http://{}:{}".format(*moto.get_host_and_port())
+    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+             "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": moto_url}  # fmt: skip
+    s3 = boto3.client("s3", endpoint_url=moto_url, region_name="us-east-1",
+                      aws_access_key_id="testing", aws_secret_access_key="testing")  # fmt: skip
+    s3.create_bucket(Bucket="ckpt")
+    env_toml = "{ " + ", ".join(f'{k} = "{v}"' for k, v in creds.items()) + " }"
     project = tmp_path / "project"
     project.mkdir()
     shutil.copy(REPO / "templates" / "train.py", project / "real_train.py")
@@ -163,8 +170,9 @@ def test_bootstrap_from_uploaded_wheels_into_a_clean_account(
     (project / ".spotctlignore").write_text("data/\n")
     (project / "spotctl.toml").write_text(
         'name = "clean"\nprovider = "ssh"\ngpus = "1"\n\n'
-        '[train]\nscript = "train.py"\ncheckpoint_every = 5\n\n'
-        f'[ssh]\nshared_dir = "{shared}"\nbase_python = "{img}"\n\n'
+        '[train]\nscript = "train.py"\ncheckpoint_every = 5\ncheckpoint_dir = "s3://ckpt/clean"\n'
+        f"env = {env_toml}\n\n"
+        f'[ssh]\nbase_python = "{img}"\n\n'
         f'[[ssh.hosts]]\naddress = "127.0.0.1"\nport = {s.port}\nuser = "{USER}"\n'
         f'key = "{client_key}"\n'
     )
@@ -230,12 +238,13 @@ def test_bootstrap_from_uploaded_wheels_into_a_clean_account(
         )
         assert cfg["head_url"] == f"http://127.0.0.1:{head['api']}"
         assert cfg["store_port"] == head["store"]
-        # committed checkpoints in the shared directory, written by the host user
-        ckpt = Path(cfg["checkpoint_dir"])
-        assert str(ckpt).startswith(str(shared))
-        written = [p for p in ckpt.rglob("*") if p.is_file()]
-        assert written, f"no checkpoint under {ckpt}\n{debug()}"
-        assert all(p.stat().st_uid != 0 for p in written)
+        # committed checkpoints in S3, through the s3fs the controller shipped
+        assert cfg["checkpoint_dir"] == "s3://ckpt/clean"
+        assert any(p.startswith("s3fs==") for p in pins)
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket="ckpt").get("Contents", [])]
+        assert any(k.startswith("clean/") and k.endswith("COMMIT") for k in keys), (
+            f"no committed checkpoint in s3://ckpt: {keys[:20]}\n{debug()}"
+        )
 
         # `up` again: nothing reinstalled, the running agent left alone
         stamp = venvs[0] / ".spotctl-package"
@@ -259,4 +268,4 @@ def test_bootstrap_from_uploaded_wheels_into_a_clean_account(
                 pass
         factory.stop_all()
         shutil.rmtree(factory.base, ignore_errors=True)
-        shutil.rmtree(shared, ignore_errors=True)
+        moto.stop()

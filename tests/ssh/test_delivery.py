@@ -96,15 +96,17 @@ def test_ssh_checkpoints_must_be_shared(tmp_path: Path) -> None:
     remote = {"hosts": [{"address": "10.0.0.5"}]}
     with pytest.raises(SpecError, match="checkpoint_dir.*object-store URI"):
         _provider(tmp_path, remote, {}).checkpoint_dir()
-    with pytest.raises(SpecError, match="shared_dir"):
+    with pytest.raises(SpecError, match="shared_mount"):
         _provider(
-            tmp_path, {**remote, "shared_dir": "/mnt/s"}, {"checkpoint_dir": "/data/c"}
+            tmp_path, remote, {"checkpoint_dir": "/data/c", "shared_mount": "/mnt/s"}
         ).checkpoint_dir()
     assert (
         _provider(tmp_path, remote, {"checkpoint_dir": "s3://b/p"}).checkpoint_dir() == "s3://b/p"
     )
-    shared = _provider(tmp_path, {**remote, "shared_dir": "/mnt/s/"}, {})
+    shared = _provider(tmp_path, remote, {"shared_mount": "/mnt/s/"})
     assert shared.checkpoint_dir() == "/mnt/s/c1/checkpoints"
+    inside = _provider(tmp_path, remote, {"checkpoint_dir": "/mnt/s/x", "shared_mount": "/mnt/s"})
+    assert inside.checkpoint_dir() == "/mnt/s/x"
     # every host is this machine: the controller's directory is shared by construction
     local = _provider(tmp_path, {"hosts": [{"address": "127.0.0.1"}]}, {})
     assert local.checkpoint_dir().endswith("checkpoints")

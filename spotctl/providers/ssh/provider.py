@@ -11,8 +11,8 @@ Delivery: with `[train] python` empty, each host gets this controller's spotctl 
 pinned dependencies and the project directory (spotctl.remote.package) and runs them in a
 venv made from the host's `python3` (its torch reused when it has one). With `python` set,
 that interpreter must already have spotctl and torch on every host; nothing is installed.
-Checkpoints: an object-store URI, or a path under `[ssh] shared_dir` (a mount every host
-has); the controller's own directory only when every host is this machine (loopback).
+Checkpoints: an object-store URI, or a path under `[train] shared_mount` (a mount every
+host has); the controller's own directory only when every host is this machine (loopback).
 
 Node ids are stable per host (`ssh-<address>-<port>`, with `-2`, `-3` for repeats), so a
 host keeps its id and its pinned host key across `down`/`up`.
@@ -46,7 +46,13 @@ from spotctl.remote.bootstrap import (
     release_hosts,
     render_bootstrap,
 )
-from spotctl.remote.package import NodePackage, Project, node_package, project_files
+from spotctl.remote.package import (
+    NodePackage,
+    Project,
+    node_package,
+    packages_for,
+    project_files,
+)
 from spotctl.remote.ssh import HostTarget
 from spotctl.spec import SshHost
 from spotctl.state import write_json_atomic
@@ -247,9 +253,9 @@ class SshProvider:
 
     def checkpoint_dir(self) -> str:
         """Where every node reads and writes checkpoints: an object-store URI, a path under
-        `[ssh] shared_dir`, or (only when every host is this machine) the cluster dir."""
+        `train.shared_mount`, or (only when every host is this machine) the cluster dir."""
         cd = self.spec.train.checkpoint_dir
-        shared = self.spec.ssh.shared_dir.rstrip("/")
+        shared = self.spec.train.shared_mount.rstrip("/")
         if cd and _URI.match(cd):
             return cd
         if not cd and shared:
@@ -260,8 +266,8 @@ class SshProvider:
             return cd or str(self.cdir.checkpoints)
         raise SpecError(
             "train.checkpoint_dir: the ssh provider needs storage every host can read: an "
-            "object-store URI (s3://..., gs://...) or a path under [ssh] shared_dir "
-            f"(got {cd or 'nothing'!r}{', shared_dir ' + repr(shared) if shared else ''})"
+            "object-store URI (s3://..., gs://...) or a path under train.shared_mount "
+            f"(got {cd or 'nothing'!r}{', shared_mount ' + repr(shared) if shared else ''})"
         )
 
     def _needs_tunnel(self, inst: Instance) -> bool:
@@ -298,7 +304,9 @@ class SshProvider:
             return None, None
         script = Path(self.spec.train.script)
         root = script.resolve().parent if script.is_file() else Path.cwd()
-        return node_package(self.cdir.path.parent.parent / "cache" / "package"), project_files(root)
+        cache = self.cdir.path.parent.parent / "cache" / "package"
+        also = packages_for(self.checkpoint_dir())
+        return node_package(cache, also=also), project_files(root)
 
     def bootstrap(
         self,
