@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import sys
+
 import typer
 
 from spotctl.cli.common import NAME_HELP, console, open_store, print_json, resolve_name
@@ -24,10 +26,16 @@ def register(app: typer.Typer) -> None:
         from spotctl.control.report import fetch_samples
 
         fetch_samples(store, name)  # a cloud head's samples, for `spotctl report` afterwards
-        leaks = reconcile.down(store, name)
+        leaks = reconcile.down(store, name, progress=_say_waits)
         if json_out:
             print_json({"cluster": name, "leaks": leaks})
         else:
             console().print(f"cluster {name} is down" + ("" if not leaks else f"; LEAKS: {leaks}"))
         if leaks:
             raise SpotctlError(f"cluster {name}: {len(leaks)} leftover resource(s): {leaks}")
+
+
+def _say_waits(msg: str, frac: float | None = None) -> None:
+    """`down` waiting on another run's lock says whose (pid, command, since) on stderr."""
+    if msg.startswith("waiting for"):
+        print(msg, file=sys.stderr, flush=True)

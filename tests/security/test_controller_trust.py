@@ -278,3 +278,24 @@ def test_training_processes_get_no_credential() -> None:
     env = {"PATH": "/bin", "LEAK": tok, "WRAPPED": f"x{tok}y", "SPOTCTL_TOKEN_FILE": "/t",
            "WANDB_API_KEY": "user's own"}
     assert worker_env(env, tok) == {"PATH": "/bin", "WANDB_API_KEY": "user's own"}
+
+
+def test_down_waiting_on_a_lock_names_the_holder(store: Store, tmp_path: Path) -> None:
+    _cluster(store, "http://127.0.0.1:9", tmp_path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time; from pathlib import Path; from spotctl.state import ClusterDir\n"
+         "with ClusterDir(Path(sys.argv[1]), 'c1').lock():\n"
+         " print('held', flush=True); time.sleep(3)\n", str(store.root)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        p = subprocess.run([sys.executable, "-m", "spotctl.cli.app", "down", "--name", "c1",
+                            "--yes"], capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, SPOTCTL_HOME=str(store.root)))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert p.returncode == 0, p.stderr
+    assert f"waiting for the reconcile lock of c1: held by pid {holder.pid}" in p.stderr
+    assert store.get_cluster("c1").state == "down"
