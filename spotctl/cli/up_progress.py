@@ -18,7 +18,9 @@ Emit = Callable[[dict[str, Any]], None]
 
 _LAUNCH = re.compile(r"launching (\d+) x (\S+) in (\S+)")
 _BOOTSTRAPPING = re.compile(r"bootstrapping (\d+) node")
-_BOOTSTRAPPED = re.compile(r"bootstrapped (\S+) in ([\d.]+)s \((\d+)/(\d+), (.*)\)")
+_BOOTSTRAPPED = re.compile(
+    r"bootstrapped (\S+) in ([\d.]+)s(?:, sent ([\d.]+ (?:MiB|B)))? \((\d+)/(\d+), (.*)\)"
+)
 
 
 def reconcile_phase(msg: str, frac: float | None = None) -> dict[str, Any]:
@@ -28,8 +30,9 @@ def reconcile_phase(msg: str, frac: float | None = None) -> dict[str, Any]:
     if m := _BOOTSTRAPPING.match(msg):
         return {"phase": "bootstrapping", "nodes": int(m[1])}
     if m := _BOOTSTRAPPED.match(msg):
-        return {"phase": "bootstrapped", "node": m[1], "seconds": float(m[2]),
-                "done": int(m[3]), "total": int(m[4]), "ok": m[5] == "ok"}
+        out = {"phase": "bootstrapped", "node": m[1], "seconds": float(m[2]),
+               "done": int(m[4]), "total": int(m[5]), "ok": m[6] == "ok"}
+        return out | ({"sent": m[3]} if m[3] else {})
     if msg.startswith("starting the head"):
         return {"phase": "head"}
     if msg.startswith("preparing"):
@@ -45,7 +48,8 @@ def describe(p: dict[str, Any]) -> str:
     if ph == "bootstrapping":
         return f"bootstrapping {p['nodes']} node(s)"
     if ph == "bootstrapped":
-        return (f"bootstrapped {p['node']} in {p['seconds']:.1f}s ({p['done']}/{p['total']}"
+        sent = f", sent {p['sent']}" if p.get("sent") else ""
+        return (f"bootstrapped {p['node']} in {p['seconds']:.1f}s{sent} ({p['done']}/{p['total']}"
                 + ("" if p["ok"] else ", failed") + ")")
     if ph == "bootstrap-done":
         sl = p["slowest"]

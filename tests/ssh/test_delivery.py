@@ -155,3 +155,11 @@ def test_reverse_tunnel_refuses_a_changed_host_key(
     spec = revtunnel.TunnelSpec("n2", "127.0.0.1", s.port, "root", str(client_key), str(kh), 1, 2)
     with pytest.raises(BootstrapError, match="reverse tunnel.*did not come up"):
         revtunnel.ensure(tmp_path / "t", spec, timeout_s=30)
+
+
+def test_up_progress_shows_what_was_uploaded() -> None:
+    from spotctl.cli import up_progress
+
+    p = up_progress.reconcile_phase("bootstrapped n1 in 3.0s, sent 12.1 MiB (1/2, ok)")
+    assert p["sent"] == "12.1 MiB" and p["done"] == 1 and p["ok"]
+    assert up_progress.describe(p) == "bootstrapped n1 in 3.0s, sent 12.1 MiB (1/2)"
