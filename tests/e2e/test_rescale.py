@@ -16,8 +16,20 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 N, G, EVERY = 2048, 32, 10
 
 
-def _rescales(c, n):
-    return c.wait_event("rescale", count=n, timeout=180)
+def _after(c, action, reason):
+    """Run `action`, then wait for the first rescale with `reason` among those that come
+    after it: picked by reason, not by position, so a late node's join during start-up (or
+    any rescale that was already under way) cannot stand in for the one this step causes."""
+    from tests.conftest import wait_until
+
+    n0 = len(c.events("rescale"))
+    action()
+
+    def found():
+        return next((e for e in c.events("rescale")[n0:] if e["reason"] == reason), None)
+
+    return wait_until(found, 180, f"a {reason} rescale", 0.5,
+                      lambda: f"{c.events('rescale')}\n{c.debug()}")
 
 
 def test_notice_join_gcp_kill_cycle(local_cluster):
@@ -28,24 +40,26 @@ def test_notice_join_gcp_kill_cycle(local_cluster):
     c.assert_one_world(c.steps_advance(world=3, by=10, timeout=180))
 
     # 1. AWS-style notice: n1 leaves, survivors continue at 2 with no lost step
-    c.cli("preempt", "n1", "--name", "resc", "--style", "aws")
-    r = _rescales(c, 1)[-1]
+    r = _after(c, lambda: c.cli("preempt", "n1", "--name", "resc", "--style", "aws"), "notice")
     assert (r["from_world_size"], r["to_world_size"], r["reason"]) == (3, 2, "notice")
     assert r["lost_steps"] == 0 and r["checkpoint_step"] == r["resume_step"]
     assert r["notice_to_resume_s"] > 0
+    # README: each rescale event carries the new workers' start-up and when they were forked
+    ws = r["worker_start"]
+    assert {"imports", "process_group", "restore", "first_step", "started_at"} <= set(ws), r
+    assert 0 < r["worker_spawned_after_s"] < r["notice_to_resume_s"], r
+    assert all(ws[k] >= 0 for k in ("imports", "process_group", "restore", "first_step")), r
     c.assert_one_world(c.steps_advance(world=2, by=10))
 
     # 2. join: `up` reconciles back to 3 GPUs; the newcomer enters through a drain
-    c.cli("up", "--wait", "120")
-    r = _rescales(c, 2)[-1]
+    r = _after(c, lambda: c.cli("up", "--wait", "120"), "join")
     assert (r["from_world_size"], r["to_world_size"], r["reason"]) == (2, 3, "join")
     assert r["lost_steps"] == 0
     st = c.steps_advance(world=3, by=10)
     c.assert_one_world(st)
 
     # 3. GCP-style notice (30 s to hard stop): committed inside the window, nothing lost
-    c.cli("preempt", "n2", "--name", "resc", "--style", "gcp")
-    r = _rescales(c, 3)[-1]
+    r = _after(c, lambda: c.cli("preempt", "n2", "--name", "resc", "--style", "gcp"), "notice")
     assert (r["from_world_size"], r["to_world_size"], r["reason"]) == (3, 2, "notice")
     assert r["lost_steps"] == 0
     notice = [e for e in c.events("notice") if e["node"] == "n2"][-1]
@@ -55,8 +69,7 @@ def test_notice_join_gcp_kill_cycle(local_cluster):
     c.steps_advance(world=2, by=10)
 
     # 4. hard failure, no notice: loss bounded by the checkpoint interval
-    c.cli("kill", "n3", "--name", "resc")
-    r = _rescales(c, 4)[-1]
+    r = _after(c, lambda: c.cli("kill", "n3", "--name", "resc"), "failure")
     assert (r["from_world_size"], r["to_world_size"], r["reason"]) == (2, 1, "failure")
     assert 0 <= r["lost_steps"] <= EVERY + 1
     st = c.steps_advance(world=1, by=5)
