@@ -33,6 +33,11 @@ class AgentConfig:
     python: str = ""  # interpreter for torchrun; "" = the agent's own
     env: dict[str, str] = field(default_factory=dict)
     local_addr: str = "127.0.0.1"  # address peers and the head reach this node at
+    # "torchrun" (restart path: one rendezvous on the head) or "torchft" (this node's
+    # workers are one replica group under their own torchrun, joined through the head's
+    # Lighthouse at `lighthouse`, e.g. http://10.0.0.5:29510)
+    engine: str = "torchrun"
+    lighthouse: str = ""
     # Where preemption notices come from: local emulator (both protocols), aws, gcp,
     # a notice file (ssh hosts with their own eviction signal), or none.
     metadata: str = "none"
@@ -45,6 +50,10 @@ class AgentConfig:
             raise ValueError(f"metadata must be one of {METADATA_STYLES}, got {self.metadata!r}")
         if self.nproc_per_node < 1:
             raise ValueError("nproc_per_node must be >= 1")
+        if self.engine not in ("torchrun", "torchft"):
+            raise ValueError(f"engine must be torchrun or torchft, got {self.engine!r}")
+        if self.engine == "torchft" and not self.lighthouse:
+            raise ValueError("engine torchft needs the head's lighthouse address")
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

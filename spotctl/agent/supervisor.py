@@ -34,8 +34,18 @@ TICK_S = 0.25
 RDZV_CONF = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=900,read_timeout=30"
 
 
-def torchrun_command(cfg: AgentConfig) -> list[str]:
+def torchrun_command(cfg: AgentConfig, master_port: int = 0) -> list[str]:
     py = cfg.python or sys.executable
+    if cfg.engine == "torchft":
+        # one replica group per node: its own torchrun, no shared rendezvous; torchft's
+        # Manager in each worker joins the quorum through the head's Lighthouse
+        return [
+            py, "-m", "torch.distributed.run", "--nnodes=1",
+            f"--nproc-per-node={cfg.nproc_per_node}",
+            f"--master-addr={cfg.local_addr}", f"--master-port={master_port}",
+            "--max-restarts=0", "--monitor-interval=0.2",
+            "-m", "spotctl.agent.launch", cfg.script, *cfg.args,
+        ]
     return [
         py, "-m", "torch.distributed.run",
         f"--nnodes=1:{max(1, cfg.max_nodes)}",
@@ -52,6 +62,16 @@ def torchrun_command(cfg: AgentConfig) -> list[str]:
         "-m", "spotctl.agent.launch",
         cfg.script, *cfg.args,
     ]
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    s.bind((host, 0))
+    port = int(s.getsockname()[1])
+    s.close()
+    return port
 
 
 def _zygote_path(workdir: Path) -> Path:
@@ -182,10 +202,16 @@ class Agent:
             OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
             PYTHONUNBUFFERED="1",
         )
+        port = 0
+        if cfg.engine == "torchft":
+            port = _free_port(cfg.local_addr)
+            env.update(SPOTCTL_ENGINE="torchft", TORCHFT_LIGHTHOUSE=cfg.lighthouse,
+                       SPOTCTL_FT_REPLICA_ID=cfg.node_id, RUST_LOG=env.get("RUST_LOG", "warn"))
+            env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
         log_path = self.workdir / "torchrun.log"
         out = open(log_path, "ab")
         self.torchrun = subprocess.Popen(
-            torchrun_command(cfg), cwd=str(Path(cfg.script).parent), env=env,
+            torchrun_command(cfg, port), cwd=str(Path(cfg.script).parent), env=env,
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
         out.close()
@@ -290,6 +316,9 @@ class Agent:
                 self.next_start = time.monotonic() + min(5.0, 0.5 * self.torchrun_restarts)
                 log.warning("torchrun exited %s; restarting when the head answers", code)
                 self.state = "waiting"
+        if self.cfg.engine == "torchft":
+            self._step_ft(workers)
+            return
         if reply is None:
             return
         if self.state == "waiting" and self.notice is not None:
@@ -324,6 +353,30 @@ class Agent:
             doomed = [w for w in workers if w.get("incarnation") == inc]
             self.signal_workers(signal.SIGKILL, doomed)
             self.kill_gen = reply["kill_gen"]
+
+    def _step_ft(self, workers: list[dict[str, Any]]) -> None:
+        """The torchft engine: no group drain, no gate. A replica starts training as soon
+        as it is up (it recovers from a live peer; the others never pause), and a notice
+        is this node's own graceful leave: its workers finish the agreed step, commit and
+        leave the quorum; the head's drain/release/kill generations are not for it."""
+        tr = self.torchrun
+        if self.state == "waiting":
+            if self.notice is not None:
+                self.state = "left"
+            elif tr is None and time.monotonic() >= self.next_start:
+                self.start_torchrun()
+                self.state = "running"
+            return
+        if self.state == "running" and self.notice is not None:
+            self.state = "leaving"
+            self.signal_workers(signal.SIGUSR1, workers)
+            self._heartbeat()
+            return
+        if self.state == "leaving" and (tr is None or tr.poll() is not None):
+            self.torchrun = None
+            self.state = "left"
+            log.info("left the quorum")
+            self._heartbeat()
 
     def run(self) -> int:
         self._warm.start()

@@ -16,13 +16,17 @@ def register(app: typer.Typer) -> None:
         http_port: int = typer.Option(0, "--http-port"),
         store_port: int = typer.Option(0, "--store-port"),
         supervise: bool = typer.Option(False, "--supervise", help="Restart it when it dies."),
+        lighthouse_port: int = typer.Option(
+            -1, "--lighthouse-port", help="Run torchft's Lighthouse on this port (0: any; "
+            "-1: none) for the torchft engine."),
     ) -> None:
         """Run the head (rendezvous store + coordinator API)."""
         from spotctl.head.server import run_head, supervise_head
 
         if supervise:
             argv = ["--dir", str(dir), "--token-file", str(token_file), "--host", host,
-                    "--http-port", str(http_port), "--store-port", str(store_port)]
+                    "--http-port", str(http_port), "--store-port", str(store_port),
+                    "--lighthouse-port", str(lighthouse_port)]
             raise typer.Exit(supervise_head(argv, dir))
         from spotctl.head.samples import start_sampler
         from spotctl.providers.local.capacity import reclaim_hook
@@ -31,7 +35,8 @@ def register(app: typer.Typer) -> None:
 
         # the head sits below the providers: whoever starts it hands in the local
         # provider's capacity schedule (a no-op unless the cluster has one)
-        run_head(dir, token_file, host, http_port, store_port, reclaim=reclaim_hook(dir.parent))
+        run_head(dir, token_file, host, http_port, store_port, reclaim=reclaim_hook(dir.parent),
+                 lighthouse_port=lighthouse_port)
 
     @app.command(hidden=True)
     def agent(config: Path = typer.Option(..., "--config")) -> None:

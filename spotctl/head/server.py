@@ -90,6 +90,7 @@ class HeadServer:
         store_port: int = 0,
         with_store: bool = True,
         reclaim: Callable[[], list[str]] | None = None,
+        lighthouse_port: int = -1,
     ):
         self.dir = Path(dir)
         # Called about once a second; returns the nodes it reclaimed. The local provider
@@ -117,6 +118,10 @@ class HeadServer:
                 multi_tenant=True, master_listen_fd=sock.detach(), use_libuv=True,
             )
             self.store_port = self.store.port
+        # the torchft engine's quorum server, bound like the store (spotctl.head.lighthouse)
+        from spotctl.head.lighthouse import start_lighthouse
+
+        self.lighthouse = start_lighthouse(host, lighthouse_port)
         self.httpd = _BoundedHTTPServer((host, http_port), self._handler())
         self.http_port = self.httpd.server_address[1]
         self._stop = threading.Event()
@@ -340,7 +345,8 @@ class HeadServer:
         write_json_atomic(
             self.dir / "head.json",
             {"pid": os.getpid(), "url": self.url, "store_host": self.host,
-             "store_port": self.store_port, "started_at": time.time()},
+             "store_port": self.store_port, "started_at": time.time(),
+             "lighthouse": self.lighthouse.address if self.lighthouse else ""},
         )
         last_capacity = 0.0
         while not self._stop.is_set():
@@ -355,6 +361,8 @@ class HeadServer:
                 self._local_capacity()
             self._stop.wait(0.2)
         self.httpd.shutdown()
+        if self.lighthouse is not None:
+            self.lighthouse.stop()
         with self.lock:
             self._flush_events()
 
@@ -376,13 +384,13 @@ class HeadServer:
 
 def run_head(
     dir: Path, token_file: Path, host: str, http_port: int, store_port: int,
-    reclaim: Callable[[], list[str]] | None = None,
+    reclaim: Callable[[], list[str]] | None = None, lighthouse_port: int = -1,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s head %(message)s")
     dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = token_file.read_text().strip()
     srv = HeadServer(dir, token, host=host, http_port=http_port, store_port=store_port,
-                     reclaim=reclaim)
+                     reclaim=reclaim, lighthouse_port=lighthouse_port)
     signal.signal(signal.SIGTERM, lambda *_: srv.stop())
     log.info("head up: api %s store %s:%s", srv.url, host, srv.store_port)
     srv.serve()

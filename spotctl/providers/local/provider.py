@@ -222,6 +222,8 @@ class LocalProvider:
                 checkpoint_every=tr.checkpoint_every, keep_last=tr.keep_last,
                 max_steps=tr.max_steps, python=tr.python, env=env,
                 local_addr=addr, metadata="local", poll_interval_s=0.2,
+                engine=tr.engine,
+                lighthouse=self._lighthouse_addr() if tr.engine == "torchft" else "",
             )
             cfg.save(d / "agent.json")
             vm = {
@@ -324,6 +326,8 @@ class LocalProvider:
             "--token-file", str(self.cdir.token_file), "--host", self.host_addr,
             "--http-port", str(ports[0]), "--store-port", str(ports[1]), "--supervise",
         ]
+        if self.spec.train.engine == "torchft":
+            args += ["--lighthouse-port", str(self._lighthouse_port())]
         if not self._supervisor_alive():
             _spawn(args, self.head_dir / "head.log", self.tag("head"), self.head_dir)
         # else: the supervisor is restarting the head; wait for it
@@ -365,6 +369,26 @@ class LocalProvider:
             s.close()
         write_json_atomic(p, {"http": ports[0], "store": ports[1]})
         return ports[0], ports[1]
+
+    def _lighthouse_port(self) -> int:
+        """The head's torchft Lighthouse port, kept across head restarts like the others."""
+        p = self.head_dir / "ports.json"
+        d = json.loads(p.read_text()) if p.exists() else {}
+        if "lighthouse" not in d:
+            import socket
+
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            d["lighthouse"] = s.getsockname()[1]
+            s.close()
+            write_json_atomic(p, d)
+        return int(d["lighthouse"])
+
+    def _lighthouse_addr(self) -> str:
+        try:
+            return str(json.loads((self.head_dir / "head.json").read_text()).get("lighthouse", ""))
+        except (OSError, ValueError):
+            return ""
 
     def stop_head(self) -> builtins.list[int]:
         p = self.head_dir / "head.json"

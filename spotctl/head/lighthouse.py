@@ -1,0 +1,94 @@
+"""torchft's Lighthouse on the head: the quorum server of the torchft engine.
+
+It runs inside the head process (so the head's supervisor restarts it with the store),
+bound to the head's address only, like the rendezvous store: it has no authentication and
+is reachable only from the cluster's nodes. Started only for clusters whose spec says
+`[train] engine = "torchft"` (the head is told with --lighthouse-port).
+
+Timing (milliseconds; SPOTCTL_FT_* environment variables override):
+- join_timeout: how long a quorum waits for a replica that heartbeats but has not asked
+  to join (a replica that just left on a notice, or died, until its heartbeats expire).
+  This is the pause the survivors see at a graceful leave or a kill with >= 3 replicas.
+- heartbeat_timeout: a silent replica counts as gone after this. With 2 replicas a leave
+  waits for it (torchft never forms a quorum of half the live replicas: split brain).
+- quorum_tick: how often the Lighthouse re-evaluates a pending quorum.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("spotctl.head.lighthouse")
+
+
+@dataclass(frozen=True)
+class LighthouseTiming:
+    join_timeout_ms: int = 100
+    heartbeat_timeout_ms: int = 1000
+    quorum_tick_ms: int = 20
+    min_replicas: int = 1
+
+    @classmethod
+    def from_env(cls) -> LighthouseTiming:
+        env = os.environ
+
+        def num(key: str, default: int) -> int:
+            v = env.get(key, "")
+            if not v:
+                return default
+            if not v.isdigit() or int(v) < 1:
+                raise ValueError(f"{key} must be a positive whole number of ms, not {v!r}")
+            return int(v)
+
+        d = cls()
+        return cls(
+            join_timeout_ms=num("SPOTCTL_FT_JOIN_TIMEOUT_MS", d.join_timeout_ms),
+            heartbeat_timeout_ms=num("SPOTCTL_FT_HEARTBEAT_TIMEOUT_MS", d.heartbeat_timeout_ms),
+            quorum_tick_ms=num("SPOTCTL_FT_QUORUM_TICK_MS", d.quorum_tick_ms),
+            min_replicas=num("SPOTCTL_FT_MIN_REPLICAS", d.min_replicas),
+        )
+
+
+class Lighthouse:
+    """A running torchft LighthouseServer bound to host:port (port 0 = any free one)."""
+
+    def __init__(self, host: str, port: int = 0, timing: LighthouseTiming | None = None):
+        # torchft's Rust side logs every quorum request at info level otherwise
+        os.environ.setdefault("RUST_LOG", "warn")
+        from torchft.coordination import LighthouseServer
+
+        t = timing or LighthouseTiming.from_env()
+        self.host = host
+        bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._server: Any = LighthouseServer(
+            bind=bind, min_replicas=t.min_replicas, join_timeout_ms=t.join_timeout_ms,
+            quorum_tick_ms=t.quorum_tick_ms, heartbeat_timeout_ms=t.heartbeat_timeout_ms,
+        )
+        # its own address() names the machine's hostname; peers must use the bound address
+        self.port = int(str(self._server.address()).rsplit(":", 1)[1].strip("/"))
+        self.timing = t
+
+    @property
+    def address(self) -> str:
+        h = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{h}:{self.port}"
+
+    def stop(self) -> None:
+        self._server.shutdown()
+
+
+def start_lighthouse(host: str, port: int) -> Lighthouse | None:
+    """The head's hook: a Lighthouse when asked for (port >= 0) and torchft is installed."""
+    if port < 0:
+        return None
+    try:
+        lh = Lighthouse(host, port)
+    except ImportError:
+        log.error("the spec asks for the torchft engine but torchft is not installed on the "
+                  "head (pip install 'spotctl[ft]')")
+        return None
+    log.info("torchft lighthouse on %s (%s)", lh.address, lh.timing)
+    return lh
