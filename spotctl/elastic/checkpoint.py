@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -122,7 +123,10 @@ class FsspecStore(Store):
         env_opts = os.environ.get("SPOTCTL_CHECKPOINT_STORAGE_OPTIONS")
         self.options = dict(storage_options if storage_options is not None
                             else json.loads(env_opts) if env_opts else {})
-        self.fs, self.path = url_to_fs(self.url, **self.options)
+        # its own instance, without a listings cache: the pruner thread and the training
+        # thread list and read concurrently, and other ranks write meanwhile
+        self.fs, self.path = url_to_fs(self.url, **{**self.options, "use_listings_cache": False,
+                                                    "skip_instance_cache": True})
         self.path = self.path.rstrip("/")
 
     def _p(self, step: int, name: str = "") -> str:
@@ -165,6 +169,7 @@ class FsspecStore(Store):
         return bool(self.fs.exists(self._p(step, ".metadata")))
 
     def read_commit(self, step: int) -> dict[str, Any]:
+        self._fresh()
         return json.loads(self.fs.cat_file(self._p(step, COMMIT)))
 
     def write_commit(self, step: int, meta: dict[str, Any]) -> None:
@@ -177,18 +182,24 @@ class FsspecStore(Store):
             pass
 
     def writer(self, step: int) -> Any:
-        from torch.distributed.checkpoint import FsspecWriter
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
         return FsspecWriter(self.step_id(step), **self.options)
 
     def reader(self, step: int) -> Any:
-        from torch.distributed.checkpoint import FsspecReader
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         return FsspecReader(self.step_id(step), **self.options)
 
 
 def open_store(root: str | os.PathLike[str]) -> Store:
-    return FsspecStore(str(root)) if is_url(root) else Store(root)
+    if is_url(root):
+        return FsspecStore(str(root))
+    if re.match(r"[a-z][a-z0-9+.-]*:/[^/]", str(root)):
+        # Path("s3://b/x") is "s3:/b/x": never let that become a local folder named "s3:"
+        raise ValueError(f"checkpoint dir {str(root)!r} looks like a URL that lost a '/'; "
+                         "pass the URL as a string")
+    return Store(root)
 
 
 # -- helpers kept for tools and tests that look at a local checkpoint directory
