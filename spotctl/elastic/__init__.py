@@ -225,6 +225,15 @@ class Run:
       state_dict()/load_state_dict(): checkpointed and restored with the model.
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Run:
+        # the engine is chosen by the spec ([train] engine, passed as SPOTCTL_ENGINE),
+        # never by the script: on torchft, Run(...) is an FtRun (spotctl.elastic.ft)
+        if cls is Run and os.environ.get("SPOTCTL_ENGINE") == "torchft":
+            from spotctl.elastic.ft import FtRun
+
+            return super().__new__(FtRun)
+        return super().__new__(cls)
+
     def __init__(
         self,
         model: torch.nn.Module,

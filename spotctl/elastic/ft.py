@@ -1,0 +1,415 @@
+"""The torchft engine behind the same Run API: hot rescale, no worker restarts.
+
+Every node's workers form one *replica group* under their own torchrun; a torchft Manager
+in every worker joins the replica groups through the Lighthouse on the head (quorum per
+step). A script written against `spotctl.elastic.Run` runs unchanged: `Run(...)` returns an
+`FtRun` when SPOTCTL_ENGINE=torchft (the agent sets it from the spec's
+`[train] engine`).
+
+What spotctl adds to torchft (its own example loop has none of these):
+
+- Fixed global batch: each step's `global_batch` samples are split over the replicas in
+  the step's quorum (and the data-parallel ranks inside each), so a step computes the
+  same update whatever the membership. `loss_scale` is computed per step.
+- Exact data position: (epoch, offset) travel with the model in live recovery and in
+  checkpoints, and advance only on a committed step.
+- A failed step is applied by nobody: the optimizer (and LR scheduler) steps only when
+  torchft's commit vote passes; otherwise the same step, same samples, runs again after
+  the next quorum. A replica whose vote differs is behind by one step and heals from a
+  peer at the next quorum.
+- Notices are graceful leaves: SIGUSR1 makes the replica finish the step in flight,
+  commit it, and leave the quorum (its Manager stops heartbeating); the survivors go on
+  from memory. 0 steps lost, no checkpoint on the critical path.
+- Full state in live recovery: model, optimizers, schedulers, scaler, user objects,
+  per-rank RNG, data position (torchft's PGTransport over the replicas' own process
+  group: no extra listener). Periodic checkpoints (DCP, the restart path's format) are
+  written by the replica of rank 0 in the quorum, for the case every replica dies.
+
+Listeners: the Manager's server binds the node's address (MASTER_ADDR), not every
+interface as torchft does by default; the Lighthouse binds the head's (spotctl.head).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from spotctl.elastic import (
+    PG_TIMEOUT_S,
+    Checkpointer,
+    PermutationCache,
+    Run,
+    _dp_coords,
+    _is_sharded,
+    _process_start_time,
+    _rng_state,
+    _set_rng_state,
+    init,
+)
+
+log = logging.getLogger("spotctl.elastic.ft")
+# cross-replica collectives and commit votes: a vanished replica must not hold the others
+FT_TIMEOUT_S = float(os.environ.get("SPOTCTL_FT_TIMEOUT_S", "10"))
+FT_QUORUM_TIMEOUT_S = float(os.environ.get("SPOTCTL_FT_QUORUM_TIMEOUT_S", "120"))
+
+
+def engine() -> str:
+    return os.environ.get("SPOTCTL_ENGINE", "torchrun") or "torchrun"
+
+
+def _bound_manager_server(host: str) -> Any:
+    """torchft's ManagerServer, bound to `host` instead of every interface."""
+    from torchft._torchft import ManagerServer
+
+    def make(**kw: Any) -> Any:
+        port = kw["bind"].rsplit(":", 1)[1]
+        kw["bind"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return ManagerServer(**kw)
+
+    return make
+
+
+_SCHED_GATES: dict[int, Any] = {}
+_SCHED_CLASSES: dict[type, type] = {}
+
+
+def _gate_scheduler(sched: Any, run: FtRun) -> None:
+    """An LR scheduler steps only with a committed step. Done by a subclass (an attribute
+    on the instance would land in its state_dict, which holds the instance's __dict__)."""
+    base = type(sched)
+    if base not in _SCHED_CLASSES:
+        def step(self: Any, *a: Any, **kw: Any) -> Any:
+            r = _SCHED_GATES.get(id(self))
+            if r is not None and r._decision is False:
+                return None  # the optimizer step was not applied: neither is its schedule
+            return base.step(self, *a, **kw)
+
+        _SCHED_CLASSES[base] = type(base.__name__, (base,), {"step": step})
+    sched.__class__ = _SCHED_CLASSES[base]
+    _SCHED_GATES[id(sched)] = run
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if isinstance(model, DDP) else model
+
+
+class FtRun(Run):
+    """Run on the torchft engine. Same constructor and loop as Run (see spotctl.elastic)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
+        dataset_size: int,
+        global_batch: int,
+        seed: int = 0,
+        epochs: int = 1_000_000,
+        max_steps: int | None = None,
+        checkpoint_every: int | None = None,
+        checkpoint_dir: str | None = None,
+        keep_last: int | None = None,
+        *,
+        micro_batch: int | None = None,
+        mesh: Any = None,
+        dp_dim: str | tuple[str, ...] | None = None,
+        schedulers: Any = (),
+        scaler: Any = None,
+        state: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ):
+        from pathlib import Path
+
+        from torchft import Manager, ProcessGroupGloo
+        from torchft import manager as ft_manager
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        env = os.environ
+        if dataset_size < 1 or global_batch < 1:
+            raise ValueError("dataset_size and global_batch must be >= 1")
+        if micro_batch is not None and micro_batch < 1:
+            raise ValueError(f"micro_batch must be >= 1, not {micro_batch}")
+        if not env.get("TORCHFT_LIGHTHOUSE"):
+            raise SystemExit("spotctl.elastic: SPOTCTL_ENGINE=torchft needs TORCHFT_LIGHTHOUSE "
+                             "(the head's Lighthouse address; the agent sets it)")
+        self.drain_requested = False
+        signal.signal(signal.SIGUSR1, self._on_drain_signal)
+        t_init = time.time()
+        self.device = init(timeout_s)  # the replica group's own process group
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.local_rank = int(env.get("LOCAL_RANK", "0"))
+        t = timedelta(seconds=timeout_s or PG_TIMEOUT_S)
+        self.ctl_pg = dist.new_group(backend="gloo", timeout=t)
+        self.ckpt_pg = dist.new_group(backend="gloo", timeout=t)
+        if mesh is not None:
+            self.local_dp_rank, self.local_dp_world = _dp_coords(mesh, dp_dim)
+        else:
+            self.local_dp_rank, self.local_dp_world = self.rank, self.world
+        self.dp_rank, self.dp_world = self.local_dp_rank, self.local_dp_world
+        self.model = self._wrap(model)
+        self.optimizer = optimizer
+        self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        self.schedulers = ([schedulers] if hasattr(schedulers, "state_dict")
+                           else list(schedulers or ()))
+        self.scaler = scaler
+        self.user_state = dict(state or {})
+        self.dataset_size = dataset_size
+        self.global_batch = global_batch
+        self.micro_batch = micro_batch
+        self.seed = seed
+        self.epochs = epochs
+        self.max_steps = max_steps if max_steps is not None else int(env.get("SPOTCTL_MAX_STEPS", "0"))
+        self.every = checkpoint_every or int(env.get("SPOTCTL_CHECKPOINT_EVERY", "20"))
+        root = checkpoint_dir or env.get("SPOTCTL_CHECKPOINT_DIR") or "checkpoints"
+        self.ckpt = Checkpointer(root, keep_last or int(env.get("SPOTCTL_KEEP_LAST", "3")),
+                                 self.rank, self.ckpt_pg)
+        self.status_dir = Path(env["SPOTCTL_STATUS_DIR"]) if env.get("SPOTCTL_STATUS_DIR") else None
+        self.incarnation = self._make_incarnation()
+        self.step = 0
+        self.epoch = 0
+        self.offset = 0
+        self.phase = "init"
+        self.loss: float | None = None
+        self.first_step_at: float | None = None
+        self._t_last_report = 0.0
+        self._rate_t0 = time.time()
+        self._rate_samples = 0
+        self.throughput: float | None = None
+        self.drain_step: int | None = None
+        self._perm = PermutationCache(dataset_size, seed)
+        self._drain_work: Any = None
+        self._drain_flag = torch.zeros(1, dtype=torch.int32)
+        # per step: the commit vote (None until taken) and the quorum's shape
+        self._decision: bool | None = None
+        self.replicas = 0
+        self.replica_rank: int | None = None
+        self.failed_steps = 0
+        t_restore = time.time()
+        self.resume_step = self._restore()  # the last committed checkpoint, if any
+        t_ready = time.time()
+
+        host = env.get("MASTER_ADDR", "127.0.0.1")
+        ft_manager.ManagerServer = _bound_manager_server(host)  # type: ignore[attr-defined]
+        self._ft_pg = ProcessGroupGloo(timeout=timedelta(seconds=FT_TIMEOUT_S))
+        transport = PGTransport(self._ft_pg, timeout=timedelta(seconds=FT_TIMEOUT_S),
+                                device=self.device)
+        self.manager = Manager(
+            pg=self._ft_pg,
+            load_state_dict=self._load_live,
+            state_dict=self._live_state,
+            min_replica_size=int(env.get("SPOTCTL_FT_MIN_REPLICAS", "1")),
+            # the quorum decides this step's data split: wait for it before the batch
+            use_async_quorum=False,
+            timeout=timedelta(seconds=FT_TIMEOUT_S),
+            quorum_timeout=timedelta(seconds=FT_QUORUM_TIMEOUT_S),
+            connect_timeout=timedelta(seconds=FT_TIMEOUT_S),
+            replica_id=env.get("SPOTCTL_FT_REPLICA_ID") or env.get("SPOTCTL_NODE_ID") or None,
+            hostname=host,
+            checkpoint_transport=transport,
+        )
+        self.manager.load_state_dict({"step": self.step, "batches_committed": 0})
+        for o in self.optimizers:
+            o.step = self._gated(o.step)  # type: ignore[method-assign]
+        for s in self.schedulers:
+            _gate_scheduler(s, self)
+        t_proc = _process_start_time()
+        self.startup = {
+            "imports": 0.0,
+            "process_group": round(t_restore - t_init, 3),
+            "restore": round(t_ready - t_restore, 3),
+            "started_at": round(t_proc, 3),
+            "forked_warm": False,
+        }
+        self._t_ready = t_ready
+        self.phase = "train"
+        self._report(force=True)
+
+    # -- setup
+    def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Inside a replica group as on the restart path (DDP over the group's ranks, or
+        FSDP2/DTensor as given); a one-process replica needs no wrapper."""
+        if isinstance(model, DDP) or _is_sharded(model):
+            return model
+        if self.device.type == "cuda":
+            model.to(self.device)
+        if self.world == 1:
+            return model
+        if self.local_dp_world != self.world:
+            raise ValueError("a plain module is wrapped in DDP over every rank of the replica: "
+                             "pass a module you parallelised yourself when the mesh has "
+                             "other dimensions")
+        if self.device.type == "cuda":
+            return DDP(model, device_ids=[self.device.index], output_device=self.device.index)
+        return DDP(model)
+
+    # -- live recovery: what a joiner receives from a peer (same local rank)
+    def _live_state(self) -> dict[str, Any]:
+        # native state dicts: DCP's get_state_dict would initialise an empty optimizer
+        # with a zero-gradient step (at step 0 a peer may be asked for its state)
+        return {
+            "model": _unwrap(self.model).state_dict(),
+            "optim": [o.state_dict() for o in self.optimizers],
+            "schedulers": [s.state_dict() for s in self.schedulers],
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "user": {k: v.state_dict() for k, v in self.user_state.items()},
+            "rng": _rng_state(),
+            "pos": {"step": self.step, "epoch": self.epoch, "offset": self.offset,
+                    "seed": self.seed, "global_batch": self.global_batch,
+                    "dataset_size": self.dataset_size},
+        }
+
+    def _load_live(self, st: dict[str, Any]) -> None:
+        pos = st["pos"]
+        self._check_meta(pos, int(pos["step"]))
+        _unwrap(self.model).load_state_dict(st["model"])
+        for o, sd in zip(self.optimizers, st["optim"], strict=True):
+            o.load_state_dict(sd)
+        for s, sd in zip(self.schedulers, st["schedulers"], strict=True):
+            s.load_state_dict(sd)
+        if self.scaler is not None and st.get("scaler"):
+            self.scaler.load_state_dict(st["scaler"])
+        for k, obj in self.user_state.items():
+            if k in st["user"]:
+                obj.load_state_dict(st["user"][k])
+        _set_rng_state(st["rng"])
+        self.step, self.epoch, self.offset = int(pos["step"]), int(pos["epoch"]), int(pos["offset"])
+        log.info("recovered step %d (epoch %d offset %d) from a live peer", self.step,
+                 self.epoch, self.offset)
+
+    # -- per step
+    def next_step(self) -> bool:
+        self.ckpt.poll()
+        if self._leave_agreed():
+            self._leave()
+        if self.max_steps and self.step >= self.max_steps:
+            return False
+        if self.epoch >= self.epochs:
+            return False
+        self._decision = None
+        self.manager.start_quorum()  # sync: quorum, PG reconfigure, healing applied
+        self.step = self.manager.current_step()
+        self.replicas = max(1, self.manager.num_participants())
+        r = self.manager.participating_rank()
+        self.replica_rank = r
+        self.dp_world = self.replicas * self.local_dp_world
+        self.dp_rank = (r or 0) * self.local_dp_world + self.local_dp_rank
+        if self.max_steps and self.step >= self.max_steps:  # healed to the end
+            return False
+        return True
+
+    def batch_sampler(self) -> Any:
+        # a DataLoader prefetches for a fixed split; here the split changes with every
+        # quorum (not done yet: a sampler that follows the quorum)
+        raise NotImplementedError(
+            "spotctl.elastic on the torchft engine: batch_sampler()/dataloader() are not "
+            "supported yet (the split changes with every quorum); use run.batch_indices() "
+            "or run.micro_batches()")
+
+    def _leave_agreed(self) -> bool:
+        flag = torch.tensor([1 if self.drain_requested else 0], dtype=torch.int32)
+        if self.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctl_pg)
+        return bool(flag.item())
+
+    def _gated(self, step_fn: Any) -> Any:
+        def step(*a: Any, **kw: Any) -> Any:
+            if self._commit():
+                return step_fn(*a, **kw)
+            return None
+        return step
+
+    def _commit(self) -> bool:
+        """Average gradients over the quorum's replicas, then torchft's commit vote: the
+        first optimizer.step() of a step takes it, the others follow it."""
+        if self._decision is None:
+            self._allreduce_grads()
+            self._decision = bool(self.manager.should_commit())
+        return self._decision
+
+    def _allreduce_grads(self) -> None:
+        grads: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in _unwrap(self.model).parameters():
+            g = p.grad
+            if g is None:
+                continue
+            if hasattr(g, "to_local"):  # DTensor (FSDP2 inside the replica): same shards
+                g = g.to_local()
+            grads.setdefault(g.dtype, []).append(g)
+        works = []
+        for gs in grads.values():
+            flat = torch.cat([g.reshape(-1) for g in gs])
+            works.append((gs, flat, self.manager.allreduce(flat)))
+        for gs, flat, w in works:
+            w.wait()
+            if self.manager.errored():
+                continue
+            i = 0
+            for g in gs:
+                n = g.numel()
+                g.copy_(flat[i : i + n].view_as(g))
+                i += n
+
+    def end_step(self, loss: float | None = None) -> None:
+        if self._decision is None:
+            self._commit()  # the script stepped no optimizer (a skipped scaler step)
+        if not self._decision:
+            self.failed_steps += 1
+            if self.rank == 0:
+                log.warning("step %d not committed (%s); running it again", self.step,
+                            self.manager.errored())
+            self._decision = None
+            self._report()
+            return
+        self._decision = None
+        n = self.step_samples
+        self.step += 1
+        self.offset += n
+        self._rate_samples += n
+        if self.offset >= self.dataset_size:
+            self.epoch += 1
+            self.offset = 0
+        self.loss = loss if loss is None or loss == loss else None
+        if self.first_step_at is None:
+            self.first_step_at = time.time()
+            self.startup["first_step"] = round(self.first_step_at - self._t_ready, 3)
+            self._report(force=True)
+        if self.step % self.every == 0 and self.replica_rank == 0:
+            self.ckpt.save_async(self.step, self._state(), self._meta())
+        self._report()
+
+    def _leave(self) -> None:
+        """A notice: the last step is committed; leave the quorum and exit. The survivors
+        form their next quorum without this replica and go on from memory."""
+        self.drain_step = self.step
+        self.phase = "left"
+        self._report(force=True)
+        if self.rank == 0:
+            log.info("left the quorum after step %d", self.step)
+        try:
+            self.ckpt.close()
+        finally:
+            self.manager.shutdown(wait=False)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    def finish(self) -> None:
+        """End of training: the replica of rank 0 in the last quorum writes the final
+        checkpoint; every replica then exits 0."""
+        if self.step > 0 and self.replica_rank == 0:
+            self.ckpt.save_sync(self.step, self._state(), self._meta())
+        self.ckpt.close()
+        self.phase = "done"
+        self._report(force=True)
+        self.manager.shutdown(wait=False)
+        dist.barrier(group=self.ctl_pg)
+        dist.destroy_process_group()

@@ -1,0 +1,59 @@
+"""Training script for the torchft-engine tests and bench: written against spotctl.elastic
+only (the engine comes from SPOTCTL_ENGINE). Logs one JSON line per committed step to
+$FT_STEP_LOG: time, step, this replica's samples, the quorum's size, and the model's loss
+over the whole dataset after the step (equal on every replica, and to an uninterrupted
+run's, if no step was lost, repeated or half-applied)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+from torch import nn
+
+from spotctl import elastic
+
+DIM, N, BATCH = 6, 512, 16
+
+
+def main() -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(N, DIM, generator=g)
+    y = x @ torch.randn(DIM, 1, generator=g) + 0.1 * torch.randn(N, 1, generator=g)
+    torch.manual_seed(int(os.environ.get("FT_INIT_SEED", "0")))
+    model = nn.Sequential(nn.Linear(DIM, 32), nn.Tanh(), nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.05 * s))
+    gate = os.environ.get("FT_JOIN_GATE")
+    while gate and not os.path.exists(gate):  # a pre-started joiner waits here, imports done
+        time.sleep(0.01)
+    run = elastic.Run(model, opt, dataset_size=N, global_batch=BATCH, seed=3,
+                      schedulers=[sched])
+    delay = float(os.environ.get("FT_STEP_DELAY", "0.02"))
+    out = open(os.environ["FT_STEP_LOG"], "a", buffering=1)
+    while run.next_step():
+        before = run.step
+        idx = run.batch_indices()
+        opt.zero_grad()
+        loss = ((run.model(x[idx]) - y[idx]) ** 2).sum()
+        (loss * run.loss_scale).backward()
+        opt.step()
+        sched.step()
+        run.end_step(loss=loss.item())
+        if run.step == before + 1:
+            with torch.no_grad():
+                full = float(((model(x) - y) ** 2).mean())
+            out.write(json.dumps({
+                "t": time.time(), "step": run.step, "idx": idx.tolist(), "full_loss": full,
+                "replicas": getattr(run, "replicas", 1), "pid": os.getpid(),
+                "lr": sched.get_last_lr()[0],
+            }) + "\n")
+        if delay:
+            time.sleep(delay)
+    run.finish()
+
+
+if __name__ == "__main__":
+    main()
