@@ -174,6 +174,9 @@ class AwsSpec(_Strict):
     vpc_id: str = ""
     # Subnets to launch into (one per zone is enough); empty = every subnet of the VPC.
     subnet_ids: list[str] = Field(default_factory=list)
+    # Checkpoints: s3://<bucket>/<cluster>/checkpoints is the default train.checkpoint_dir;
+    # empty = spotctl-<account>-<region>, created private on first `up`.
+    bucket: str = ""
     head_instance_type: str = "t3.small"
     ssh_user: str = "ubuntu"
     # CIDR allowed to reach SSH; empty means the caller's own address.

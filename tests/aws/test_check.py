@@ -40,7 +40,8 @@ def test_zero_spot_quota_blocks_with_the_quota_codes(
                       options={"service_quotas_endpoint_url": quotas.url})  # fmt: skip
     checks = {c.name: c for c in p.checks()}
     assert list(checks) == ["credentials", "region", "spot GPU quota", "network",
-                            "image (workers)", "image (head)"]  # fmt: skip
+                            "image (workers)", "image (head)", "checkpoint bucket"]  # fmt: skip
+    assert checks["checkpoint bucket"].ok
     assert checks["credentials"].ok and "account 123456789012" in checks["credentials"].detail
     assert checks["region"].ok and checks["network"].ok and checks["image (workers)"].ok
     q = checks["spot GPU quota"]
@@ -76,7 +77,7 @@ def test_cli_prints_one_line_each_and_exits_nonzero_when_blocked(
     ok = subprocess.run(run, cwd=tmp_path, env=env, text=True, capture_output=True, timeout=120)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     lines = ok.stdout.strip().splitlines()
-    assert [ln.split()[0] for ln in lines] == ["ok", "ok", "warn", "ok", "ok", "ok"]
+    assert [ln.split()[0] for ln in lines] == ["ok", "ok", "warn", "ok", "ok", "ok", "ok"]
     assert lines[0].split()[1] == "credentials"
     (tmp_path / "spotctl.toml").write_text(
         f'[aws]\nregion = "{REGION}"\ninstance_types = ["g5.xlarge"]\n'

@@ -19,9 +19,21 @@ POLICY = Path(__file__).parents[2] / "templates" / "aws-iam-policy.json"
 # Allowed for what EC2 does on the provider's behalf, not called by it directly.
 IMPLICIT = {"ec2:CreateTags", "iam:CreateServiceLinkedRole"}
 # Not EC2 query-protocol calls, so the fault proxy does not name them; each is asserted by
-# its own test (tests/aws/test_network.py: SSM image parameters; test_check.py: quotas).
+# its own test (tests/aws/test_network.py: SSM image parameters; test_check.py: quotas;
+# test_storage.py: bucket, role and instance profile).
 # sts:GetCallerIdentity (`spotctl check`) needs no permission.
-OTHER_SERVICES = {"ssm:GetParameter", "servicequotas:GetServiceQuota"}
+OTHER_SERVICES = {"ssm:GetParameter", "servicequotas:GetServiceQuota"} | {
+    # checkpoint storage (tests/aws/test_storage.py); TagRole / TagInstanceProfile are the
+    # tags passed to CreateRole / CreateInstanceProfile, PassRole what RunInstances does
+    # with the profile, s3:ListBucket what HeadBucket needs
+    *(f"iam:{a}" for a in ("GetRole", "CreateRole", "TagRole", "PutRolePolicy",
+                           "DeleteRolePolicy", "DeleteRole", "GetInstanceProfile",
+                           "CreateInstanceProfile", "TagInstanceProfile",
+                           "AddRoleToInstanceProfile", "RemoveRoleFromInstanceProfile",
+                           "DeleteInstanceProfile", "PassRole")),
+    *(f"s3:{a}" for a in ("CreateBucket", "PutBucketPublicAccessBlock", "ListBucket",
+                          "DeleteObject")),
+}  # fmt: skip
 
 
 def _policy_actions() -> set[str]:

@@ -89,7 +89,8 @@ def test_iam_policy_is_least_privilege() -> None:
         ):
             assert st["Resource"] != "*" or st.get("Condition"), st
     assert {"ec2:RunInstances", "ec2:TerminateInstances"} <= set(actions)
-    # IAM: only the Spot service-linked role on a first spot launch, never PassRole
+    # IAM: the Spot service-linked role on a first spot launch, and the workers' checkpoint
+    # role/profile, both by name (spotctl-*-node); PassRole only of that role, only to EC2
     iam = [
         st
         for st in doc["Statement"]
@@ -99,9 +100,20 @@ def test_iam_policy_is_least_privilege() -> None:
         )
     ]
     for st in iam:
-        assert st["Action"] in ("iam:CreateServiceLinkedRole", ["iam:CreateServiceLinkedRole"])
-        assert "AWSServiceRoleForEC2Spot" in json.dumps(st["Resource"]), st
-    assert "iam:PassRole" not in actions
+        resources = st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]]
+        if st["Action"] in ("iam:CreateServiceLinkedRole", ["iam:CreateServiceLinkedRole"]):
+            assert "AWSServiceRoleForEC2Spot" in json.dumps(resources), st
+            continue
+        assert all(r.endswith(("role/spotctl-*-node", "instance-profile/spotctl-*-node"))
+                   for r in resources), st  # fmt: skip
+        if "iam:PassRole" in json.dumps(st["Action"]):
+            assert st["Action"] in ("iam:PassRole", ["iam:PassRole"]), st
+            assert st["Condition"]["StringEquals"]["iam:PassedToService"] == "ec2.amazonaws.com"
+    # S3: only buckets named spotctl-*
+    for st in doc["Statement"]:
+        acts = st["Action"] if isinstance(st["Action"], list) else [st["Action"]]
+        if any(a.startswith("s3:") for a in acts):
+            assert all(r.startswith("arn:aws:s3:::spotctl-") for r in st["Resource"]), st
 
 
 def test_gcp_role_list_is_least_privilege() -> None:

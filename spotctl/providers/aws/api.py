@@ -180,10 +180,13 @@ class AwsApi:
             kwargs["endpoint_url"] = opts["endpoint_url"]
         try:
             session = boto3.session.Session()
-            self._session, self._client_kwargs = session, kwargs  # more clients: check.py
             self.ec2 = session.client("ec2", **kwargs)
+            # Other services (SSM, STS, S3, IAM, Service Quotas) use boto3's own endpoint
+            # resolution (AWS_ENDPOINT_URL in tests): the endpoint_url option is EC2's.
+            self._session = session
+            self._client_kwargs = {"config": config, "region_name": self.region}
             # Public SSM parameters name the current Deep Learning / Ubuntu AMIs.
-            self.ssm = session.client("ssm", **kwargs)
+            self.ssm = session.client("ssm", **self._client_kwargs)
         except (NoRegionError, BotoCoreError) as e:
             raise SpecError(f"aws: cannot create an EC2 client: {_one_line(str(e))}") from None
         self._types: dict[str, dict[str, Any]] = {}

@@ -3,7 +3,7 @@
 This module owns `spotctl check --provider aws`: one line each for credentials (STS), the
 region (its zones), the spot GPU vCPU quotas that spot launches count against (Service
 Quotas codes L-3819A6DF for G/VT and L-7212CCBC for P; new accounts have 0), the VPC and
-subnets the cluster would use, and the worker and head images. A failing line that would
+subnets the cluster would use, the worker and head images, and the checkpoint bucket. A failing line that would
 stop `up` is blocking; a quota that cannot be read is a warning.
 """
 
@@ -30,7 +30,16 @@ class AwsChecks(AwsOffers, AwsLaunch):
         out.append(run_check("network", self._check_network))
         out.append(run_check("image (workers)", lambda: self._check_image("worker")))
         out.append(run_check("image (head)", lambda: self._check_image("head")))
+        out.append(run_check("checkpoint bucket", self._check_bucket))
         return out
+
+    def _check_bucket(self) -> str:
+        bucket = self.bucket_name()
+        if self.bucket_exists():
+            return f"s3://{bucket}/{self.prefix} (bucket reachable)"
+        if self.spec.bucket:
+            raise SpecError(f"aws.bucket: bucket {bucket} does not exist (or is not yours)")
+        return f"s3://{bucket}/{self.prefix} (bucket created, private, on first up)"
 
     def _client(self, service: str, endpoint: str = "") -> Any:
         kwargs = dict(self._client_kwargs)

@@ -31,6 +31,7 @@ from spotctl.providers.aws.api import (
     error_code,
 )
 from spotctl.providers.aws.network import AwsNetwork
+from spotctl.providers.aws.storage import AwsStorage
 from spotctl.providers.base import Instance, Offer
 
 _ZONE_ID_RE = re.compile(r"[a-z]{2,4}\d+-az\d+")
@@ -48,7 +49,7 @@ def client_token(request_id: str, offer: Offer) -> str:
     return f"{request_id[:53]}-{digest}"
 
 
-class AwsLaunch(AwsNetwork):
+class AwsLaunch(AwsNetwork, AwsStorage):
     """Instances of the cluster: run, launch, list, terminate."""
 
     def _ami(self, role: str = "worker") -> str:
@@ -229,7 +230,21 @@ class AwsLaunch(AwsNetwork):
                     "InstanceInterruptionBehavior": "terminate",
                 },
             }
-        resp = self._call(what, self.ec2.run_instances, **kwargs)
+        if role == "worker":
+            # Workers reach the cluster's checkpoint prefix, and only it (storage.py).
+            kwargs["IamInstanceProfile"] = {"Name": self.node_profile}
+        attempt = 0
+        while True:
+            try:
+                resp = self._call(what, self.ec2.run_instances, **kwargs)
+                break
+            except ProviderError as e:
+                attempt += 1
+                just_made = "instance profile" in str(e).lower()
+                if error_code(e) == "InvalidParameterValue" and just_made:
+                    if self._wait_profile_usable(attempt):
+                        continue
+                raise
         return [self._to_instance(i) for i in resp.get("Instances", [])]
 
     def launch(self, offer: Offer, count: int, request_id: str) -> list[Instance]:

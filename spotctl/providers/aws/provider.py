@@ -53,6 +53,12 @@ class AwsProvider(AwsChecks):
 
     name = "aws"
 
+    def prepare(self) -> None:
+        """Security group and key pair (network.py), then checkpoint bucket and the
+        workers' instance profile (storage.py); idempotent, run by every `up`."""
+        super().prepare()
+        self.prepare_storage()
+
     # ---- head -----------------------------------------------------------------------
 
     def _wait_running(self, instance_id: str) -> dict[str, Any]:
@@ -207,6 +213,10 @@ class AwsProvider(AwsChecks):
                 )
             except ProviderError as e:
                 leaks.append(f"key pair {pair['KeyName']}: {e}")
+        # The workers' role and profile go; the checkpoints stay unless purged.
+        leaks += self._delete_node_identity()
+        if self.ctx.options.get("purge"):
+            self.purge_checkpoints()
         self._prepared = None
         if not leaks:
             self.key_path.unlink(missing_ok=True)

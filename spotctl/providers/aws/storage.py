@@ -1,0 +1,236 @@
+"""AWS provider, checkpoint storage and node identity: an S3 prefix per cluster, reachable
+from the workers through an instance profile scoped to it.
+
+This module owns where a cluster's checkpoints live on AWS and who may touch them: the
+bucket (aws.bucket, else `spotctl-<account>-<region>`, created private on first use), the
+cluster's prefix `<cluster>/` in it (its `checkpoints/` is the default train.checkpoint_dir
+on AWS), and the IAM role + instance profile `spotctl-<cluster>-node` whose only permission
+is that prefix. `down` deletes the role and profile and keeps the checkpoints; a purge
+(ctx.options["purge"]) also deletes the objects under the prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from spotctl.errors import ProviderError, SpecError
+from spotctl.providers.aws.api import TAG_CLUSTER, AwsApi, error_code
+
+NODE_POLICY = "spotctl-checkpoints"
+_GONE = ("NoSuchEntity", "NoSuchBucket", "404", "NotFound")
+
+
+class AwsStorage(AwsApi):
+    """Bucket, prefix and the workers' instance profile."""
+
+    _account_id = ""
+    _storage_ready = False
+
+    def _svc(self, name: str) -> Any:
+        return self._session.client(name, **self._client_kwargs)
+
+    def account_id(self) -> str:
+        if not self._account_id:
+            ident = self._call("who am I (sts)", self._svc("sts").get_caller_identity)
+            self._account_id = str(ident["Account"])
+        return self._account_id
+
+    def bucket_name(self) -> str:
+        return self.spec.bucket or f"spotctl-{self.account_id()}-{self.region}"
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.ctx.cluster}/"
+
+    def checkpoint_uri(self) -> str:
+        return f"s3://{self.bucket_name()}/{self.prefix}checkpoints"
+
+    @property
+    def node_profile(self) -> str:
+        return f"spotctl-{self.ctx.cluster}-node"[:64]
+
+    # ---- bucket -----------------------------------------------------------------------
+
+    def bucket_exists(self) -> bool:
+        try:
+            self._call(
+                f"look up bucket {self.bucket_name()}",
+                self._svc("s3").head_bucket,
+                Bucket=self.bucket_name(),
+            )
+            return True
+        except ProviderError as e:
+            if error_code(e) in _GONE:
+                return False
+            raise
+
+    def _ensure_bucket(self) -> None:
+        bucket = self.bucket_name()
+        if self.bucket_exists():
+            return
+        if self.spec.bucket:
+            raise SpecError(f"aws.bucket: bucket {bucket} does not exist (or is not yours)")
+        s3 = self._svc("s3")
+        kwargs: dict[str, Any] = {"Bucket": bucket}
+        if self.region != "us-east-1":
+            kwargs["CreateBucketConfiguration"] = {"LocationConstraint": self.region}
+        self._call(f"create bucket {bucket}", s3.create_bucket, **kwargs)
+        self._call(
+            f"block public access to {bucket}",
+            s3.put_public_access_block,
+            Bucket=bucket,
+            PublicAccessBlockConfiguration={
+                "BlockPublicAcls": True,
+                "IgnorePublicAcls": True,
+                "BlockPublicPolicy": True,
+                "RestrictPublicBuckets": True,
+            },
+        )
+
+    def purge_checkpoints(self) -> int:
+        """Delete every object under the cluster's prefix; how many were deleted."""
+        if not self.bucket_exists():
+            return 0
+        s3, bucket, n = self._svc("s3"), self.bucket_name(), 0
+        token: str | None = None
+        while True:
+            page = self._call(
+                f"list s3://{bucket}/{self.prefix}",
+                s3.list_objects_v2,
+                Bucket=bucket,
+                Prefix=self.prefix,
+                **({"ContinuationToken": token} if token else {}),
+            )
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                self._call(
+                    f"delete {len(keys)} object(s) under s3://{bucket}/{self.prefix}",
+                    s3.delete_objects,
+                    Bucket=bucket,
+                    Delete={"Objects": keys, "Quiet": True},
+                )
+                n += len(keys)
+            token = page.get("NextContinuationToken")
+            if not token:
+                return n
+
+    # ---- node identity ----------------------------------------------------------------
+
+    def node_policy(self) -> dict[str, Any]:
+        """The workers' only permission: read and write the cluster's prefix."""
+        bucket = self.bucket_name()
+        return {
+            "Version": "2012-10-17",
+            "Statement": [
+                {
+                    "Effect": "Allow",
+                    "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
+                    "Resource": f"arn:aws:s3:::{bucket}/{self.prefix}*",
+                },
+                {
+                    "Effect": "Allow",
+                    "Action": "s3:ListBucket",
+                    "Resource": f"arn:aws:s3:::{bucket}",
+                    "Condition": {"StringLike": {"s3:prefix": [f"{self.prefix}*"]}},
+                },
+            ],
+        }
+
+    def _ensure_node_identity(self) -> None:
+        iam, name = self._svc("iam"), self.node_profile
+        trust = {
+            "Version": "2012-10-17",
+            "Statement": [
+                {
+                    "Effect": "Allow",
+                    "Principal": {"Service": "ec2.amazonaws.com"},
+                    "Action": "sts:AssumeRole",
+                }
+            ],
+        }
+        try:
+            self._call(f"look up role {name}", iam.get_role, RoleName=name)
+        except ProviderError as e:
+            if error_code(e) != "NoSuchEntity":
+                raise
+            self._call(
+                f"create role {name}",
+                iam.create_role,
+                RoleName=name,
+                AssumeRolePolicyDocument=json.dumps(trust),
+                Description=f"spotctl cluster {self.ctx.cluster}: workers' checkpoints",
+                Tags=[{"Key": TAG_CLUSTER, "Value": self.ctx.cluster}],
+            )
+        # Put every time: reconciled if the bucket or the policy changed.
+        self._call(
+            f"scope role {name} to s3://{self.bucket_name()}/{self.prefix}",
+            iam.put_role_policy,
+            RoleName=name,
+            PolicyName=NODE_POLICY,
+            PolicyDocument=json.dumps(self.node_policy()),
+        )
+        try:
+            prof = self._call(
+                f"look up instance profile {name}",
+                iam.get_instance_profile,
+                InstanceProfileName=name,
+            )["InstanceProfile"]
+        except ProviderError as e:
+            if error_code(e) != "NoSuchEntity":
+                raise
+            prof = self._call(
+                f"create instance profile {name}",
+                iam.create_instance_profile,
+                InstanceProfileName=name,
+                Tags=[{"Key": TAG_CLUSTER, "Value": self.ctx.cluster}],
+            )["InstanceProfile"]
+        if not any(r.get("RoleName") == name for r in prof.get("Roles", [])):
+            self._call(
+                f"add role {name} to its instance profile",
+                iam.add_role_to_instance_profile,
+                InstanceProfileName=name,
+                RoleName=name,
+            )
+
+    def _delete_node_identity(self) -> list[str]:
+        """Remove the role and instance profile; leaks as lines."""
+        iam, name, leaks = self._svc("iam"), self.node_profile, []
+        steps: list[tuple[str, Any, dict[str, Any]]] = [
+            ("detach role from profile", iam.remove_role_from_instance_profile,
+             {"InstanceProfileName": name, "RoleName": name}),
+            ("delete instance profile", iam.delete_instance_profile, {"InstanceProfileName": name}),
+            ("delete role policy", iam.delete_role_policy,
+             {"RoleName": name, "PolicyName": NODE_POLICY}),
+            ("delete role", iam.delete_role, {"RoleName": name}),
+        ]  # fmt: skip
+        for what, fn, kwargs in steps:
+            try:
+                self._call(f"{what} {name}", fn, **kwargs)
+            except ProviderError as e:
+                if error_code(e) not in _GONE:
+                    leaks.append(f"{what} {name}: {e}")
+        return leaks
+
+    def prepare_storage(self) -> None:
+        """Bucket, role and profile (idempotent); the checkpoint URI becomes the default
+        train.checkpoint_dir of this cluster's nodes."""
+        if self._storage_ready:
+            return
+        self._ensure_bucket()
+        self._ensure_node_identity()
+        # Under the loopback test seam the "instances" are local processes with no
+        # instance profile to reach S3 with: they keep the cluster dir's default.
+        seam = self._nodes.override is not None
+        if not self.ctx.spec.train.checkpoint_dir and not seam:
+            self.ctx.spec.train.checkpoint_dir = self.checkpoint_uri()
+        self._storage_ready = True
+
+    def _wait_profile_usable(self, attempt: int) -> bool:
+        """IAM is eventually consistent: a just-made profile can be unknown to EC2 for a
+        few seconds. True when a retry is worth it."""
+        if attempt >= 10:
+            return False
+        time.sleep(min(5.0, self._retry.base_s * 2**attempt))
+        return True
