@@ -31,6 +31,7 @@ interface as torchft does by default; the Lighthouse binds the head's (spotctl.h
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -45,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from spotctl.elastic import (
     PG_TIMEOUT_S,
+    REPORT_EVERY_S,
     Checkpointer,
     PermutationCache,
     Run,
@@ -193,6 +195,7 @@ class FtRun(Run):
         self.replicas = 0
         self.replica_rank: int | None = None
         self.failed_steps = 0
+        self._quorum_seen: int | None = None
         t_restore = time.time()
         self.resume_step = self._restore()  # the last committed checkpoint, if any
         t_ready = time.time()
@@ -302,6 +305,14 @@ class FtRun(Run):
         self.replica_rank = r
         self.dp_world = self.replicas * self.local_dp_world
         self.dp_rank = (r or 0) * self.local_dp_world + self.local_dp_rank
+        qid = self.manager._quorum_id
+        if qid != self._quorum_seen:
+            # a new membership: reported to the head as a new worker group, so a rescale
+            # event records it (from the first step committed in it)
+            self._quorum_seen = qid
+            self.incarnation = f"ft-q{qid}"
+            self.resume_step = self.step
+            self.first_step_at = None
         if self.max_steps and self.step >= self.max_steps:  # healed to the end
             return False
         return True
@@ -390,7 +401,7 @@ class FtRun(Run):
         """A notice: the last step is committed; leave the quorum and exit. The survivors
         form their next quorum without this replica and go on from memory."""
         self.drain_step = self.step
-        self.phase = "left"
+        self.phase = "drained"  # the head knows this phase: stopped after a commit
         self._report(force=True)
         if self.rank == 0:
             log.info("left the quorum after step %d", self.step)
@@ -401,6 +412,39 @@ class FtRun(Run):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+    def _report(self, force: bool = False) -> None:
+        """As Run's, with the quorum's view: rank and world size over every replica (the
+        head counts one worker group), the quorum as the incarnation, replicas."""
+        if self.status_dir is None:
+            return
+        now = time.time()
+        if not force and now - self._t_last_report < REPORT_EVERY_S:
+            return
+        dt = now - self._rate_t0
+        if dt >= 1.0:
+            self.throughput = self._rate_samples / dt
+            self._rate_t0, self._rate_samples = now, 0
+        self._t_last_report = now
+        rank = (self.replica_rank or 0) * self.world + self.rank
+        rep = {
+            "rank": rank, "local_rank": self.local_rank,
+            "world_size": max(1, self.replicas) * self.world,
+            "step": self.step, "phase": self.phase, "incarnation": self.incarnation,
+            "resume_step": getattr(self, "resume_step", 0), "first_step_at": self.first_step_at,
+            "last_ckpt": self.ckpt.last_committed, "loss": self.loss,
+            "throughput": self.throughput, "drain_step": self.drain_step, "pid": os.getpid(),
+            "epoch": self.epoch, "offset": self.offset,
+            "startup": getattr(self, "startup", None), "engine": "torchft",
+            "replicas": self.replicas, "failed_steps": self.failed_steps,
+        }
+        path = self.status_dir / f"worker-{self.local_rank}.json"
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(rep))
+            os.replace(tmp, path)
+        except OSError:
+            pass
 
     def finish(self) -> None:
         """End of training: the replica of rank 0 in the last quorum writes the final

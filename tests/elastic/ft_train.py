@@ -32,7 +32,8 @@ def main() -> None:
     run = elastic.Run(model, opt, dataset_size=N, global_batch=BATCH, seed=3,
                       schedulers=[sched])
     delay = float(os.environ.get("FT_STEP_DELAY", "0.02"))
-    out = open(os.environ["FT_STEP_LOG"], "a", buffering=1)
+    log = os.environ["FT_STEP_LOG"].replace("{node}", os.environ.get("SPOTCTL_NODE_ID", "x"))
+    out = open(log, "a", buffering=1)
     while run.next_step():
         before = run.step
         idx = run.batch_indices()
