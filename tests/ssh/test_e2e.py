@@ -6,22 +6,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from .conftest import REPO, SshdFactory
+from tests.conftest import CliProject, SshdFactory
 
 pytestmark = [pytest.mark.ssh, pytest.mark.e2e, pytest.mark.slow]  # real torchrun over sshd
-
-SPOTCTL = [sys.executable, "-m", "spotctl.cli.app"]
-
 
 def _procs_under(root: Path) -> list[int]:
     """Processes whose command line mentions the hosts' node directories (agents)."""
@@ -36,13 +30,23 @@ def _procs_under(root: Path) -> list[int]:
     return out
 
 
+class ByoProject(CliProject):
+    remote: Path
+
+    def debug(self) -> str:
+        r = self.remote
+        return "\n".join(
+            f"--- {p.relative_to(r)}\n{p.read_text(errors='replace')[-1500:]}"
+            for p in sorted(r.glob("byo/*/*.log")) + sorted(r.glob("byo/*/work/*.log"))
+        )
+
+
 def test_up_train_ssh_logs_down(sshd_factory: SshdFactory, client_key: Path, tmp_path: Path):
     a, b = sshd_factory.start(), sshd_factory.start()
-    project = tmp_path / "project"
-    project.mkdir()
-    shutil.copy(REPO / "templates" / "train.py", project / "train.py")
     remote = tmp_path / "remote"
-    (project / "spotctl.toml").write_text(
+    proj = ByoProject(tmp_path, "byo", {"SPOTCTL_SSH_REMOTE_ROOT": str(remote)})
+    proj.remote = remote
+    (proj.project / "spotctl.toml").write_text(
         'name = "byo"\nprovider = "ssh"\ngpus = "2"\n\n'
         f'[train]\nscript = "train.py"\ncheckpoint_every = 5\npython = "{sys.executable}"\n'
         'env = { TRAIN_STEP_SLEEP_S = "0.05" }\n\n'
@@ -51,37 +55,14 @@ def test_up_train_ssh_logs_down(sshd_factory: SshdFactory, client_key: Path, tmp
             for s in (a, b)
         )
     )
-    env = dict(os.environ, SPOTCTL_HOME=str(tmp_path / "home"), NO_COLOR="1",
-               SPOTCTL_SSH_REMOTE_ROOT=str(remote))  # fmt: skip
-
-    def cli(
-        *args: str, check: bool = True, timeout: float = 240
-    ) -> subprocess.CompletedProcess[str]:
-        p = subprocess.run([*SPOTCTL, *args], cwd=project, env=env, text=True,
-                           capture_output=True, timeout=timeout)  # fmt: skip
-        if check and p.returncode != 0:
-            raise AssertionError(f"spotctl {' '.join(args)} exited {p.returncode}:\n"
-                                 f"{p.stdout}\n{p.stderr}\n{debug()}")  # fmt: skip
-        return p
-
-    def debug() -> str:
-        return "\n".join(
-            f"--- {p.relative_to(remote)}\n{p.read_text(errors='replace')[-1500:]}"
-            for p in sorted(remote.glob("byo/*/*.log")) + sorted(remote.glob("byo/*/work/*.log"))
-        )
-
-    def status() -> dict[str, Any]:
-        return dict(json.loads(cli("status", "--name", "byo", "--json").stdout))
+    cli = proj.cli
 
     nodes = [f"ssh-127-0-0-1-{a.port}", f"ssh-127-0-0-1-{b.port}"]
     try:
         cli("up", "--wait", "180", timeout=400)
-        deadline = time.monotonic() + 180
-        st = status()
-        while not (st.get("world_size") == 2 and (st.get("step") or 0) >= 10):
-            assert time.monotonic() < deadline, f"no progress: {json.dumps(st)[:2000]}\n{debug()}"
-            time.sleep(1)
-            st = status()
+        proj.wait_for("world 2 past step 10",
+                      lambda st: st.get("world_size") == 2 and (st.get("step") or 0) >= 10,
+                      timeout=180, interval=1)  # fmt: skip
 
         # `spotctl ssh` runs on the node with the cluster's pinned key, no prompt
         p = cli("ssh", nodes[0], "--", "cat", f"{remote}/byo/{nodes[0]}/agent.json")
