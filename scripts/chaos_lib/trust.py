@@ -125,8 +125,10 @@ def head_garbage(c: Cluster, world: int, seconds: float = 30.0) -> Result:
     h = _head(c)
     port = int(h["url"].rsplit(":", 1)[1])
     secret = (c.cluster_dir / "token").read_text().strip()
+    # a node credential with a wrong MAC (a real node's own would be that node speaking,
+    # and flooding with it only throttles that node: its agent shares the rate limit)
     node = sorted(c.live_nodes())[0]
-    ntoken = (c.cluster_dir / "nodes" / node / "token").read_text().strip()
+    ntoken = f"node:{node}:" + "0" * 64
     n_resc = len(c.events("rescale"))
     n_unresp = len(c.events("node-unresponsive"))
     st0 = c.status()

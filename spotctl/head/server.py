@@ -35,6 +35,8 @@ MAX_NODES = 1024
 MAX_EVENTS = 10_000  # kept in memory (all are journaled to events.jsonl)
 MAX_EVENTS_REPLY = MAX_EVENTS
 HANDLER_TIMEOUT_S = 10.0
+NODE_RATE = 50.0  # requests a second per node credential (an agent sends ~4)
+NODE_BURST = 100.0
 # what a node's own credential may call (everything else is the controller's)
 NODE_ROUTES = {("GET", "/api/health"), ("POST", "/api/heartbeat"), ("POST", "/api/notice"),
                ("POST", "/api/event")}
@@ -42,6 +44,29 @@ NODE_ROUTES = {("GET", "/api/health"), ("POST", "/api/heartbeat"), ("POST", "/ap
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+class RateLimit:
+    """A token bucket per node: `rate` requests a second, bursts of `burst`. An agent
+    sends about 4 a second; a node flooding the head is answered 429 and slows nobody
+    else down (the controller is not limited)."""
+
+    def __init__(self, rate: float = NODE_RATE, burst: float = NODE_BURST,
+                 clock: Callable[[], float] = time.monotonic):
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # node -> (tokens, at)
+        self._lock = threading.Lock()
+
+    def allow(self, key: str) -> bool:
+        now = self.clock()
+        with self._lock:
+            tokens, at = self._buckets.get(key, (self.burst, now))
+            tokens = min(self.burst, tokens + (now - at) * self.rate)
+            ok = tokens >= 1.0
+            self._buckets[key] = (tokens - 1.0 if ok else tokens, now)
+            if len(self._buckets) > 4 * MAX_NODES:  # ids are MAC-checked: this is a bound
+                self._buckets.clear()
+            return ok
 
 
 class _BoundedHTTPServer(ThreadingHTTPServer):
@@ -125,6 +150,7 @@ class HeadServer:
         self.httpd = _BoundedHTTPServer((host, http_port), self._handler())
         self.http_port = self.httpd.server_address[1]
         self._stop = threading.Event()
+        self.rate = RateLimit()
 
     @property
     def url(self) -> str:
@@ -191,6 +217,9 @@ class HeadServer:
                     return True
                 if not who.controller and (method, path) not in NODE_ROUTES:
                     self._send(403, {"error": f"a node may not call {path}"}, close=True)
+                    return True
+                if not who.controller and not server.rate.allow(who.node_id):
+                    self._send(429, {"error": "too many requests from this node"}, close=True)
                     return True
                 return False
 

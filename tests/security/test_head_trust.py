@@ -390,3 +390,26 @@ def test_head_client_ignores_proxy_settings(head: HeadServer,
     w.join(1)
     trap.close()
     assert seen == []
+
+
+def test_a_flooding_node_is_throttled_and_slows_nobody_else(head: HeadServer) -> None:
+    # a slow refill, so the flood outruns it however loaded this machine is
+    head.rate = head_server.RateLimit(rate=1.0, burst=20.0)
+    codes = [call(head, "POST", "/api/heartbeat", _bearer("n1"), hb("n1"))[0]
+             for _ in range(40)]
+    assert 429 in codes and codes[0] == 200
+    # another node and the controller are served at once
+    assert call(head, "POST", "/api/heartbeat", _bearer("n2"), hb("n2"))[0] == 200
+    assert call(head, "GET", "/api/status", CTL)[0] == 200
+    # and the flooder gets its share back over time
+    time.sleep(1.5)
+    assert call(head, "POST", "/api/heartbeat", _bearer("n1"), hb("n1"))[0] == 200
+
+
+def test_rate_limit_refills_at_its_rate() -> None:
+    now = [0.0]
+    rl = head_server.RateLimit(rate=2.0, burst=3.0, clock=lambda: now[0])
+    assert [rl.allow("a") for _ in range(4)] == [True, True, True, False]
+    assert rl.allow("b")
+    now[0] += 0.5
+    assert rl.allow("a") and not rl.allow("a")
