@@ -49,6 +49,11 @@ ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
         ("POST", "instances.insert", P + r"/zones/(?P<zone>[^/]+)/instances"),
         ("GET", "instances.list", P + r"/zones/(?P<zone>[^/]+)/instances"),
         ("GET", "instances.get", P + r"/zones/(?P<zone>[^/]+)/instances/(?P<name>[^/]+)"),
+        (
+            "GET",
+            "instances.getGuestAttributes",
+            P + r"/zones/(?P<zone>[^/]+)/instances/(?P<name>[^/]+)/getGuestAttributes",
+        ),
         ("DELETE", "instances.delete", P + r"/zones/(?P<zone>[^/]+)/instances/(?P<name>[^/]+)"),
         ("GET", "instances.aggregatedList", P + r"/aggregated/instances"),
         ("GET", "zoneOperations.get", P + r"/zones/(?P<zone>[^/]+)/operations/(?P<op>[^/]+)"),
@@ -170,6 +175,8 @@ class FakeCompute:
             "PREEMPTIBLE_NVIDIA_L4_GPUS": 0.0,
         }
         self.networks: set[str] = {"default"}
+        # (zone, name) -> {key type: base64}: what a VM's guest agent published in hostkeys/
+        self.guest_host_keys: dict[tuple[str, str], dict[str, str]] = {}
         # External (in-use) addresses allowed per region; a region not listed is unlimited.
         self.address_quota: dict[str, int] = {}
         self.pending_polls = 0
@@ -511,6 +518,25 @@ class FakeCompute:
             for n in vm.get("networkInterfaces") or []
         )
         return in_use + wants > limit
+
+    def _instances_getGuestAttributes(
+        self, project: str, zone: str, name: str, query: dict[str, str], **_: Any
+    ) -> dict[str, Any]:
+        vm = self.instances.get((zone, name))
+        path = query.get("queryPath", "")
+        keys = self.guest_host_keys.get((zone, name))
+        meta = {i["key"]: i["value"] for i in (vm or {}).get("metadata", {}).get("items", [])}
+        # GCP answers 404 until the agent published the path; and only with the metadata on.
+        if (
+            vm is None
+            or not keys
+            or path != "hostkeys/"
+            or (meta.get("enable-guest-attributes") != "TRUE")
+        ):
+            raise ApiError(404, "notFound", f"The resource 'guestAttributes/{path}' was not found")
+        items = [{"namespace": "hostkeys", "key": k, "value": v} for k, v in keys.items()]
+        return {"kind": "compute#guestAttributes", "queryPath": path,
+                "queryValue": {"items": items}}  # fmt: skip
 
     def _regions_get(self, project: str, region: str, **_: Any) -> dict[str, Any]:
         if not re.fullmatch(r"[a-z]+-[a-z]+\d", region):

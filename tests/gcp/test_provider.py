@@ -337,3 +337,29 @@ def test_address_quota_stops_with_one_line(fake, provider):
     with pytest.raises(QuotaError, match="IN_USE_ADDRESSES") as e:
         provider.launch(_offer(provider), 3, "addr")
     assert "\n" not in str(e.value)
+
+
+def test_host_keys_from_guest_attributes_are_pinned_before_the_first_ssh(fake, provider):
+    import base64
+
+    from spotctl.providers.hostkeys import pin_host_keys
+
+    [inst] = provider.launch(_offer(provider), 1, "hk")
+    meta = {
+        i["key"]: i["value"] for i in fake.calls("instances.insert")[0].body["metadata"]["items"]
+    }
+    assert meta["enable-guest-attributes"] == "TRUE"
+    assert provider.guest_host_keys(inst.zone, inst.id) == []  # not published yet: 404
+    blob = base64.b64encode(b"\x00\x00\x00\x0bssh-ed25519" + b"\x00\x00\x00\x20" + b"k" * 32)
+    fake.guest_host_keys[(inst.zone, inst.id)] = {"ssh-ed25519": blob.decode()}
+    keys = provider.guest_host_keys(inst.zone, inst.id)
+    assert keys == [("ssh-ed25519", blob.decode())]
+    kh = provider.ctx.cluster_dir.known_hosts
+    # An older pin of the same address (a reused IP) is replaced, not kept next to it.
+    kh.parent.mkdir(parents=True, exist_ok=True)
+    kh.write_text(f"{inst.public_address} ssh-ed25519 OLDKEY\nother ssh-ed25519 KEEP\n")
+    provider._pin_host_keys(inst)
+    lines = kh.read_text().splitlines()
+    assert lines == ["other ssh-ed25519 KEEP", f"{inst.public_address} ssh-ed25519 {blob.decode()}"]
+    assert (kh.stat().st_mode & 0o777) == 0o600
+    assert not pin_host_keys(kh, "h", [("ssh-ed25519", "not-base64!")])  # refused, not written

@@ -36,6 +36,7 @@ from spotctl.errors import ProviderError, TransientError
 from spotctl.providers.aws.api import HEAD_TOKEN_FILE, TAG_REQUEST, error_code
 from spotctl.providers.aws.check import AwsChecks
 from spotctl.providers.base import HeadInfo, Instance, ProviderContext
+from spotctl.providers.hostkeys import parse_console_keys, pin_host_keys
 from spotctl.remote.bootstrap import HostProgress, HostResult
 
 
@@ -116,6 +117,7 @@ class AwsProvider(AwsChecks):
             )
             head_id = started[0].id
         inst = self._to_instance(self._wait_running(head_id))
+        self._pin_host_keys(inst)
         self._head = self._nodes.head(inst, self._head_process, "aws")
         return self._head
 
@@ -133,6 +135,8 @@ class AwsProvider(AwsChecks):
                 ready.append(self._to_instance(self._wait_running(inst.id)))
             except ProviderError as e:
                 failed.append(HostResult(inst.id, False, str(e), False, 0.0))
+        for inst in ready:
+            self._pin_host_keys(inst)
         def each(r: HostResult, n: int, _total: int) -> None:  # counted over every host
             if progress is not None:
                 progress(r, len(failed) + n, len(instances))
@@ -141,6 +145,30 @@ class AwsProvider(AwsChecks):
             if progress is not None:
                 progress(r, i, len(instances))
         return failed + self._nodes.bootstrap(ready, head, progress=each)
+
+    def console_host_keys(self, instance_id: str) -> builtins.list[tuple[str, str]]:
+        """The instance's SSH host keys as cloud-init printed them on its console, [] while
+        the console output is not there yet (it lags boot by a minute or more)."""
+        try:
+            out = self._call(
+                f"read console output of {instance_id}",
+                self.ec2.get_console_output,
+                InstanceId=instance_id,
+                Latest=True,
+            )
+        except ProviderError as e:
+            if error_code(e) in ("InvalidInstanceID.NotFound", "UnsupportedOperation"):
+                return []
+            raise
+        return parse_console_keys(str(out.get("Output") or ""))
+
+    def _pin_host_keys(self, inst: Instance) -> None:
+        """Pin the keys EC2 reports for this instance before the first SSH (not under
+        the loopback test seam, where one sshd stands in for every instance)."""
+        if self._nodes.override is not None or not inst.public_address:
+            return
+        keys = self.console_host_keys(inst.id)
+        pin_host_keys(self.ctx.cluster_dir.known_hosts, inst.public_address, keys)
 
     def _head_gone(self) -> bool:
         """True when the saved head token already launched a head that is now gone."""

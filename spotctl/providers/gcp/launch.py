@@ -331,6 +331,9 @@ class GcpLaunch(GcpOffers, GcpNetwork):
             # Only the cluster key logs in: no project-wide keys, no OS Login.
             compute_v1.Items(key="block-project-ssh-keys", value="TRUE"),
             compute_v1.Items(key="enable-oslogin", value="FALSE"),
+            # The guest agent publishes the VM's SSH host keys (hostkeys/), so the first
+            # connection is verified against them rather than trusted (provider.py).
+            compute_v1.Items(key="enable-guest-attributes", value="TRUE"),
         ]
         if role == "worker":
             # Deep Learning VM images install the NVIDIA driver at first boot when asked.

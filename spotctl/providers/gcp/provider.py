@@ -58,6 +58,7 @@ from spotctl.providers.gcp.api import (
     label_value,
 )
 from spotctl.providers.gcp.check import GcpChecks
+from spotctl.providers.hostkeys import pin_host_keys
 from spotctl.remote.bootstrap import HostResult
 
 
@@ -110,6 +111,7 @@ class GcpProvider(GcpChecks):
         else:
             vm = live[0]
         head = self._to_instance(vm)
+        self._pin_host_keys(head)
         self._head = self._nodes.head(head, self._head_process, "gcp")
         return self._head
 
@@ -130,7 +132,33 @@ class GcpProvider(GcpChecks):
             HostResult(i, False, f"gcp: {i} not running with an address", False, 0.0)
             for i in sorted(want - {i.id for i in ready})
         ]
+        for inst in ready:
+            self._pin_host_keys(inst)
         return missing + self._nodes.bootstrap(ready, head)
+
+    def guest_host_keys(self, zone: str, name: str) -> builtins.list[tuple[str, str]]:
+        """The VM's SSH host keys from its guest attributes (hostkeys/), [] until the
+        guest agent has published them."""
+        from google.cloud import compute_v1
+
+        req = compute_v1.GetGuestAttributesInstanceRequest(
+            project=self.project, zone=zone, instance=name, query_path="hostkeys/"
+        )
+        attrs = self._call(
+            f"read host keys of {name}",
+            partial(self.clients.instances.get_guest_attributes, request=req, retry=None),
+            missing_ok=True,
+        )
+        items = list(attrs.query_value.items) if attrs is not None and attrs.query_value else []
+        return [(str(i.key), str(i.value)) for i in items if i.namespace == "hostkeys"]
+
+    def _pin_host_keys(self, inst: Instance) -> None:
+        """Pin the keys the cloud reports for this VM before the first SSH (not under
+        the loopback test seam, where one sshd stands in for every VM)."""
+        if self._nodes.override is not None or not inst.public_address:
+            return
+        keys = self.guest_host_keys(inst.zone, inst.id)
+        pin_host_keys(self.ctx.cluster_dir.known_hosts, inst.public_address, keys)
 
     def _head_zone(self) -> str:
         if self.spec.zones:

@@ -1,0 +1,45 @@
+"""Host keys out of band on AWS: cloud-init's console block parsed and pinned; moto's
+console output has no such block, so nothing is pinned there (trust on first use stays)."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable
+
+import pytest
+
+from spotctl.providers.aws.provider import AwsProvider
+from spotctl.providers.base import Offer
+from spotctl.providers.hostkeys import parse_console_keys
+
+from .conftest import REGION
+
+pytestmark = pytest.mark.aws
+
+ED = base64.b64encode(b"\x00\x00\x00\x0bssh-ed25519\x00\x00\x00\x20" + b"k" * 32).decode()
+CONSOLE = f"""[   12.3] cloud-init[812]: Cloud-init v. 24.1 running 'modules:final'
+ec2: #############################################################
+-----BEGIN SSH HOST KEY KEYS-----
+ssh-ed25519 {ED} root@ip-10-0-0-7
+ssh-rsa not-a-key root@ip-10-0-0-7
+-----END SSH HOST KEY KEYS-----
+ec2: #############################################################
+"""
+
+
+def test_console_block_is_parsed_and_bad_keys_dropped() -> None:
+    assert parse_console_keys(CONSOLE) == [("ssh-ed25519", ED)]
+    assert parse_console_keys("no block here") == []
+    # a block whose key names another type than its line says is refused
+    assert parse_console_keys(CONSOLE.replace("ssh-ed25519 " + ED, "ssh-rsa " + ED)) == []
+
+
+def test_console_without_keys_pins_nothing(make_provider: Callable[..., AwsProvider]) -> None:
+    p = make_provider()
+    offer = Offer(provider="aws", region=REGION, zone=f"{REGION}a", instance_type="g5.xlarge",
+                  gpus=1, gpu_name="A10G", spot_price=0.5)  # fmt: skip
+    [inst] = p.launch(offer, 1, "hk")
+    assert p.console_host_keys(inst.id) == []
+    p._pin_host_keys(inst)
+    assert not p.ctx.cluster_dir.known_hosts.exists()
+    assert p.cleanup() == []
