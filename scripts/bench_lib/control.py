@@ -1,4 +1,5 @@
-"""Control plane: launching 64 nodes on (moto's) EC2, planning 1,000 nodes x 500 offers,
+"""Control plane: launching 64 nodes on (moto's) EC2, bootstrapping 64 nodes over SSH
+(bench_lib.bootstrap: a real loopback sshd and head), planning 1,000 nodes x 500 offers,
 rendering `status` for 64 nodes.
 
 `up` of 64 nodes: spotctl's launch path is what `up` does against the cloud API before
@@ -262,6 +263,44 @@ def time_render(snap: dict[str, Any], as_json: bool) -> float:
     return time.perf_counter() - t
 
 
+def bootstrap_rows(
+    ctx: Context, nodes: int, launch: list[float], launch_base: list[float]
+) -> list[Row]:
+    """SSH bootstrap of `nodes` nodes (spotctl vs serial vs 8 slots held to heartbeat),
+    launch + bootstrap, and the node package build."""
+    from . import bootstrap as bs
+
+    why = bs.available()
+    if why:
+        ctx.log(f"control: SSH bootstrap skipped: {why}")
+        return []
+    n = ctx.reps(1)
+    ctx.log(f"control: SSH bootstrap of {nodes} nodes (loopback sshd, real head), {n} time(s)")
+    t = bs.measure(ctx, nodes, n)
+    ours, serial, old8 = t["spotctl"], t["serial"], t["old8"]
+    k = min(len(ours), len(serial), len(launch), len(launch_base))
+    rows = [
+        row("control", f"bootstrap: {nodes} nodes over SSH", ours, serial, "s",
+            "to the last first heartbeat; spotctl: 32 SSH slots, heartbeats awaited outside "
+            "them; baseline: one host at a time (stand-in agent, deps present: see "
+            "bench_lib/bootstrap.py)"),
+        row("control", f"bootstrap: {nodes} nodes vs 8 slots held", ours, old8, "s",
+            "baseline: the previous scheme, 8 slots each held until its host's heartbeat"),
+        row("control", f"bootstrap: {nodes} nodes, {bs.INSTALL_S:.0f} s installs", t["spotctl+install"],
+            t["old8+install"], "s",
+            "each host's install takes that long on its side (a sleep: a cloud host installs "
+            "on its own CPU); baseline: 8 slots each held until its host's heartbeat"),
+        row("control", f"up: launch + bootstrap {nodes} nodes", [launch[i] + ours[i] for i in range(k)],
+            [launch_base[i] + serial[i] for i in range(k)], "s",
+            "launch row (moto) + bootstrap row, per repetition; baseline: serial both"),
+    ]  # fmt: skip
+    cold, warm = bs.package_times(ctx.work)
+    rows.append(row("control", "node package: wheel + wheelhouse", [warm], [cold], "s",
+                    "spotctl: cached (new process); baseline: cold build (pip wheel of the "
+                    "source tree, dependencies repacked)"))  # fmt: skip
+    return rows
+
+
 def bench(
     ctx: Context,
     nodes: int = 64,
@@ -300,6 +339,7 @@ def bench(
             + (f"; WARNING instance counts {bad}" if bad else ""),
         )
     )
+    rows += bootstrap_rows(ctx, nodes, ours, base)
     ctx.log(f"control: planner {plan_nodes} nodes x {plan_offers} offers")
     time_planner(plan_nodes, plan_offers)  # warm
     pl = [time_planner(plan_nodes, plan_offers) * 1000 for _ in range(max(n, 5))]

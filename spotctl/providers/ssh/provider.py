@@ -104,7 +104,8 @@ class SshProvider:
         )
         self.wait_s = float(opts.get("ssh_wait_s", 120.0))
         self.heartbeat_timeout_s = float(opts.get("ssh_heartbeat_timeout_s", 120.0))
-        self.parallel = int(opts.get("ssh_parallel", 8))
+        # SSH work only: heartbeats are awaited outside these slots (bootstrap_hosts).
+        self.parallel = int(opts.get("ssh_parallel", 32))
         # Upload the training script next to the agent (hosts without the project on disk).
         self.upload_script = bool(opts.get("ssh_upload_script", True))
         # Ship spotctl + the project (see the module docstring); base interpreter on hosts.
