@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 
+from . import ft_session
 from .cluster import INTERVALS, failure_note, sessions
 from .core import Context, Row, row
 
@@ -44,4 +45,4 @@ def bench(
             "baseline workers restart from the last periodic checkpoint"
             + (f"; {failure_note(ours, base)}" if failure_note(ours, base) else ""),
         ),
-    ]
+    ] + ft_session.rows(ctx, nodes, repeat, "join")

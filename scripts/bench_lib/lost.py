@@ -9,6 +9,7 @@ loses what a kill loses, so its kills are the baseline of both rows.
 
 from __future__ import annotations
 
+from . import ft_session
 from .cluster import INTERVALS, failure_note, sessions
 from .core import Context, Row, row
 
@@ -52,4 +53,4 @@ def bench(
                 + (f"; {fail}" if fail else ""),
             )
         )
-    return rows
+    return rows + ft_session.rows(ctx, nodes, repeat, "lost")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 
+from . import ft_session
 from .cluster import INTERVALS, failure_note, join_note, sessions
 from .core import Context, Row, row
 
@@ -55,4 +56,4 @@ def bench(
             "s",
             "spotctl kill, timed from the dead node's last heartbeat, vs the same baseline",
         ),
-    ]
+    ] + ft_session.rows(ctx, nodes, repeat, "recovery")

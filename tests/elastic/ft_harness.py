@@ -33,7 +33,8 @@ def _free_port() -> int:
 
 class FtReplicas:
     def __init__(self, tmp: Path, max_steps: int, every: int = 25, delay: float = 0.03,
-                 engine: str = "torchft", timing: LighthouseTiming | None = None):
+                 engine: str = "torchft", timing: LighthouseTiming | None = None,
+                 script: Path = SCRIPT):
         self.tmp = Path(tmp)
         self.max_steps, self.every, self.delay, self.engine = max_steps, every, delay, engine
         os.environ.setdefault("RUST_LOG", "warn")
@@ -41,6 +42,7 @@ class FtReplicas:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.killed: set[str] = set()
         self.ckpt = self.tmp / "ckpt"
+        self.script = script
 
     def log(self, name: str) -> Path:
         return self.tmp / f"{name}.steps.jsonl"
@@ -61,7 +63,7 @@ class FtReplicas:
         out = open(self.tmp / f"{name}.out", "ab")
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1",
-             "--master-addr=127.0.0.1", f"--master-port={_free_port()}", str(SCRIPT)],
+             "--master-addr=127.0.0.1", f"--master-port={_free_port()}", str(self.script)],
             env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
@@ -138,15 +140,15 @@ class FtReplicas:
             self.lh.stop()
 
 
-def pause_at(steps: list[dict[str, Any]], t_event: float, window: int = 3) -> float:
-    """The longest step gap in the survivor's log from the event to `window` steps after
-    it, minus the median step time (the pause the event added)."""
+def pause_at(steps: list[dict[str, Any]], t_event: float, to_replicas: int) -> float:
+    """The pause a membership change added to a survivor's training: the gap between its
+    last committed step before the change and its first with `to_replicas` replicas (after
+    `t_event`), minus its median step time. A redone step (after a kill) is inside it."""
     ts = [s["t"] for s in steps]
     dts = sorted(b - a for a, b in zip(ts, ts[1:], strict=False))
     median = dts[len(dts) // 2] if dts else 0.0
-    after = [i for i, t in enumerate(ts) if t >= t_event]
-    if not after:
-        return float("nan")
-    i0 = max(1, after[0])
-    worst = max((ts[i] - ts[i - 1] for i in range(i0, min(len(ts), i0 + window))), default=0.0)
-    return max(0.0, worst - median)
+    for i in range(1, len(steps)):
+        if (ts[i] >= t_event and steps[i]["replicas"] == to_replicas
+                and steps[i - 1]["replicas"] != to_replicas):
+            return max(0.0, ts[i] - ts[i - 1] - median)
+    return float("nan")

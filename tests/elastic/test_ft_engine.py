@@ -94,8 +94,8 @@ def test_notice_kill_join_keep_the_trajectory(tmp_path: Path) -> None:
             assert sorted(flat) == sorted(ref[step]["idx"]), step
     # periodic checkpoints went on (for the case every replica dies)
     assert any((tmp_path / "ckpt").glob("*")), "no checkpoint written"
-    print(f"pauses (s): notice {pause_at(logs['r2'], t_notice):.3f} "
-          f"kill {pause_at(logs['r2'], t_kill):.3f} join {pause_at(logs['r2'], t_join):.3f}")
+    print(f"pauses (s): notice {pause_at(logs['r2'], t_notice, 2):.3f} "
+          f"kill {pause_at(logs['r2'], t_kill, 1):.3f} join {pause_at(logs['r2'], t_join, 2):.3f}")
 
 
 def logs_replicas(logs: dict[str, list[dict]], step: int) -> int:
