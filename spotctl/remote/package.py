@@ -165,8 +165,9 @@ def _build_from_source(root: Path, cache: Path) -> Path:
                 shutil.copy2(root / name, src / name)
         ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
         shutil.copytree(root / "spotctl", src / "spotctl", ignore=ignore)
-        if (root / "templates").is_dir():
-            shutil.copytree(root / "templates", src / "templates", ignore=ignore)
+        if (root / "templates").is_dir() and not (src / "spotctl" / "templates").exists():
+            # inside the package, where package-data ships them and _templates_dir looks
+            shutil.copytree(root / "templates", src / "spotctl" / "templates", ignore=ignore)
         built = Path(tmp) / "out"
         r = subprocess.run(
             [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",

@@ -81,6 +81,7 @@ def test_node_package_is_pinned_and_self_contained(tmp_path: Path) -> None:
     (tmp_path / pkg.spotctl_wheel).write_bytes(own)
     with zipfile.ZipFile(tmp_path / pkg.spotctl_wheel) as z:
         assert "spotctl/remote/package.py" in z.namelist()
+        assert "spotctl/templates/bootstrap.sh" in z.namelist()  # self-contained
     # cached: a second call (new process memo aside) reuses the built files
     assert node_package(tmp_path / "cache").key == pkg.key
     assert "pkg/key" in pkg.files()
