@@ -122,9 +122,12 @@ def test_capacity_back_cluster_back_and_simulate_agrees(local_cluster, tmp_path)
         r = _wait_reason(c, "join", 2)
         assert (r["from_world_size"], r["to_world_size"], r["lost_steps"]) == (2, 3, 0), r
         c.steps_advance(world=3, by=5)
-    finally:
+    except BaseException as e:
         watcher.terminate()
         wout, werr = watcher.communicate(timeout=60)
+        raise AssertionError(f"{e}\nwatcher stdout: {wout[-3000:]}\nstderr: {werr[-3000:]}") from e
+    watcher.terminate()
+    wout, werr = watcher.communicate(timeout=60)
     runs = [json.loads(line) for line in wout.splitlines() if line.startswith("{")]
     assert runs, f"watcher printed nothing: {werr[-2000:]}"
     triggered = [x for x in runs if x["trigger"] != ["interval"] and not x.get("skipped")]

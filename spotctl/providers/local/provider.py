@@ -301,10 +301,13 @@ class LocalProvider:
             from spotctl.providers.local import capacity
 
             old = capacity.read_config(self.cdir.path) or {}
-            write_json_atomic(cap_file, {
-                "created_at": created,
-                "schedule": [s.model_dump() for s in self.spec.local.capacity],
-            } | ({"override": old["override"]} if old.get("override") is not None else {}))
+            new = {"created_at": created,
+                   "schedule": [s.model_dump() for s in self.spec.local.capacity]}
+            # rewritten only when the spec changed: a read-modify-write on every reconcile
+            # would race capacity.set_capacity and could put back an old override
+            if {k: old.get(k) for k in new} != new:
+                write_json_atomic(cap_file, new | (
+                    {"override": old["override"]} if old.get("override") is not None else {}))
         else:
             cap_file.unlink(missing_ok=True)
 
