@@ -27,6 +27,7 @@ PERMISSIONS: dict[str, set[str]] = {
     "instances.list": {"compute.instances.list"},
     "instances.aggregatedList": {"compute.instances.list"},
     "instances.get": {"compute.instances.get"},
+    "instances.getGuestAttributes": {"compute.instances.getGuestAttributes"},
     "instances.delete": {"compute.instances.delete"},
     "zoneOperations.get": {"compute.zoneOperations.get"},
     "zoneOperations.wait": {"compute.zoneOperations.get"},
