@@ -127,6 +127,10 @@ def _init_process_group(timeout_s: float, device_id: torch.device | None) -> Non
     except (KeyError, ValueError):
         dist.init_process_group(backend, **kw)
         return
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # plain torchrun's c10d rendezvous: its agent already serves the store there
+        dist.init_process_group(backend, **kw)
+        return
     store = None
     if rank == 0:
         try:
