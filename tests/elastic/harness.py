@@ -89,6 +89,15 @@ def plain_losses(cfg: dict[str, Any]) -> list[float]:
     return out
 
 
+def _make_run(model: nn.Module, opt: Any, sched: Any, counter: Counter, mesh: Any,
+              cfg: dict[str, Any]) -> _TestRun:
+    return _TestRun(model, opt, dataset_size=cfg["n"], global_batch=cfg["batch"],
+                   seed=cfg["seed"], max_steps=cfg["steps"], checkpoint_every=cfg["every"],
+                   checkpoint_dir=cfg["root"], keep_last=3, micro_batch=cfg.get("micro"),
+                   mesh=mesh, dp_dim="dp" if mesh is not None else None, schedulers=[sched],
+                   state={"counter": counter})
+
+
 def _worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -109,11 +118,12 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
     sched = make_sched(opt)
     counter = Counter()
     x, y = data(cfg["n"])
-    run = _TestRun(model, opt, dataset_size=cfg["n"], global_batch=cfg["batch"],
-                   seed=cfg["seed"], max_steps=cfg["steps"], checkpoint_every=cfg["every"],
-                   checkpoint_dir=cfg["root"], keep_last=3, micro_batch=cfg.get("micro"),
-                   mesh=mesh, dp_dim="dp" if mesh is not None else None, schedulers=[sched],
-                   state={"counter": counter})
+    try:
+        run = _make_run(model, opt, sched, counter, mesh, cfg)
+    except elastic.ResumeMismatch as e:
+        dist.destroy_process_group()
+        Path(f"{cfg['out']}.r{rank}").write_text(json.dumps({"end": f"mismatch: {e}"}))
+        return
     out = Path(cfg["out"])
     rec: dict[str, Any] = {"resume": run.resume_step, "counter": counter.n,
                            "lr": opt.param_groups[0]["lr"], "losses": {}, "rand": {}}

@@ -55,3 +55,8 @@ def test_dataloader_workers_ddp_drain_resume_same_world(tmp_path):
     for r in range(2):
         assert b[r]["rand"] == {k: v for k, v in u[r]["rand"].items() if int(k) > 4}
     assert b[0]["rand"] != b[1]["rand"]
+    # resuming with another global batch: one line naming it, nothing trained
+    m = launch(1, {**cfg, "out": str(tmp_path / "m"), "batch": 8})
+    assert m[0]["end"].startswith("mismatch: spotctl.elastic: checkpoint step 8 ")
+    assert "global_batch=7, this run has global_batch=8" in m[0]["end"]
+    assert "\n" not in m[0]["end"]
