@@ -12,7 +12,8 @@ from datetime import timedelta
 
 import torch
 from torch import nn
-from torchft import DistributedDataParallel, Manager, OptimizerWrapper, ProcessGroupGloo
+from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
+from torchft.optim import OptimizerWrapper
 
 DIM, N, BATCH = 6, 512, 16
 
