@@ -92,7 +92,7 @@ def test_capacity_back_cluster_back_and_simulate_agrees(local_cluster, tmp_path)
     c.cli("up", "--wait", "120")
     cdir = c.home / "clusters" / "rebal"
     t_up = c.events("launch")[0]["ts"]
-    c.steps_advance(world=3, by=5, timeout=90)
+    c.steps_advance(world=3, by=5, timeout=240)  # start-up is slow on a loaded machine
     schedule: list[tuple[float, int]] = [(0.0, 3)]
 
     # --- cycle 1: explicit rebalance ---------------------------------------------------
@@ -108,7 +108,7 @@ def test_capacity_back_cluster_back_and_simulate_agrees(local_cluster, tmp_path)
     assert any("cooling down" in n for n in out["notes"]), out["notes"]
     r = _wait_reason(c, "join", 1)
     assert (r["from_world_size"], r["to_world_size"], r["lost_steps"]) == (2, 3, 0), r
-    c.steps_advance(world=3, by=5)
+    c.steps_advance(world=3, by=5, timeout=180)
 
     # --- cycle 2: the event-triggered watcher does it -----------------------------------
     watcher = subprocess.Popen(
@@ -121,7 +121,7 @@ def test_capacity_back_cluster_back_and_simulate_agrees(local_cluster, tmp_path)
         set_capacity(cdir, 3)
         r = _wait_reason(c, "join", 2)
         assert (r["from_world_size"], r["to_world_size"], r["lost_steps"]) == (2, 3, 0), r
-        c.steps_advance(world=3, by=5)
+        c.steps_advance(world=3, by=5, timeout=180)
     except BaseException as e:
         watcher.terminate()
         wout, werr = watcher.communicate(timeout=60)
