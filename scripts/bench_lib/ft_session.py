@@ -50,6 +50,7 @@ def run(ctx: Context, nodes: int, repeat: int | None, bare: bool = False) -> FtF
         from tests.elastic.ft_harness import FtReplicas, pause_at
 
         cycles = ctx.reps(2)
+        tag = "bare torchft" if bare else "torchft"
         out = FtFigures()
         kw = {"script": LIB / "train_torchft_bare.py"} if bare else {}
         c = FtReplicas(ctx.subdir("torchft-bare" if bare else "torchft"), max_steps=1_000_000,
@@ -68,7 +69,7 @@ def run(ctx: Context, nodes: int, repeat: int | None, bare: bool = False) -> FtF
             for n in names:
                 c.start(n)
             nxt = new_joiner()
-            ctx.log(f"torchft{' (bare)' if bare else ''}: {nodes} replica groups starting")
+            ctx.log(f"{tag}: {nodes} replica groups starting")
             c.wait(f"{nodes} replicas in one quorum",
                    lambda: all(any(s["replicas"] == nodes for s in c.steps(n)) for n in names),
                    timeout=300)
@@ -93,7 +94,7 @@ def run(ctx: Context, nodes: int, repeat: int | None, bare: bool = False) -> FtF
                     after = [s["step"] for s in c.steps(witness) if s["t"] > t]
                     out.lost.append(max(0, left_at - (after[0] - 1)) if after else -1)
                 out.notice.append(pause_at(c.steps(witness), t, nodes - 1))
-                ctx.log(f"torchft: notice {i + 1}/{cycles}: {out.notice[-1]:.3f} s")
+                ctx.log(f"{tag}: notice {i + 1}/{cycles}: {out.notice[-1]:.3f} s")
                 t = c.open_gate(nxt)
                 victims.append(nxt)
                 j = nxt
@@ -101,12 +102,12 @@ def run(ctx: Context, nodes: int, repeat: int | None, bare: bool = False) -> FtF
                 nxt = new_joiner()
                 settle()
                 out.join.append(pause_at(c.steps(witness), t, nodes))
-                ctx.log(f"torchft: join {i + 1}/{cycles}: {out.join[-1]:.3f} s")
+                ctx.log(f"{tag}: join {i + 1}/{cycles}: {out.join[-1]:.3f} s")
                 v = victims.pop(0)
                 t = c.kill(v)
                 settle()
                 out.kill.append(pause_at(c.steps(witness), t, nodes - 1))
-                ctx.log(f"torchft: kill {i + 1}/{cycles}: {out.kill[-1]:.3f} s")
+                ctx.log(f"{tag}: kill {i + 1}/{cycles}: {out.kill[-1]:.3f} s")
                 t = c.open_gate(nxt)
                 victims.append(nxt)
                 j = nxt

@@ -1,6 +1,7 @@
-"""Bare torchft, its own example loop (torchft's train_ddp shape): torchft's DDP wrapper
-and OptimizerWrapper, async quorum, each replica draws its own batch (the global batch
-grows and shrinks with membership), no notice path. The baseline of the torchft rows in
+"""Bare torchft, its own example loop (torchft's train_ddp shape): OptimizerWrapper, async
+quorum, gradients averaged with Manager.allreduce (torchft 0.2.0's DDP wrapper asserts in
+its comm hook when a peer is SIGKILLed mid-allreduce, crashing the survivor), each replica
+draws its own batch (the global batch grows and shrinks with membership), no notice path. The baseline of the torchft rows in
 scripts/bench; logs committed steps like tests/elastic/ft_train.py."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from datetime import timedelta
 
 import torch
 from torch import nn
-from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
+from torchft import Manager, ProcessGroupGloo
 from torchft.optim import OptimizerWrapper
 
 DIM, N, BATCH = 6, 512, 16
@@ -42,7 +43,7 @@ def main() -> None:
         replica_id=os.environ.get("SPOTCTL_FT_REPLICA_ID"), timeout=timedelta(seconds=10),
         hostname="127.0.0.1",
     )
-    model = DistributedDataParallel(manager, m)
+    model = m
     opt = OptimizerWrapper(manager, inner)
     max_steps = int(os.environ.get("SPOTCTL_MAX_STEPS", "0")) or 1 << 60
     delay = float(os.environ.get("FT_STEP_DELAY", "0.02"))
@@ -54,6 +55,8 @@ def main() -> None:
         opt.zero_grad()  # starts the quorum (async, overlapping the forward pass)
         loss = ((model(x[idx]) - y[idx]) ** 2).mean()
         loss.backward()
+        for w in [manager.allreduce(p.grad) for p in m.parameters() if p.grad is not None]:
+            w.wait()
         opt.step()  # commit vote
         if manager.current_step() == before + 1:
             out.write(json.dumps({"t": time.time(), "step": manager.current_step(),
