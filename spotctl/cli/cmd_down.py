@@ -25,7 +25,10 @@ def register(app: typer.Typer) -> None:
             raise typer.Abort()
         from spotctl.control.report import fetch_samples
 
-        fetch_samples(store, name)  # a cloud head's samples, for `spotctl report` afterwards
+        try:  # a cloud head's samples, for `spotctl report` afterwards; never blocks cleanup
+            fetch_samples(store, name)
+        except Exception as e:  # noqa: BLE001 - whatever went wrong, `down` must still clean up
+            console(stderr=True).print(f"warning: could not keep the head's samples: {e}")
         leaks = reconcile.down(store, name, progress=_say_waits)
         if json_out:
             print_json({"cluster": name, "leaks": leaks})
