@@ -85,7 +85,6 @@ def _run(world: int, root: Path | str, mode: str, out: Path) -> None:
                        nprocs=world, join=True, start_method="spawn")
 
 
-@pytest.mark.slow  # several gloo process groups
 def _corrupt(root: str, step: int) -> None:
     store = open_store(root)
     if hasattr(store, "fs"):
@@ -96,6 +95,7 @@ def _corrupt(root: str, step: int) -> None:
             f.write_bytes(b"\0" * 10)
 
 
+@pytest.mark.slow  # several gloo process groups
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_commit_prune_reshard_and_fallback(tmp_path, where):
     if where == "s3":
