@@ -26,7 +26,7 @@ import pytest
 
 from spotctl.providers.local.capacity import set_capacity
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 CAPACITY = """
 [rebalance]
