@@ -29,6 +29,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -283,11 +284,10 @@ class SshProvider:
 
         from spotctl.remote import revtunnel
 
-        out: dict[str, HeadInfo] = {}
         api = urlparse(head.url).port or 80
-        for inst in instances:
-            if not self._needs_tunnel(inst):
-                continue
+        need = [i for i in instances if self._needs_tunnel(i)]
+
+        def one(inst: Instance) -> HeadInfo:
             t = self._target(inst)
             spec = revtunnel.TunnelSpec(
                 name=inst.id, address=t.address, port=t.port, user=t.user, key_file=t.key_path,
@@ -295,10 +295,15 @@ class SshProvider:
                 local_store=head.store_port,
             )  # fmt: skip
             rapi, rstore = revtunnel.ensure(self.cdir.path / TUNNELS_DIR, spec)
-            out[inst.id] = dataclasses.replace(
+            return dataclasses.replace(
                 head, url=f"http://127.0.0.1:{rapi}", store_host="127.0.0.1", store_port=rstore
             )
-        return out
+
+        if not need:
+            return {}
+        # as many at a time as SSH slots (first contacts pin keys under a file lock)
+        with ThreadPoolExecutor(max_workers=max(1, min(self.parallel, len(need)))) as pool:
+            return dict(zip([i.id for i in need], pool.map(one, need), strict=True))
 
     def _package(self) -> tuple[NodePackage | None, Project | None]:
         if not self.deliver:
