@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -54,6 +55,19 @@ def test_notice_join_gcp_kill_cycle(local_cluster):
     assert {"imports", "process_group", "restore", "first_step", "started_at"} <= set(ws), r
     assert 0 < r["worker_spawned_after_s"] < r["notice_to_resume_s"], r
     assert all(ws[k] >= 0 for k in ("imports", "process_group", "restore", "first_step")), r
+    # README: the leaving node is out of the rendezvous (or silent for 4 s: counted out)
+    # before the survivors are released, and the survivors' workers then exit non-zero
+    # (torchrun restarts them into the new round)
+    evs = c.events()
+    notice1 = next(e for e in evs if e["type"] == "notice" and e["node"] == "n1")
+    out = min(e["ts"] for e in evs if e.get("node") == "n1" and e["ts"] >= notice1["ts"]
+              and e["type"] in ("leave", "node-unresponsive"))
+    release = next(e for e in evs if e["type"] == "drain-release" and e["ts"] >= notice1["ts"])
+    assert out <= release["ts"] and release["why"] == "leavers gone", (out, release, evs[-20:])
+    for n in ("n2", "n3"):
+        codes = re.findall(r"failed \(exitcode: (-?\d+)\)",
+                           (c.cluster_dir / "nodes" / n / "torchrun.log").read_text())
+        assert codes and all(int(x) != 0 for x in codes), (n, codes)
     c.assert_one_world(c.steps_advance(world=2, by=10))
 
     # 2. join: `up` reconciles back to 3 GPUs; the newcomer enters through a drain
@@ -141,11 +155,18 @@ def _check_matches_uninterrupted(c, step: int) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
 
+    # train.py reads its sizes at import: set them for the import only (no leak into the
+    # environment of later tests' clusters)
+    saved = dict(os.environ)
     os.environ.update(TRAIN_DATASET_SIZE=str(N), TRAIN_GLOBAL_BATCH=str(G), TRAIN_STEP_SLEEP_S="0",
                       TRAIN_OPTIM=OPTIM)
-    spec = importlib.util.spec_from_file_location("train_ref", c.project / "train.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    try:
+        spec = importlib.util.spec_from_file_location("train_ref", c.project / "train.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     from spotctl.elastic import epoch_permutation
 
     # plain single-process training of the template's model (optimizer + LR schedule)
