@@ -125,6 +125,12 @@ def host_user() -> str:
         pytest.skip("needs root with useradd and runuser to make a throwaway host account")
     if not Path(SYSTEM_PY).exists():
         pytest.skip(f"needs {SYSTEM_PY} for the image python")
+    ver = subprocess.run([SYSTEM_PY, "-c", "import sys, ensurepip; print(sys.version_info[:2])"],
+                         capture_output=True, text=True)  # fmt: skip
+    if ver.returncode != 0 or ver.stdout.strip() != str(sys.version_info[:2]):
+        # the image borrows this venv's torch build, which needs the same Python and venv
+        pytest.skip(f"{SYSTEM_PY} is not Python {sys.version_info[0]}.{sys.version_info[1]} "
+                    "with ensurepip (python3-venv)")  # fmt: skip
     _ensure_user()
     _ensure_image()
     shutil.rmtree(HOME / ".spotctl", ignore_errors=True)
