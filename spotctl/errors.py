@@ -30,6 +30,10 @@ class StateError(SpotctlError):
     exit_code = 4
 
 
+class LockHeld(StateError):
+    """Another process holds a cluster lock that was asked for without waiting."""
+
+
 class ProviderError(SpotctlError):
     """Base of the errors a provider raises. `retryable` says whether backoff may help."""
 

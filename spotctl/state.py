@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spotctl.errors import NotFoundError, StateError
+from spotctl.errors import LockHeld, NotFoundError, StateError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS clusters (
@@ -211,7 +211,7 @@ class ClusterDir:
             except BlockingIOError:
                 holder = lock_holder(path)
                 if not wait:
-                    raise StateError(
+                    raise LockHeld(
                         f"cluster {self.name}: another {what} is running ({holder})"
                     ) from None
                 if on_wait is not None:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from spotctl.control import reconcile
-from spotctl.errors import NotFoundError, StateError
+from spotctl.errors import LockHeld, NotFoundError
 from spotctl.head.client import HeadUnavailable
 from spotctl.spec import ClusterSpec
 from spotctl.state import Store
@@ -40,9 +40,7 @@ def rebalance_once(store: Store, name: str, spec: ClusterSpec) -> dict[str, Any]
     try:
         with store.cluster_dir(name).lock("rebalance", wait=False):
             return reconcile.reconcile(store, spec, create=False).to_json()
-    except StateError as err:
-        if "lock held" not in str(err):
-            raise
+    except LockHeld as err:
         return {"cluster": name, "skipped": True, "reason": str(err)}
 
 

@@ -24,7 +24,7 @@ def test_rebalance_once_steps_aside_while_cron_holds_the_lock(store: Store) -> N
     spec = ClusterSpec.model_validate({"name": "w", "provider": "local", "gpus": "1..2"})
     with store.cluster_dir("w").lock("rebalance", wait=False):
         out = trigger.rebalance_once(store, "w", spec)
-    assert out["skipped"] is True and "lock held" in out["reason"]
+    assert out["skipped"] is True and "another rebalance is running" in out["reason"]
 
 
 def test_watch_runs_on_trigger_events_and_interval(store: Store, monkeypatch) -> None:
