@@ -67,11 +67,18 @@ def test_control_smoke(tmp_path: Path) -> None:
 
     ctx = _ctx(tmp_path)
     rows = control.bench(ctx, nodes=3, plan_nodes=40, plan_offers=12, repeat=1)
-    _check(rows, "control", 3)
-    up, planner, status = rows
+    from bench_lib import bootstrap as bs
+
+    # launch, [4 SSH bootstrap rows + the node package row when sshd is here], planner, status
+    _check(rows, "control", 3 if bs.available() else 8)
+    up, *boot, planner, status = rows
     assert up.baseline is not None and status.baseline is not None
     assert planner.baseline is None
     assert "WARNING" not in up.note  # both paths ended with 3 instances running
+    assert all(r.baseline is not None for r in boot)
+    assert [r.metric.split(":")[0] for r in boot] == (
+        [] if bs.available() else ["bootstrap"] * 3 + ["up", "node package"]
+    )
 
 
 @pytest.mark.slow  # runs a benchmark (moto / gloo)
