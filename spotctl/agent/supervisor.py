@@ -257,16 +257,31 @@ class Agent:
         self.state = "leaving"
         self._heartbeat()
         pid = self.torchrun.pid if self.torchrun else None
-        self.stop_torchrun()
-        if pid is not None:
-            try:
-                from spotctl.elastic.rdzv import leave_rendezvous
+        # Keep heartbeating while torchrun stops: a leaver silent for the head's
+        # unresponsive timeout would be declared gone, and the survivors released before
+        # it is out of the rendezvous (seen under load).
+        done = threading.Event()
 
-                ok = leave_rendezvous(self.cfg.store_host, self.cfg.store_port, self.cfg.cluster,
-                                      self.cfg.local_addr, pid)
-                log.info("left the rendezvous (%s)", "ok" if ok else "still listed")
-            except Exception as e:  # the keep-alive expiry removes it anyway
-                log.warning("rendezvous leave failed: %s", e)
+        def keep_alive() -> None:
+            while not done.wait(1.0):
+                self._heartbeat()
+
+        beat = threading.Thread(target=keep_alive, name="leave-heartbeat", daemon=True)
+        beat.start()
+        try:
+            self.stop_torchrun()
+            if pid is not None:
+                try:
+                    from spotctl.elastic.rdzv import leave_rendezvous
+
+                    ok = leave_rendezvous(self.cfg.store_host, self.cfg.store_port,
+                                          self.cfg.cluster, self.cfg.local_addr, pid)
+                    log.info("left the rendezvous (%s)", "ok" if ok else "still listed")
+                except Exception as e:  # the keep-alive expiry removes it anyway
+                    log.warning("rendezvous leave failed: %s", e)
+        finally:
+            done.set()
+            beat.join(5)
         self.torchrun = None
         self.state = "left"
         self._heartbeat()
