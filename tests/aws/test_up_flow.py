@@ -112,7 +112,7 @@ class Flow:
         # `up --json` phases: JSON lines on stderr, per offer, then per node
         phases = [json.loads(x) for x in p.stderr.splitlines() if x.startswith('{"phase"')]
         assert any(x["phase"] == "launching" for x in phases), p.stderr
-        if provider == "aws":  # its bootstrap reports each host as it finishes
+        if provider in ("aws", "gcp"):  # their bootstrap reports each host as it finishes
             done = [x for x in phases if x["phase"] == "bootstrapped"]
             assert sorted(x["node"] for x in done) == sorted(up["launched"]), p.stderr
         deadline = time.monotonic() + 240

@@ -59,7 +59,7 @@ from spotctl.providers.gcp.api import (
 )
 from spotctl.providers.gcp.check import GcpChecks
 from spotctl.providers.hostkeys import pin_host_keys
-from spotctl.remote.bootstrap import HostResult
+from spotctl.remote.bootstrap import HostProgress, HostResult
 
 
 class GcpProvider(GcpChecks):
@@ -115,7 +115,9 @@ class GcpProvider(GcpChecks):
         self._head = self._nodes.head(head, self._head_process, "gcp")
         return self._head
 
-    def bootstrap(self, instances: Sequence[Instance]) -> builtins.list[HostResult]:
+    def bootstrap(
+        self, instances: Sequence[Instance], progress: HostProgress | None = None
+    ) -> builtins.list[HostResult]:
         """Make launched workers nodes over SSH: wait until each runs with an address,
         start its agent (GCP metadata notices), confirm its first heartbeat at the head.
         Per-host results; one host failing never hides the others."""
@@ -134,7 +136,15 @@ class GcpProvider(GcpChecks):
         ]
         for inst in ready:
             self._pin_host_keys(inst)
-        return missing + self._nodes.bootstrap(ready, head)
+
+        def each(r: HostResult, n: int, _total: int) -> None:  # counted over every host
+            if progress is not None:
+                progress(r, len(missing) + n, len(instances))
+
+        for i, r in enumerate(missing, 1):
+            if progress is not None:
+                progress(r, i, len(instances))
+        return missing + self._nodes.bootstrap(ready, head, progress=each)
 
     def guest_host_keys(self, zone: str, name: str) -> builtins.list[tuple[str, str]]:
         """The VM's SSH host keys from its guest attributes (hostkeys/), [] until the
