@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from spotctl.errors import BootstrapError
+from spotctl.remote.tunnel import pump
 
 __all__ = ["TunnelSpec", "ensure", "stop", "stop_all"]
 
@@ -136,27 +136,6 @@ def stop_all(base: Path) -> None:
 # ---- the tunnel process ------------------------------------------------------------------
 
 
-def _pump(chan: Any, sock: socket.socket) -> None:
-    try:
-        while True:
-            r, _, _ = select.select([sock, chan], [], [], 30)
-            if sock in r:
-                data = sock.recv(65536)
-                if not data:
-                    break
-                chan.sendall(data)
-            if chan in r:
-                data = chan.recv(65536)
-                if not data:
-                    break
-                sock.sendall(data)
-    except OSError:
-        pass
-    finally:
-        chan.close()
-        sock.close()
-
-
 def _serve(spec: TunnelSpec, spec_path: Path, state_path: Path) -> None:
     from spotctl.remote.ssh import HostTarget, connect
 
@@ -178,7 +157,7 @@ def _serve(spec: TunnelSpec, spec_path: Path, state_path: Path) -> None:
         except OSError:
             chan.close()
             return
-        threading.Thread(target=_pump, args=(chan, sock), daemon=True).start()
+        threading.Thread(target=pump, args=(chan, sock), daemon=True).start()
 
     api = transport.request_port_forward("127.0.0.1", spec.remote_api, handler)
     to_local[int(api)] = spec.local_api

@@ -16,7 +16,9 @@ _tunnels: dict[tuple[str, int, int], tuple[Any, int]] = {}
 _lock = threading.Lock()
 
 
-def _pump(chan: Any, sock: socket.socket) -> None:
+def pump(chan: Any, sock: socket.socket) -> None:
+    """Copy bytes both ways between an SSH channel and a socket until either closes
+    (the controller's forward here, the ssh provider's reverse forward in revtunnel)."""
     try:
         while True:
             r, _, _ = select.select([sock, chan], [], [], 30)
@@ -70,7 +72,7 @@ def local_url(tunnel: dict[str, Any], known_hosts: Path) -> str:
                 except Exception:
                     sock.close()
                     continue
-                threading.Thread(target=_pump, args=(chan, sock), daemon=True).start()
+                threading.Thread(target=pump, args=(chan, sock), daemon=True).start()
 
         threading.Thread(target=serve, daemon=True, name="head-tunnel").start()
         _tunnels[key] = (conn, port)
