@@ -259,6 +259,52 @@ class Run:
         state: dict[str, Any] | None = None,
         timeout_s: float | None = None,
     ):
+        t_init = self._setup(
+            model, optimizer, dataset_size, global_batch, seed, epochs, max_steps,
+            checkpoint_every, checkpoint_dir, keep_last, micro_batch=micro_batch, mesh=mesh,
+            dp_dim=dp_dim, schedulers=schedulers, scaler=scaler, state=state, timeout_s=timeout_s,
+        )  # fmt: skip
+        t_restore = time.time()
+        self.resume_step = self._restore()
+        t_ready = time.time()
+        # where a restart's time goes (seconds): interpreter + imports, process group and
+        # model setup, checkpoint load; `first_step` is added after the first step
+        # a worker forked from the warm zygote starts after the imports: they cost it 0
+        t_proc = _process_start_time()
+        self.startup = {
+            "imports": round(max(0.0, _T_IMPORTED - t_proc), 3),
+            "process_group": round(t_restore - t_init, 3),
+            "restore": round(t_ready - t_restore, 3),
+            "started_at": round(t_proc, 3),
+            "forked_warm": t_proc > _T_IMPORTED,
+        }
+        self._t_ready = t_ready
+        self.phase = "train"
+        self._report(force=True)
+
+    def _setup(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
+        dataset_size: int,
+        global_batch: int,
+        seed: int = 0,
+        epochs: int = 1_000_000,
+        max_steps: int | None = None,
+        checkpoint_every: int | None = None,
+        checkpoint_dir: str | None = None,
+        keep_last: int | None = None,
+        *,
+        micro_batch: int | None = None,
+        mesh: Any = None,
+        dp_dim: str | tuple[str, ...] | None = None,
+        schedulers: Any = (),
+        scaler: Any = None,
+        state: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> float:
+        """What both engines set up before restoring: process groups, wrappers, the
+        training state's parts, the checkpointer. Returns when it started."""
         env = os.environ
         if dataset_size < 1 or global_batch < 1:
             raise ValueError("dataset_size and global_batch must be >= 1")
@@ -276,10 +322,13 @@ class Run:
         # never a device synchronisation
         self.ctl_pg = dist.new_group(backend="gloo", timeout=t)
         self.ckpt_pg = dist.new_group(backend="gloo", timeout=t)
+        # data-parallel coordinates inside this process group (the torchft engine scales
+        # them by the replicas of each step's quorum)
         if mesh is not None:
-            self.dp_rank, self.dp_world = _dp_coords(mesh, dp_dim)
+            self.local_dp_rank, self.local_dp_world = _dp_coords(mesh, dp_dim)
         else:
-            self.dp_rank, self.dp_world = self.rank, self.world
+            self.local_dp_rank, self.local_dp_world = self.rank, self.world
+        self.dp_rank, self.dp_world = self.local_dp_rank, self.local_dp_world
         self.model = self._wrap(model)
         self.optimizer = optimizer
         self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -313,23 +362,7 @@ class Run:
         self._perm = PermutationCache(dataset_size, seed)
         self._drain_work: Any = None
         self._drain_flag = torch.zeros(1, dtype=torch.int32)
-        t_restore = time.time()
-        self.resume_step = self._restore()
-        t_ready = time.time()
-        # where a restart's time goes (seconds): interpreter + imports, process group and
-        # model setup, checkpoint load; `first_step` is added after the first step
-        # a worker forked from the warm zygote starts after the imports: they cost it 0
-        t_proc = _process_start_time()
-        self.startup = {
-            "imports": round(max(0.0, _T_IMPORTED - t_proc), 3),
-            "process_group": round(t_restore - t_init, 3),
-            "restore": round(t_ready - t_restore, 3),
-            "started_at": round(t_proc, 3),
-            "forked_warm": t_proc > _T_IMPORTED,
-        }
-        self._t_ready = t_ready
-        self.phase = "train"
-        self._report(force=True)
+        return t_init
 
     # -- setup
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from datetime import timedelta
@@ -45,17 +44,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from spotctl.elastic import (
-    PG_TIMEOUT_S,
     REPORT_EVERY_S,
-    Checkpointer,
-    PermutationCache,
     Run,
-    _dp_coords,
     _is_sharded,
     _process_start_time,
     _rng_state,
     _set_rng_state,
-    init,
 )
 
 log = logging.getLogger("spotctl.elastic.ft")
@@ -128,68 +122,21 @@ class FtRun(Run):
         state: dict[str, Any] | None = None,
         timeout_s: float | None = None,
     ):
-        from pathlib import Path
 
         from torchft import Manager, ProcessGroupGloo
         from torchft import manager as ft_manager
         from torchft.checkpointing.pg_transport import PGTransport
 
         env = os.environ
-        if dataset_size < 1 or global_batch < 1:
-            raise ValueError("dataset_size and global_batch must be >= 1")
-        if micro_batch is not None and micro_batch < 1:
-            raise ValueError(f"micro_batch must be >= 1, not {micro_batch}")
         if not env.get("TORCHFT_LIGHTHOUSE"):
             raise SystemExit("spotctl.elastic: SPOTCTL_ENGINE=torchft needs TORCHFT_LIGHTHOUSE "
                              "(the head's Lighthouse address; the agent sets it)")
-        self.drain_requested = False
-        signal.signal(signal.SIGUSR1, self._on_drain_signal)
-        t_init = time.time()
-        self.device = init(timeout_s)  # the replica group's own process group
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
-        self.local_rank = int(env.get("LOCAL_RANK", "0"))
-        t = timedelta(seconds=timeout_s or PG_TIMEOUT_S)
-        self.ctl_pg = dist.new_group(backend="gloo", timeout=t)
-        self.ckpt_pg = dist.new_group(backend="gloo", timeout=t)
-        if mesh is not None:
-            self.local_dp_rank, self.local_dp_world = _dp_coords(mesh, dp_dim)
-        else:
-            self.local_dp_rank, self.local_dp_world = self.rank, self.world
-        self.dp_rank, self.dp_world = self.local_dp_rank, self.local_dp_world
-        self.model = self._wrap(model)
-        self.optimizer = optimizer
-        self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-        self.schedulers = ([schedulers] if hasattr(schedulers, "state_dict")
-                           else list(schedulers or ()))
-        self.scaler = scaler
-        self.user_state = dict(state or {})
-        self.dataset_size = dataset_size
-        self.global_batch = global_batch
-        self.micro_batch = micro_batch
-        self.seed = seed
-        self.epochs = epochs
-        self.max_steps = max_steps if max_steps is not None else int(env.get("SPOTCTL_MAX_STEPS", "0"))
-        self.every = checkpoint_every or int(env.get("SPOTCTL_CHECKPOINT_EVERY", "20"))
-        root = checkpoint_dir or env.get("SPOTCTL_CHECKPOINT_DIR") or "checkpoints"
-        self.ckpt = Checkpointer(root, keep_last or int(env.get("SPOTCTL_KEEP_LAST", "3")),
-                                 self.rank, self.ckpt_pg)
-        self.status_dir = Path(env["SPOTCTL_STATUS_DIR"]) if env.get("SPOTCTL_STATUS_DIR") else None
-        self.incarnation = self._make_incarnation()
-        self.step = 0
-        self.epoch = 0
-        self.offset = 0
-        self.phase = "init"
-        self.loss: float | None = None
-        self.first_step_at: float | None = None
-        self._t_last_report = 0.0
-        self._rate_t0 = time.time()
-        self._rate_samples = 0
-        self.throughput: float | None = None
-        self.drain_step: int | None = None
-        self._perm = PermutationCache(dataset_size, seed)
-        self._drain_work: Any = None
-        self._drain_flag = torch.zeros(1, dtype=torch.int32)
+        # the replica group's own process group, wrappers, state parts, checkpointer
+        t_init = self._setup(
+            model, optimizer, dataset_size, global_batch, seed, epochs, max_steps,
+            checkpoint_every, checkpoint_dir, keep_last, micro_batch=micro_batch, mesh=mesh,
+            dp_dim=dp_dim, schedulers=schedulers, scaler=scaler, state=state, timeout_s=timeout_s,
+        )  # fmt: skip
         # per step: the commit vote (None until taken) and the quorum's shape
         self._decision: bool | None = None
         self.replicas = 0
