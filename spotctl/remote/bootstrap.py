@@ -837,15 +837,27 @@ class CloudNodes:
         )  # fmt: skip
 
     def bootstrap(
-        self, instances: Sequence[Instance], head: HeadInfo, *, progress: HostProgress | None = None
+        self, instances: Sequence[Instance], head: HeadInfo, *,
+        progress: HostProgress | None = None, failed: Sequence[HostResult] = (),
     ) -> list[HostResult]:
-        """Agents on the workers; a host is ok once its agent heartbeats at the head."""
+        """Agents on the workers; a host is ok once its agent heartbeats at the head.
+        `failed`: hosts the provider already gave up on (never running, no address); they
+        come first in the results and in the progress count."""
+        total = len(failed) + len(instances)
+        for i, r in enumerate(failed, 1):
+            if progress is not None:
+                progress(r, i, total)
+
+        def each(r: HostResult, n: int, _total: int) -> None:
+            if progress is not None:
+                progress(r, len(failed) + n, total)
+
         package, project = self.package()
-        return bootstrap_agents(
+        return list(failed) + bootstrap_agents(
             instances, {i.id: self.target(i) for i in instances},
             lambda i: self.agent_config(i, head), self.token(), self.known_hosts,
             python=self.python, probe_url=controller_url(head, self.known_hosts),
-            parallel=self.parallel, progress=progress, wait_s=self.wait_s,
+            parallel=self.parallel, progress=each, wait_s=self.wait_s,
             heartbeat_timeout_s=self.heartbeat_timeout_s, package=package, project=project,
         )  # fmt: skip
 

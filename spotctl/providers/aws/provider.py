@@ -137,14 +137,7 @@ class AwsProvider(AwsChecks):
                 failed.append(HostResult(inst.id, False, str(e), False, 0.0))
         for inst in ready:
             self._pin_host_keys(inst)
-        def each(r: HostResult, n: int, _total: int) -> None:  # counted over every host
-            if progress is not None:
-                progress(r, len(failed) + n, len(instances))
-
-        for i, r in enumerate(failed, 1):
-            if progress is not None:
-                progress(r, i, len(instances))
-        return failed + self._nodes.bootstrap(ready, head, progress=each)
+        return self._nodes.bootstrap(ready, head, progress=progress, failed=failed)
 
     def console_host_keys(self, instance_id: str) -> builtins.list[tuple[str, str]]:
         """The instance's SSH host keys as cloud-init printed them on its console, [] while

@@ -136,15 +136,7 @@ class GcpProvider(GcpChecks):
         ]
         for inst in ready:
             self._pin_host_keys(inst)
-
-        def each(r: HostResult, n: int, _total: int) -> None:  # counted over every host
-            if progress is not None:
-                progress(r, len(missing) + n, len(instances))
-
-        for i, r in enumerate(missing, 1):
-            if progress is not None:
-                progress(r, i, len(instances))
-        return missing + self._nodes.bootstrap(ready, head, progress=each)
+        return self._nodes.bootstrap(ready, head, progress=progress, failed=missing)
 
     def guest_host_keys(self, zone: str, name: str) -> builtins.list[tuple[str, str]]:
         """The VM's SSH host keys from its guest attributes (hostkeys/), [] until the
