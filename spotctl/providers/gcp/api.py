@@ -334,6 +334,15 @@ class GcpApi:
                 delay *= 2
         raise AssertionError("unreachable")
 
+    def _get_vm(self, zone: str, name: str, *, missing_ok: bool = False) -> Any:
+        """One VM's resource (None when gone and `missing_ok`); retries as `_call`."""
+        return self._call(
+            f"get {name}",
+            partial(self.clients.instances.get, project=self.project, zone=zone,
+                    instance=name, retry=None),
+            missing_ok=missing_ok,
+        )  # fmt: skip
+
     def _wait(self, op: Any, what: str, zone: str | None) -> ProviderError | None:
         """Wait for an operation through our own operations client; return its error."""
         from google.cloud import compute_v1

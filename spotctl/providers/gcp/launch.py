@@ -249,17 +249,7 @@ class GcpLaunch(GcpOffers, GcpNetwork):
                 ):
                     failure.error = err
                 continue
-            vm = self._call(
-                f"get {name}",
-                partial(
-                    self.clients.instances.get,
-                    project=self.project,
-                    zone=zone,
-                    instance=name,
-                    retry=None,
-                ),
-                missing_ok=True,
-            )
+            vm = self._get_vm(zone, name, missing_ok=True)
             if vm is not None:
                 self._zone_of[name] = zone
                 created.append(self._to_instance(vm))

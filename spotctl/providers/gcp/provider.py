@@ -98,16 +98,7 @@ class GcpProvider(GcpChecks):
                 err = self._wait(op, f"create head {name} in {zone}", zone)
                 if err is not None:
                     raise err
-            vm = self._call(
-                f"get {name}",
-                partial(
-                    self.clients.instances.get,
-                    project=self.project,
-                    zone=zone,
-                    instance=name,
-                    retry=None,
-                ),
-            )
+            vm = self._get_vm(zone, name)
         else:
             vm = live[0]
         head = self._to_instance(vm)
