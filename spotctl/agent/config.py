@@ -44,6 +44,10 @@ class AgentConfig:
     metadata_url: str = ""  # e.g. http://169.254.169.254 (aws) or http://metadata.google.internal
     notice_file: str = ""
     poll_interval_s: float = 2.0  # metadata poll interval (aws spec: 2 s)
+    # The unprivileged user training workers (torchrun, the zygote and every worker) run
+    # as, when the agent runs as root: they then cannot read the node token. "" = the
+    # agent's own user. Ignored (with a warning) when the agent is not root.
+    run_as: str = ""
 
     def __post_init__(self) -> None:
         if self.metadata not in METADATA_STYLES:

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from spotctl.agent import runas
 from spotctl.agent.config import AgentConfig
 from spotctl.head.client import HeadClient, HeadUnavailable
 
@@ -74,14 +75,18 @@ def _free_port(host: str) -> int:
     return port
 
 
-def _zygote_path(workdir: Path) -> Path:
-    """A short socket path (unix socket paths are limited to 107 bytes) in a 0700 dir."""
+def _zygote_path(workdir: Path, worker: runas.WorkerUser | None = None) -> Path:
+    """A short socket path (unix socket paths are limited to 107 bytes) in a 0700 dir of
+    the user the zygote and its workers run as."""
     import hashlib
     import tempfile
 
-    d = Path(tempfile.gettempdir()) / f"spotctl-{os.getuid()}"
-    d.mkdir(mode=0o700, exist_ok=True)
-    os.chmod(d, 0o700)
+    d = Path(tempfile.gettempdir()) / f"spotctl-{worker.uid if worker else os.getuid()}"
+    if worker is None:
+        d.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(d, 0o700)
+    else:
+        runas.own_dir(d, worker)
     key = hashlib.sha256(str(workdir.resolve()).encode()).hexdigest()[:16]
     return d / f"z-{key}.sock"
 
@@ -92,9 +97,14 @@ class Agent:
         self.workdir = Path(cfg.workdir)
         self.status_dir = self.workdir / "status"
         self.status_dir.mkdir(parents=True, exist_ok=True)
-        self.gate = self.workdir / "rdzv-gate"
+        # torchrun's rendezvous handler writes `<gate>.ready`: the gate lives where the
+        # workers may write, next to their status files
+        self.gate = self.status_dir / "rdzv-gate"
+        self.worker = runas.resolve(cfg.run_as)
+        if self.worker is not None:
+            self._prepare_worker_dirs(self.worker)
         self.zygote: subprocess.Popen[bytes] | None = None
-        self.zygote_path = _zygote_path(self.workdir)
+        self.zygote_path = _zygote_path(self.workdir, self.worker)
         self.head = HeadClient(cfg.head_url, cfg.token(), timeout_s=2.0)
         self.state = "waiting"
         self.torchrun: subprocess.Popen[bytes] | None = None
@@ -110,6 +120,33 @@ class Agent:
         self.next_start = 0.0
         self.head_id: str | None = None
         self._warm = threading.Thread(target=self._import_torch, daemon=True)
+
+    def _prepare_worker_dirs(self, w: runas.WorkerUser) -> None:
+        """Workers run as `w`: they write only their status dir (and a local checkpoint
+        dir) and may traverse the workdir, whose logs stay the agent's."""
+        runas.allow_search(self.workdir)
+        runas.own_dir(self.status_dir, w)
+        ck = self.cfg.checkpoint_dir
+        if ck and "://" not in ck:
+            ckp = Path(ck)
+            if not ckp.exists():
+                runas.own_dir(ckp, w, 0o755)
+            elif ckp.stat().st_uid != w.uid:
+                os.chown(ckp, w.uid, w.gid, follow_symlinks=False)
+        script = Path(self.cfg.script) if self.cfg.script else None
+        want = {str(self.workdir): os.X_OK, str(self.status_dir): os.W_OK | os.X_OK,
+                self.cfg.python or sys.executable: os.X_OK}
+        if script is not None:
+            want[str(script)] = os.R_OK
+            want[str(script.parent)] = os.X_OK
+        if ck and "://" not in ck:
+            want[ck] = os.W_OK | os.X_OK
+        bad = runas.unreachable(w, want)
+        if bad:
+            log.error("training workers run as %s, who cannot use %s: give that user "
+                      "access (search on the directories above) or clear run_as",
+                      w.name, ", ".join(bad))
+        log.info("training workers run as %s (uid %d)", w.name, w.uid)
 
     @staticmethod
     def _import_torch() -> None:
@@ -160,10 +197,13 @@ class Agent:
     def read_workers(self) -> list[dict[str, Any]]:
         out = []
         for p in sorted(self.status_dir.glob("worker-*.json")):
+            raw = runas.read_status(p)
             try:
-                out.append(json.loads(p.read_text()))
-            except (OSError, ValueError):
+                w = json.loads(raw) if raw is not None else None
+            except ValueError:
                 continue
+            if isinstance(w, dict):
+                out.append(w)
         return out
 
     def _live_workers(self, workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -177,8 +217,12 @@ class Agent:
     def signal_workers(self, sig: int, workers: list[dict[str, Any]]) -> None:
         for w in workers:
             try:
-                os.kill(int(w["pid"]), sig)
-            except (ProcessLookupError, KeyError, ValueError, PermissionError):
+                pid = int(w["pid"])
+                # a root agent signals only its workers' processes, whatever pid a
+                # status file (written by a worker) names
+                if pid > 0 and (self.worker is None or self.worker.owns(pid)):
+                    os.kill(pid, sig)
+            except (ProcessLookupError, KeyError, ValueError, TypeError, PermissionError):
                 pass
 
     def start_torchrun(self) -> None:
@@ -202,6 +246,8 @@ class Agent:
             OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
             PYTHONUNBUFFERED="1",
         )
+        if self.worker is not None:
+            self.worker.env(env)
         port = 0
         if cfg.engine == "torchft":
             port = _free_port(cfg.local_addr)
@@ -213,6 +259,7 @@ class Agent:
         self.torchrun = subprocess.Popen(
             torchrun_command(cfg, port), cwd=str(Path(cfg.script).parent), env=env,
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            **(self.worker.popen_kwargs() if self.worker else {}),
         )
         out.close()
         log.info("torchrun started (pid %s), gate %s", self.torchrun.pid,
@@ -228,11 +275,14 @@ class Agent:
         self.zygote_path.unlink(missing_ok=True)
         env = worker_env(os.environ, self.head.token)
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+        if self.worker is not None:
+            self.worker.env(env)
         log_f = open(self.workdir / "zygote.log", "ab")
         self.zygote = subprocess.Popen(
             [self.cfg.python or sys.executable, "-m", "spotctl.agent.zygote",
              str(self.zygote_path)], env=env, stdout=log_f, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, cwd=str(self.workdir),
+            **(self.worker.popen_kwargs() if self.worker else {}),
         )
         log_f.close()
         return str(self.zygote_path)
@@ -347,7 +397,7 @@ class Agent:
                 # start early behind the closed gate: imports overlap the group's drain
                 self.start_torchrun()
             if self.torchrun is not None and reply.get("go"):
-                self.gate.touch()
+                runas.touch(self.gate)
                 self.state = "running"
             return
         if self.state != "running":

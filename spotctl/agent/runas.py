@@ -1,0 +1,131 @@
+"""Training workers as an unprivileged user: when the agent runs as root (a cloud VM's
+systemd unit), torchrun, the warm zygote and every worker run as `AgentConfig.run_as`,
+who cannot read the node token (0600, the agent's) or anything else private to the agent.
+
+The drop happens in the child between fork and exec (subprocess's user/group/extra_groups:
+setgroups(initgroups list), setregid, setreuid), so nothing of the child runs privileged
+code of its own. The agent keeps root to signal its workers, and reads what workers write
+(status files, the rendezvous gate) without following links or blocking on FIFOs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pwd
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("spotctl.agent")
+MAX_STATUS_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class WorkerUser:
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    home: str
+
+    def popen_kwargs(self) -> dict[str, Any]:
+        return {"user": self.uid, "group": self.gid, "extra_groups": list(self.groups)}
+
+    def env(self, env: dict[str, str]) -> dict[str, str]:
+        env.update(HOME=self.home, USER=self.name, LOGNAME=self.name)
+        return env
+
+    def owns(self, pid: int) -> bool:
+        """Whether `pid` runs as this user (the agent signals nothing else)."""
+        try:
+            return os.stat(f"/proc/{pid}").st_uid == self.uid
+        except OSError:
+            return False
+
+
+def resolve(run_as: str) -> WorkerUser | None:
+    """The user workers run as, or None when they run as the agent's own user (no run_as,
+    or the agent is not root and so cannot switch)."""
+    if not run_as:
+        return None
+    if os.geteuid() != 0:
+        log.warning("run_as=%s ignored: the agent is not root, so training workers run as "
+                    "its own user and can read its node token", run_as)
+        return None
+    try:
+        pw = pwd.getpwnam(run_as)
+    except KeyError:
+        raise ValueError(f"run_as: there is no user {run_as!r} on this node") from None
+    if pw.pw_uid == 0:
+        raise ValueError(f"run_as: {run_as!r} is root; name an unprivileged user")
+    groups = tuple(g for g in os.getgrouplist(pw.pw_name, pw.pw_gid) if g != 0)
+    return WorkerUser(pw.pw_name, pw.pw_uid, pw.pw_gid, groups, pw.pw_dir)
+
+
+def own_dir(path: Path, user: WorkerUser, mode: int = 0o700) -> None:
+    """Make `path` a directory of `user` (created if missing). Refuses a link or a
+    non-directory in its place rather than chown something it points at."""
+    path.mkdir(parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"{path} is not a directory")
+    os.chown(path, user.uid, user.gid, follow_symlinks=False)
+    os.chmod(path, mode)
+
+
+def allow_search(path: Path) -> None:
+    """Let other users traverse `path` (o+x), not list or write it."""
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode) and not st.st_mode & stat.S_IXOTH:
+        os.chmod(path, stat.S_IMODE(st.st_mode) | stat.S_IXOTH)
+
+
+def unreachable(user: WorkerUser, want: dict[str, int]) -> list[str]:
+    """The paths of `want` ({path: os.access mode}) that `user` cannot use, checked by a
+    child that has switched to the user."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        code = 0
+        try:
+            os.close(r)
+            os.setgroups(list(user.groups))
+            os.setgid(user.gid)
+            os.setuid(user.uid)
+            bad = [p for p, m in want.items() if not os.access(p, m)]
+            os.write(w, "\n".join(bad).encode())
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = f.read().decode()
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        return list(want)
+    return [p for p in out.split("\n") if p]
+
+
+def read_status(path: Path) -> bytes | None:
+    """A status file a worker wrote: no link is followed, a FIFO never blocks, a file is
+    read up to 1 MiB. None when it is not a plain readable file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, MAX_STATUS_BYTES)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def touch(path: Path) -> None:
+    """Create `path` (the rendezvous gate) without following a link put in its place."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644))

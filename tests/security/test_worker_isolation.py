@@ -1,0 +1,220 @@
+"""Training workers never see a credential: with a root agent and `run_as`, torchrun, the
+warm zygote and every worker it forks run as an unprivileged user who cannot read the
+node token or the cluster secret, while training itself runs (a tiny real run through
+the real agent, head, torchrun and zygote)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from spotctl.agent.config import AgentConfig
+from spotctl.head.auth import node_token
+from tests.conftest import SPOTCTL, Head, wait_until
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0,
+                       reason="switching the workers' user needs a root agent (as on a cloud VM)"),
+]
+
+WORKER_USER = "nobody"
+
+PROBE = r'''
+import json, os, sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from spotctl import elastic
+
+def attempt(path):
+    try:
+        return "READ:" + Path(path).read_text()
+    except OSError as e:
+        return f"denied errno={e.errno}"
+
+report = {
+    "uid": os.getuid(), "euid": os.geteuid(), "gid": os.getgid(), "groups": os.getgroups(),
+    "zygote": os.environ.get("SPOTCTL_ZYGOTE", ""), "ppid": os.getppid(),
+    "env": dict(os.environ),
+    "own_script": attempt(sys.argv[0])[:5],
+    "token": attempt(os.environ["PROBE_TOKEN"]),
+    "secret": attempt(os.environ["PROBE_SECRET"]),
+    "head_secret": attempt(os.environ["PROBE_HEAD_SECRET"]),
+    "agent_config": attempt(os.environ["PROBE_CONFIG"]),
+}
+# the worker's parent is the zygote; the zygote's parent is the agent
+agent = int(Path(f"/proc/{os.getppid()}/stat").read_text().rsplit(")", 1)[1].split()[1])
+report["agent_pid"] = agent
+for what in ("environ", "mem"):
+    try:
+        with open(f"/proc/{agent}/{what}", "rb") as f:
+            f.read(1)
+        report["agent_" + what] = "READ"
+    except OSError as e:
+        report["agent_" + what] = f"denied errno={e.errno}"
+print("PROBE " + json.dumps(report), flush=True)
+
+model = nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x, y = torch.randn(64, 4), torch.randn(64, 1)
+run = elastic.Run(model, opt, dataset_size=64, global_batch=8, seed=0)
+while run.next_step():
+    idx = run.batch_indices()
+    opt.zero_grad()
+    loss = ((run.model(x[idx]) - y[idx]) ** 2).sum()
+    (loss * run.loss_scale).backward()
+    opt.step()
+    run.end_step(loss=loss.item())
+run.finish()
+'''
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    # Outside pytest's 0700 tmp tree: only the files' own modes may protect them here.
+    d = Path(tempfile.mkdtemp(prefix="spotctl-runas-"))
+    os.chmod(d, 0o711)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def interpreter_reachable() -> Iterator[None]:
+    """The worker user must be able to run the agent's interpreter. On a node the bootstrap
+    installs it where that user can; here it may live under a 0700 home (pyenv in /root),
+    so each directory above it gets search permission (o+x, no listing) for the test and
+    its exact mode back afterwards."""
+    import spotctl
+
+    changed: dict[Path, int] = {}
+    for target in (Path(os.path.realpath(sys.executable)), Path(sys.prefix),
+                   Path(spotctl.__file__).parent):
+        for d in list(target.parents)[::-1]:
+            mode = d.stat().st_mode
+            if d not in changed and not mode & stat.S_IXOTH:
+                changed[d] = stat.S_IMODE(mode)
+                os.chmod(d, stat.S_IMODE(mode) | stat.S_IXOTH)
+    try:
+        yield
+    finally:
+        for d, mode in changed.items():
+            os.chmod(d, mode)
+
+
+def _private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(fd, text.encode())
+    os.close(fd)
+
+
+def test_workers_run_unprivileged_and_cannot_read_credentials(
+    base: Path, tmp_path: Path, interpreter_reachable: None
+) -> None:
+    nobody = pwd.getpwnam(WORKER_USER)
+    head = Head(tmp_path)
+    agent = None
+    try:
+        node_id = "n-isolated"
+        # The node directory as the bootstrap leaves it: traversable, its secrets 0600.
+        node = base / "node"
+        node.mkdir(mode=0o711)
+        os.chmod(node, 0o711)
+        token = node_token(head.token, node_id)
+        _private(node / "token", token + "\n")
+        # A copy of the cluster secret behind nothing but its 0600 mode (the head's own
+        # file is also probed, wherever it is).
+        state = base / "state"
+        state.mkdir(mode=0o711)
+        os.chmod(state, 0o711)
+        _private(state / "token", head.token)
+        project = base / "project"
+        project.mkdir(mode=0o755)
+        os.chmod(project, 0o755)
+        script = project / "probe_train.py"
+        script.write_text(PROBE)
+        os.chmod(script, 0o644)
+        ckpt = base / "ckpt"
+        config = node / "agent.json"
+        cfg = AgentConfig(
+            cluster="iso", node_id=node_id, head_url=head.url, store_host="127.0.0.1",
+            store_port=head.store_port, token_file=str(node / "token"),
+            workdir=str(node / "work"), script=str(script), nproc_per_node=2, max_nodes=1,
+            checkpoint_dir=str(ckpt), checkpoint_every=2, max_steps=4, run_as=WORKER_USER,
+            env={"PROBE_TOKEN": str(node / "token"), "PROBE_SECRET": str(state / "token"),
+                 "PROBE_HEAD_SECRET": str(head.token_file), "PROBE_CONFIG": str(config)},
+        )  # fmt: skip
+        cfg.save(config)
+        os.chmod(config, 0o600)
+        agent_log = open(tmp_path / "agent.log", "ab")
+        agent = subprocess.Popen(
+            [*SPOTCTL, "agent", "--config", str(config)], stdout=agent_log,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        work = node / "work"
+
+        def logs() -> str:
+            out = (tmp_path / "agent.log").read_text()[-3000:]
+            p = work / "torchrun.log"
+            return out + "\n--- torchrun.log\n" + (p.read_text()[-3000:] if p.exists() else "")
+
+        def finished() -> bool:
+            if agent.poll() is not None:
+                raise AssertionError(f"agent exited {agent.returncode}: {logs()}")
+            n = head.status().get("nodes", {}).get(node_id, {})
+            return n.get("state") == "finished"
+
+        wait_until(finished, 240, "the tiny run to finish as the worker user", 0.5, logs)
+
+        reports = [json.loads(line.split("PROBE ", 1)[1])
+                   for line in (work / "torchrun.log").read_text().splitlines()
+                   if "PROBE {" in line]
+        assert len(reports) >= 2, logs()  # both local ranks
+        for r in reports:
+            assert (r["uid"], r["euid"], r["gid"]) == (nobody.pw_uid, nobody.pw_uid,
+                                                       nobody.pw_gid), r
+            assert 0 not in r["groups"], r
+            assert r["own_script"] == "READ:", r  # the probe itself can read what it may
+            for what in ("token", "secret", "head_secret", "agent_config"):
+                assert r[what].startswith("denied"), (what, r[what])
+            assert r["agent_pid"] == agent.pid, r
+            assert r["agent_mem"].startswith("denied"), r
+            assert r["agent_environ"].startswith("denied"), r
+            assert not any(token in v or head.token in v for v in r["env"].values())
+            assert r["env"]["HOME"] == nobody.pw_dir
+        # forked by the warm zygote (itself running as the worker user), not cold-started
+        assert all(r["zygote"] for r in reports)
+        zyg = {r["ppid"] for r in reports}
+        for pid in zyg:
+            assert os.stat(f"/proc/{pid}").st_uid == nobody.pw_uid
+        # training ran and committed its checkpoints, written by the worker user
+        commits = list(ckpt.rglob("COMMIT"))
+        assert commits, sorted(str(p) for p in ckpt.rglob("*"))
+        assert all(p.stat().st_uid == nobody.pw_uid for p in commits)
+        # the agent's files stay the agent's
+        assert (node / "token").stat().st_uid == 0
+        assert (work / "torchrun.log").stat().st_uid == 0
+    finally:
+        if agent is not None and agent.poll() is None:
+            agent.send_signal(signal.SIGTERM)
+            try:
+                agent.wait(30)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait()
+        head.close()
