@@ -128,7 +128,7 @@ def test_controller_routes_refuse_node_credentials(head: HeadServer, method: str
     node_token(SECRET, "n1").replace("node:n1:", "node:n2:"),  # id swapped
     "node:n1",
     "node::" + node_token(SECRET, "n1").rsplit(":", 1)[1],
-])
+], ids=["other-secret", "mac-altered", "id-swapped", "no-mac", "no-id"])
 def test_forged_node_credentials_are_401(head: HeadServer, token: str) -> None:
     for nid in ("n1", "n2"):
         assert call(head, "POST", "/api/heartbeat", f"Bearer {token}", hb(nid))[0] == 401
