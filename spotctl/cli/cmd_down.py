@@ -13,15 +13,21 @@ def register(app: typer.Typer) -> None:
     def down(
         name: str | None = typer.Option(None, "--name", help=NAME_HELP),
         yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask."),
+        purge: bool = typer.Option(
+            False, "--purge",
+            help="Also delete the cluster's checkpoints (every object under its bucket "
+                 "prefix). Without it they are kept, so a later `up` resumes from them."),
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
-        """Stop every node and the head; remove what the cluster created."""
+        """Stop every node and the head; remove what the cluster created (checkpoints stay
+        unless --purge)."""
         from spotctl.control import reconcile
 
         store = open_store()
         name = resolve_name(store, name)
         store.get_cluster(name)
-        if not yes and not typer.confirm(f"Tear down cluster {name}?"):
+        what = " and DELETE its checkpoints" if purge else ""
+        if not yes and not typer.confirm(f"Tear down cluster {name}{what}?"):
             raise typer.Abort()
         from spotctl.control.report import fetch_samples
 
@@ -29,13 +35,25 @@ def register(app: typer.Typer) -> None:
             fetch_samples(store, name)
         except Exception as e:  # noqa: BLE001 - whatever went wrong, `down` must still clean up
             console(stderr=True).print(f"warning: could not keep the head's samples: {e}")
-        leaks = reconcile.down(store, name, progress=_say_waits)
+        res = reconcile.teardown(store, name, purge=purge, progress=_say_waits)
+        leaks = res.leaks
         if json_out:
-            print_json({"cluster": name, "leaks": leaks})
+            print_json(res.to_json())
         else:
-            console().print(f"cluster {name} is down" + ("" if not leaks else f"; LEAKS: {leaks}"))
+            kept = "" if not res.can_purge else f"; {checkpoints_line(res.purged, purge)}"
+            console().print(f"cluster {name} is down{kept}"
+                            + ("" if not leaks else f"; LEAKS: {leaks}"))
         if leaks:
             raise SpotctlError(f"cluster {name}: {len(leaks)} leftover resource(s): {leaks}")
+
+
+def checkpoints_line(purged: int | None, purge: bool) -> str:
+    """What became of the checkpoints, for the line `down` prints."""
+    if not purge:
+        return "checkpoints kept (`spotctl down --purge` deletes them)"
+    if purged is None:
+        return "checkpoints NOT deleted (the provider did not report a purge)"
+    return f"checkpoints deleted: {purged} object(s) under the cluster's prefix"
 
 
 def _say_waits(msg: str, frac: float | None = None) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from spotctl.control.cooldown import ZoneCooldowns, zone_cooldowns
 from spotctl.control.planner import Observed, ObservedNode, Plan, plan
-from spotctl.errors import CapacityError, NotFoundError, SpotctlError, StateError
+from spotctl.errors import CapacityError, NotFoundError, SpecError, SpotctlError, StateError
 from spotctl.head.client import HeadClient, HeadUnavailable
 from spotctl.providers import get_provider
 from spotctl.providers.base import HeadInfo, Instance, ProviderContext
@@ -467,12 +467,42 @@ _NUMERIC_EVENT_FIELDS = frozenset({
 })
 
 
+@dataclass
+class DownResult:
+    """What `down` did: leak descriptions, and what became of the checkpoints."""
+
+    cluster: str
+    leaks: list[str]
+    purge: bool  # checkpoints were asked to be deleted
+    purged: int | None  # objects deleted under the cluster's prefix (None: not purged)
+    can_purge: bool = False  # the provider owns a checkpoint store (`down --purge` works)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"cluster": self.cluster, "leaks": self.leaks,
+                "checkpoints": "deleted" if self.purge else "kept", "purged": self.purged}
+
+
 def down(store: Store, name: str, options: dict[str, Any] | None = None,
          progress: Progress = _noop) -> list[str]:
     """Stop everything the cluster runs or owns; returns leak descriptions."""
+    return teardown(store, name, options=options, progress=progress).leaks
+
+
+def teardown(store: Store, name: str, purge: bool = False,
+             options: dict[str, Any] | None = None, progress: Progress = _noop) -> DownResult:
+    """`down`: stop everything the cluster runs or owns. Its checkpoints stay, unless
+    `purge`: then the provider (ctx.options["purge"]) deletes the objects under the
+    cluster's checkpoint prefix too and reports how many (its `purged` attribute, set by
+    `cleanup`). A provider without a checkpoint store of its own (no `purge_checkpoints`)
+    refuses a purge before anything is stopped."""
     row = store.get_cluster(name)
     spec = ClusterSpec.model_validate(row.spec)
+    options = {**(options or {}), **({"purge": True} if purge else {})}
     provider = provider_for(store, spec, options)
+    can_purge = hasattr(provider, "purge_checkpoints")
+    if purge and not can_purge:
+        raise SpecError(f"--purge: the {spec.provider} provider keeps no checkpoint store of "
+                        f"its own to delete (train.checkpoint_dir is yours to remove)")
     # the cron line goes first: no scheduled rebalance starts while (or after) we clean up
     try:
         from spotctl.control import cron
@@ -491,6 +521,9 @@ def down(store: Store, name: str, options: dict[str, Any] | None = None,
             provider.terminate([i.id for i in provider.list(name)])
         for n in store.nodes(name, include_ended=False):
             store.set_node_state(name, n.id, "terminated", ended=True)
+        purged = getattr(provider, "purged", None) if purge else None
+        if purge and purged is None:
+            leaks = [*leaks, "checkpoints: purge asked for, but the provider did not report it"]
         store.set_cluster_state(name, "down")
-        store.add_event(name, "down", {"leaks": leaks})
-        return leaks
+        store.add_event(name, "down", {"leaks": leaks, **({"purged": purged} if purge else {})})
+        return DownResult(name, leaks, purge, purged, can_purge)

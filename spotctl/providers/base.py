@@ -140,4 +140,8 @@ class ClusterResources(Protocol):
         """Start the head if it is not running (idempotent) and say where it is."""
 
     def cleanup(self) -> list[str]:
-        """Remove everything the cluster created; return descriptions of what leaked."""
+        """Remove everything the cluster created; return descriptions of what leaked.
+
+        Checkpoints stay. A provider that owns the cluster's checkpoint storage (a bucket
+        prefix) has `purge_checkpoints() -> int`; with ctx.options["purge"] (`down --purge`)
+        its cleanup calls it and keeps the number of objects deleted in `self.purged`."""
