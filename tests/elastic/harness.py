@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,12 +30,31 @@ class _TestRun(elastic.Run):
         raise Drained
 
 
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+def worker_store(world: int) -> dist.TCPStore:
+    """The workers' rendezvous store, hosted by the parent on a port the kernel picked and
+    that stays bound: no port chosen first and bound later by a child (which an outgoing
+    connection elsewhere can take in between). Keep it referenced until the workers end."""
+    return dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=60))
+
+
+def init_worker(rank: int, world: int, port: int) -> None:
+    """A spawned worker joins the parent's store (`worker_store`) as a client: gloo group."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                          timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+
+
+def spawn(worker: Callable[..., None], world: int, *args: Any) -> None:
+    """Run `worker(rank, world, port, *args)` in `world` spawned processes over one store."""
+    store = worker_store(world)
+    try:
+        mp.start_processes(worker, args=(world, store.port, *args), nprocs=world, join=True,
+                           start_method="spawn")
+    finally:
+        del store
 
 
 def data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,9 +118,7 @@ def _make_run(model: nn.Module, opt: Any, sched: Any, counter: Counter, mesh: An
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    init_worker(rank, world, port)
     model = make_model()
     mesh = None
     if cfg.get("fsdp"):
@@ -163,6 +180,5 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
 
 
 def launch(world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    mp.start_processes(_worker, args=(world, free_port(), cfg), nprocs=world, join=True,
-                       start_method="spawn")
+    spawn(_worker, world, cfg)
     return [json.loads(Path(f"{cfg['out']}.r{r}").read_text()) for r in range(world)]
