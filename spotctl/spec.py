@@ -107,6 +107,10 @@ class TrainSpec(_Strict):
     # graceful leaves, joiners recover from a live peer, survivors never restart
     # (needs the 'ft' extra). The script is the same for both.
     engine: Literal["torchrun", "torchft"] = "torchrun"
+    # On cloud nodes, where the bootstrap has root, training workers run as this
+    # unprivileged user (created if missing) and cannot read the node's credential;
+    # "" = they run as the agent's user. Local nodes always run as you.
+    run_as: str = Field(default="spotctl-train", pattern=r"^([a-z_][a-z0-9_-]{0,31})?$")
 
     @field_validator("env")
     @classmethod

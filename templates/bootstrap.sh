@@ -4,6 +4,7 @@
 # not already running (or when asked to restart because its configuration changed).
 #
 #   bootstrap.sh ensure [restart]   install deps if missing, (re)start the agent
+#   bootstrap.sh worker             set up the training workers' user (below); prints it
 #   bootstrap.sh status             is the agent running?
 #   bootstrap.sh stop               stop the agent (and its torchrun) if running
 #   bootstrap.sh release            stop, disable, and remove the token from this host
@@ -17,6 +18,13 @@
 # wheelhouse (pip --no-index; pip's configured index only for a pinned wheel that does not
 # fit this machine). Nothing is installed by an unpinned name. Without a package, $PY must
 # already have spotctl and torch.
+#
+# Workers' user: with root (uid 0 or passwordless sudo) and TRAIN_USER set, the training
+# workers run as TRAIN_USER (a system user, created if missing) and cannot read the node
+# token: the agent runs as root to switch its workers to that user and signal them. That
+# user gets search (o+x, not listing) on the directories down to the node's, read on the
+# venv and the project, and must then be able to run $PY with spotctl and torch; otherwise
+# (or without root) the agent and its workers run as the login user, as this line says.
 set -eu
 umask 077
 
@@ -27,6 +35,8 @@ BASE=@@BASE_PYTHON@@
 TORCH_SPEC=@@TORCH_SPEC@@
 PKG="$DIR/pkg"
 UNIT=@@UNIT@@
+TRAIN_USER=@@TRAIN_USER@@
+WORKER=""
 CONFIG="$DIR/agent.json"
 PIDFILE="$DIR/agent.pid"
 LOG="$DIR/agent.log"
@@ -113,6 +123,47 @@ if sys.prefix != sys.base_prefix: print("\n".join(site.getsitepackages()))')
     return 0
 }
 
+search_down_to() {  # o+x on $1 and every directory above it
+    d=$1
+    while [ -n "$d" ] && [ "$d" != / ] && [ "$d" != . ]; do
+        $SUDO chmod o+x "$d" || true
+        d=$(dirname "$d")
+    done
+}
+
+setup_worker() {  # sets WORKER to the user training workers run as ("" = the login user)
+    WORKER=""
+    [ -n "$TRAIN_USER" ] || return 0
+    if [ "$(id -u)" != 0 ] && [ -z "$SUDO" ]; then
+        echo "spotctl: workers run as $(id -un): no root here to switch them to $TRAIN_USER"
+        return 0
+    fi
+    if ! id -u "$TRAIN_USER" >/dev/null 2>&1; then
+        if ! $SUDO useradd --system --user-group --no-create-home --home-dir /nonexistent \
+            --shell /usr/sbin/nologin "$TRAIN_USER" >>"$DIR/bootstrap.log" 2>&1 \
+            && ! id -u "$TRAIN_USER" >/dev/null 2>&1; then  # (or a parallel node made it)
+            echo "spotctl: workers run as $(id -un): could not create user $TRAIN_USER"
+            return 0
+        fi
+    fi
+    mkdir -p "$DIR/work"
+    search_down_to "$DIR/work"
+    if [ -d "$DIR/project" ]; then $SUDO chmod -R o+rX "$DIR/project" || true; fi
+    if [ -n "$VENV" ] && [ -d "$VENV" ]; then
+        search_down_to "$(dirname "$VENV")"
+        $SUDO chmod -R o+rX "$VENV" || true
+    fi
+    # shellcheck disable=SC2016
+    if (cd / && $SUDO runuser -u "$TRAIN_USER" -- "$PY" -c 'import importlib.util as u, sys
+sys.exit(0 if all(u.find_spec(m) for m in ("spotctl", "torch")) else 1)') \
+        >>"$DIR/bootstrap.log" 2>&1 </dev/null; then
+        WORKER=$TRAIN_USER
+        echo "spotctl: workers run as $WORKER"
+    else
+        echo "spotctl: workers run as $(id -un): $TRAIN_USER cannot run $PY with spotctl and torch"
+    fi
+}
+
 fallback_pid() {
     # The recorded pid counts only if that process still runs this node's agent config.
     [ -s "$PIDFILE" ] || return 1
@@ -133,8 +184,14 @@ running() {
 start_agent() {
     if have_systemd; then
         dst="/etc/systemd/system/$UNIT.service"
-        if ! cmp -s "$DIR/spotctl-agent.service" "$dst" 2>/dev/null; then
-            $SUDO install -m 0644 "$DIR/spotctl-agent.service" "$dst"
+        src="$DIR/spotctl-agent.service"
+        if [ -n "$WORKER" ]; then
+            # root, to run the workers as $WORKER (the agent drops them to that user)
+            sed 's/^User=.*/User=root/' "$src" >"$DIR/spotctl-agent.root.service"
+            src="$DIR/spotctl-agent.root.service"
+        fi
+        if ! cmp -s "$src" "$dst" 2>/dev/null; then
+            $SUDO install -m 0644 "$src" "$dst"
             $SUDO systemctl daemon-reload
         fi
         $SUDO systemctl enable --quiet "$UNIT" >/dev/null 2>&1 || true
@@ -182,6 +239,7 @@ stop_agent() {
 case "${1:-ensure}" in
 ensure)
     install_deps && installed=1 || installed=0
+    setup_worker
     if [ "${2:-}" = restart ] && running; then
         stop_agent >/dev/null
     fi
@@ -192,6 +250,10 @@ ensure)
         start_agent
         echo "spotctl-result installed=$installed agent=started"
     fi
+    ;;
+worker)
+    setup_worker
+    echo "spotctl-result worker=${WORKER:-none}"
     ;;
 status)
     if running; then echo "spotctl-result agent=running"; else echo "spotctl-result agent=stopped"; fi
@@ -210,7 +272,7 @@ release)
     echo "spotctl: released"
     ;;
 *)
-    echo "usage: bootstrap.sh ensure [restart] | status | stop | release" >&2
+    echo "usage: bootstrap.sh ensure [restart] | worker | status | stop | release" >&2
     exit 2
     ;;
 esac

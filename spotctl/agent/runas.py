@@ -14,6 +14,7 @@ import logging
 import os
 import pwd
 import stat
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,31 +83,34 @@ def allow_search(path: Path) -> None:
         os.chmod(path, stat.S_IMODE(st.st_mode) | stat.S_IXOTH)
 
 
-def unreachable(user: WorkerUser, want: dict[str, int]) -> list[str]:
-    """The paths of `want` ({path: os.access mode}) that `user` cannot use, checked by a
-    child that has switched to the user."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        code = 0
-        try:
-            os.close(r)
-            os.setgroups(list(user.groups))
-            os.setgid(user.gid)
-            os.setuid(user.uid)
-            bad = [p for p, m in want.items() if not os.access(p, m)]
-            os.write(w, "\n".join(bad).encode())
-        except BaseException:
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        out = f.read().decode()
-    _, status = os.waitpid(pid, 0)
-    if status != 0:
-        return list(want)
-    return [p for p in out.split("\n") if p]
+_CHECK = """
+import importlib.util, os, sys
+bad = [p for p, m in zip(sys.argv[1::2], sys.argv[2::2]) if not os.access(p, int(m))]
+for mod in ("spotctl", "torch"):
+    try:
+        if importlib.util.find_spec(mod) is None:
+            bad.append("python module " + mod)
+    except Exception:
+        bad.append("python module " + mod)
+print("\\n".join(bad))
+"""
+
+
+def unusable(user: WorkerUser, python: str, want: dict[str, int]) -> list[str]:
+    """What `user` cannot use of what workers need: `python` (run it and find spotctl and
+    torch with it) and the paths of `want` ({path: os.access mode}). Checked by running
+    that interpreter as that user, the way torchrun will be started."""
+    args = [x for p, m in want.items() for x in (p, str(m))]
+    try:
+        r = subprocess.run([python, "-c", _CHECK, *args], capture_output=True,
+                           text=True, timeout=120, stdin=subprocess.DEVNULL, cwd="/",
+                           env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                                "HOME": user.home}, **user.popen_kwargs())
+    except (OSError, subprocess.SubprocessError) as e:
+        return [f"{python} ({e})"]
+    if r.returncode != 0:
+        return [f"{python} (exit {r.returncode}: {r.stderr.strip()[-200:]})"]
+    return [ln for ln in r.stdout.splitlines() if ln]
 
 
 def read_status(path: Path) -> bytes | None:

@@ -101,8 +101,8 @@ class Agent:
         # workers may write, next to their status files
         self.gate = self.status_dir / "rdzv-gate"
         self.worker = runas.resolve(cfg.run_as)
-        if self.worker is not None:
-            self._prepare_worker_dirs(self.worker)
+        if self.worker is not None and not self._prepare_worker_dirs(self.worker):
+            self.worker = None
         self.zygote: subprocess.Popen[bytes] | None = None
         self.zygote_path = _zygote_path(self.workdir, self.worker)
         self.head = HeadClient(cfg.head_url, cfg.token(), timeout_s=2.0)
@@ -121,7 +121,7 @@ class Agent:
         self.head_id: str | None = None
         self._warm = threading.Thread(target=self._import_torch, daemon=True)
 
-    def _prepare_worker_dirs(self, w: runas.WorkerUser) -> None:
+    def _prepare_worker_dirs(self, w: runas.WorkerUser) -> bool:
         """Workers run as `w`: they write only their status dir (and a local checkpoint
         dir) and may traverse the workdir, whose logs stay the agent's."""
         runas.allow_search(self.workdir)
@@ -134,19 +134,22 @@ class Agent:
             elif ckp.stat().st_uid != w.uid:
                 os.chown(ckp, w.uid, w.gid, follow_symlinks=False)
         script = Path(self.cfg.script) if self.cfg.script else None
-        want = {str(self.workdir): os.X_OK, str(self.status_dir): os.W_OK | os.X_OK,
-                self.cfg.python or sys.executable: os.X_OK}
+        want = {str(self.workdir): os.X_OK, str(self.status_dir): os.W_OK | os.X_OK}
         if script is not None:
             want[str(script)] = os.R_OK
             want[str(script.parent)] = os.X_OK
         if ck and "://" not in ck:
             want[ck] = os.W_OK | os.X_OK
-        bad = runas.unreachable(w, want)
+        bad = runas.unusable(w, self.cfg.python or sys.executable, want)
         if bad:
-            log.error("training workers run as %s, who cannot use %s: give that user "
-                      "access (search on the directories above) or clear run_as",
+            # The bootstrap runs the agent as root only after checking this; an agent
+            # started as root by hand gets its workers as root, as before, and says so.
+            log.error("run_as=%s cannot use %s: training workers run as root instead; give "
+                      "that user access (search on the directories above) or clear run_as",
                       w.name, ", ".join(bad))
+            return False
         log.info("training workers run as %s (uid %d)", w.name, w.uid)
+        return True
 
     @staticmethod
     def _import_torch() -> None:

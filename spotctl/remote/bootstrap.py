@@ -266,6 +266,8 @@ def render_bootstrap(
         "TORCH_SPEC": shlex.quote(package.torch_spec if package else TORCH_SPEC),
         "UNIT": shlex.quote(unit),
         "AGENT_ARGV": shlex.join(argv),
+        # the training workers' user; the script decides whether this host allows it
+        "TRAIN_USER": shlex.quote(config.run_as),
     }
     script = _fill((tdir / SCRIPT).read_text(), values)
     unit_text = _fill(
@@ -834,6 +836,7 @@ class CloudNodes:
             max_steps=tr.max_steps, python=tr.python, env=dict(tr.env),
             local_addr=self.override.address if self.override else inst.address,
             metadata=self.metadata, metadata_url=self.metadata_url,
+            run_as=tr.run_as,
         )  # fmt: skip
 
     def bootstrap(

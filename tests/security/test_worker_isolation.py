@@ -218,3 +218,116 @@ def test_workers_run_unprivileged_and_cannot_read_credentials(
                 agent.kill()
                 agent.wait()
         head.close()
+
+
+def _render_node(base: Path, run_as: str) -> Path:
+    """The bootstrap's files for one node, written where the controller's SFTP would put
+    them (umask 077 directories, each file with its rendered mode)."""
+    from spotctl.remote.bootstrap import render_bootstrap
+    from spotctl.remote.ssh import HostTarget
+
+    node = base / "root" / "c1" / "n1"
+    node.mkdir(parents=True, mode=0o700)
+    for d in (base / "root", base / "root" / "c1", node):
+        os.chmod(d, 0o700)
+    (base / "root").parent.chmod(0o700)
+    script = base / "train.py"
+    cfg = AgentConfig(cluster="c1", node_id="n1", head_url="http://127.0.0.1:1",
+                      store_host="127.0.0.1", store_port=1, token_file="", workdir="work",
+                      script=str(script), run_as=run_as)
+    files = render_bootstrap(HostTarget("n1", "127.0.0.1", remote_dir=str(node)), cfg,
+                             "node:n1:" + "ab" * 32, python=sys.executable)
+    for f in files.files:
+        dst = node / f.name
+        dst.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        dst.write_bytes(f.content)
+        os.chmod(dst, f.mode)
+    return node
+
+
+def _bootstrap_worker(node: Path) -> tuple[str, str]:
+    r = subprocess.run(["sh", str(node / "bootstrap.sh"), "worker"], capture_output=True,
+                       text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = [ln for ln in r.stdout.splitlines() if ln.startswith("spotctl-result ")]
+    assert result, r.stdout
+    return result[-1].split("worker=", 1)[1], r.stdout
+
+
+def _as(user: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["runuser", "-u", user, "--", *argv], capture_output=True, text=True,
+                          timeout=60, cwd="/")
+
+
+def test_bootstrap_sets_up_the_worker_user_and_keeps_the_token_private(
+    base: Path, interpreter_reachable: None
+) -> None:
+    node = _render_node(base, WORKER_USER)
+    worker, out = _bootstrap_worker(node)
+    assert worker == WORKER_USER, out
+    assert f"spotctl: workers run as {WORKER_USER}" in out
+    # the worker user reaches its workdir, and not the token or the agent's config
+    assert _as(WORKER_USER, "test", "-x", str(node / "work")).returncode == 0
+    for secret in ("token", "agent.json"):
+        r = _as(WORKER_USER, "cat", str(node / secret))
+        assert r.returncode != 0 and "Permission denied" in r.stderr, (secret, r)
+        assert stat.S_IMODE((node / secret).stat().st_mode) == 0o600
+    # nor list the node directory (search only)
+    assert _as(WORKER_USER, "ls", str(node)).returncode != 0
+
+
+def test_bootstrap_without_a_usable_interpreter_says_workers_run_as_the_login_user(
+    base: Path,
+) -> None:
+    import spotctl
+
+    blocked = [d for p in (Path(os.path.realpath(sys.executable)), Path(spotctl.__file__))
+               for d in p.parents if not d.stat().st_mode & stat.S_IXOTH]
+    if not blocked:
+        pytest.skip("this interpreter is usable by every user; nothing to fall back from")
+    node = _render_node(base, WORKER_USER)
+    worker, out = _bootstrap_worker(node)
+    assert worker == "none", out
+    assert f"{WORKER_USER} cannot run" in out
+
+
+def test_bootstrap_with_no_run_as_leaves_workers_to_the_login_user(base: Path) -> None:
+    node = _render_node(base, "")
+    worker, out = _bootstrap_worker(node)
+    assert worker == "none" and "workers run as" not in out
+    assert stat.S_IMODE(node.stat().st_mode) == 0o700
+
+
+def test_root_agent_whose_worker_user_cannot_run_python_says_so(
+    base: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent started as root by hand, with a run_as user who cannot run its interpreter,
+    keeps its workers as root (as without run_as) and logs why, in one line."""
+    import spotctl
+    from spotctl.agent.supervisor import Agent
+
+    if all(d.stat().st_mode & stat.S_IXOTH
+           for p in (Path(os.path.realpath(sys.executable)), Path(spotctl.__file__))
+           for d in p.parents):
+        pytest.skip("this interpreter is usable by every user")
+    _private(tmp_path / "token", "node:n1:" + "ab" * 32)
+    cfg = AgentConfig(cluster="c1", node_id="n1", head_url="http://127.0.0.1:1",
+                      store_host="127.0.0.1", store_port=1,
+                      token_file=str(tmp_path / "token"), workdir=str(base / "work"),
+                      script=str(base / "train.py"), run_as=WORKER_USER)
+    with caplog.at_level("ERROR", logger="spotctl.agent"):
+        agent = Agent(cfg)
+    assert agent.worker is None
+    assert any(f"run_as={WORKER_USER} cannot use" in r.getMessage() for r in caplog.records)
+
+
+def test_bootstrap_creates_the_worker_user_when_missing(base: Path) -> None:
+    name = "spotctl-t" + os.urandom(3).hex()
+    node = _render_node(base, name)
+    try:
+        _bootstrap_worker(node)
+        pw = pwd.getpwnam(name)  # created: a system user without a login shell
+        assert 0 < pw.pw_uid < 1000 and pw.pw_shell.endswith("nologin")
+        assert _as(name, "cat", str(node / "token")).returncode != 0
+    finally:
+        subprocess.run(["userdel", name], capture_output=True)
