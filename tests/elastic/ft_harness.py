@@ -21,16 +21,6 @@ SCRIPT = Path(__file__).with_name("ft_train.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 class FtReplicas:
     def __init__(self, tmp: Path, max_steps: int, every: int = 25, delay: float = 0.03,
                  engine: str = "torchft", timing: LighthouseTiming | None = None,
@@ -62,8 +52,11 @@ class FtReplicas:
             env["FT_JOIN_GATE"] = str(self.tmp / f"{name}.go")
         out = open(self.tmp / f"{name}.out", "ab")
         self.procs[name] = subprocess.Popen(
+            # the c10d rendezvous store on port 0: torchrun's agent binds a port the kernel
+            # picks and keeps it (no port chosen here and bound later, which can race)
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1",
-             "--master-addr=127.0.0.1", f"--master-port={_free_port()}", str(self.script)],
+             "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={name}",
+             "--local-addr=127.0.0.1", str(self.script)],
             env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
