@@ -19,7 +19,7 @@
 # fit this machine). Nothing is installed by an unpinned name. Without a package, $PY must
 # already have spotctl and torch.
 #
-# Workers' user: with root (uid 0 or passwordless sudo) and TRAIN_USER set, the training
+# Workers' user: with root (uid 0, or sudo with systemd) and TRAIN_USER set, the training
 # workers run as TRAIN_USER (a system user, created if missing) and cannot read the node
 # token: the agent runs as root to switch its workers to that user and signal them. That
 # user gets search (o+x, not listing) on the directories down to the node's, read on the
@@ -134,7 +134,8 @@ search_down_to() {  # o+x on $1 and every directory above it
 setup_worker() {  # sets WORKER to the user training workers run as ("" = the login user)
     WORKER=""
     [ -n "$TRAIN_USER" ] || return 0
-    if [ "$(id -u)" != 0 ] && [ -z "$SUDO" ]; then
+    # the agent must run as root: logged in as root, or through systemd with sudo
+    if [ "$(id -u)" != 0 ] && ! have_systemd; then
         echo "spotctl: workers run as $(id -un): no root here to switch them to $TRAIN_USER"
         return 0
     fi
