@@ -3,11 +3,13 @@
 It implements exactly the calls spotctl uses: instances insert / get / list / delete /
 aggregatedList, zone and global operations get / wait, firewalls insert / list / delete,
 images get / getFromFamily (a small table of public images with their minimum disk size),
-regions get (quotas from `region_quotas`), networks get (`networks`).
+regions get (quotas from `region_quotas`), networks get (`networks`); and on the same
+endpoint Cloud Storage (JSON API) and IAM service accounts (fake_storage.py, `.storage`).
 Inserts are refused as GCP refuses them: an unknown image, a boot disk smaller than the
 image, pd-standard (GCP's default disk type) or a non-Hyperdisk disk on families that do
 not take it, a missing gVNIC on families that require it (g2, a3, ...), and more external
-addresses in a region than `address_quota[region]` (QUOTA_EXCEEDED IN_USE_ADDRESSES).
+addresses in a region than `address_quota[region]` (QUOTA_EXCEEDED IN_USE_ADDRESSES), a
+service account (serviceAccounts[].email) that does not exist.
 Error bodies have the real shape {"error": {"code", "message", "errors": [{"reason", ...}]}},
 operation errors the real {"error": {"errors": [{"code", "message"}]}} with
 httpErrorStatusCode. Every request is recorded (method, call key, path, query, JSON body)
@@ -41,6 +43,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+from .fake_storage import FakeStorage
 
 P = r"/compute/v1/projects/(?P<project>[^/]+)"
 ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
@@ -188,6 +192,7 @@ class FakeCompute:
         self._inserts_now = 0
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self.storage = FakeStorage(self)
 
     # -------------------------------------------------------------- lifecycle
 
@@ -200,6 +205,21 @@ class FakeCompute:
             def _handle(self) -> None:
                 n = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(n) if n else b""
+                if FakeStorage.serves(self.path):
+                    code, headers, data = fake.storage.handle(
+                        self.command, self.path, self.headers, raw
+                    )
+                    self.send_response(code)
+                    for k, v in headers.items():
+                        self.send_header(k, v)
+                    if "Content-Length" not in headers:
+                        self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    try:
+                        self.wfile.write(data)
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass  # a reader that stopped early (range reads), as GCS allows
+                    return
                 insert = self.command == "POST" and self.path.split("?")[0].endswith("/instances")
                 if insert:
                     with fake._lock:
@@ -221,7 +241,7 @@ class FakeCompute:
                 self.end_headers()
                 self.wfile.write(out)
 
-            do_GET = do_POST = do_DELETE = _handle
+            do_GET = do_POST = do_DELETE = do_PUT = do_PATCH = _handle
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -495,6 +515,15 @@ class FakeCompute:
                     "invalid",
                     f"[{kind}] features are not compatible for creating instance "
                     f"of machine type {machine}.",
+                )
+        for i, sa in enumerate(body.get("serviceAccounts") or []):
+            email = str(sa.get("email", ""))
+            if email not in self.storage.service_accounts:
+                raise ApiError(
+                    400,
+                    "invalid",
+                    f"Invalid value for field 'resource.serviceAccounts[{i}].email': "
+                    f"'{email}'. The user does not have access to service account '{email}'.",
                 )
         for i, nic in enumerate(body.get("networkInterfaces") or []):
             if machine.startswith(GVNIC_REQUIRED) and nic.get("nicType") != "GVNIC":

@@ -1,5 +1,6 @@
 """spotctl.elastic checkpoints with real gloo process groups (torch.multiprocessing), on a
-local directory and on S3 (moto server through s3fs): async and sync saves commit
+local directory, on S3 (moto server through s3fs) and on GCS (the fake GCP server's
+storage JSON API through gcsfs): async and sync saves commit
 atomically, a committed step is never written again, an uncommitted directory is never
 loaded, keep-last-K prunes, a 2-rank checkpoint loads at world size 1 (resharding), a
 corrupted newest checkpoint falls back to the previous committed one, and when no
@@ -27,6 +28,7 @@ from spotctl.elastic.checkpoint import (  # noqa: E402
     step_dir,
 )
 from tests.elastic.s3 import moto_s3  # noqa: E402
+from tests.gcp.fake_storage import fake_gcs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,12 +98,16 @@ def _corrupt(root: str, step: int) -> None:
 
 
 @pytest.mark.slow  # several gloo process groups
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("where", ["local", "s3", "gs"])
 def test_commit_prune_reshard_and_fallback(tmp_path, where):
     if where == "s3":
         pytest.importorskip("s3fs")
         with moto_s3("ckpts"):
             _commit_prune_reshard_and_fallback(tmp_path, "s3://ckpts/run-1")
+    elif where == "gs":
+        pytest.importorskip("gcsfs")
+        with fake_gcs("ckpts"):
+            _commit_prune_reshard_and_fallback(tmp_path, "gs://ckpts/run-1")
     else:
         _commit_prune_reshard_and_fallback(tmp_path, str(tmp_path / "ck"))
 

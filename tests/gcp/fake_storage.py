@@ -1,0 +1,528 @@
+"""The Cloud Storage JSON API and IAM service accounts, served by the fake GCP server.
+
+FakeCompute (fake_compute.py) answers these paths on its one endpoint, as GCP would on
+storage.googleapis.com and iam.googleapis.com: spotctl's provider (plain REST) and the
+real gcsfs (STORAGE_EMULATOR_HOST / endpoint_url) both talk to it.
+
+Storage: buckets insert / get / delete, getIamPolicy / setIamPolicy; objects insert
+(uploadType media, multipart and resumable, with the 308 + Range answers gcsfs drives its
+chunks by), get (metadata, or alt=media with Range, also under /download), move, rewrite (copy), list (prefix,
+delimiter, maxResults/pageToken) and delete. IAM: service accounts create / get / delete.
+
+Refused as GCP refuses: bucket names outside 3-63 characters of [a-z0-9._-] (starting and
+ending with a letter or digit), starting with "goog" or containing "google"; a name that
+is taken (409; `foreign_buckets` are other projects' buckets: get answers 403); unknown
+buckets and objects (404); service account ids that are not 6-30 characters of [a-z0-9-]
+starting with a letter (400), a taken id (409); a bucket policy naming a service account
+that does not exist (400), one with a condition but a version below 3 or on a bucket
+without uniform bucket-level access (400), or a stale etag (412); a resumable chunk that
+does not start where the upload stands (400). Error bodies: storage
+{"error": {"code", "message", "errors": [{"reason", ...}]}}, IAM {"error": {"code",
+"message", "status"}}.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import itertools
+import json
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+if TYPE_CHECKING:
+    from .fake_compute import FakeCompute
+
+_B = r"/storage/v1/b/(?P<bucket>[^/]+)"
+_SA = r"/v1/projects/(?P<project>[^/]+)/serviceAccounts"
+STORAGE_ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
+    (m, key, re.compile(rx + "$"))
+    for m, key, rx in [
+        ("POST", "storage.buckets.insert", r"/storage/v1/b"),
+        ("GET", "storage.buckets.get", _B),
+        ("DELETE", "storage.buckets.delete", _B),
+        ("GET", "storage.buckets.getIamPolicy", _B + r"/iam"),
+        ("PUT", "storage.buckets.setIamPolicy", _B + r"/iam"),
+        ("GET", "storage.objects.list", _B + r"/o"),
+        ("GET", "storage.objects.get", r"(?:/download)?" + _B + r"/o/(?P<obj>.+)"),
+        ("DELETE", "storage.objects.delete", _B + r"/o/(?P<obj>.+)"),
+        ("POST", "storage.objects.move", _B + r"/o/(?P<obj>[^/]+)/moveTo/o/(?P<dst>[^/]+)"),
+        (
+            "POST",
+            "storage.objects.rewrite",
+            _B + r"/o/(?P<obj>[^/]+)/rewriteTo/b/(?P<dbucket>[^/]+)/o/(?P<dst>[^/]+)",
+        ),
+        ("POST", "storage.objects.insert", r"/upload" + _B + r"/o"),
+        ("PUT", "storage.objects.insert", r"/upload" + _B + r"/o"),
+        ("POST", "iam.serviceAccounts.create", _SA),
+        ("GET", "iam.serviceAccounts.get", _SA + r"/(?P<email>[^/]+)"),
+        ("DELETE", "iam.serviceAccounts.delete", _SA + r"/(?P<email>[^/]+)"),
+    ]
+]
+BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]")
+ACCOUNT_ID_RE = re.compile(r"[a-z][a-z0-9-]{4,28}[a-z0-9]")
+SA_DOMAIN = ".iam.gserviceaccount.com"
+
+
+class StorageError(Exception):
+    def __init__(self, status: int, reason: str, message: str, iam: bool = False):
+        super().__init__(message)
+        self.status, self.reason, self.message, self.iam = status, reason, message, iam
+
+    def body(self) -> dict[str, Any]:
+        if self.iam:
+            return {"error": {"code": self.status, "message": self.message,
+                              "status": self.reason}}  # fmt: skip
+        return {"error": {"code": self.status, "message": self.message,
+                          "errors": [{"message": self.message, "domain": "global",
+                                      "reason": self.reason}]}}  # fmt: skip
+
+
+@dataclass
+class _Upload:
+    bucket: str
+    name: str
+    content_type: str
+    data: bytearray = field(default_factory=bytearray)
+
+
+Reply = tuple[int, dict[str, str], bytes]
+
+
+class FakeStorage:
+    def __init__(self, compute: FakeCompute):
+        self.compute = compute
+        self.buckets: dict[str, dict[str, Any]] = {}
+        self.objects: dict[str, dict[str, tuple[bytes, dict[str, Any]]]] = {}
+        self.policies: dict[str, dict[str, Any]] = {}
+        self.foreign_buckets: set[str] = set()  # names other projects own
+        self.service_accounts: dict[str, dict[str, Any]] = {}  # email -> resource
+        self._uploads: dict[str, _Upload] = {}
+        self._gen = itertools.count(1_700_000_000_000_000)
+
+    # -------------------------------------------------------------- dispatch
+
+    @staticmethod
+    def serves(path: str) -> bool:
+        p = urlsplit(path).path
+        return p.startswith(("/storage/", "/upload/storage/", "/download/storage/")) or bool(
+            re.match(_SA, p)
+        )
+
+    def handle(self, method: str, raw_path: str, headers: Any, raw: bytes) -> Reply:
+        from .fake_compute import Recorded
+
+        url = urlsplit(raw_path)
+        query = {k: v[0] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
+        found = next(
+            (
+                (key, mt)
+                for m, key, rx in STORAGE_ROUTES
+                if m == method and (mt := rx.match(url.path))
+            ),
+            None,
+        )
+        iam = url.path.startswith("/v1/")
+        if found is None:
+            return self._error(StorageError(404, "notFound", f"no route {method} {url.path}", iam))
+        key, match = found
+        args = {k: unquote(v) for k, v in match.groupdict().items() if v is not None}
+        ctype = str(headers.get("Content-Type") or "")
+        body: Any = None
+        if raw and ctype.startswith("application/json"):
+            body = json.loads(raw)
+        with self.compute._lock:
+            self.compute.requests.append(Recorded(method, key, url.path, query, body))
+            try:
+                self.compute._inject(key)
+                handler = getattr(self, "_" + key.split(".", 1)[1].replace(".", "_"))
+                return handler(query=query, headers=headers, raw=raw, body=body, **args)
+            except StorageError as e:
+                e.iam = iam
+                return self._error(e)
+
+    @staticmethod
+    def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Reply:
+        h = {"Content-Type": "application/json; charset=UTF-8", **(headers or {})}
+        return status, h, json.dumps(obj).encode()
+
+    def _error(self, e: StorageError) -> Reply:
+        return self._json(e.body(), e.status)
+
+    # -------------------------------------------------------------- buckets
+
+    def _bucket(self, bucket: str) -> dict[str, Any]:
+        if bucket in self.foreign_buckets:
+            raise StorageError(403, "forbidden", "caller does not have storage.buckets.get "
+                               f"access to the Google Cloud Storage bucket {bucket}.")  # fmt: skip
+        if bucket not in self.buckets:
+            raise StorageError(404, "notFound", "The specified bucket does not exist.")
+        return self.buckets[bucket]
+
+    def _buckets_insert(self, query: dict[str, str], body: Any, **_: Any) -> Reply:
+        project = query.get("project", "")
+        if not project:
+            raise StorageError(400, "required", "Required parameter: project")
+        name = str((body or {}).get("name", ""))
+        if (
+            not BUCKET_RE.fullmatch(name)
+            or name.startswith("goog")
+            or "google" in name
+            or ".." in name
+        ):
+            raise StorageError(400, "invalid", f"Invalid bucket name: '{name}'")
+        if name in self.foreign_buckets:
+            raise StorageError(409, "conflict", "The requested bucket name is not available. "
+                               "The bucket namespace is shared by all users of the system. "
+                               "Please select a different name and try again.")  # fmt: skip
+        if name in self.buckets:
+            raise StorageError(409, "conflict", "Your previous request to create the named "
+                               "bucket succeeded and you already own it.")  # fmt: skip
+        iam_cfg = dict(body.get("iamConfiguration") or {})
+        ubla = dict(iam_cfg.get("uniformBucketLevelAccess") or {})
+        iam_cfg["uniformBucketLevelAccess"] = {"enabled": bool(ubla.get("enabled"))}
+        iam_cfg.setdefault("publicAccessPrevention", "inherited")
+        res = {
+            "kind": "storage#bucket", "id": name, "name": name,
+            "projectNumber": "123456789012", "project": project,
+            "location": str(body.get("location") or "US").upper(),
+            "storageClass": body.get("storageClass", "STANDARD"),
+            "labels": dict(body.get("labels") or {}), "iamConfiguration": iam_cfg,
+            "timeCreated": _now(), "updated": _now(), "metageneration": "1",
+            "etag": "CAE=",
+        }  # fmt: skip
+        self.buckets[name] = res
+        self.objects[name] = {}
+        self.policies[name] = {
+            "kind": "storage#policy", "resourceId": f"projects/_/buckets/{name}",
+            "version": 1, "etag": "CAE=",
+            "bindings": [
+                {"role": "roles/storage.legacyBucketOwner",
+                 "members": [f"projectEditor:{project}", f"projectOwner:{project}"]},
+                {"role": "roles/storage.legacyBucketReader",
+                 "members": [f"projectViewer:{project}"]},
+            ],
+        }  # fmt: skip
+        return self._json(res)
+
+    def _buckets_get(self, bucket: str, **_: Any) -> Reply:
+        return self._json(self._bucket(bucket))
+
+    def _buckets_delete(self, bucket: str, **_: Any) -> Reply:
+        self._bucket(bucket)
+        if self.objects[bucket]:
+            raise StorageError(409, "conflict", "The bucket you tried to delete is not empty.")
+        del self.buckets[bucket], self.objects[bucket], self.policies[bucket]
+        return 204, {}, b""
+
+    def _buckets_getIamPolicy(self, bucket: str, query: dict[str, str], **_: Any) -> Reply:
+        self._bucket(bucket)
+        pol = self.policies[bucket]
+        want = int(query.get("optionsRequestedPolicyVersion") or 1)
+        if want < 3 and any(b.get("condition") for b in pol["bindings"]):
+            raise StorageError(400, "invalid", "The policy has conditions: request policy "
+                               "version 3 (optionsRequestedPolicyVersion=3) to read it.")  # fmt: skip
+        return self._json(json.loads(json.dumps(pol)))
+
+    def _buckets_setIamPolicy(self, bucket: str, body: Any, **_: Any) -> Reply:
+        b = self._bucket(bucket)
+        old = self.policies[bucket]
+        body = body or {}
+        if body.get("etag") and body["etag"] != old["etag"]:
+            raise StorageError(412, "conditionNotMet", "At least one of the pre-conditions "
+                               "you specified did not hold.")  # fmt: skip
+        bindings = list(body.get("bindings") or [])
+        version = int(body.get("version") or 1)
+        for i, bd in enumerate(bindings):
+            role = str(bd.get("role", ""))
+            if not role.startswith("roles/"):
+                raise StorageError(400, "invalid", f"Role {role!r} is not a valid role.")
+            for m in bd.get("members") or []:
+                kind, _, who = str(m).partition(":")
+                if kind == "serviceAccount" and who.endswith(SA_DOMAIN):
+                    if who not in self.service_accounts:
+                        raise StorageError(400, "invalid", f"Service account {who} does not "
+                                           "exist.")  # fmt: skip
+            if bd.get("condition"):
+                if version < 3:
+                    raise StorageError(400, "invalid", f"bindings[{i}]: IAM conditions need "
+                                       "policy version 3.")  # fmt: skip
+                if not b["iamConfiguration"]["uniformBucketLevelAccess"]["enabled"]:
+                    raise StorageError(400, "invalid", "IAM conditions can only be used on "
+                                       "buckets with uniform bucket-level access enabled.")  # fmt: skip
+                if not str(bd["condition"].get("expression", "")).strip():
+                    raise StorageError(400, "invalid", f"bindings[{i}].condition: empty "
+                                       "expression.")  # fmt: skip
+        n = int.from_bytes(base64.b64decode(old["etag"]), "big") + 1
+        pol = {"kind": "storage#policy", "resourceId": f"projects/_/buckets/{bucket}",
+               "version": version, "bindings": bindings,
+               "etag": base64.b64encode(n.to_bytes(4, "big")).decode()}  # fmt: skip
+        self.policies[bucket] = pol
+        return self._json(pol)
+
+    # -------------------------------------------------------------- objects
+
+    def _object(self, bucket: str, name: str) -> tuple[bytes, dict[str, Any]]:
+        self._bucket(bucket)
+        if name not in self.objects[bucket]:
+            raise StorageError(404, "notFound", f"No such object: {bucket}/{name}")
+        return self.objects[bucket][name]
+
+    def _store(self, bucket: str, name: str, data: bytes, ctype: str) -> dict[str, Any]:
+        if not name:
+            raise StorageError(400, "required", "Required parameter: name")
+        gen = str(next(self._gen))
+        meta = {
+            "kind": "storage#object", "id": f"{bucket}/{name}/{gen}", "name": name,
+            "bucket": bucket, "generation": gen, "metageneration": "1",
+            "contentType": ctype or "application/octet-stream", "size": str(len(data)),
+            "md5Hash": base64.b64encode(hashlib.md5(data).digest()).decode(),
+            "storageClass": "STANDARD", "timeCreated": _now(), "updated": _now(),
+            "etag": "CAE=",
+            "selfLink": f"{self.compute.endpoint}/storage/v1/b/{bucket}/o/{name}",
+            "mediaLink": f"{self.compute.endpoint}/download/storage/v1/b/{bucket}/o/{name}"
+                         f"?generation={gen}&alt=media",
+        }  # fmt: skip
+        self.objects[bucket][name] = (bytes(data), meta)
+        return meta
+
+    def _objects_get(self, bucket: str, obj: str, query: dict[str, str], headers: Any,
+                     **_: Any) -> Reply:  # fmt: skip
+        data, meta = self._object(bucket, obj)
+        if query.get("alt") != "media":
+            return self._json(meta)
+        rng = str(headers.get("Range") or "")
+        m = re.fullmatch(r"bytes=(\d*)-(\d*)", rng)
+        if not m or (not m.group(1) and not m.group(2)):
+            return 200, {"Content-Type": meta["contentType"]}, data
+        size = len(data)
+        if m.group(1):
+            start = int(m.group(1))
+            end = min(int(m.group(2)), size - 1) if m.group(2) else size - 1
+        else:  # bytes=-N: the last N
+            start, end = max(0, size - int(m.group(2))), size - 1
+        if start >= size or start > end:
+            raise StorageError(416, "requestedRangeNotSatisfiable",
+                               "Request range not satisfiable")  # fmt: skip
+        return 206, {"Content-Type": meta["contentType"],
+                     "Content-Range": f"bytes {start}-{end}/{size}"}, data[start : end + 1]  # fmt: skip
+
+    def _objects_delete(self, bucket: str, obj: str, **_: Any) -> Reply:
+        self._object(bucket, obj)
+        del self.objects[bucket][obj]
+        return 204, {}, b""
+
+    def _objects_move(self, bucket: str, obj: str, dst: str, **_: Any) -> Reply:
+        data, meta = self._object(bucket, obj)
+        out = self._store(bucket, dst, data, meta["contentType"])
+        del self.objects[bucket][obj]
+        return self._json(out)
+
+    def _objects_rewrite(self, bucket: str, obj: str, dbucket: str, dst: str, **_: Any) -> Reply:
+        data, meta = self._object(bucket, obj)
+        self._bucket(dbucket)
+        out = self._store(dbucket, dst, data, meta["contentType"])
+        return self._json({"kind": "storage#rewriteResponse", "done": True,
+                           "totalBytesRewritten": str(len(data)),
+                           "objectSize": str(len(data)), "resource": out})  # fmt: skip
+
+    def _objects_list(self, bucket: str, query: dict[str, str], **_: Any) -> Reply:
+        self._bucket(bucket)
+        prefix = query.get("prefix", "")
+        delim = query.get("delimiter", "")
+        items: list[dict[str, Any]] = []
+        prefixes: set[str] = set()
+        for name in sorted(self.objects[bucket]):
+            if not name.startswith(prefix):
+                continue
+            rest = name[len(prefix) :]
+            if delim and delim in rest:
+                prefixes.add(prefix + rest.split(delim, 1)[0] + delim)
+            else:
+                items.append(self.objects[bucket][name][1])
+        entries: list[tuple[str, Any]] = sorted(
+            [(i["name"], i) for i in items] + [(p, None) for p in prefixes],
+            key=lambda e: e[0],
+        )
+        start = int(query.get("pageToken") or 0)
+        size = max(1, min(int(query.get("maxResults") or 1000), 1000))
+        page = entries[start : start + size]
+        out: dict[str, Any] = {"kind": "storage#objects"}
+        if [e for _, e in page if e is not None]:
+            out["items"] = [e for _, e in page if e is not None]
+        if [n for n, e in page if e is None]:
+            out["prefixes"] = [n for n, e in page if e is None]
+        if start + size < len(entries):
+            out["nextPageToken"] = str(start + size)
+        return self._json(out)
+
+    def _objects_insert(self, bucket: str, query: dict[str, str], headers: Any, raw: bytes,
+                        body: Any, **_: Any) -> Reply:  # fmt: skip
+        self._bucket(bucket)
+        kind = query.get("uploadType", "")
+        ctype = str(headers.get("Content-Type") or "")
+        if kind == "media":
+            return self._json(self._store(bucket, query.get("name", ""), raw, ctype))
+        if kind == "multipart":
+            meta, data, dtype = _multipart(raw, ctype)
+            return self._json(self._store(bucket, str(meta.get("name", "")), data, dtype))
+        if kind != "resumable":
+            raise StorageError(400, "invalid", f"Invalid upload type: {kind!r}")
+        uid = query.get("upload_id")
+        if uid is None:  # start a session
+            name = str((body or {}).get("name") or query.get("name", ""))
+            if not name:
+                raise StorageError(400, "required", "Required parameter: name")
+            uid = f"up{next(self._gen)}"
+            self._uploads[uid] = _Upload(bucket, name, str(headers.get("X-Upload-Content-Type")
+                                                            or "application/octet-stream"))  # fmt: skip
+            loc = (f"{self.compute.endpoint}/upload/storage/v1/b/{bucket}/o"
+                   f"?uploadType=resumable&upload_id={uid}")  # fmt: skip
+            return 200, {"Location": loc, "Content-Length": "0"}, b""
+        up = self._uploads.get(uid)
+        if up is None:
+            raise StorageError(404, "notFound", f"No such upload session: {uid}")
+        cr = str(headers.get("Content-Range") or "")
+        m = re.fullmatch(r"bytes (?:(\d+)-(\d+)|\*)/(\d+|\*)", cr)
+        if m is None:
+            raise StorageError(400, "invalid", f"Invalid Content-Range: {cr!r}")
+        if m.group(1) is not None:
+            first, last = int(m.group(1)), int(m.group(2))
+            if first != len(up.data) or last - first + 1 != len(raw):
+                raise StorageError(400, "invalid", f"chunk {cr} does not continue the upload "
+                                   f"at byte {len(up.data)} ({len(raw)} bytes sent)")  # fmt: skip
+            up.data += raw
+        total = m.group(3)
+        if total == "*":
+            return 308, {"Range": f"bytes=0-{len(up.data) - 1}", "Content-Length": "0"}, b""
+        if int(total) != len(up.data):
+            raise StorageError(400, "invalid", f"upload ends at {total} but has {len(up.data)}")
+        del self._uploads[uid]
+        return self._json(self._store(up.bucket, up.name, bytes(up.data), up.content_type))
+
+    # -------------------------------------------------------------- IAM service accounts
+
+    def _serviceAccounts_create(self, project: str, body: Any, **_: Any) -> Reply:
+        body = body or {}
+        acc = str(body.get("accountId", ""))
+        if not ACCOUNT_ID_RE.fullmatch(acc):
+            raise StorageError(400, "INVALID_ARGUMENT", f"Invalid account id {acc!r}: it must "
+                               "be 6-30 characters of lowercase letters, digits and hyphens, "
+                               "start with a letter and not end with a hyphen.")  # fmt: skip
+        email = f"{acc}@{project}{SA_DOMAIN}"
+        if email in self.service_accounts:
+            raise StorageError(409, "ALREADY_EXISTS", f"Service account {acc} already exists "
+                               f"within project projects/{project}.")  # fmt: skip
+        sa = dict(body.get("serviceAccount") or {})
+        res = {"name": f"projects/{project}/serviceAccounts/{email}", "projectId": project,
+               "uniqueId": str(next(self._gen)), "email": email,
+               "displayName": sa.get("displayName", ""),
+               "description": sa.get("description", "")}  # fmt: skip
+        self.service_accounts[email] = res
+        return self._json(res)
+
+    def _sa(self, project: str, email: str) -> dict[str, Any]:
+        sa = self.service_accounts.get(email)
+        if sa is None or sa["projectId"] != project:
+            raise StorageError(404, "NOT_FOUND", f"Unknown service account {email}")
+        return sa
+
+    def _serviceAccounts_get(self, project: str, email: str, **_: Any) -> Reply:
+        return self._json(self._sa(project, email))
+
+    def _serviceAccounts_delete(self, project: str, email: str, **_: Any) -> Reply:
+        self._sa(project, email)
+        del self.service_accounts[email]
+        return self._json({})
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime())
+
+
+def _multipart(raw: bytes, ctype: str) -> tuple[dict[str, Any], bytes, str]:
+    """(metadata, data, data content type) of a multipart/related upload body."""
+    m = re.search(r'boundary="?([^";]+)"?', ctype)
+    if not ctype.startswith("multipart/related") or m is None:
+        raise StorageError(400, "invalid", f"multipart upload with Content-Type {ctype!r}")
+    sep = b"--" + m.group(1).encode()
+    parts = raw.split(sep)
+    if len(parts) < 4 or not parts[-1].lstrip().startswith(b"--"):
+        raise StorageError(400, "invalid", "malformed multipart body")
+    out: list[tuple[dict[str, str], bytes]] = []
+    for part in parts[1:-1]:
+        if part.startswith(b"\r\n"):
+            part = part[2:]
+        elif part.startswith(b"\n"):
+            part = part[1:]
+        head, content = _split_head(part)
+        hdrs = {}
+        for line in head.decode().splitlines():
+            k, _, v = line.partition(":")
+            hdrs[k.strip().lower()] = v.strip()
+        if content.endswith(b"\r\n"):
+            content = content[:-2]
+        elif content.endswith(b"\n"):
+            content = content[:-1]
+        out.append((hdrs, content))
+    if len(out) != 2:
+        raise StorageError(400, "invalid", f"multipart upload with {len(out)} parts (want 2)")
+    meta = json.loads(out[0][1] or b"{}")
+    return meta, out[1][1], out[1][0].get("content-type", "application/octet-stream")
+
+
+def _split_head(part: bytes) -> tuple[bytes, bytes]:
+    m = re.search(rb"\r?\n\r?\n", part)
+    if m is None:
+        raise StorageError(400, "invalid", "multipart part without headers")
+    return part[: m.start()], part[m.end() :]
+
+
+_GCS_ENV = ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
+            "SPOTCTL_CHECKPOINT_STORAGE_OPTIONS")  # fmt: skip
+
+
+@contextmanager
+def fake_gcs(bucket: str = "ckpts", project: str = "test-proj") -> Iterator[dict[str, str]]:
+    """Start the fake GCP server, create `bucket` in it, and set the environment (this
+    process and the children it starts) so that gcsfs talks to it: STORAGE_EMULATOR_HOST
+    (gcsfs's own emulator switch), anonymous credentials through spotctl's
+    SPOTCTL_CHECKPOINT_STORAGE_OPTIONS, and gcsfs's gRPC bucket-layout probe off (it
+    would speak gRPC to a JSON endpoint). Yields that environment."""
+    import os
+
+    from .fake_compute import FakeCompute
+
+    with FakeCompute() as fake:
+        env = {"STORAGE_EMULATOR_HOST": fake.endpoint,
+               "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+               "SPOTCTL_CHECKPOINT_STORAGE_OPTIONS": json.dumps({"token": "anon",
+                                                                 "project": project})}  # fmt: skip
+        saved = {k: os.environ.get(k) for k in _GCS_ENV}
+        os.environ.update(env)
+        # gcsfs picks its class when imported: a process that imported it before this
+        # environment was set gets the plain GCSFileSystem registered here (spawned
+        # children import it afresh under the environment).
+        import fsspec
+        from gcsfs.core import GCSFileSystem
+
+        for proto in ("gs", "gcs"):
+            fsspec.register_implementation(proto, GCSFileSystem, clobber=True)
+        try:
+            code, _, out = fake.storage.handle(
+                "POST", f"/storage/v1/b?project={project}",
+                {"Content-Type": "application/json"}, json.dumps({"name": bucket}).encode(),
+            )  # fmt: skip
+            assert code == 200, out
+            yield env
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
