@@ -21,6 +21,7 @@ pytestmark = pytest.mark.aws
 def cli(home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     """An app holding just this command (a callback keeps `prices` a subcommand)."""
     monkeypatch.chdir(tmp_path)  # no spotctl.toml here: defaults plus flags
+    monkeypatch.setenv("COLUMNS", "200")  # whatever width the runner's terminal has
     app = typer.Typer()
 
     @app.callback()
