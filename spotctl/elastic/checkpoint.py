@@ -216,23 +216,148 @@ def read_commit(root: str | os.PathLike[str], step: int) -> dict[str, Any]:
     return open_store(root).read_commit(step)
 
 
-def _make_stager(mode: str) -> Any:
-    """A persistent stager: staging buffers are allocated once and reused by every save
-    (pinned host memory and a background copy where CUDA is available; shared memory so a
-    checkpoint process reads them without a copy)."""
+def _storage_key(t: torch.Tensor) -> int:
+    """The address of a tensor's storage (a DTensor's local shard); 0 when it has none."""
+    local = getattr(t, "_local_tensor", t)
     try:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    except ImportError:
-        return None
-    cuda = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda,
-                                        use_shared_memory=(mode == "process"),
-                                        use_async_staging=cuda, use_non_blocking_copy=cuda))
+        return int(local.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+class OverlapStager:
+    """A persistent stager (DCP's AsyncStager protocol) that lets the next step's forward
+    and backward run while the save's big copy is made.
+
+    Staging buffers are allocated once and reused by every save (torch's StateDictStager
+    caches one CPU storage per source storage): pinned host memory where CUDA is
+    available, shared memory in process mode so the checkpoint process reads them without
+    a copy. Tensors whose storage is in `protected` (the optimizers' parameters and state,
+    which only optimizer.step() changes) are copied in a background thread; everything
+    else (buffers, which a forward may update; non-tensor values) is copied before
+    stage() returns. Whoever changes a protected tensor must call wait() first: the
+    Checkpointer does it in an optimizer step pre-hook. With an empty `protected` set the
+    whole state is copied before stage() returns (a plain synchronous stager).
+    """
+
+    _synchronize_after_execute = False
+
+    def __init__(self, mode: str):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
+        self.cuda = torch.cuda.is_available()
+        shm = mode == "process"
+        # two caches, one per thread: a StateDictStager is not thread-safe
+        self._now = StateDictStager(pin_memory=self.cuda, share_memory=shm)
+        self._later = StateDictStager(pin_memory=self.cuda, share_memory=shm)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spotctl-stage")
+        self._stream: Any = torch.cuda.Stream() if self.cuda else None
+        self.protected: set[int] = set()
+        self.future: Future[Any] | None = None
+        self.wait_s = 0.0  # how long wait() blocked, summed since the last stage()
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        slots: list[tuple[tuple[Any, ...], torch.Tensor]] = []
+        skeleton = _split(state_dict, self.protected, slots, ())
+        staged = self._now.stage(skeleton)  # buffers, small tensors, non-tensor values
+        self.wait_s = 0.0
+        if not slots:
+            fut: Future[Any] = Future()
+            fut.set_result(staged)
+            self.future = None
+            return fut
+        if self._stream is not None:
+            # the copy stream starts after the work queued so far (the optimizer step)
+            self._stream.wait_stream(torch.cuda.current_stream())
+        tensors = [t for _, t in slots]
+        paths = [p for p, _ in slots]
+
+        def copy_rest() -> Any:
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    out = self._later.stage(tensors, non_blocking=True)
+                self._stream.synchronize()
+            else:
+                out = self._later.stage(tensors)
+            for path, t in zip(paths, out, strict=True):
+                node = staged
+                for k in path[:-1]:
+                    node = node[k]
+                node[path[-1]] = t
+            return staged
+
+        self.future = self._pool.submit(copy_rest)
+        return self.future
+
+    def wait(self) -> None:
+        """Block until the background copy is done (its errors surface through the save's
+        own future, not here)."""
+        fut = self.future
+        if fut is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            fut.result()
+        except BaseException:  # noqa: BLE001 - reported by the upload future
+            pass
+        self.wait_s += time.perf_counter() - t0
+        self.future = None
+
+    def synchronize_staging(self) -> None:
+        self.wait()
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown(wait=True)
+        self._now.close()
+        self._later.close()
+
+
+def _split(obj: Any, protected: set[int], slots: list[tuple[tuple[Any, ...], torch.Tensor]],
+           path: tuple[Any, ...]) -> Any:
+    """A copy of obj's dicts and lists with each protected tensor replaced by None and
+    recorded (path, tensor) in slots."""
+    if isinstance(obj, torch.Tensor):
+        if protected and obj.numel() and _storage_key(obj) in protected:
+            slots.append((path, obj))
+            return None
+        return obj
+    if isinstance(obj, dict):
+        return {k: _split(v, protected, slots, (*path, k)) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_split(v, protected, slots, (*path, i)) for i, v in enumerate(obj)]
+    return obj
+
+
+def optimizer_storages(optimizers: list[torch.optim.Optimizer]) -> set[int]:
+    """Storages that only optimizer.step() changes: the optimized parameters and their
+    optimizer state (exp_avg, step, ...)."""
+    keys: set[int] = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            keys.update(_storage_key(p) for p in group["params"])
+        for st in opt.state.values():
+            if isinstance(st, dict):
+                keys.update(_storage_key(v) for v in st.values() if isinstance(v, torch.Tensor))
+    keys.discard(0)
+    return keys
 
 
 class Checkpointer:
     """mode: "thread" (DCP's async save in a thread of this process) or "process" (a
-    persistent checkpoint process per rank, fed through a persistent stager)."""
+    persistent checkpoint process per rank), both fed through a persistent OverlapStager.
+
+    After guard(optimizers), save_async() returns once the small and forward-mutable parts
+    are copied; the optimizers' parameters and state are copied while training goes on,
+    and each optimizer's step() first waits for that copy (a step pre-hook), so the saved
+    state is the state at the save step. Code that changes parameters or optimizer state
+    outside optimizer.step() must call wait_staged() first."""
 
     def __init__(self, root: str | os.PathLike[str], keep_last: int, rank: int, pg: Any,
                  mode: str | None = None):
@@ -245,7 +370,10 @@ class Checkpointer:
             "process" if torch.cuda.is_available() else "thread")
         if self.mode not in ("thread", "process"):
             raise ValueError(f"SPOTCTL_ASYNC_SAVE must be thread or process, not {self.mode!r}")
-        self.stager: Any = None
+        self.stager: OverlapStager | None = None
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._hooks: list[Any] = []
+        self.last_wait_s = 0.0
         self.pending: tuple[int, Any, dict[str, Any], float] | None = None
         self.last_committed = 0
         self.save_failures = 0
@@ -264,6 +392,22 @@ class Checkpointer:
         return self.last_committed
 
     # -- saving
+    def guard(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Copy these optimizers' parameters and state off the training thread, and make
+        each one's step() wait for that copy."""
+        for opt in optimizers:
+            self._optimizers.append(opt)
+            self._hooks.append(opt.register_step_pre_hook(self._before_step))
+
+    def _before_step(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self.wait_staged()
+
+    def wait_staged(self) -> None:
+        """Wait until the in-flight save's copy of the state is made (cheap when none is)."""
+        if self.stager is not None and self.stager.future is not None:
+            self.stager.wait()
+            self.last_wait_s = self.stager.wait_s
+
     def save_async(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
         self.wait_pending()
         t0 = time.perf_counter()
@@ -273,13 +417,15 @@ class Checkpointer:
             self._failed(step, e)
             return
         self.last_block_s = time.perf_counter() - t0
+        self.last_wait_s = 0.0
         self.pending = (step, fut, meta, t0)
 
     def _async_save(self, step: int, state: dict[str, Any]) -> Any:
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         if self.stager is None:
-            self.stager = _make_stager(self.mode)
+            self.stager = OverlapStager(self.mode)
+        self.stager.protected = optimizer_storages(self._optimizers) if self._optimizers else set()
         kind = (AsyncCheckpointerType.PROCESS if self.mode == "process"
                 else AsyncCheckpointerType.THREAD)
         return dcp.async_save(state, storage_writer=self.store.writer(step),
@@ -373,6 +519,9 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait_pending()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
         if self._pruner is not None:
             self._pruner.join(timeout=60)
         if self.stager is not None:
