@@ -208,6 +208,10 @@ class GcpSpec(_Strict):
     disk_type: str = ""
     ssh_user: str = "spotctl"
     ssh_cidr: str = ""
+    # Checkpoints: gs://<bucket>/<cluster>/checkpoints is the default train.checkpoint_dir;
+    # empty = spotctl-<project>-<region>, created with uniform bucket-level access and
+    # public access prevention on first `up`. A bucket named here must exist already.
+    bucket: str = ""
 
 
 class SshHost(_Strict):

@@ -19,7 +19,7 @@ def test_new_project_without_spot_gpu_quota_is_blocked_with_the_metric(fake, spo
     p = GcpProvider(make_ctx(fake, spotctl_home, gpu="T4"))
     checks = {c.name: c for c in p.checks()}
     assert list(checks) == ["credentials", "region", "spot GPU quota", "network",
-                            "image (workers)", "image (head)"]  # fmt: skip
+                            "image (workers)", "image (head)", "checkpoint bucket"]  # fmt: skip
     assert checks["credentials"].ok and PROJECT in checks["credentials"].detail
     assert checks["region"].ok and "4 zones" in checks["region"].detail
     q = checks["spot GPU quota"]

@@ -1,5 +1,5 @@
 """README: `templates/gcp-roles.txt` lists the permissions spotctl needs. Run a whole
-provider lifecycle against the fake Compute server, map every REST call it made to the
+provider lifecycle (down with a purge) against the fake Compute, Storage and IAM server, map every REST call it made to the
 IAM permissions Compute checks for it, and compare with the list both ways."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from .fake_compute import ROUTES
+from .fake_storage import STORAGE_ROUTES
 
 pytestmark = pytest.mark.gcp
 
@@ -22,7 +23,7 @@ PERMISSIONS: dict[str, set[str]] = {
         "compute.instances.create", "compute.disks.create", "compute.images.useReadOnly",
         "compute.subnetworks.use", "compute.subnetworks.useExternalIp",
         "compute.instances.setMetadata", "compute.instances.setLabels",
-        "compute.instances.setTags",
+        "compute.instances.setTags", "iam.serviceAccounts.actAs",
     },
     "instances.list": {"compute.instances.list"},
     "instances.aggregatedList": {"compute.instances.list"},
@@ -41,6 +42,22 @@ PERMISSIONS: dict[str, set[str]] = {
     "firewalls.list": {"compute.firewalls.list"},
     "firewalls.get": {"compute.firewalls.get"},
     "firewalls.delete": {"compute.firewalls.delete", "compute.networks.updatePolicy"},
+    # checkpoint bucket, the workers' service account and its bucket bindings (storage.py)
+    "storage.buckets.insert": {"storage.buckets.create"},
+    "storage.buckets.get": {"storage.buckets.get"},
+    "storage.buckets.delete": {"storage.buckets.delete"},
+    "storage.buckets.getIamPolicy": {"storage.buckets.getIamPolicy"},
+    "storage.buckets.setIamPolicy": {"storage.buckets.setIamPolicy"},
+    "storage.objects.list": {"storage.objects.list"},
+    "storage.objects.get": {"storage.objects.get"},
+    "storage.objects.delete": {"storage.objects.delete"},
+    "storage.objects.insert": {"storage.objects.create"},
+    "storage.objects.move": {"storage.objects.get", "storage.objects.create",
+                             "storage.objects.delete"},
+    "storage.objects.rewrite": {"storage.objects.get", "storage.objects.create"},
+    "iam.serviceAccounts.create": {"iam.serviceAccounts.create"},
+    "iam.serviceAccounts.get": {"iam.serviceAccounts.get"},
+    "iam.serviceAccounts.delete": {"iam.serviceAccounts.delete"},
 }  # fmt: skip
 
 
@@ -50,15 +67,19 @@ def _roles() -> set[str]:
 
 
 def test_every_call_of_a_lifecycle_is_covered_by_the_role_list(fake: Any, provider: Any) -> None:
-    provider.prepare()  # key, firewall rules
+    provider.prepare()  # key, firewall rules, bucket, service account
+    # a checkpoint object under the cluster's prefix, so the purge lists and deletes
+    fake.storage.objects[provider.bucket_name()]["demo/checkpoints/x"] = (b"", {"name": "x"})
     offer = next(o for o in provider.offers() if o.gpus == 1)
     head = provider.ensure_head()
     got = provider.launch(offer, 2, "req-roles")
     assert len(provider.list(provider.ctx.cluster)) >= 2
     provider.terminate([i.id for i in got] + [head.instance_id])
+    provider.ctx.options["purge"] = True
     provider.cleanup()
     made = {r.key for r in fake.requests if r.key}
-    assert {"instances.insert", "instances.delete", "firewalls.insert"} <= made, made
+    assert {"instances.insert", "instances.delete", "firewalls.insert",
+            "storage.buckets.setIamPolicy", "storage.objects.delete"} <= made, made
     unknown = made - PERMISSIONS.keys()
     assert not unknown, f"calls with no known permission (add them here): {unknown}"
     needed = set().union(*(PERMISSIONS[k] for k in made))
@@ -66,7 +87,7 @@ def test_every_call_of_a_lifecycle_is_covered_by_the_role_list(fake: Any, provid
 
 
 def test_the_role_list_asks_for_nothing_no_call_needs() -> None:
-    served = {key for _, key, _ in ROUTES}
+    served = {key for _, key, _ in ROUTES + STORAGE_ROUTES}
     assert served <= PERMISSIONS.keys(), served - PERMISSIONS.keys()
     possible = set().union(*(PERMISSIONS[k] for k in served))
     extra = _roles() - possible

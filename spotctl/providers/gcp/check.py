@@ -3,8 +3,9 @@
 This module owns `spotctl check --provider gcp`: one line each for credentials and the
 project, the region, the Spot (preemptible) GPU quota of the region for the GPUs the spec
 wants (PREEMPTIBLE_NVIDIA_*_GPUS; GCP falls back to the regular GPU quota where a project
-has no preemptible one), the network the firewall rules go on, and the worker and head
-images (and their minimum disk sizes).
+has no preemptible one), the network the firewall rules go on, the worker and head
+images (and their minimum disk sizes), and the checkpoint bucket (reachable, to be
+created, or blocked).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from functools import partial
 from spotctl.errors import SpecError
 from spotctl.providers.checks import Check, run_check
 from spotctl.providers.gcp.launch import GcpLaunch
+from spotctl.providers.gcp.storage import check_bucket_name
 
 # GPU (catalog name) -> Compute Engine quota metric, without the PREEMPTIBLE_ prefix.
 GPU_QUOTA_METRICS = {
@@ -43,7 +45,28 @@ class GcpChecks(GcpLaunch):
         out.append(run_check("network", self._check_network))
         out.append(run_check("image (workers)", lambda: self._check_image(self.spec.image)))
         out.append(run_check("image (head)", lambda: self._check_image(self.spec.head_image)))
+        out.append(run_check("checkpoint bucket", self._check_bucket))
         return out
+
+    def _check_bucket(self) -> str:
+        """One line: the bucket is reachable, will be created, or what blocks it."""
+        bucket = self.bucket_name()
+        where = f"gs://{bucket}/{self.prefix}"
+        why = check_bucket_name(bucket)
+        if why:
+            raise SpecError(f"gcp.bucket: {bucket!r} is not a valid bucket name ({why})")
+        found = self._get_bucket()  # a bucket we cannot read raises: blocked
+        if found is not None:
+            ubla = (found.get("iamConfiguration") or {}).get("uniformBucketLevelAccess") or {}
+            if not ubla.get("enabled"):
+                raise SpecError(
+                    f"gcp.bucket: {where} has no uniform bucket-level access (needed for the "
+                    "workers' prefix-scoped IAM condition)"
+                )
+            return f"{where} (bucket reachable)"
+        if self.spec.bucket:
+            raise SpecError(f"gcp.bucket: bucket {bucket} does not exist (or is not yours)")
+        return f"{where} (bucket created on first up: uniform access, no public access)"
 
     def _check_credentials(self) -> str:
         self._clients_or_init()

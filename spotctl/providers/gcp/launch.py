@@ -4,7 +4,7 @@ This module owns the VM lifecycle calls: listing by label across zones (aggregat
 and mapping VMs to spotctl Instances; `launch`, idempotent by deterministic names and
 insert request ids, which moves the rest of a request to the next zone on zone
 exhaustion and stops on any other error; the instance resource (spot scheduling, GPUs,
-boot disk, NIC, metadata); and `terminate` / deletes that treat a gone VM as done.
+boot disk, NIC, metadata, the workers' service account); and `terminate` / deletes that treat a gone VM as done.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from spotctl.providers.gcp.api import (
 )
 from spotctl.providers.gcp.network import GcpNetwork
 from spotctl.providers.gcp.offers import GcpOffers, nic_type_for
+from spotctl.providers.gcp.storage import GcpStorage
 
 INSERT_PARALLEL = 16  # inserts in flight at once, per zone
 
@@ -48,7 +49,7 @@ class _Failure:
     error: ProviderError | None = None
 
 
-class GcpLaunch(GcpOffers, GcpNetwork):
+class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
     """VMs of the cluster: list, launch, terminate."""
 
     # ----------------------------------------------------------------- listing
@@ -141,6 +142,9 @@ class GcpLaunch(GcpOffers, GcpNetwork):
             raise SpecError(f"gcp: cannot launch a {offer.provider} offer")
         if count <= 0:
             return []
+        # Workers run as the cluster's service account, scoped to its checkpoint prefix
+        # (storage.py); idempotent, so a launch without `prepare` still gets it.
+        self.prepare_storage()
         rid = label_value(request_id)
         existing = [
             self._to_instance(vm)
@@ -358,6 +362,7 @@ class GcpLaunch(GcpOffers, GcpNetwork):
                 )
             ],
             metadata=compute_v1.Metadata(items=metadata),
+            service_accounts=self._service_accounts(role),
         )
 
     # ----------------------------------------------------------------- terminate

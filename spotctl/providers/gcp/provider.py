@@ -1,7 +1,7 @@
 """GCP provider: Spot VMs through google-cloud-compute (REST), labels as the source of truth.
 
-This module owns the assembled GcpProvider (offers.py, network.py, launch.py and check.py
-on top of api.py), the head VM, worker bootstrap and cleanup.
+This module owns the assembled GcpProvider (offers.py, network.py, storage.py, launch.py
+and check.py on top of api.py), the head VM, worker bootstrap and cleanup.
 
 What it assumes and guarantees (on top of providers/base.py):
 - Every VM carries the labels spotctl-cluster / spotctl-role / spotctl-request-id and the
@@ -44,7 +44,7 @@ import time
 from collections.abc import Sequence
 from functools import partial
 
-from spotctl.errors import SpecError
+from spotctl.errors import ProviderError, SpecError
 from spotctl.providers.base import HeadInfo, Instance, ProviderContext
 from spotctl.providers.gcp import catalog as catalog_gcp
 from spotctl.providers.gcp.api import (
@@ -66,6 +66,12 @@ class GcpProvider(GcpChecks):
     """Spot workers and one standard head VM in one GCP project and region."""
 
     name = "gcp"
+
+    def prepare(self) -> None:
+        """Firewall rules and SSH key (network.py), then the checkpoint bucket and the
+        workers' service account (storage.py); idempotent, run by every `up`."""
+        super().prepare()
+        self.prepare_storage()
 
     # ----------------------------------------------------------------- head and cleanup
 
@@ -113,6 +119,8 @@ class GcpProvider(GcpChecks):
         start its agent (GCP metadata notices), confirm its first heartbeat at the head.
         Per-host results; one host failing never hides the others."""
         head = self._head or self.ensure_head()
+        # The agents' checkpoint_dir: the cluster's gs:// prefix unless the spec set one.
+        self.prepare_storage()
         want = {i.id for i in instances}
         deadline = time.monotonic() + self.op_timeout_s
         while True:
@@ -162,7 +170,9 @@ class GcpProvider(GcpChecks):
         return zones[0]
 
     def cleanup(self) -> builtins.list[str]:
-        """Delete every VM and firewall rule of the cluster; describe anything still there."""
+        """Delete every VM and firewall rule of the cluster, and the workers' service
+        account and its bucket bindings; the checkpoints stay unless purged
+        (ctx.options["purge"]). Describe anything still there."""
         label = {LABEL_CLUSTER: label_value(self.cluster)}
         leaks: builtins.list[str] = []
         if self._nodes.override is not None:
@@ -177,6 +187,12 @@ class GcpProvider(GcpChecks):
             f"instance {_short(vm.zone)}/{vm.name} ({vm.status})" for vm in self._raw_list(**label)
         ]
         leaks += [f"firewall {fw.name}" for fw in self._list_firewalls()]
+        leaks += self._delete_node_identity()
+        if self.ctx.options.get("purge"):
+            try:
+                self.purge_checkpoints()
+            except (ProviderError, SpecError) as e:
+                leaks.append(f"checkpoints under gs://{self.bucket_name()}/{self.prefix}: {e}")
         return leaks
 
 

@@ -1,0 +1,400 @@
+"""GCP provider, checkpoint storage and node identity: a GCS prefix per cluster, reachable
+from the workers through a service account scoped to it.
+
+This module owns where a cluster's checkpoints live on GCP and who may touch them: the
+bucket (gcp.bucket, else `spotctl-<project>-<region>`, created on first use with uniform
+bucket-level access and public access prevention enforced), the cluster's prefix
+`<cluster>/` in it (its `checkpoints` is the default train.checkpoint_dir on GCP), and the
+service account `spotctl-<cluster>@<project>.iam.gserviceaccount.com` that the worker VMs
+run as (cloud-platform scope; what it may do is decided by IAM, not by the scope).
+
+The account's access is two bindings on the bucket's IAM policy (version 3):
+- roles/storage.objectUser under the IAM condition
+  `resource.name.startsWith("projects/_/buckets/<bucket>/objects/<cluster>/")`: read,
+  write and delete objects under the cluster's prefix only;
+- roles/storage.legacyBucketReader (storage.buckets.get, storage.objects.list), without
+  a condition: GCS checks a listing against the bucket, never against a prefix, so no
+  condition can scope it; gcsfs needs both to list and to find the bucket. Other
+  clusters' object names in a shared bucket are visible to it, their contents are not.
+`down` removes both bindings and the account and keeps the checkpoints; a purge
+(ctx.options["purge"]) also deletes the objects under the prefix.
+
+The calls are plain JSON REST (storage/v1, iam/v1) through google-auth's
+AuthorizedSession (requests), which google-cloud-compute already brings: no client
+library is added to the [gcp] extra. Errors go through GcpApi._call (429/5xx retried,
+403 an AuthError naming templates/gcp-roles.txt). Under a test endpoint (gcp_endpoint /
+SPOTCTL_GCP_ENDPOINT) storage and IAM are served from it too, anonymously.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from typing import Any
+
+from spotctl.errors import ProviderError, SpecError
+from spotctl.providers.gcp.api import GcpApi, _one_line
+
+CLOUD_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
+STORAGE_URL = "https://storage.googleapis.com"
+IAM_URL = "https://iam.googleapis.com"
+OBJECT_ROLE = "roles/storage.objectUser"
+LIST_ROLE = "roles/storage.legacyBucketReader"
+_SA_DOMAIN = ".iam.gserviceaccount.com"
+
+
+class RestError(Exception):
+    """An HTTP error from the storage or IAM JSON API, in the shape `classify` reads."""
+
+    def __init__(self, code: int, text: str):
+        self.code = code
+        self.errors: list[dict[str, Any]] = []
+        self.reason = ""
+        message = _one_line(text)[:300]
+        try:
+            err = json.loads(text).get("error", {})
+            message = str(err.get("message") or message)
+            # reasons only: the message `classify` shows is ours, with the status code
+            self.errors = [
+                {"reason": e["reason"]}
+                for e in err.get("errors") or []
+                if isinstance(e, dict) and e.get("reason")
+            ]
+            self.reason = str(err.get("status") or "")
+        except (ValueError, AttributeError):
+            pass
+        self.message = f"{code} {message}"
+        super().__init__(self.message)
+
+
+def bucket_name_for(project: str, region: str) -> str:
+    """The default bucket: `spotctl-<project>-<region>`, as GCS bucket names allow it
+    (lowercase letters, digits, '-'; at most 63 characters)."""
+    name = re.sub(r"[^a-z0-9-]+", "-", f"spotctl-{project}-{region}".lower()).strip("-")
+    if len(name) > 63:
+        digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+        name = name[:54].rstrip("-") + "-" + digest
+    return name
+
+
+def account_id_for(cluster: str) -> str:
+    """The cluster's service account id: 6-30 characters of [a-z0-9-], starting with a
+    letter (`spotctl-<cluster>`, shortened with a digest when the cluster name is long)."""
+    base = re.sub(r"[^a-z0-9-]+", "-", cluster.lower()).strip("-")
+    acc = f"spotctl-{base}".rstrip("-")
+    if len(acc) > 30:
+        digest = hashlib.sha256(cluster.encode()).hexdigest()[:6]
+        acc = acc[:23].rstrip("-") + "-" + digest
+    return acc
+
+
+def check_bucket_name(name: str) -> str | None:
+    """Why GCS would refuse `name` as a bucket name, or None."""
+    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]", name):
+        return "3-63 characters of lowercase letters, digits, '-', '_' and '.'"
+    if name.startswith("goog") or "google" in name:
+        return "names starting with 'goog' or containing 'google' are reserved"
+    return None
+
+
+class GcpStorage(GcpApi):
+    """Bucket, prefix and the workers' service account."""
+
+    _http_session: Any = None
+    _storage_ready = False
+
+    # ----------------------------------------------------------------- REST
+
+    def _http(self) -> Any:
+        if self._http_session is None:
+            from google.auth.transport.requests import AuthorizedSession
+
+            if self.endpoint:
+                from google.auth.credentials import AnonymousCredentials
+
+                creds: Any = AnonymousCredentials()
+            else:
+                import google.auth
+
+                from spotctl.errors import AuthError
+
+                try:
+                    creds, _ = google.auth.default(scopes=[CLOUD_SCOPE])
+                except Exception as e:  # noqa: BLE001 - any failure means no credentials
+                    raise AuthError(
+                        "gcp: no credentials found (run `gcloud auth application-default "
+                        f"login` or set GOOGLE_APPLICATION_CREDENTIALS): {_one_line(str(e))}"
+                    ) from None
+            self._http_session = AuthorizedSession(creds)
+        return self._http_session
+
+    def _rest(
+        self,
+        what: str,
+        method: str,
+        url: str,
+        *,
+        params: dict[str, Any] | None = None,
+        body: dict[str, Any] | None = None,
+        missing_ok: bool = False,
+    ) -> dict[str, Any] | None:
+        """One JSON call through `_call` (retries, error mapping); None on 404 when
+        `missing_ok`."""
+
+        def run() -> dict[str, Any]:
+            r = self._http().request(method, url, params=params, json=body, timeout=60)
+            if r.status_code >= 400:
+                raise RestError(r.status_code, r.text)
+            return r.json() if r.content else {}
+
+        return self._call(what, run, missing_ok=missing_ok)
+
+    @property
+    def _storage_base(self) -> str:
+        return f"{self.endpoint or STORAGE_URL}/storage/v1"
+
+    @property
+    def _iam_base(self) -> str:
+        return f"{self.endpoint or IAM_URL}/v1/projects/{self.project}/serviceAccounts"
+
+    # ----------------------------------------------------------------- names
+
+    def bucket_name(self) -> str:
+        return self.spec.bucket or bucket_name_for(self.project, self.region)
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.ctx.cluster}/"
+
+    def checkpoint_uri(self) -> str:
+        return f"gs://{self.bucket_name()}/{self.prefix}checkpoints"
+
+    @property
+    def node_account(self) -> str:
+        """The workers' service account email."""
+        return f"{account_id_for(self.ctx.cluster)}@{self.project}{_SA_DOMAIN}"
+
+    def _condition(self) -> dict[str, str]:
+        return {
+            "title": f"spotctl-{self.ctx.cluster}"[:100],
+            "description": f"spotctl cluster {self.ctx.cluster}: its checkpoint prefix only",
+            "expression": 'resource.name.startsWith("projects/_/buckets/'
+            f'{self.bucket_name()}/objects/{self.prefix}")',
+        }
+
+    # ----------------------------------------------------------------- bucket
+
+    def _get_bucket(self) -> dict[str, Any] | None:
+        """The bucket's resource; None when there is no bucket of that name. A bucket this
+        identity cannot read (another project's) is a SpecError naming gcp.bucket."""
+        bucket = self.bucket_name()
+        try:
+            return self._rest(
+                f"look up bucket {bucket}",
+                "GET",
+                f"{self._storage_base}/b/{bucket}",
+                missing_ok=True,
+            )
+        except ProviderError as e:
+            if "permission denied" not in str(e):
+                raise
+            raise SpecError(
+                f"gcp.bucket: bucket {bucket} exists but this identity cannot read it "
+                "(another project's name, or storage.buckets.get missing); set gcp.bucket "
+                "to a bucket of this project"
+            ) from None
+
+    def bucket_exists(self) -> bool:
+        return self._get_bucket() is not None
+
+    def _ensure_bucket(self) -> None:
+        bucket = self.bucket_name()
+        why = check_bucket_name(bucket)
+        if why:
+            raise SpecError(f"gcp.bucket: {bucket!r} is not a valid bucket name ({why})")
+        found = self._get_bucket()
+        if found is None:
+            if self.spec.bucket:
+                raise SpecError(f"gcp.bucket: bucket {bucket} does not exist (or is not yours)")
+            body = {
+                "name": bucket,
+                "location": self.region.upper(),
+                "iamConfiguration": {
+                    "uniformBucketLevelAccess": {"enabled": True},
+                    "publicAccessPrevention": "enforced",
+                },
+                "labels": {"spotctl": "checkpoints"},
+            }
+            try:
+                found = self._rest(
+                    f"create bucket {bucket}",
+                    "POST",
+                    f"{self._storage_base}/b",
+                    params={"project": self.project},
+                    body=body,
+                )
+            except ProviderError as e:
+                if "409" not in str(e):
+                    raise
+                # Created meanwhile by another controller of this project, or the name is
+                # someone else's: the lookup tells which.
+                found = self._get_bucket()
+                if found is None:
+                    raise SpecError(
+                        f"gcp.bucket: the bucket name {bucket} is taken; set gcp.bucket"
+                    ) from None
+        ubla = ((found or {}).get("iamConfiguration") or {}).get("uniformBucketLevelAccess")
+        if not (ubla or {}).get("enabled"):
+            raise SpecError(
+                f"gcp.bucket: bucket {bucket} has no uniform bucket-level access; spotctl "
+                "scopes the workers' service account with an IAM condition, which needs it "
+                f"(gcloud storage buckets update gs://{bucket} --uniform-bucket-level-access)"
+            )
+
+    def purge_checkpoints(self) -> int:
+        """Delete every object under the cluster's prefix; how many were deleted."""
+        if not self.bucket_exists():
+            return 0
+        bucket, n = self.bucket_name(), 0
+        token = ""
+        while True:
+            params = {"prefix": self.prefix, "fields": "items(name),nextPageToken"}
+            if token:
+                params["pageToken"] = token
+            page = (
+                self._rest(
+                    f"list gs://{bucket}/{self.prefix}",
+                    "GET",
+                    f"{self._storage_base}/b/{bucket}/o",
+                    params=params,
+                )
+                or {}
+            )
+            for item in page.get("items", []):
+                from urllib.parse import quote
+
+                self._rest(
+                    f"delete gs://{bucket}/{item['name']}",
+                    "DELETE",
+                    f"{self._storage_base}/b/{bucket}/o/{quote(item['name'], safe='')}",
+                    missing_ok=True,
+                )
+                n += 1
+            token = str(page.get("nextPageToken") or "")
+            if not token:
+                return n
+
+    # ----------------------------------------------------------------- node identity
+
+    def _edit_bucket_policy(self, member: str, add: bool) -> None:
+        """Read-modify-write the bucket's IAM policy (version 3, etag-checked; a
+        concurrent change is retried): drop every binding of `member`, then add the
+        workers' two bindings when `add`."""
+        bucket = self.bucket_name()
+        url = f"{self._storage_base}/b/{bucket}/iam"
+        for attempt in range(6):
+            policy = (
+                self._rest(
+                    f"read IAM policy of bucket {bucket}",
+                    "GET",
+                    url,
+                    params={"optionsRequestedPolicyVersion": 3},
+                )
+                or {}
+            )
+            bindings = []
+            for b in policy.get("bindings") or []:
+                members = [m for m in b.get("members") or [] if m != member]
+                if members:
+                    bindings.append({**b, "members": members})
+            if add:
+                bindings.append(
+                    {"role": OBJECT_ROLE, "members": [member], "condition": self._condition()}
+                )
+                bindings.append({"role": LIST_ROLE, "members": [member]})
+            elif len(bindings) == len(policy.get("bindings") or []) and all(
+                member not in (b.get("members") or []) for b in policy.get("bindings") or []
+            ):
+                return  # nothing of ours there
+            new = {"bindings": bindings, "etag": policy.get("etag", ""), "version": 3}
+            try:
+                self._rest(f"set IAM policy of bucket {bucket}", "PUT", url, body=new)
+                return
+            except ProviderError as e:
+                # 412: someone changed the policy since we read it. 400 "does not exist":
+                # a just-created service account is not visible to IAM yet.
+                retry = "412" in str(e) or (add and "does not exist" in str(e))
+                if not retry or attempt == 5:
+                    raise
+                time.sleep(min(5.0, self.retry.base_s * 2**attempt))
+
+    def _ensure_node_identity(self) -> None:
+        email = self.node_account
+        found = self._rest(
+            f"look up service account {email}", "GET", f"{self._iam_base}/{email}", missing_ok=True
+        )
+        if found is None:
+            try:
+                self._rest(
+                    f"create service account {email}",
+                    "POST",
+                    self._iam_base,
+                    body={
+                        "accountId": account_id_for(self.ctx.cluster),
+                        "serviceAccount": {
+                            "displayName": f"spotctl {self.ctx.cluster} workers"[:100],
+                            "description": f"spotctl cluster {self.ctx.cluster}: the workers' "
+                            f"checkpoints under gs://{self.bucket_name()}/{self.prefix}",
+                        },
+                    },
+                )
+            except ProviderError as e:
+                if "409" not in str(e):
+                    raise
+        # Set every time: reconciled if the bucket or the condition changed.
+        self._edit_bucket_policy(f"serviceAccount:{email}", add=True)
+
+    def _delete_node_identity(self) -> list[str]:
+        """Remove the account's bucket bindings and the account; leaks as lines."""
+        email, leaks = self.node_account, []
+        try:
+            if self.bucket_exists():
+                self._edit_bucket_policy(f"serviceAccount:{email}", add=False)
+        except (ProviderError, SpecError) as e:
+            leaks.append(f"bucket IAM binding of {email}: {e}")
+        try:
+            self._rest(
+                f"delete service account {email}",
+                "DELETE",
+                f"{self._iam_base}/{email}",
+                missing_ok=True,
+            )
+        except ProviderError as e:
+            leaks.append(f"service account {email}: {e}")
+        self._storage_ready = False
+        return leaks
+
+    def prepare_storage(self) -> None:
+        """Bucket, service account and its bindings (idempotent); the checkpoint URI
+        becomes the default train.checkpoint_dir of this cluster's nodes."""
+        if self._storage_ready:
+            return
+        self._ensure_bucket()
+        self._ensure_node_identity()
+        # Under the loopback test seam the "VMs" are local processes with no service
+        # account to reach GCS with: they keep the cluster dir's default.
+        seam = self._nodes.override is not None
+        if not self.ctx.spec.train.checkpoint_dir and not seam:
+            self.ctx.spec.train.checkpoint_dir = self.checkpoint_uri()
+        self._storage_ready = True
+
+    def _service_accounts(self, role: str) -> list[Any]:
+        """The serviceAccounts of a VM's insert: workers run as the cluster's account
+        (made by prepare_storage, which `launch` runs first); the head runs as none."""
+        if role != "worker":
+            return []
+        from google.cloud import compute_v1
+
+        return [compute_v1.ServiceAccount(email=self.node_account, scopes=[CLOUD_SCOPE])]
