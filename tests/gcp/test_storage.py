@@ -208,3 +208,13 @@ def test_a_vm_with_a_service_account_that_does_not_exist_is_refused(fake, spotct
     with pytest.raises(Exception, match="does not have access to service account"):
         p.launch(_offer(p), 1, "req-gone")
     assert not [k for k in fake.instances if k[1] != "demo-head"]
+
+
+def test_nodes_are_shipped_gcsfs_for_the_default_checkpoint_dir(fake, spotctl_home):
+    from spotctl.remote.package import _closure, packages_for
+
+    p = GcpProvider(make_ctx(fake, spotctl_home))
+    p.prepare()
+    assert packages_for(p.ctx.spec.train.checkpoint_dir) == ("gcsfs",)
+    names = {str(d.metadata["Name"]).lower().replace("_", "-") for d in _closure((), ("gcsfs",))}
+    assert {"gcsfs", "google-cloud-storage", "google-auth", "fsspec"} <= names, names
