@@ -266,6 +266,9 @@ class Run:
         )  # fmt: skip
         t_restore = time.time()
         self.resume_step = self._restore()
+        # periodic saves copy parameters and optimizer state while the next step's forward
+        # and backward run; each optimizer's step() waits for that copy
+        self.ckpt.guard(self.optimizers)
         t_ready = time.time()
         # where a restart's time goes (seconds): interpreter + imports, process group and
         # model setup, checkpoint load; `first_step` is added after the first step
