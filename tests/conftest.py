@@ -7,6 +7,9 @@
 - `run_cli`: the typer app in-process (CliRunner), with that state dir
 - `CliProject`: a project dir with spotctl.toml + train.py and the real CLI run in it as a
   subprocess (the up -> train -> down harness); `LocalCluster` / `local_cluster` on it
+- `CloudFlow` / `cloud_flow`: the same on aws or gcp pointed at a fake, every instance's
+  SSH sent to one loopback sshd, notices from `MetadataRouter` (per-node metadata
+  emulators); the fakes themselves are the provider conftests' (`aws_flow`, `gcp_flow`)
 - real OpenSSH sshd on loopback (`Sshd`, `SshdFactory`, `client_key`, `sshd_factory`,
   `sshd`) and the real head as a child process (`Head`, `head`)
 - `metadata_server`: a factory for the local metadata emulator (AWS IMDSv2 + GCP)
@@ -163,6 +166,7 @@ SEAMS = (
     "SPOTCTL_SSH_OVERRIDE_KEY",
     "SPOTCTL_HEAD_PORTS",
     "SPOTCTL_SSH_REMOTE_ROOT",
+    "SPOTCTL_METADATA_URL",
     "SPOTCTL_CRONTAB",
 )
 
@@ -328,6 +332,276 @@ def local_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
     yield make
     for c in made:
         c.teardown()
+
+
+# --- the real CLI against a fake cloud: up -> status -> notice -> down ----------------------
+# The provider-specific servers (moto, the fake Compute API) are tests/aws/conftest.py's and
+# tests/gcp/conftest.py's (`aws_flow`, `gcp_flow` build a CloudFlow on them).
+
+
+def procs_mentioning(root: Path) -> list[int]:
+    """Processes whose command line mentions `root` (a test's directories)."""
+    out = []
+    needle = str(root).encode()
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit() and int(p.name) != os.getpid():
+            try:
+                if needle in (p / "cmdline").read_bytes():
+                    out.append(int(p.name))
+            except OSError:
+                pass
+    return out
+
+
+class MetadataRouter:
+    """One loopback server standing in for every cloud node's metadata service: a request
+    for `/<node>/<path>` goes to that node's own MetadataServer (the emulator: AWS IMDSv2
+    and GCP, made on first use), so a test can send one node a notice
+    (`router.node(id).preempt("aws")`). Cloud flows point the agents at it through
+    SPOTCTL_METADATA_URL=`url_template`."""
+
+    def __init__(self) -> None:
+        import http.client
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        router = self
+        self.servers: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+        class Route(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def forward(self) -> None:
+                node, _, rest = self.path.lstrip("/").partition("/")
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else None
+                if not node:
+                    self.send_error(404)
+                    return
+                up = http.client.HTTPConnection("127.0.0.1", router.node(node).port, timeout=600)
+                hop = ("host", "connection", "content-length")
+                try:  # as it came: IMDSv2 refuses what a proxy marks (X-Forwarded-For)
+                    up.request(self.command, "/" + rest, body=body,
+                               headers={k: v for k, v in self.headers.items()
+                                        if k.lower() not in hop})  # fmt: skip
+                    resp = up.getresponse()
+                    data = resp.read()
+                finally:
+                    up.close()
+                try:
+                    self.send_response(resp.status)
+                    for k, v in resp.getheaders():
+                        if k.lower() not in (*hop, "transfer-encoding", "server", "date"):
+                            self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the agent gave up on a long poll
+
+            do_GET = do_PUT = do_POST = forward
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Route)
+        self._server.daemon_threads = True
+        self.port = int(self._server.server_address[1])
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    @property
+    def url_template(self) -> str:
+        return f"http://127.0.0.1:{self.port}/{{node}}"
+
+    def node(self, node_id: str) -> Any:
+        """That node's MetadataServer (started on first use)."""
+        from spotctl.providers.local.metadata import MetadataServer
+
+        with self._lock:
+            if node_id not in self.servers:
+                self.servers[node_id] = MetadataServer(instance_id=node_id).start()
+            return self.servers[node_id]
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        for srv in self.servers.values():
+            srv.stop()
+
+
+@pytest.fixture
+def metadata_router() -> Iterator[MetadataRouter]:
+    r = MetadataRouter()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+def cloud_spec_text(name: str, section: str, script: str = "train.py",
+                    env: dict[str, str] | None = None) -> str:  # fmt: skip
+    """spotctl.toml for a cloud flow: templates/train.py, short steps, a cloud section."""
+    env = {"TRAIN_STEP_SLEEP_S": "0.05", "TRAIN_DATASET_SIZE": "4096", **(env or {})}
+    env_toml = ", ".join(f'{k} = "{v}"' for k, v in env.items())
+    return (
+        f'name = "{name}"\n\n'
+        f'[train]\nscript = "{script}"\ncheckpoint_every = 5\npython = "{sys.executable}"\n'
+        f"env = {{ {env_toml} }}\n\n" + section
+    )
+
+
+class CloudFlow(CliProject):
+    """The real CLI on a cloud provider pointed at a fake (moto, the fake Compute API), with
+    every instance's SSH sent to one loopback sshd: the seam of spotctl/remote/bootstrap.py
+    (SPOTCTL_SSH_OVERRIDE[_KEY], SPOTCTL_HEAD_PORTS, SPOTCTL_SSH_REMOTE_ROOT, and
+    SPOTCTL_METADATA_URL for the agents' notices). The bootstrap, the head (`spotctl head`)
+    and the agents (torchrun + the train script) really run, from node directories under
+    `remote`."""
+
+    def __init__(self, tmp: Path, name: str, spec: str, server: Sshd, key: Path,
+                 metadata: MetadataRouter | None = None,
+                 env_extra: dict[str, str] | None = None):  # fmt: skip
+        self.remote = tmp / "remote"
+        self.metadata = metadata
+        self.downed = False  # a `down` ran clean: teardown need not run another
+        seams = {
+            "SPOTCTL_SSH_OVERRIDE": f"127.0.0.1:{server.port}",
+            "SPOTCTL_SSH_OVERRIDE_KEY": str(key),
+            "SPOTCTL_HEAD_PORTS": f"{free_port()}:{free_port()}",
+            "SPOTCTL_SSH_REMOTE_ROOT": str(self.remote),
+        }
+        if metadata is not None:
+            seams["SPOTCTL_METADATA_URL"] = metadata.url_template
+        super().__init__(tmp, name, {**seams, **(env_extra or {})})
+        (self.project / "spotctl.toml").write_text(spec)
+        (self.project / "idle.py").write_text(IDLE_SCRIPT)
+
+    def debug(self) -> str:
+        logs = sorted(self.remote.glob("*/*/*.log")) + sorted(self.remote.glob("*/*/*/*.log"))
+        return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-1500:]}" for p in logs)
+
+    def leftover(self) -> list[int]:
+        """Processes still running from the node directories or the state dir."""
+        return procs_mentioning(self.remote) + procs_mentioning(self.home)
+
+    def kill_leftovers(self) -> None:
+        import signal
+
+        for pid in self.leftover():
+            for kill, target in ((os.killpg, pid), (os.kill, pid)):
+                try:
+                    kill(target, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+    def up(self, provider: str, gpus: str, nodes: int, wait_s: int = 240) -> dict[str, Any]:
+        """`up --json`: `nodes` launched, bootstrapped (one progress line each) and
+        reporting."""
+        p = self.cli("up", "--provider", provider, "--gpus", gpus, "--wait", str(wait_s),
+                     "--json", timeout=wait_s + 360)  # fmt: skip
+        up = dict(json.loads(p.stdout))
+        assert len(up["launched"]) == nodes and up["nodes_reporting"] == nodes, up
+        # `up --json` phases: JSON lines on stderr, per offer, then per node
+        phases = [json.loads(x) for x in p.stderr.splitlines() if x.startswith('{"phase"')]
+        assert any(x["phase"] == "launching" for x in phases), p.stderr
+        done = [x for x in phases if x["phase"] == "bootstrapped"]
+        assert sorted(x["node"] for x in done) == sorted(up["launched"]), p.stderr
+        return up
+
+    def down(self, *extra: str) -> dict[str, Any]:
+        """`down --json`; then no process of the cluster is left."""
+        out = dict(json.loads(self.cli("down", "--name", self.name, "--yes", "--json", *extra,
+                                       timeout=300).stdout))  # fmt: skip
+        self.downed = not out["leaks"]
+        wait_until(lambda: not self.leftover(), 60, "the cluster's processes to end",
+                   0.5, lambda: f"left running after down: {self.leftover()}")  # fmt: skip
+        return out
+
+    def run(self, provider: str, nodes: int, want_steps: int = 5) -> dict[str, Any]:
+        """up, wait for the nodes (and a few training steps) in status, then down.
+        Returns the last status seen before down."""
+        up = self.up(provider, str(nodes), nodes)
+        st = self.wait_for(f"world size {nodes} and step {want_steps}",
+                           lambda s: s.get("world_size") == nodes
+                           and (s.get("step") or 0) >= want_steps, timeout=240, interval=1)  # fmt: skip
+        assert sorted(n["id"] for n in st["nodes"]) == sorted(up["launched"]), st
+        assert all(n["state"] == "running" for n in st["nodes"]), st
+        assert self.leftover(), "no head or agent runs from the node directories"
+        self.down()
+        return st
+
+    # state_left() after a clean `down`: journaled as down, no key or lock left
+    CLEAN = {"state": "down", "live_nodes": 0, "private_keys": [], "lock_held": False}
+
+    def state_left(self) -> dict[str, Any]:
+        """What the state dir still says about the cluster after `down`: its state and live
+        node count (`list --json`), private keys and head credentials left in its cluster
+        dir, and whether its reconcile lock is still held."""
+        import fcntl
+
+        [row] = [r for r in json.loads(self.cli("list", "--json").stdout)
+                 if r["cluster"] == self.name]  # fmt: skip
+        cdir = self.home / "clusters" / self.name
+        keys = sorted(str(p.relative_to(cdir)) for p in cdir.rglob("*") if p.is_file()
+                      and b"PRIVATE KEY" in p.read_bytes()[:200])  # fmt: skip
+        held = False
+        lock = cdir / "reconcile.lock"
+        if lock.exists():
+            with open(lock, "a") as f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(f, fcntl.LOCK_UN)
+                except OSError:
+                    held = True
+        return {"state": row["state"], "live_nodes": row["nodes"], "private_keys": keys,
+                "lock_held": held}
+
+    def up_notice_down(self, provider: str, gpus: str, nodes: int) -> dict[str, Any]:
+        """up -> `nodes` running in status -> one gets a spot notice through its own metadata
+        service (the cloud's protocol: `provider`'s) -> the head and status have it -> down.
+        Returns down's JSON."""
+        assert self.metadata is not None, "a notice needs the flow's MetadataRouter"
+        up = self.up(provider, gpus, nodes)
+        st = self.wait_for(f"{nodes} nodes running", lambda s: len(s["nodes"]) == nodes
+                           and {n["state"] for n in s["nodes"]} == {"running"}, timeout=240)  # fmt: skip
+        assert sorted(n["id"] for n in st["nodes"]) == sorted(up["launched"]), st
+        victim = sorted(up["launched"])[nodes // 2]
+        self.metadata.node(victim).preempt(provider, in_s=120)
+        [ev] = self.wait_event("notice", where=lambda e: e.get("node") == victim, timeout=60)
+        assert ev["source"] == provider, ev
+        self.wait_for("the notice in status",
+                      lambda s: [n["id"] for n in s["nodes"] if n["notice"]] == [victim], 30)  # fmt: skip
+        return self.down()
+
+    def teardown(self) -> None:
+        if (self.home / "state.db").exists() and not self.downed:
+            self.cli("down", "--name", self.name, "--yes", check=False, timeout=300)
+        self.kill_leftovers()
+
+
+# A train script that starts at once and holds its place (a drain's SIGUSR1 is ignored:
+# nothing to checkpoint): for flows about launching, bootstrapping, notices and cleanup
+# rather than training.
+IDLE_SCRIPT = """import signal, time
+signal.signal(signal.SIGUSR1, lambda *_: None)
+time.sleep(3600)
+"""
+
+
+@pytest.fixture
+def cloud_flow(
+    tmp_path: Path, sshd: Sshd, client_key: Path, metadata_router: MetadataRouter
+) -> Iterator[Callable[..., CloudFlow]]:
+    """cloud_flow(name, spec_text, env_extra) -> a CloudFlow on the `sshd` fixture (torn
+    down after the test: `down`, then any process left is killed)."""
+    made: list[CloudFlow] = []
+
+    def make(name: str, spec: str, env_extra: dict[str, str] | None = None) -> CloudFlow:
+        f = CloudFlow(tmp_path / name, name, spec, sshd, client_key, metadata_router, env_extra)
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.teardown()
 
 
 # --- real sshd on loopback ------------------------------------------------------------------

@@ -52,7 +52,7 @@ def checkpoints_line(purged: int | None, purge: bool) -> str:
     if not purge:
         return "checkpoints kept (`spotctl down --purge` deletes them)"
     if purged is None:
-        return "checkpoints NOT deleted (the provider did not report a purge)"
+        return "checkpoints NOT deleted"  # why: in the leaks
     return f"checkpoints deleted: {purged} object(s) under the cluster's prefix"
 
 

@@ -491,13 +491,12 @@ def down(store: Store, name: str, options: dict[str, Any] | None = None,
 def teardown(store: Store, name: str, purge: bool = False,
              options: dict[str, Any] | None = None, progress: Progress = _noop) -> DownResult:
     """`down`: stop everything the cluster runs or owns. Its checkpoints stay, unless
-    `purge`: then the provider (ctx.options["purge"]) deletes the objects under the
-    cluster's checkpoint prefix too and reports how many (its `purged` attribute, set by
-    `cleanup`). A provider without a checkpoint store of its own (no `purge_checkpoints`)
-    refuses a purge before anything is stopped."""
+    `purge`: then, after the cleanup, the provider's `purge_checkpoints()` deletes the
+    objects under the cluster's checkpoint prefix and says how many. A provider without a
+    checkpoint store of its own (no `purge_checkpoints`) refuses a purge before anything
+    is stopped."""
     row = store.get_cluster(name)
     spec = ClusterSpec.model_validate(row.spec)
-    options = {**(options or {}), **({"purge": True} if purge else {})}
     provider = provider_for(store, spec, options)
     can_purge = hasattr(provider, "purge_checkpoints")
     if purge and not can_purge:
@@ -521,9 +520,13 @@ def teardown(store: Store, name: str, purge: bool = False,
             provider.terminate([i.id for i in provider.list(name)])
         for n in store.nodes(name, include_ended=False):
             store.set_node_state(name, n.id, "terminated", ended=True)
-        purged = getattr(provider, "purged", None) if purge else None
-        if purge and purged is None:
-            leaks = [*leaks, "checkpoints: purge asked for, but the provider did not report it"]
+        purged: int | None = None
+        if purge:
+            progress("deleting the checkpoints", None)
+            try:
+                purged = int(provider.purge_checkpoints())
+            except SpotctlError as e:  # the rest is down: say what is left, exit non-zero
+                leaks = [*leaks, f"checkpoints not deleted: {e}"]
         store.set_cluster_state(name, "down")
         store.add_event(name, "down", {"leaks": leaks, **({"purged": purged} if purge else {})})
         return DownResult(name, leaks, purge, purged, can_purge)

@@ -143,5 +143,5 @@ class ClusterResources(Protocol):
         """Remove everything the cluster created; return descriptions of what leaked.
 
         Checkpoints stay. A provider that owns the cluster's checkpoint storage (a bucket
-        prefix) has `purge_checkpoints() -> int`; with ctx.options["purge"] (`down --purge`)
-        its cleanup calls it and keeps the number of objects deleted in `self.purged`."""
+        prefix) also has `purge_checkpoints() -> int` (delete the objects under the prefix,
+        return how many), which `down --purge` calls after `cleanup`."""

@@ -601,12 +601,16 @@ def tail_node_log(
 #   SPOTCTL_SSH_OVERRIDE_KEY=/path/key       private key for it (default: the cluster's)
 #   SPOTCTL_SSH_OVERRIDE_USER=name           login (default: the current user)
 #   SPOTCTL_HEAD_PORTS="API:STORE"           head's coordinator and store ports
+#   SPOTCTL_METADATA_URL="http://127.0.0.1:PORT/{node}"   where the agents poll for notices
+#                                            ({node}: the node id) instead of the cloud's
+#                                            metadata service; honoured only with the override
 # ProviderContext.options "ssh_override", "ssh_override_key", "ssh_override_user",
 # "head_api_port", "head_store_port" win over the environment.
 OVERRIDE_VAR = "SPOTCTL_SSH_OVERRIDE"
 OVERRIDE_KEY_VAR = "SPOTCTL_SSH_OVERRIDE_KEY"
 OVERRIDE_USER_VAR = "SPOTCTL_SSH_OVERRIDE_USER"
 HEAD_PORTS_VAR = "SPOTCTL_HEAD_PORTS"
+METADATA_URL_VAR = "SPOTCTL_METADATA_URL"
 # Node directories on the hosts; relative = under the remote user's $HOME (as for `ssh`).
 REMOTE_ROOT_VAR = "SPOTCTL_SSH_REMOTE_ROOT"
 HEAD_NODE_ID = "head"
@@ -835,9 +839,16 @@ class CloudNodes:
             checkpoint_every=tr.checkpoint_every, keep_last=tr.keep_last,
             max_steps=tr.max_steps, python=tr.python, env=dict(tr.env),
             local_addr=self.override.address if self.override else inst.address,
-            metadata=self.metadata, metadata_url=self.metadata_url,
+            metadata=self.metadata, metadata_url=self.node_metadata_url(inst.id),
             run_as=tr.run_as,
         )  # fmt: skip
+
+    def node_metadata_url(self, node_id: str) -> str:
+        """The cloud's metadata service; under the test seam, SPOTCTL_METADATA_URL's."""
+        import os
+
+        seam = os.environ.get(METADATA_URL_VAR, "") if self.override is not None else ""
+        return seam.replace("{node}", node_id) if seam else self.metadata_url
 
     def bootstrap(
         self, instances: Sequence[Instance], head: HeadInfo, *,

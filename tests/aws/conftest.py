@@ -8,6 +8,7 @@ instead (matched by Action and a substring of the form body, e.g. the zone).
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import threading
 import uuid
@@ -19,6 +20,8 @@ from typing import Any
 from urllib.parse import parse_qs
 
 import pytest
+
+from tests.conftest import CloudFlow, cloud_spec_text
 
 REGION = "us-east-1"
 ERROR_XML = (
@@ -84,6 +87,53 @@ def ami(ec2: Any) -> str:
 
 
 # `home` (a fresh SPOTCTL_HOME) is tests/conftest.py's.
+
+
+@pytest.fixture
+def aws_flow(
+    cloud_flow: Callable[..., CloudFlow], moto_url: str, ami: str
+) -> Callable[..., CloudFlow]:
+    """aws_flow(instance_type, **spec) -> a CloudFlow (tests/conftest.py) of a fresh cluster
+    on moto, its instances reached through the loopback sshd."""
+
+    def make(instance_type: str = "g5.xlarge", zones: tuple[str, ...] = (f"{REGION}a",),
+             **spec: Any) -> CloudFlow:  # fmt: skip
+        name = f"flow{uuid.uuid4().hex[:8]}"
+        section = (
+            f'[aws]\nregion = "{REGION}"\nami = "{ami}"\ninstance_types = ["{instance_type}"]\n'
+            f"zones = {json.dumps(list(zones))}\nssh_cidr = \"127.0.0.1/32\"\n"
+        )
+        return cloud_flow(name, cloud_spec_text(name, section, **spec),
+                          {"AWS_ENDPOINT_URL": moto_url})  # fmt: skip
+
+    return make
+
+
+def aws_leftovers(name: str, moto_url: str) -> dict[str, list[str]]:
+    """What cluster `name` still has on moto: instances in any state but terminated, its
+    security groups, key pairs, launch templates (by tag), the workers' role and instance
+    profile (by name). Empty lists: nothing left."""
+    import boto3
+
+    ec2 = boto3.client("ec2", region_name=REGION, endpoint_url=moto_url)
+    iam = boto3.client("iam", region_name=REGION, endpoint_url=moto_url)
+    flt = [{"Name": "tag:spotctl:cluster", "Values": [name]}]
+    insts = [i for r in ec2.describe_instances(Filters=flt)["Reservations"]
+             for i in r["Instances"]]  # fmt: skip
+    ident = f"spotctl-{name}-node"
+    return {
+        "instances": [f"{i['InstanceId']} {i['State']['Name']}" for i in insts
+                      if i["State"]["Name"] != "terminated"],  # fmt: skip
+        "security_groups": [g["GroupId"] for g in
+                            ec2.describe_security_groups(Filters=flt)["SecurityGroups"]],
+        "key_pairs": [k["KeyName"] for k in ec2.describe_key_pairs(Filters=flt)["KeyPairs"]],
+        "launch_templates": [t["LaunchTemplateId"] for t in
+                             ec2.describe_launch_templates(Filters=flt)["LaunchTemplates"]],
+        "roles": [r["RoleName"] for r in iam.list_roles()["Roles"] if r["RoleName"] == ident],
+        "instance_profiles": [p["InstanceProfileName"] for p in
+                              iam.list_instance_profiles()["InstanceProfiles"]
+                              if p["InstanceProfileName"] == ident],
+    }  # fmt: skip
 
 
 # head_process off: these fake instances have no SSH (tests/aws/test_up_flow.py has one).

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 from spotctl.providers.base import ProviderContext
 from spotctl.spec import ClusterSpec
 from spotctl.state import ClusterDir
+from tests.conftest import CloudFlow, cloud_spec_text
 
 from .fake_compute import FakeCompute
 
@@ -25,6 +27,24 @@ def fake() -> Iterator[FakeCompute]:
 
 
 # `spotctl_home` (a fresh SPOTCTL_HOME, SPOTCTL_GCP_ENDPOINT unset) is tests/conftest.py's.
+
+
+@pytest.fixture
+def gcp_flow(cloud_flow: Callable[..., CloudFlow], fake: FakeCompute) -> Callable[..., CloudFlow]:
+    """gcp_flow(machine_type, **spec) -> a CloudFlow (tests/conftest.py) of a fresh cluster on
+    the fake Compute API, its VMs reached through the loopback sshd."""
+
+    def make(machine_type: str = "g2-standard-4", zone: str = "us-central1-a",
+             **spec: Any) -> CloudFlow:  # fmt: skip
+        name = f"flow{uuid.uuid4().hex[:8]}"
+        section = (
+            f'[gcp]\nproject = "{PROJECT}"\nregion = "us-central1"\nzones = ["{zone}"]\n'
+            f'machine_types = ["{machine_type}"]\nssh_cidr = "127.0.0.1/32"\n'
+        )
+        return cloud_flow(name, cloud_spec_text(name, section, **spec),
+                          {"SPOTCTL_GCP_ENDPOINT": fake.endpoint})  # fmt: skip
+
+    return make
 
 
 def make_ctx(fake: FakeCompute, home: Path, cluster: str = "demo", **gcp: Any) -> ProviderContext:

@@ -53,7 +53,6 @@ class AwsProvider(AwsChecks):
     """
 
     name = "aws"
-    purged: int | None = None  # objects `cleanup` deleted under the prefix (down --purge)
 
     def prepare(self) -> None:
         """Security group and key pair (network.py), then checkpoint bucket and the
@@ -238,7 +237,7 @@ class AwsProvider(AwsChecks):
         # The workers' role and profile go; the checkpoints stay unless purged.
         leaks += self._delete_node_identity()
         if self.ctx.options.get("purge"):
-            self.purged = self.purge_checkpoints()  # reported by `down --purge`
+            self.purge_checkpoints()
         self._prepared = None
         if not leaks:
             self.key_path.unlink(missing_ok=True)
