@@ -85,13 +85,17 @@ def test_control_smoke(tmp_path: Path) -> None:
 def test_checkpoint_smoke(tmp_path: Path) -> None:
     ctx = _ctx(tmp_path)
     rows = get("checkpoint")(ctx, size_mb=4, repeat=1)
-    _check(rows, "checkpoint", 4)
+    _check(rows, "checkpoint", 6)
     assert all(r.baseline is not None for r in rows)
+    # the first two rows: periodic saves inside a real elastic.Run loop, thread and process
+    loop = "training loop: blocking per periodic save"
+    assert [r.metric.split(",")[0] for r in rows[:2]] == [loop] * 2
+    assert "thread mode" in rows[0].metric and "process mode" in rows[1].metric
     assert set(ctx.sim) == {"checkpoint_cost_s"} and ctx.sim["checkpoint_cost_s"] >= 0
 
 
 def test_cli_rejects_unknown_names_and_bad_repeat(tmp_path: Path) -> None:
-    for args in (["nope"], ["control", "--repeat", "0"]):
+    for args in (["nope"], ["control", "--repeat", "0"], ["checkpoint", "--checkpoint-mb", "0"]):
         p = subprocess.run(
             [str(REPO / "scripts" / "bench"), *args, "--out", str(tmp_path)],
             capture_output=True,
@@ -123,7 +127,7 @@ def test_cli_json_and_recovery_file(tmp_path: Path) -> None:
     )
     assert p.returncode == 0, p.stderr
     rows = json.loads(p.stdout)
-    assert [r["benchmark"] for r in rows] == ["checkpoint"] * 4
+    assert [r["benchmark"] for r in rows] == ["checkpoint"] * 6
     assert set(rows[0]) == {"benchmark", "metric", "spotctl", "baseline", "unit", "note"}
     assert set(rows[0]["spotctl"]) == {"median", "min", "max", "n"}
     rec = json.loads((out / "bench-recovery.json").read_text())
