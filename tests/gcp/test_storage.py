@@ -84,7 +84,10 @@ def test_up_makes_bucket_prefix_and_scoped_account_and_down_keeps_checkpoints(
 
     _put(fake, BUCKET, "demo/checkpoints/step-00000010/COMMIT")
     _put(fake, BUCKET, "other/checkpoints/step-00000010/COMMIT")
+    assert p._key_path().exists()
     assert p.cleanup() == []
+    assert not p._key_path().exists()  # a clean down leaves no private key
+    assert p.purged is None
     assert email not in fake.storage.service_accounts
     assert _bindings(fake, BUCKET, member) == []
     assert "demo/checkpoints/step-00000010/COMMIT" in fake.storage.objects[BUCKET]
@@ -100,6 +103,8 @@ def test_purge_deletes_the_cluster_prefix_only(fake, spotctl_home):
     _put(fake, BUCKET, "other/keep")
     p.ctx.options["purge"] = True
     assert p.cleanup() == []
+    assert p.purged == 3
+    assert p.purge_checkpoints() == 0  # nothing left under the prefix
     assert sorted(fake.storage.objects[BUCKET]) == ["demo-2/checkpoints/keep", "other/keep"]
 
 

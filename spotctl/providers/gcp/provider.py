@@ -66,6 +66,7 @@ class GcpProvider(GcpChecks):
     """Spot workers and one standard head VM in one GCP project and region."""
 
     name = "gcp"
+    purged: int | None = None  # objects `cleanup` deleted under the prefix (purge option)
 
     def prepare(self) -> None:
         """Firewall rules and SSH key (network.py), then the checkpoint bucket and the
@@ -190,9 +191,14 @@ class GcpProvider(GcpChecks):
         leaks += self._delete_node_identity()
         if self.ctx.options.get("purge"):
             try:
-                self.purge_checkpoints()
+                self.purged = self.purge_checkpoints()  # reported by `down --purge`
             except (ProviderError, SpecError) as e:
                 leaks.append(f"checkpoints under gs://{self.bucket_name()}/{self.prefix}: {e}")
+        if not leaks:
+            # nothing of the cluster is left that its key could reach
+            key = self._key_path()
+            key.unlink(missing_ok=True)
+            key.with_suffix(".pub").unlink(missing_ok=True)
         return leaks
 
 
