@@ -213,6 +213,20 @@ class GcpSpec(_Strict):
     # public access prevention on first `up`. A bucket named here must exist already.
     bucket: str = ""
 
+    @field_validator("bucket")
+    @classmethod
+    def _bucket(cls, v: str) -> str:
+        if v and (
+            not re.fullmatch(r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]", v)
+            or v.startswith("goog")
+            or "google" in v
+        ):
+            raise ValueError(
+                f"{v!r} is not a GCS bucket name (3-63 characters of a-z, 0-9, '-', '_', "
+                "'.'; not starting with 'goog')"
+            )
+        return v
+
 
 class SshHost(_Strict):
     address: str

@@ -152,11 +152,24 @@ def test_check_bucket_line_reachable_will_be_created_or_blocked(fake, spotctl_ho
     assert c.ok and "bucket reachable" in c.detail
     c = line(bucket="missing-bucket")
     assert not c.ok and c.blocking and "does not exist" in c.detail
-    c = line(bucket="Bad_Name")
-    assert not c.ok and "not a valid bucket name" in c.detail
+    c = line(project="my-google-proj")  # the default name would hold "google"
+    assert not c.ok and "not a valid bucket name" in c.detail and "reserved" in c.detail
     fake.storage.foreign_buckets.add("theirs")
     c = line(bucket="theirs")
     assert not c.ok and "cannot read it" in c.detail and "\n" not in c.detail
+
+
+def test_a_bucket_name_gcs_refuses_is_a_spec_error_at_load(tmp_path):
+    from spotctl.spec import load_spec
+
+    f = tmp_path / "spotctl.toml"
+    for bad in ("Bad_Name", "ab", "goog-ckpts"):
+        f.write_text(f'name = "c"\nprovider = "gcp"\n[gcp]\nbucket = "{bad}"\n')
+        with pytest.raises(SpecError, match="gcp.bucket") as e:
+            load_spec(f, check_script=False)
+        assert "\n" not in str(e.value).strip()
+    f.write_text('name = "c"\nprovider = "gcp"\n[gcp]\nbucket = "my-ckpts"\n')
+    assert load_spec(f, check_script=False).gcp.bucket == "my-ckpts"
 
 
 def test_names_fit_what_gcp_accepts():
