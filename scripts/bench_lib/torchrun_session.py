@@ -32,6 +32,10 @@ from . import steplog
 from .core import LIB, Context
 
 STEP_SLEEP_S = "0.05"
+# Smoke tests only (tests/bench): rendezvous settings for the baseline's agents, e.g.
+# "last_call_timeout=1", so a smoke run does not wait out torch's 30 s last call twice.
+# Its figures are then not torch's defaults; a benchmark run leaves it unset.
+RDZV_CONF_ENV = "BENCH_BASELINE_RDZV_CONF"
 
 
 @dataclass
@@ -104,6 +108,7 @@ class TorchrunGroup:
                 f"--rdzv-endpoint=127.0.0.1:{self.store.port}",
                 "--rdzv-id=bench",
                 "--max-restarts=1000",
+                *([f"--rdzv-conf={conf}"] if (conf := os.environ.get(RDZV_CONF_ENV)) else []),
                 str(LIB / "train_plain.py"),
             ],
             env=env,

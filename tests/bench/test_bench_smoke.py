@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -139,8 +140,14 @@ def test_cli_json_and_recovery_file(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster_ctx(tmp_path_factory: pytest.TempPathFactory) -> Context:
-    return _ctx(tmp_path_factory.mktemp("cluster"))
+def cluster_ctx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Context]:
+    # the plain torchrun baseline with a 1 s rendezvous last call: its kill and its join
+    # each waited out torch's default 30 s here (the smoke checks shapes, not figures)
+    from bench_lib.torchrun_session import RDZV_CONF_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(RDZV_CONF_ENV, "last_call_timeout=1")
+        yield _ctx(tmp_path_factory.mktemp("cluster"))
 
 
 # 2 nodes -> 1, one notice and one kill each way, checkpoint every 5 steps: the three
