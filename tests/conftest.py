@@ -4,7 +4,8 @@
   the local provider's network namespaces fails, naming the address
 - `free_port()`, `wait_until()`: a free loopback port; poll a condition with a deadline
 - `spotctl_home` / `home`: a fresh state dir in SPOTCTL_HOME, no test seam left set
-- `run_cli`: the typer app in-process (CliRunner), with that state dir
+- `run_cli`: the typer app in-process (CliRunner), with that state dir; `cli_main`: the
+  same through `main` (exit codes and error lines as a user gets them)
 - `CliProject`: a project dir with spotctl.toml + train.py and the real CLI run in it as a
   subprocess (the up -> train -> down harness); `LocalCluster` / `local_cluster` on it
 - `CloudFlow` / `cloud_flow`: the same on aws or gcp pointed at a fake, every instance's
@@ -201,6 +202,21 @@ def run_cli(spotctl_home: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[...
         return runner.invoke(app, list(args), input=input)
 
     return run
+
+
+def cli_main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """The CLI in this process through spotctl.cli.app.main (its error mapping and exit
+    codes, unlike `run_cli`): (exit code, stdout, stderr)."""
+    from spotctl.cli.app import main
+
+    capsys.readouterr()
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 # --- the real CLI in a project dir: up -> train -> down -------------------------------------

@@ -1,8 +1,8 @@
 """`spotctl down` keeps a cluster's checkpoints; `down --purge` deletes the objects under
 its prefix (and nothing under any other prefix), and says how many. The CLI runs in this
-process (spotctl.cli.app.main: real flag parsing and error mapping) against moto in
+process (tests/conftest.py's cli_main: real flag parsing and error mapping) against moto in
 server mode; the cluster is made by the provider itself (bucket, role, one worker).
-The full `up -> status -> down --purge` path over SSH is tests/aws/test_up_flow.py."""
+The full `up -> status -> down` path over SSH is tests/aws/test_up_flow.py."""
 
 from __future__ import annotations
 
@@ -14,29 +14,17 @@ from typing import Any
 import boto3
 import pytest
 
-from spotctl.cli.app import main
 from spotctl.providers.aws.provider import AwsProvider
 from spotctl.providers.base import Offer
 from spotctl.spec import ClusterSpec
 from spotctl.state import Store
+from tests.conftest import cli_main as spotctl
 
 from .conftest import REGION
 
 pytestmark = pytest.mark.aws
 
 BUCKET = f"spotctl-123456789012-{REGION}"  # moto's account id
-
-
-def spotctl(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """Run the CLI in-process: (exit code, stdout, stderr)."""
-    capsys.readouterr()
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def keys(s3: Any, prefix: str) -> list[str]:

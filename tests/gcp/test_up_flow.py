@@ -51,8 +51,4 @@ def test_sixteen_nodes_up_status_notice_down_on_fake_compute_leave_nothing(
     assert len(inserts) == 17  # 16 Spot workers and the head, each inserted once
     assert fake.instances == {} and fake.firewalls == {}
     assert flow.leftover() == []
-    left = flow.state_left()
-    # GCP's `down` still leaves the cluster's SSH private key in the state dir (AWS's
-    # deletes its own): reported, to be fixed in spotctl/providers/gcp; all else is clean
-    assert left.pop("private_keys") in ([], ["ssh/id_ed25519"])
-    assert left == {k: v for k, v in CloudFlow.CLEAN.items() if k != "private_keys"}
+    assert flow.state_left() == CloudFlow.CLEAN
