@@ -29,6 +29,24 @@ def fake() -> Iterator[FakeCompute]:
 # `spotctl_home` (a fresh SPOTCTL_HOME, SPOTCTL_GCP_ENDPOINT unset) is tests/conftest.py's.
 
 
+def gcp_leftovers(fake: FakeCompute) -> dict[str, list[str]]:
+    """What is left on the fake (one per test): VMs, firewall rules, service accounts, and
+    bucket IAM bindings naming a service account. Empty lists: nothing left."""
+    return {
+        "instances": [f"{z}/{n}" for z, n in fake.instances],
+        "firewalls": sorted(fake.firewalls),
+        "service_accounts": sorted(fake.storage.service_accounts),
+        "bucket_bindings": [f"{b}: {m}" for b, pol in fake.storage.policies.items()
+                            for bd in pol.get("bindings", []) for m in bd.get("members", [])
+                            if m.startswith("serviceAccount:")],
+    }  # fmt: skip
+
+
+GCP_NOTHING: dict[str, list[str]] = {
+    "instances": [], "firewalls": [], "service_accounts": [], "bucket_bindings": [],
+}  # fmt: skip
+
+
 @pytest.fixture
 def gcp_flow(cloud_flow: Callable[..., CloudFlow], fake: FakeCompute) -> Callable[..., CloudFlow]:
     """gcp_flow(machine_type, **spec) -> a CloudFlow (tests/conftest.py) of a fresh cluster on

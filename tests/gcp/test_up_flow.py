@@ -19,6 +19,7 @@ import pytest
 
 from tests.conftest import CloudFlow
 
+from .conftest import GCP_NOTHING, gcp_leftovers
 from .fake_compute import FakeCompute
 
 pytestmark = [pytest.mark.gcp, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -34,8 +35,8 @@ def test_up_status_down_on_fake_compute_leaves_nothing(
     inserts = fake.calls("instances.insert")
     models = sorted(c.body["scheduling"]["provisioningModel"] for c in inserts)
     assert models == ["SPOT", "SPOT", "STANDARD"]
-    # ... and nothing is left: no VM, no firewall rule, no process
-    assert fake.instances == {} and fake.firewalls == {}
+    # ... and nothing is left: no VM, firewall rule, service account, binding or process
+    assert gcp_leftovers(fake) == GCP_NOTHING
     assert flow.leftover() == []
 
 
@@ -49,6 +50,6 @@ def test_sixteen_nodes_up_status_notice_down_on_fake_compute_leave_nothing(
     assert out["leaks"] == [], out
     inserts = fake.calls("instances.insert")
     assert len(inserts) == 17  # 16 Spot workers and the head, each inserted once
-    assert fake.instances == {} and fake.firewalls == {}
+    assert gcp_leftovers(fake) == GCP_NOTHING
     assert flow.leftover() == []
     assert flow.state_left() == CloudFlow.CLEAN
