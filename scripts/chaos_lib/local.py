@@ -381,9 +381,12 @@ def corrupt_newest(c: Cluster) -> Result:
 
 
 def run_cluster_scenarios(
-    root: Path, only: set[str] | None = None, log: Callable[[str], None] = print
+    root: Path, only: set[str] | None = None, log: Callable[[str], None] = print,
+    garbage_s: float = 30.0,
 ) -> list[Result]:
-    """The whole sequence on one 3-node cluster. Returns one Result per scenario."""
+    """The whole sequence on one 3-node cluster. Returns one Result per scenario.
+    garbage_s: how long scenario 16 feeds the head garbage (the tests use less: a few
+    4 s liveness windows are what it must outlast)."""
     c = Cluster(
         root / "chaos",
         "chaos",
@@ -398,7 +401,7 @@ def run_cluster_scenarios(
     plan: list[tuple[str, Callable[[], Result], bool]] = [
         ("11", lambda: flaky_metadata(c), False),
         ("15", lambda: trust.forged_notice(c, WORLD), False),
-        ("16", lambda: trust.head_garbage(c, WORLD), False),
+        ("16", lambda: trust.head_garbage(c, WORLD, garbage_s), False),
         ("1", lambda: notice(c, "aws"), False),
         ("7", lambda: cli_killed_mid_up(c), False),  # also the join back to 3
         ("2", lambda: notice(c, "gcp"), False),

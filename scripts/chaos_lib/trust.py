@@ -121,7 +121,8 @@ def _garbage(rng: random.Random, url_port: int, secret: str, node_token: str) ->
 
 
 def head_garbage(c: Cluster, world: int, seconds: float = 30.0) -> Result:
-    res = Result("16 head fed garbage for 30 s while training", not_applicable=["recover_s"])
+    res = Result(f"16 head fed garbage for {seconds:.0f} s while training",
+                 not_applicable=["recover_s"])
     h = _head(c)
     port = int(h["url"].rsplit(":", 1)[1])
     secret = (c.cluster_dir / "token").read_text().strip()
