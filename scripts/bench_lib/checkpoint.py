@@ -134,10 +134,11 @@ def _loop_worker(
     parameters + Adam state are about size_mb, a periodic async save every EVERY steps.
     Blocking per save = the time end_step() takes on a save step (state dict + RNG gather
     + save_async) + the time the next optimizer.step() waits for the background copy.
-    Overhead per save = how much longer the save step and the next step take than two
-    median steps without a save (what the background copy costs the loop, contention
-    included). Baseline: the drain path's synchronous save of the same state
-    (Run._state() + Checkpointer.save_sync), timed inside the same loop."""
+    Baseline: the drain path's synchronous save of the same state (Run._state() +
+    Checkpointer.save_sync) in the same loop. Both are timed from a barrier after step().
+    Overhead per save = how much longer the EVERY steps from a save step on take than
+    EVERY median steps without saves (what the background copy and write cost the loop,
+    contention included)."""
     import statistics
 
     import torch
@@ -190,6 +191,10 @@ def _loop_worker(
         run.ckpt.last_wait_s = 0.0
         opt.step()
         wait_s[run.step + 1] = run.ckpt.last_wait_s  # this step() waited for a copy
+        if (run.step + 1) % run.every == 0:
+            # ranks level before a save, as before the sync baseline: the RNG gather in
+            # the state dict would otherwise time the other rank's lag, not the save
+            dist.barrier()
         t1 = time.perf_counter()
         run.end_step()
         t2 = time.perf_counter()
