@@ -17,7 +17,7 @@ INTERNAL = {"SPOTCTL_NODE_TAG", "SPOTCTL_ZYGOTE", "SPOTCTL_COMPLETE",
             "SPOTCTL_CHECKPOINT_DIR", "SPOTCTL_CHECKPOINT_EVERY", "SPOTCTL_MAX_STEPS",
             "SPOTCTL_ENGINE", "SPOTCTL_FT_REPLICA_ID", "SPOTCTL_NODE_ID"}
 # Tuning knobs a test sets, documented in their own README section rather than as seams.
-KNOBS = {"SPOTCTL_FT_JOIN_TIMEOUT_MS"}
+KNOBS = {"SPOTCTL_FT_JOIN_TIMEOUT_MS", "SPOTCTL_CHECKPOINT_STORAGE_OPTIONS"}
 
 
 def _names(paths: list[Path]) -> set[str]:
