@@ -141,12 +141,14 @@ def test_cli_json_and_recovery_file(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def cluster_ctx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Context]:
-    # the plain torchrun baseline with a 1 s rendezvous last call: its kill and its join
-    # each waited out torch's default 30 s here (the smoke checks shapes, not figures)
+    # the plain torchrun baseline with a 1 s rendezvous last call and a dead agent counted
+    # out after 3 s: its kill and its join waited out torch's defaults (30 s last call,
+    # 3 x 5 s keep-alives) here; the smoke checks shapes, not figures
     from bench_lib.torchrun_session import RDZV_CONF_ENV
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(RDZV_CONF_ENV, "last_call_timeout=1")
+        mp.setenv(RDZV_CONF_ENV,
+                  "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3")
         yield _ctx(tmp_path_factory.mktemp("cluster"))
 
 
