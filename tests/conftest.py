@@ -177,6 +177,7 @@ def spotctl_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh state dir (not created: spotctl makes it) in SPOTCTL_HOME for this test."""
     home = tmp_path / "home"
     monkeypatch.setenv("SPOTCTL_HOME", str(home))
+    monkeypatch.setenv("COLUMNS", "200")  # in-process tables: one width, whatever the runner's
     for k in SEAMS:
         monkeypatch.delenv(k, raising=False)
     return home
