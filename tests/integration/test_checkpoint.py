@@ -9,16 +9,13 @@ committed checkpoint loads the run refuses to start over."""
 from __future__ import annotations
 
 import os
-import socket
 import threading
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from spotctl.elastic import epoch_permutation, split_batch  # noqa: E402
 from spotctl.elastic.checkpoint import (  # noqa: E402
@@ -28,18 +25,11 @@ from spotctl.elastic.checkpoint import (  # noqa: E402
     read_commit,
     step_dir,
 )
+from tests.elastic.harness import init_worker, spawn  # noqa: E402
 from tests.elastic.s3 import moto_s3  # noqa: E402
 from tests.gcp.fake_storage import fake_gcs  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _state(scale: float) -> dict:
@@ -47,8 +37,8 @@ def _state(scale: float) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, root: str, mode: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    init_worker(rank, world, port)  # the parent's store (no port picked, then bound later)
     pg = dist.new_group(backend="gloo")
     ck = Checkpointer(root, keep_last=2, rank=rank, pg=pg)
     if mode == "save":
@@ -84,8 +74,7 @@ def _worker(rank: int, world: int, port: int, root: str, mode: str, out: str) ->
 
 
 def _run(world: int, root: Path | str, mode: str, out: Path) -> None:
-    mp.start_processes(_worker, args=(world, _free_port(), str(root), mode, str(out)),
-                       nprocs=world, join=True, start_method="spawn")
+    spawn(_worker, world, str(root), mode, str(out))
 
 
 def _corrupt(root: str, step: int) -> None:
@@ -155,9 +144,9 @@ def _overlap_worker(rank: int, world: int, port: int, root: str, out: str) -> No
     equal the state at step 3 exactly, in thread and in process mode."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    init_worker(rank, world, port)
     pg = dist.new_group(backend="gloo")
     res = []
     for mode in ("thread", "process"):
@@ -213,7 +202,6 @@ def _overlap_worker(rank: int, world: int, port: int, root: str, out: str) -> No
 @pytest.mark.slow  # two gloo ranks, a checkpoint process each
 def test_async_save_overlaps_training_without_a_torn_snapshot(tmp_path):
     out = tmp_path / "o"
-    mp.start_processes(_overlap_worker, args=(2, _free_port(), str(tmp_path / "ck"), str(out)),
-                       nprocs=2, join=True, start_method="spawn")
+    spawn(_overlap_worker, 2, str(tmp_path / "ck"), str(out))
     assert out.read_text().splitlines() == [
         "thread: changed=True torn=[] waited=True", "process: changed=True torn=[] waited=True"]
