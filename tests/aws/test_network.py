@@ -33,6 +33,7 @@ def _volume_sizes(ec2: Any, instance_id: str) -> list[int]:
     return [int(v["Size"]) for v in vols]
 
 
+@pytest.mark.slow  # over 4 s: out of the fast set
 def test_images_come_from_ssm_parameters_with_root_volumes_sized_per_role(
     make_provider: MakeProvider, moto_url: str, ec2: Any, ami: str
 ) -> None:
@@ -72,6 +73,7 @@ def _delete_default_vpc(ec2: Any) -> None:
         ec2.delete_vpc(VpcId=vid)
 
 
+@pytest.mark.slow  # over 4 s: out of the fast set
 def test_account_without_default_vpc_uses_the_tagged_vpc_and_a_subnet_per_zone(
     make_provider: MakeProvider, moto_url: str
 ) -> None:

@@ -87,6 +87,7 @@ def _ok(results: list[HostResult]) -> None:
     assert all(r.ok for r in results), [r.reason for r in results]
 
 
+@pytest.mark.slow  # over 4 s: out of the fast set
 def test_two_hosts_parallel_then_idempotent(
     sshd_factory: SshdFactory,
     client_key: Path,
@@ -159,6 +160,7 @@ def test_two_hosts_parallel_then_idempotent(
     assert _pid(hosts[1]) == pids[1]
 
 
+@pytest.mark.slow  # over 4 s: out of the fast set
 def test_secrets_are_private_and_off_command_lines(
     sshd: Sshd, client_key: Path, tmp_path: Path, head: Head, cleanup_agents: list[int]
 ) -> None:

@@ -67,6 +67,7 @@ def test_project_too_big_names_the_biggest_file(tmp_path: Path) -> None:
         project_files(tmp_path, max_bytes=1000)
 
 
+@pytest.mark.slow  # over 4 s: out of the fast set
 def test_node_package_is_pinned_and_self_contained(tmp_path: Path) -> None:
     pkg = node_package(tmp_path / "cache")
     pins = [ln for ln in pkg.requirements.splitlines() if ln]
@@ -114,6 +115,7 @@ def test_ssh_checkpoints_must_be_shared(tmp_path: Path) -> None:
 
 
 @pytest.mark.ssh
+@pytest.mark.slow  # over 4 s: out of the fast set
 def test_reverse_tunnel_reaches_the_head_on_the_hosts_loopback(
     sshd_factory: SshdFactory, client_key: Path, head: Head, tmp_path: Path
 ) -> None:
