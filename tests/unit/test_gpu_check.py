@@ -1,0 +1,45 @@
+"""scripts/gpu-check: without CUDA it skips every check cleanly (exit 0, one SKIP line per
+check); and the checks whose logic does not need a GPU (the DCP saves through the pinned /
+overlapping stager) run here on CPU through the script's own worker path, so a broken check
+is found before a GPU machine is paid for."""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu-check"
+
+
+def _checks() -> list[str]:
+    return list(runpy.run_path(str(SCRIPT), run_name="gpu_check")["CHECKS"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the real checks")
+def test_without_cuda_every_check_is_skipped_and_the_exit_is_0() -> None:
+    p = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert [ln.split(":")[0] for ln in lines] == [f"SKIP {c}" for c in _checks()], p.stdout
+    assert "Traceback" not in p.stderr
+
+
+@pytest.mark.slow  # two DCP saves in fresh processes
+@pytest.mark.parametrize("check", ["dcp-pinned", "dcp-overlap"])
+def test_cpu_capable_checks_pass_through_the_worker_path(check: str, tmp_path: Path) -> None:
+    out = tmp_path / check
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # one rank: the kernel picks
+    p = subprocess.run([sys.executable, str(SCRIPT), "--worker", check, str(out)], env=env,
+                       capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads(Path(f"{out}.r0").read_text())
+    assert res["ok"], res
