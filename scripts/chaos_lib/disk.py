@@ -77,6 +77,7 @@ def disk_full(root: Path) -> Result:
         t0 = time.time()
         kept = c.committed()
         before = _snapshot(mnt, kept)
+        n_rescales = len(c.events("rescale"))
         st0 = c.status()
         # three checkpoint intervals with no room at all
         st = c.wait_for(
@@ -105,7 +106,9 @@ def disk_full(root: Path) -> Result:
         )
         res.recover_s = round(time.time() - t0, 1)
         res.committed_steps_lost = 0 if intact else len(kept) - len(after)
-        res.steps_replayed = 0  # no restart happened
+        # replays the head accounted while the disk was full and after (none expected)
+        res.steps_replayed = sum(int(e.get("lost_steps") or 0)
+                                 for e in c.events("rescale")[n_rescales:])
         res.survived = intact and alive and not new_during and st1["world_size"] == 1
         res.detail = {
             "committed_before": kept,

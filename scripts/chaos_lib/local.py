@@ -75,6 +75,25 @@ def _cycle(
     res.survived = True
 
 
+def _mark(c: Cluster) -> tuple[int, int]:
+    """Where a fault-free scenario starts: (rescale events so far, newest committed step)."""
+    return len(c.events("rescale")), max(c.committed(), default=0)
+
+
+def _measure(c: Cluster, res: Result, mark: tuple[int, int]) -> None:
+    """The loss figures of a scenario that should not disturb training, measured, not
+    assumed: the lowest step the job resumed from or trains at since `mark` (the rescale
+    events' resume steps and the step it is at now) against the newest commit before it,
+    and the replays those rescales accounted."""
+    n0, before = mark
+    evs = c.events("rescale")[n0:]
+    lowest = min([int(e["resume_step"]) for e in evs] + [int(c.status()["step"])])
+    res.committed_steps_lost = max(0, before - lowest)
+    res.steps_replayed = sum(int(e.get("lost_steps") or 0) for e in evs)
+    res.detail["measured"] = {"committed_before": before, "lowest_step_after": lowest,
+                              "rescales": len(evs)}
+
+
 def _gone(c: Cluster, nodes: list[str], res: Result, timeout: float = 15) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(c.node_pids(n) for n in nodes):
@@ -115,6 +134,7 @@ def flaky_metadata(c: Cluster) -> Result:
     token = (c.cluster_dir / "token").read_text().strip()
     n_notices = len(c.events("notice"))
     n_rescales = len(c.events("rescale"))
+    mark = _mark(c)
     st0 = c.status()
     t0 = time.time()
     for kind in ("garbage", "5xx", "timeout", "garbage", "5xx"):
@@ -133,9 +153,9 @@ def flaky_metadata(c: Cluster) -> Result:
     rescales = c.events("rescale")[n_rescales:]
     alive = bool(c.node_pids(node))
     res.survived = not false_notices and not rescales and alive and st["world_size"] == WORLD
-    res.committed_steps_lost = res.steps_replayed = 0
+    _measure(c, res, mark)
     res.recover_s = 0.0
-    res.detail = {
+    res.detail |= {
         "node": node,
         "false_notices": false_notices,
         "rescales": len(rescales),
@@ -265,6 +285,7 @@ def _resume_from_logs(c: Cluster, t0: float) -> int | None:
 def cli_killed_mid_up(c: Cluster) -> Result:
     """7: `up` SIGKILLed while it launches; `up` again converges: no duplicate, no leak."""
     res = Result("7 CLI killed mid-up, rerun")
+    mark = _mark(c)
     before = set(c.live_nodes())
     intent = c.cluster_dir / "launch-intent.json"
     nodes_dir = c.cluster_dir / "nodes"
@@ -301,8 +322,8 @@ def cli_killed_mid_up(c: Cluster) -> Result:
             if vm.get("state") in ("running", "pending"):
                 res.leaks.append(f"{d.name}: untracked live node")
     res.survived = len(live) == WORLD and not intent.exists()
-    res.committed_steps_lost = res.steps_replayed = 0  # a join drains: nothing lost
-    res.detail = {
+    _measure(c, res, mark)  # the join drains: its rescale's resume step and replays
+    res.detail |= {
         "killed_with_intent_on_disk": saw_intent or intent_left,
         "new_nodes": new,
         "request_ids": reqs,
@@ -317,6 +338,7 @@ def cli_killed_mid_up(c: Cluster) -> Result:
 def two_ups(c: Cluster) -> Result:
     """8: two `up` (reconcile) runs at once: one acts, the other waits on the lock."""
     res = Result("8 two up/rebalance at once")
+    mark = _mark(c)
     missing = WORLD - c.status()["world_size"]  # a notice victim may linger till its stop
     t0 = time.time()
     ps = [c.popen("up", "--wait", "150", "--json") for _ in range(2)]
@@ -336,8 +358,8 @@ def two_ups(c: Cluster) -> Result:
     res.survived = (
         codes == [0, 0] and len(running) == WORLD and sum(len(x or []) for x in launched) == missing
     )
-    res.committed_steps_lost = res.steps_replayed = 0
-    res.detail = {
+    _measure(c, res, mark)
+    res.detail |= {
         "exit_codes": codes,
         "launched": launched,
         "stderr": [e.strip()[-300:] for _, e in outs if e.strip()],
