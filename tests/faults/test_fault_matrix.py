@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 CLUSTER = ["1", "2", "3", "4", "5", "6", "7", "8", "11", "12", "15", "16", "17"]
 HARD = {"3", "4", "5", "6"}  # no notice for (all of) the loss: replay bounded by the interval
+CALM = {"7", "8", "11"}  # joins drain, flaky metadata disturbs nothing: no step replayed
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_cluster_scenario(cluster_rows: dict[str, Result], key: str) -> None:
     assert key in cluster_rows, f"scenario {key} did not run: {sorted(cluster_rows)}"
     r = cluster_rows[key]
     _check(r)
-    if r.notice:
+    if r.notice or key in CALM:
         assert r.steps_replayed == 0, r.detail
     if key in HARD:
         assert r.steps_replayed is not None and r.steps_replayed <= local.EVERY + 1, r.detail
