@@ -271,9 +271,14 @@ def head_restart(c: Cluster) -> Result:
 
 
 def _resume_from_logs(c: Cluster, t0: float) -> int | None:
+    """The lowest step the live nodes' workers resumed from since t0 (status files of nodes
+    that left long ago still say what their first incarnation loaded: not theirs)."""
     found = []
+    live = set(c.live_nodes())
     for p in c.cluster_dir.glob("nodes/*/status/worker-*.json"):
         try:
+            if p.parent.parent.name not in live or p.stat().st_mtime < t0:
+                continue
             w = json.loads(p.read_text())
         except (OSError, ValueError):
             continue
