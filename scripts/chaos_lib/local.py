@@ -110,7 +110,12 @@ def _restore(c: Cluster) -> None:
 
 def _victim(c: Cluster, not_: tuple[str, ...] = ()) -> str:
     """A node training now (the newest first: the oldest nodes carry rank 0 more often)."""
-    nodes = [n for n in c.live_nodes() if n not in not_]
+    # live in the local cloud *and* running in the job: a node killed by an earlier
+    # scenario whose last process is still being reaped is no victim (killing it again
+    # changes nothing and the scenario waits for a rescale that never comes)
+    training = {n["id"] for n in c.status()["nodes"] if n["state"] == "running"}
+    live = [n for n in c.live_nodes() if n not in not_]
+    nodes = [n for n in live if n in training] or live
     return sorted(nodes, key=lambda s: int(s[1:]))[-1]
 
 
