@@ -66,12 +66,6 @@ def shrink(c: Any, cdir: Path, n: int) -> float:
     set_capacity(cdir, 2)
     r = _wait_reason(c, "notice", n)
     assert (r["from_world_size"], r["to_world_size"], r["lost_steps"]) == (3, 2, 0), r
-    # the node has drained and left the job: its hard stop (GCP style, 30 s after the
-    # notice) is brought forward to 1 s from now (the local cloud keeps the earliest
-    # deadline; the head ignores a node's second notice). Nothing checked here needs the
-    # 30 s, and each capacity drop waited them out.
-    node = c.events("capacity-reclaim")[n - 1]["nodes"][0]
-    c.cli("preempt", node, "--name", "rebal", "--style", "aws", "--in", "1", check=False)
     deadline = time.monotonic() + 120
     while len(c.events("preempted")) < n:
         out = json.loads(c.cli("rebalance", "--name", "rebal", "--json").stdout)
