@@ -145,3 +145,33 @@ class ClusterResources(Protocol):
         Checkpoints stay. A provider that owns the cluster's checkpoint storage (a bucket
         prefix) also has `purge_checkpoints() -> int` (delete the objects under the prefix,
         return how many), which `down --purge` calls after `cleanup`."""
+
+
+class ClusterCheckpoints:
+    """`prepare_storage` for cloud providers whose nodes checkpoint to a per-cluster
+    object-store prefix: the bucket and the nodes' identity first (idempotent), then that
+    prefix becomes the default train.checkpoint_dir. Under the loopback test seam the
+    "VMs" are local processes with no cloud identity to reach the store with: they keep
+    the cluster dir's default."""
+
+    ctx: ProviderContext
+    _nodes: Any
+    _storage_ready = False
+
+    def _ensure_bucket(self) -> None:
+        raise NotImplementedError
+
+    def _ensure_node_identity(self) -> None:
+        raise NotImplementedError
+
+    def checkpoint_uri(self) -> str:
+        raise NotImplementedError
+
+    def prepare_storage(self) -> None:
+        if self._storage_ready:
+            return
+        self._ensure_bucket()
+        self._ensure_node_identity()
+        if not self.ctx.spec.train.checkpoint_dir and self._nodes.override is None:
+            self.ctx.spec.train.checkpoint_dir = self.checkpoint_uri()
+        self._storage_ready = True

@@ -17,16 +17,16 @@ from typing import Any
 
 from spotctl.errors import ProviderError, SpecError
 from spotctl.providers.aws.api import TAG_CLUSTER, AwsApi, error_code
+from spotctl.providers.base import ClusterCheckpoints
 
 NODE_POLICY = "spotctl-checkpoints"
 _GONE = ("NoSuchEntity", "NoSuchBucket", "404", "NotFound")
 
 
-class AwsStorage(AwsApi):
+class AwsStorage(ClusterCheckpoints, AwsApi):
     """Bucket, prefix and the workers' instance profile."""
 
     _account_id = ""
-    _storage_ready = False
 
     def _svc(self, name: str) -> Any:
         return self._session.client(name, **self._client_kwargs)
@@ -212,20 +212,6 @@ class AwsStorage(AwsApi):
                 if error_code(e) not in _GONE:
                     leaks.append(f"{what} {name}: {e}")
         return leaks
-
-    def prepare_storage(self) -> None:
-        """Bucket, role and profile (idempotent); the checkpoint URI becomes the default
-        train.checkpoint_dir of this cluster's nodes."""
-        if self._storage_ready:
-            return
-        self._ensure_bucket()
-        self._ensure_node_identity()
-        # Under the loopback test seam the "instances" are local processes with no
-        # instance profile to reach S3 with: they keep the cluster dir's default.
-        seam = self._nodes.override is not None
-        if not self.ctx.spec.train.checkpoint_dir and not seam:
-            self.ctx.spec.train.checkpoint_dir = self.checkpoint_uri()
-        self._storage_ready = True
 
     def _wait_profile_usable(self, attempt: int) -> bool:
         """IAM is eventually consistent: a just-made profile can be unknown to EC2 for a

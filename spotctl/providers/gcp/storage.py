@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 from spotctl.errors import ProviderError, SpecError
+from spotctl.providers.base import ClusterCheckpoints
 from spotctl.providers.gcp.api import GcpApi, _one_line
 
 CLOUD_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
@@ -99,11 +100,10 @@ def check_bucket_name(name: str) -> str | None:
     return None
 
 
-class GcpStorage(GcpApi):
+class GcpStorage(ClusterCheckpoints, GcpApi):
     """Bucket, prefix and the workers' service account."""
 
     _http_session: Any = None
-    _storage_ready = False
 
     # ----------------------------------------------------------------- REST
 
@@ -375,20 +375,6 @@ class GcpStorage(GcpApi):
             leaks.append(f"service account {email}: {e}")
         self._storage_ready = False
         return leaks
-
-    def prepare_storage(self) -> None:
-        """Bucket, service account and its bindings (idempotent); the checkpoint URI
-        becomes the default train.checkpoint_dir of this cluster's nodes."""
-        if self._storage_ready:
-            return
-        self._ensure_bucket()
-        self._ensure_node_identity()
-        # Under the loopback test seam the "VMs" are local processes with no service
-        # account to reach GCS with: they keep the cluster dir's default.
-        seam = self._nodes.override is not None
-        if not self.ctx.spec.train.checkpoint_dir and not seam:
-            self.ctx.spec.train.checkpoint_dir = self.checkpoint_uri()
-        self._storage_ready = True
 
     def _service_accounts(self, role: str) -> list[Any]:
         """The serviceAccounts of a VM's insert: workers run as the cluster's account
