@@ -234,26 +234,21 @@ def bench(ctx: Context, size_mb: int = 128, repeat: int | None = None) -> list[R
     work = ctx.subdir("checkpoint")
     out = work / "result.json"
     ctx.log(f"checkpoint: {size_mb} MB state, 2 gloo ranks, {n} round(s), thread and process")
-    results = {}
-    for mode in ("thread", "process"):
-        mp.start_processes(
-            _worker,
-            args=(2, _free_port(), str(work / f"ckpt-{mode}"), size_mb, n, str(out), mode),
-            nprocs=2,
-            join=True,
-            start_method="spawn",
-        )
-        results[mode] = json.loads(out.read_text())
-    loops = {}
-    for mode in ("thread", "process"):
-        mp.start_processes(
-            _loop_worker,
-            args=(2, _free_port(), str(work / f"loop-{mode}"), size_mb, n, str(out), mode),
-            nprocs=2,
-            join=True,
-            start_method="spawn",
-        )
-        loops[mode] = json.loads(out.read_text())
+    def run(worker: Any, tag: str) -> dict[str, Any]:
+        by_mode = {}
+        for mode in ("thread", "process"):
+            mp.start_processes(
+                worker,
+                args=(2, _free_port(), str(work / f"{tag}-{mode}"), size_mb, n, str(out), mode),
+                nprocs=2,
+                join=True,
+                start_method="spawn",
+            )
+            by_mode[mode] = json.loads(out.read_text())
+        return by_mode
+
+    results = run(_worker, "ckpt")  # bare saves
+    loops = run(_loop_worker, "loop")  # periodic saves inside an elastic.Run loop
     res, proc = results["thread"], results["process"]
     nbytes = size_mb << 20
     wr, rd = [], []
