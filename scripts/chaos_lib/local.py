@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -203,8 +204,12 @@ def notice_and_kill(c: Cluster) -> Result:
     b = _victim(c, not_=(a,))
 
     def fault() -> None:
+        # truly at once: the kill may land before the notice is seen, during the drain,
+        # or after it committed; each order must end in one bounded restart
+        kill = threading.Thread(target=c.cli, args=("kill", b, "--name", c.name))
+        kill.start()
         c.cli("preempt", a, "--name", c.name, "--style", "gcp")
-        c.cli("kill", b, "--name", c.name)
+        kill.join()
 
     _cycle(c, res, fault, WORLD - 2)
     _gone(c, [b], res)

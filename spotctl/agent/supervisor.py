@@ -100,6 +100,9 @@ class Agent:
         # torchrun's rendezvous handler writes `<gate>.ready`: the gate lives where the
         # workers may write, next to their status files
         self.gate = self.status_dir / "rdzv-gate"
+        # written on a notice: this node's torchrun then joins no new rendezvous round
+        self.leaving_flag = Path(str(self.gate) + ".leaving")
+        self.leaving_flag.unlink(missing_ok=True)
         self.worker = runas.resolve(cfg.run_as)
         if self.worker is not None and not self._prepare_worker_dirs(self.worker):
             self.worker = None
@@ -177,6 +180,14 @@ class Agent:
             if self.notice is not None:
                 return
             self.notice = d
+        if self.cfg.engine != "torchft":
+            # Before anything else: should the group break before the drain commits (a
+            # peer killed at the same moment), torchrun must not re-form with the
+            # survivors, only to leave again and restart them a second time.
+            try:
+                runas.touch(self.leaving_flag)
+            except OSError as e:
+                log.warning("could not write %s: %s", self.leaving_flag, e)
         log.info("notice %s (%s), deadline in %.1fs", d["kind"], d["source"],
                  d["deadline"] - time.time())
         try:
@@ -374,6 +385,12 @@ class Agent:
         tr = self.torchrun
         if tr is not None and tr.poll() is not None and self.state in ("running", "waiting"):
             code = tr.returncode
+            if self.notice is not None and code != 0 and self.cfg.engine != "torchft":
+                # the group broke while this node was leaving: its torchrun refused a new
+                # round (spotctl.elastic.rdzv); take it out of the rendezvous at once
+                log.info("torchrun exited %s with a notice pending: leaving", code)
+                self.leave()
+                return
             self.torchrun = None
             if code == 0 and self.state == "running":
                 self.state = "finished"

@@ -61,25 +61,49 @@ def leave_rendezvous(
     return node not in st.participants and node not in st.wait_list
 
 
+class NodeLeaving(Exception):
+    """This node has a preemption notice: its torchrun joins no new rendezvous round."""
+
+
 class GatedHandler:
     """torchrun's c10d handler behind a gate: the first `next_rendezvous` waits until the
     gate file exists. The agent starts torchrun early (interpreter and torch imports take
     seconds) and opens the gate only when the head says the group has checkpointed, so a
-    joining node enters the rendezvous as soon as it may and not a moment before."""
+    joining node enters the rendezvous as soon as it may and not a moment before.
+
+    Once the agent has a notice it writes `<gate>.leaving`: from then on this torchrun
+    refuses every new round (it exits instead of re-forming with the survivors when the
+    group breaks mid-drain, e.g. a notice and a kill at once) and does not close the
+    rendezvous on its way out (torchrun shuts the handler down on any non-signal error,
+    which would close it for every node)."""
 
     def __init__(self, inner: object, gate: str):
         self._inner = inner
         self._gate = gate
 
+    def leaving(self) -> bool:
+        import os
+
+        return bool(self._gate) and os.path.exists(self._gate + ".leaving")
+
     def next_rendezvous(self):  # type: ignore[no-untyped-def]
         import os
 
+        if self.leaving():
+            raise NodeLeaving("this node has a preemption notice: it joins no new round")
         if self._gate and not os.path.exists(self._gate):
             # tell the agent we are ready; the head starts the group's drain only now
             open(self._gate + ".ready", "w").close()
         while self._gate and not os.path.exists(self._gate):
+            if self.leaving():
+                raise NodeLeaving("this node has a preemption notice: it joins no new round")
             time.sleep(0.05)
         return self._inner.next_rendezvous()  # type: ignore[attr-defined]
+
+    def shutdown(self) -> bool:
+        if self.leaving():
+            return True  # leave the rendezvous open: the survivors go on without us
+        return self._inner.shutdown()  # type: ignore[attr-defined,no-any-return]
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         return getattr(self._inner, name)
@@ -129,7 +153,7 @@ def get_handler():  # type: ignore[no-untyped-def]
             return self._inner.get_run_id()  # type: ignore[attr-defined,no-any-return]
 
         def shutdown(self) -> bool:
-            return self._inner.shutdown()  # type: ignore[attr-defined,no-any-return]
+            return GatedHandler.shutdown(self)
 
         @property
         def use_agent_store(self) -> bool:

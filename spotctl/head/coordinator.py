@@ -25,6 +25,10 @@ from typing import Any
 DEAD_AFTER_S = 4.0  # heartbeats every 0.25 s: 16 missed beats, well past scheduling jitter
 DRAIN_TIMEOUT_S = 20.0  # a drain not complete by then is abandoned (leavers leave anyway)
 JOIN_GO_TIMEOUT_S = 25.0
+# A noticed node that is in a group still forming (its workers up, not yet training) is
+# drained once the group trains rather than pulled out of it (which would make the others
+# fail and restart again), unless its deadline is closer than this.
+FORMING_MARGIN_S = 10.0
 START_GRACE_S = 30.0  # a start waits this long at most for slow nodes to be ready  # after `go`, survivors still blocked this long are released
 
 
@@ -213,6 +217,10 @@ class Coordinator:
                     self.kill_incarnation = inc
                     if self.cause is None:
                         self.cause = Cause("failure", n.last_heartbeat)
+                    elif (self.cause.reason == "notice" and self.drain is not None
+                          and not self.drain.committed):
+                        # the death broke the notice's drain: the restart is a failure's
+                        self.cause = Cause("failure", min(self.cause.at, n.last_heartbeat))
 
     def _maybe_start_drain(self, now: float) -> None:
         members = self._members()
@@ -224,7 +232,9 @@ class Coordinator:
                 self._start_drain("notice", [nid], [])
                 self.queued_notices.pop(0)
                 return
-            # Not training (forming, or already gone): it just leaves.
+            if self._forming(node, now):
+                return  # drained as soon as its group trains
+            # Not training (not started, or already gone): it just leaves.
             self.queued_notices.pop(0)
             node.state = "leaving" if node.state != "left" else node.state
         waiting = sorted(
@@ -250,6 +260,16 @@ class Coordinator:
             # the group keeps training while a newcomer boots; it drains only once the
             # newcomer's torchrun waits at the gate
             self._start_drain("join", [], ready)
+
+    def _forming(self, node: NodeInfo, now: float) -> bool:
+        """`node` has live workers in a group that does not train yet (a rendezvous round
+        it entered before its notice came), and time enough to drain once it does."""
+        dl = (node.notice or {}).get("deadline")
+        if not isinstance(dl, (int, float)) or not math.isfinite(dl):
+            return False
+        inc = self.incarnation["id"] if self.incarnation else None
+        return (node.state == "running" and not node.unresponsive and bool(node.workers)
+                and not node.training(inc) and float(dl) - now > FORMING_MARGIN_S)
 
     def _start_drain(self, reason: str, leavers: list[str], joiners: list[str]) -> Drain | None:
         now = self.clock()
@@ -303,6 +323,12 @@ class Coordinator:
                 self._release(d, "join timed out")
             return
         # notice / rebalance: leavers go first, then survivors are released
+        if self._reformed(d):
+            # The group broke before this drain could commit (a member died mid-drain) and
+            # the survivors already re-formed without the leavers (a noticed node joins no
+            # new round): nothing is left to drain, and joins must not wait for a timeout.
+            self._release(d, "group re-formed")
+            return
         if all_drained and not d.committed:
             d.committed = True
             self.record("drain-committed", gen=d.gen, step=max(d.drained.values(), default=0))
@@ -390,7 +416,8 @@ class Coordinator:
             drain = {"gen": d.gen, "leave": node.node_id in d.leavers, "reason": d.reason}
         leave_now = node.notice is not None and (
             d is None or node.node_id not in d.members
-        ) and node.state not in ("left",)
+        ) and node.state not in ("left",) and not (
+            node.node_id in self.queued_notices and self._forming(node, self.clock()))
         return {
             "head_id": self.head_id,
             "drain": drain,

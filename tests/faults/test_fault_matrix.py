@@ -40,17 +40,7 @@ def _check(r: Result) -> None:
     assert r.leaks == [], r.leaks
 
 
-# Known bug, not hidden: a notice and a kill at once. The kill aborts the notice's drain,
-# the survivors re-form *with* the noticed node, and its leave later restarts the group:
-# 26 steps replayed where one interval (21) is the bound (measured once the victim picker
-# stopped choosing an already-dead node, which had made the scenario time out instead).
-NOTICE_AND_KILL_BUG = ("notice + kill at once: the aborted drain lets the noticed node "
-                       "re-form with the survivors and its late leave replays steps")
-
-
-@pytest.mark.parametrize("key", [
-    pytest.param(k, marks=pytest.mark.xfail(reason=NOTICE_AND_KILL_BUG, strict=False))
-    if k == "4" else k for k in CLUSTER])
+@pytest.mark.parametrize("key", CLUSTER)
 def test_cluster_scenario(cluster_rows: dict[str, Result], key: str) -> None:
     assert key in cluster_rows, f"scenario {key} did not run: {sorted(cluster_rows)}"
     r = cluster_rows[key]

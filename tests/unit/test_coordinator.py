@@ -115,3 +115,69 @@ def test_start_waits_until_every_node_is_at_the_gate():
         r = c2.heartbeat({"node_id": "a", "agent_state": "waiting", "ready": True})
     assert r["go"]
     assert not c2.nodes["slow"].go_at
+
+
+def test_notice_drain_broken_by_a_death_ends_when_the_survivors_reform():
+    # fault scenario 4: b has a notice, c dies mid-drain. a re-forms alone (b's torchrun
+    # refuses a new round); the drain must end then, not hold joins until its timeout.
+    clk = Clock()
+    c = Coordinator(clk, dead_after_s=4.0)
+    for n in ["a", "b", "c"]:
+        hb(c, n, "waiting")
+    for i, n in enumerate(["a", "b", "c"]):
+        hb(c, n, workers=[w(i, "inc1", 40, first=999.0)])
+    clk.t += 1
+    hb(c, "b", workers=[w(1, "inc1", 41)], notice={"id": "x", "deadline": clk.t + 30})
+    assert c.drain is not None and c.drain.leavers == ["b"]
+    clk.t += 3
+    hb(c, "b", workers=[w(1, "inc1", 41)], drain_gen=1)
+    clk.t += 2  # c silent for 5 s: dead; b's torchrun exits and b leaves
+    assert hb(c, "a", workers=[])["kill_gen"] == 1
+    hb(c, "b", state="left", drain_gen=1)
+    assert c.drain is not None  # a has not re-formed yet
+    clk.t += 2
+    hb(c, "a", workers=[w(0, "inc2", 21, ws=1, resume=20, first=clk.t)])
+    assert c.drain is None and c.release_gen == 1
+    ends = [e for e in c.events if e["type"] == "drain-end"]
+    assert ends[-1]["why"] == "group re-formed"
+    ev = [e for e in c.events if e["type"] == "rescale"][-1]
+    assert (ev["from_world_size"], ev["to_world_size"], ev["lost_steps"]) == (3, 1, 21)
+    assert ev["reason"] == "failure"  # the death, not the notice, cost the 21 steps
+    # nothing else happens to the re-formed group: no second restart
+    clk.t += 30
+    r = hb(c, "a", workers=[w(0, "inc2", 40, ws=1, resume=20)])
+    assert c.drain is None and r["release_gen"] == 1 and r["kill_gen"] == 1
+    assert len([e for e in c.events if e["type"] == "rescale"]) == 1
+
+
+def test_notice_for_a_node_in_a_forming_group_waits_until_it_trains_then_drains():
+    # b's torchrun entered a new round before its notice came: pulling it out would fail
+    # the round for everyone; drain it once the group trains instead
+    clk = Clock()
+    c = Coordinator(clk)
+    for n in ["a", "b"]:
+        hb(c, n, "waiting")
+    for i, n in enumerate(["a", "b"]):
+        hb(c, n, workers=[w(i, "inc1", 10, ws=2, first=999.0)])
+    clk.t += 1
+    forming = [w(1, "inc2", 10, phase="init", ws=2)]
+    r = hb(c, "b", workers=forming, notice={"id": "x", "deadline": clk.t + 30})
+    assert not r["leave"] and c.drain is None
+    hb(c, "a", workers=[w(0, "inc2", 10, phase="init", ws=2)])
+    clk.t += 2
+    hb(c, "a", workers=[w(0, "inc2", 11, ws=2, resume=10, first=clk.t)])
+    r = hb(c, "b", workers=[w(1, "inc2", 11, ws=2, resume=10, first=clk.t)])
+    assert c.drain is not None and c.drain.reason == "notice" and c.drain.leavers == ["b"]
+    assert r["drain"]["leave"] and not r["leave"]  # drain first, then leave
+
+
+def test_notice_close_to_its_deadline_leaves_a_forming_group_at_once():
+    clk = Clock()
+    c = Coordinator(clk)
+    for n in ["a", "b"]:
+        hb(c, n, "waiting")
+    for i, n in enumerate(["a", "b"]):
+        hb(c, n, workers=[w(i, "inc1", 10, ws=2, first=999.0)])
+    r = hb(c, "b", workers=[w(1, "inc2", 10, phase="init", ws=2)],
+           notice={"id": "x", "deadline": clk.t + 5})
+    assert r["leave"] and c.drain is None
