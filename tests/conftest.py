@@ -665,6 +665,10 @@ class Sshd:
         return Path(str(self.host_key) + ".pub").read_text().split()[1]
 
 
+class PortTaken(RuntimeError):
+    """sshd could not bind its port: someone took it after it was picked."""
+
+
 class SshdFactory:
     """Each sshd runs as a non-daemon child (`sshd -D -e -f <config>`) on a free 127.0.0.1
     port, with its own ed25519 host key and one authorized test key."""
@@ -676,10 +680,20 @@ class SshdFactory:
         self.n = 0
 
     def start(self, port: int | None = None, host_key: Path | None = None) -> Sshd:
+        # A port picked here was free a moment ago; another test (or xdist worker) may
+        # take it before sshd binds it: then pick another. A port given is used as is.
+        for attempt in range(5):
+            try:
+                return self._start(port or free_port(), host_key)
+            except PortTaken:
+                if port is not None or attempt == 4:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start(self, port: int, host_key: Path | None) -> Sshd:
         self.n += 1
         d = self.base / f"sshd{self.n}"
         d.mkdir(mode=0o700)
-        port = port or free_port()
         host_key = host_key or keygen(d / "host_ed25519")
         auth = d / "authorized_keys"
         auth.write_text(Path(str(self.client_key) + ".pub").read_text())
@@ -708,12 +722,15 @@ class SshdFactory:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
-        sshd = Sshd(port, host_key, proc, log)
-        self.started.append(sshd)
 
         def banner() -> bool:
             if proc.poll() is not None:
-                raise RuntimeError(f"sshd exited: {log.read_text()[-2000:]}")
+                text = log.read_text()[-2000:]
+                if "Address already in use" in text:
+                    raise PortTaken(text)
+                raise RuntimeError(f"sshd exited: {text}")
+            if f"Server listening on 127.0.0.1 port {port}" not in log.read_text():
+                return False  # the banner below could be another sshd's on a taken port
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
                     return s.recv(4).startswith(b"SSH-")
@@ -721,6 +738,8 @@ class SshdFactory:
                 return False
 
         wait_until(banner, 20, "sshd to listen", 0.1, lambda: log.read_text()[-2000:])
+        sshd = Sshd(port, host_key, proc, log)
+        self.started.append(sshd)
         return sshd
 
     def stop_all(self) -> None:

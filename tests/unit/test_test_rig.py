@@ -41,3 +41,19 @@ def test_wait_until_returns_the_value_or_names_what_it_waited_for() -> None:
     assert conftest.wait_until(lambda: next(seen), 5, "seven", 0.01) == 7
     with pytest.raises(AssertionError, match="waiting for never; last: False"):
         conftest.wait_until(lambda: False, 0.05, "never", 0.01)
+
+
+@pytest.mark.ssh
+def test_sshd_factory_takes_another_port_when_its_pick_was_taken(
+        sshd_factory: conftest.SshdFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    if conftest.sshd_missing():
+        pytest.skip(conftest.sshd_missing() or "")
+    # someone else's sshd grabs the port this factory picks first (seen in CI with
+    # pytest-xdist: 'Bind to port ... failed: Address already in use')
+    other = sshd_factory.start()
+    picks = iter([other.port, conftest.free_port()])
+    monkeypatch.setattr(conftest, "free_port", lambda: next(picks))
+    mine = sshd_factory.start()
+    assert mine.port != other.port and mine.proc.poll() is None
+    with pytest.raises(conftest.PortTaken):  # a port asked for is not replaced
+        sshd_factory.start(port=other.port)
