@@ -48,6 +48,7 @@ class WorkerReport:
     drain_step: int | None = None
     pid: int = 0
     startup: dict[str, Any] | None = None  # where this worker's start-up time went
+    engine: str = "torchrun"
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> WorkerReport:
@@ -99,9 +100,21 @@ class Cause:
     at: float
 
 
+ENGINES = ("torchrun", "torchft")
+
+
 class Coordinator:
-    def __init__(self, clock: Any, dead_after_s: float = DEAD_AFTER_S):
+    """engine: the cluster's `[train] engine`. On torchft the replicas regroup by themselves
+    (torchft's quorum): a notice is the node's own graceful leave and a join its own
+    recovery from a live peer, so the head starts no group drain, gates no joiner and kills
+    no peer's workers; it still records notices, leaves and every membership change (a new
+    quorum is a new worker group) as rescale events."""
+
+    def __init__(self, clock: Any, dead_after_s: float = DEAD_AFTER_S, engine: str = "torchrun"):
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {engine!r}")
         self.clock = clock
+        self.engine = engine
         self.dead_after_s = dead_after_s
         self.nodes: dict[str, NodeInfo] = {}
         self.drain: Drain | None = None
@@ -169,12 +182,14 @@ class Coordinator:
         self.record("notice", node=nid, **{k: v for k, v in notice.items() if k != "node"})
         if self.cause is None or self.cause.reason != "notice":
             self.cause = Cause("notice", now)
-        self.queued_notices.append(nid)
+        if self.engine == "torchrun":  # on torchft the node's replica leaves by itself
+            self.queued_notices.append(nid)
         self.tick()
 
     def request_drain(self, reason: str = "rebalance", leavers: list[str] | None = None) -> int:
-        """Drain on request (rebalance replace). Returns the drain gen or 0 if busy."""
-        if self.drain is not None:
+        """Drain on request (rebalance replace). Returns the drain gen or 0 if busy (or on
+        torchft, whose replicas leave on their own notices and need no group drain)."""
+        if self.drain is not None or self.engine != "torchrun":
             return 0
         d = self._start_drain(reason, leavers or [], [])
         return d.gen if d else 0
@@ -210,7 +225,8 @@ class Coordinator:
                 was_member = any(w.incarnation == inc for w in n.workers)
                 self.record("node-unresponsive", node=n.node_id,
                             silent_s=round(now - n.last_heartbeat, 2))
-                if was_member and inc is not None:
+                # (on torchft the quorum has dropped it long before: nothing to do)
+                if was_member and inc is not None and self.engine == "torchrun":
                     # Peers may be blocked in a collective waiting for this node; a signal
                     # handler cannot run there, so their agents kill the workers.
                     self.kill_gen += 1
@@ -223,6 +239,8 @@ class Coordinator:
                         self.cause = Cause("failure", min(self.cause.at, n.last_heartbeat))
 
     def _maybe_start_drain(self, now: float) -> None:
+        if self.engine != "torchrun":
+            return
         members = self._members()
         # notices first: a leaving node has a deadline
         while self.queued_notices:
@@ -383,7 +401,12 @@ class Coordinator:
         if inc.get("recorded"):
             return
         inc["recorded"] = True
-        cause = self.cause or Cause("restart", inc["first_seen"])
+        cause = self.cause
+        if cause is None and self.engine == "torchft" and inc["world_size"] != inc["prev_world"]:
+            # torchft regroups within a quorum round, before the head could see why
+            cause = Cause("join" if inc["world_size"] > inc["prev_world"] else "failure",
+                          inc["first_seen"])
+        cause = cause or Cause("restart", inc["first_seen"])
         if inc["prev_world"] == 0:
             self.record("train-start", world_size=inc["world_size"],
                         resume_step=inc["resume_step"])
@@ -400,6 +423,7 @@ class Coordinator:
             checkpoint_step=inc["resume_step"],
             resume_step=inc["resume_step"],
             lost_steps=lost,
+            engine=self.engine,
             notice_to_resume_s=round(inc["first_step_at"] - cause.at, 3),
             # the new workers' own start: imports, process group, restore, first step
             worker_start=(rank0.startup if rank0 else None),
@@ -426,7 +450,7 @@ class Coordinator:
             "release_gen": self.release_gen,
             "kill_gen": self.kill_gen,
             "kill_incarnation": self.kill_incarnation,
-            "go": node.go_at is not None,
+            "go": node.go_at is not None or self.engine != "torchrun",
         }
 
     def status(self) -> dict[str, Any]:
@@ -438,6 +462,7 @@ class Coordinator:
                 if w.rank == 0 and w.incarnation == inc.get("id"):
                     rank0 = w
         return {
+            "engine": self.engine,
             "world_size": inc.get("world_size", 0) if self._group_training() else 0,
             "step": self.max_step,
             "last_checkpoint_step": self.last_ckpt,

@@ -123,7 +123,10 @@ class HeadServer:
         self.reclaim = reclaim
         self.token = token
         self.host = host
-        self.coord = Coordinator(clock=time.time)
+        # a head with a Lighthouse serves a torchft cluster (--lighthouse-port, given only
+        # for `[train] engine = "torchft"`)
+        self.coord = Coordinator(clock=time.time,
+                                 engine="torchft" if lighthouse_port >= 0 else "torchrun")
         self.lock = threading.Lock()
         self.events_path = self.dir / "events.jsonl"
         self._events_written = 0

@@ -72,7 +72,16 @@ def test_torchft_notice_kill_join(local_cluster):
                                       if p.stem not in ("n1", "n2", "n3")
                                       and len(_steps(logs, p.stem)) >= 5), None),
                         240, "a joined replica training", 0.5, c.debug)
+    events = c.events()
     c.cli("down", "--name", "ftr", "--yes")
+
+    # the head drained nobody and killed nobody's workers: torchft regrouped by itself,
+    # and every membership change is a rescale event naming the engine
+    assert not [e for e in events if e["type"].startswith("drain-")], events
+    rescales = [e for e in events if e["type"] == "rescale"]
+    assert rescales and all(e["engine"] == "torchft" for e in rescales), rescales
+    noticed = [e for e in rescales if e["reason"] == "notice"]
+    assert noticed and noticed[0]["lost_steps"] == 0, rescales
 
     n2 = [s["step"] for s in _steps(logs, "n2")]
     assert n2 == list(range(n2[0], n2[-1] + 1)), "the survivor lost or repeated a step"

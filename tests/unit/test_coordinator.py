@@ -181,3 +181,51 @@ def test_notice_close_to_its_deadline_leaves_a_forming_group_at_once():
     r = hb(c, "b", workers=[w(1, "inc2", 10, phase="init", ws=2)],
            notice={"id": "x", "deadline": clk.t + 5})
     assert r["leave"] and c.drain is None
+
+
+def test_torchft_notice_join_and_kill_need_no_group_drain():
+    # torchft's replicas regroup by themselves: the head drains nobody, gates no joiner,
+    # kills no peer's workers, and records each new quorum as a rescale naming the engine
+    clk = Clock()
+    c = Coordinator(clk, dead_after_s=4.0, engine="torchft")
+    for n in ["a", "b", "c"]:
+        assert hb(c, n, "waiting")["go"]
+    for i, n in enumerate(["a", "b", "c"]):
+        hb(c, n, workers=[w(i, "ft-q1", 10, first=999.0)])
+    clk.t += 1
+    r = hb(c, "c", workers=[w(2, "ft-q1", 11)], notice={"id": "x", "deadline": clk.t + 120})
+    assert r["drain"] is None and c.drain is None
+    assert [e["type"] for e in c.events].count("notice") == 1
+    hb(c, "c", state="left")
+    clk.t += 0.5  # the survivors' next quorum, from memory: nothing lost
+    hb(c, "a", workers=[w(0, "ft-q2", 12, ws=2, resume=12, first=clk.t)])
+    ev = [e for e in c.events if e["type"] == "rescale"][-1]
+    assert (ev["reason"], ev["to_world_size"], ev["lost_steps"], ev["engine"]) == (
+        "notice", 2, 0, "torchft")
+    # a joiner is not held at a gate, and no join drain starts
+    assert hb(c, "d", "waiting")["go"] and c.drain is None
+    assert c.request_drain("rebalance", ["a"]) == 0
+    # b goes silent: its quorum already dropped it; nobody's workers are killed
+    hb(c, "a", workers=[w(0, "ft-q2", 14, ws=2)])
+    clk.t += 5
+    r = hb(c, "a", workers=[w(0, "ft-q3", 15, ws=1, resume=15, first=clk.t)])
+    assert r["kill_gen"] == 0
+    ev = [e for e in c.events if e["type"] == "rescale"][-1]
+    assert (ev["reason"], ev["to_world_size"]) == ("failure", 1)
+    hb(c, "a", workers=[w(0, "ft-q4", 16, ws=2, resume=16, first=clk.t + 1)])
+    assert [e for e in c.events if e["type"] == "rescale"][-1]["reason"] == "join"
+
+
+def test_rescale_events_name_the_torchrun_engine_and_bad_engine_is_refused():
+    import pytest
+
+    clk = Clock()
+    c = Coordinator(clk)
+    hb(c, "a", "waiting")
+    hb(c, "a", workers=[w(0, "inc1", 5, ws=1, first=999.0)])
+    hb(c, "b", "waiting")
+    hb(c, "a", workers=[w(0, "inc1", 6, ws=1, phase="drained", drain_step=6)], drain_gen=1)
+    hb(c, "a", workers=[w(0, "inc2", 7, ws=2, resume=6, first=clk.t)])
+    assert [e for e in c.events if e["type"] == "rescale"][-1]["engine"] == "torchrun"
+    with pytest.raises(ValueError, match="engine must be one of"):
+        Coordinator(clk, engine="horovod")
