@@ -402,7 +402,7 @@ class Agent:
                 log.warning("torchrun exited %s; restarting when the head answers", code)
                 self.state = "waiting"
         if self.cfg.engine == "torchft":
-            self._step_ft(workers)
+            self._step_ft(workers, reply)
             return
         if reply is None:
             return
@@ -439,7 +439,7 @@ class Agent:
             self.signal_workers(signal.SIGKILL, doomed)
             self.kill_gen = reply["kill_gen"]
 
-    def _step_ft(self, workers: list[dict[str, Any]]) -> None:
+    def _step_ft(self, workers: list[dict[str, Any]], reply: dict[str, Any] | None) -> None:
         """The torchft engine: no group drain, no gate. A replica starts training as soon
         as it is up (it recovers from a live peer; the others never pause), and a notice
         is this node's own graceful leave: its workers finish the agreed step, commit and
@@ -452,7 +452,8 @@ class Agent:
                 self.start_torchrun()
                 self.state = "running"
             return
-        if self.state == "running" and self.notice is not None:
+        if self.state == "running" and (self.notice is not None or (reply or {}).get("leave")):
+            # a notice, or the head asks (rebalance): the same graceful leave
             self.state = "leaving"
             self.signal_workers(signal.SIGUSR1, workers)
             self._heartbeat()

@@ -130,6 +130,7 @@ class Coordinator:
         self.events: list[dict[str, Any]] = []
         self.seq = itertools.count(1)
         self.queued_notices: list[str] = []
+        self.leave_requested: set[str] = set()  # torchft: nodes told to leave (rebalance)
         # A restarted head starts its generations from 0 again: agents reset theirs when
         # this id changes, so a new drain is never mistaken for an old one.
         self.head_id = f"{clock():.6f}"
@@ -187,9 +188,18 @@ class Coordinator:
         self.tick()
 
     def request_drain(self, reason: str = "rebalance", leavers: list[str] | None = None) -> int:
-        """Drain on request (rebalance replace). Returns the drain gen or 0 if busy (or on
-        torchft, whose replicas leave on their own notices and need no group drain)."""
-        if self.drain is not None or self.engine != "torchrun":
+        """Drain on request (rebalance replace). Returns the drain gen or 0 if busy. On
+        torchft nothing drains: the leavers are told to leave, and each node's replica
+        leaves the quorum as on a notice."""
+        if self.engine != "torchrun":
+            known = [n for n in leavers or [] if n in self.nodes]
+            if not known:
+                return 0
+            self.leave_requested.update(known)
+            gen = next(self.gens)
+            self.record("leave-requested", gen=gen, reason=reason, nodes=known)
+            return gen
+        if self.drain is not None:
             return 0
         d = self._start_drain(reason, leavers or [], [])
         return d.gen if d else 0
@@ -438,10 +448,10 @@ class Coordinator:
         drain = None
         if d is not None and (node.node_id in d.members):
             drain = {"gen": d.gen, "leave": node.node_id in d.leavers, "reason": d.reason}
-        leave_now = node.notice is not None and (
+        noticed = node.notice is not None and (
             d is None or node.node_id not in d.members
-        ) and node.state not in ("left",) and not (
-            node.node_id in self.queued_notices and self._forming(node, self.clock()))
+        ) and not (node.node_id in self.queued_notices and self._forming(node, self.clock()))
+        leave_now = (noticed or node.node_id in self.leave_requested) and node.state != "left"
         return {
             "head_id": self.head_id,
             "drain": drain,

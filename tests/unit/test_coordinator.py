@@ -204,7 +204,13 @@ def test_torchft_notice_join_and_kill_need_no_group_drain():
         "notice", 2, 0, "torchft")
     # a joiner is not held at a gate, and no join drain starts
     assert hb(c, "d", "waiting")["go"] and c.drain is None
-    assert c.request_drain("rebalance", ["a"]) == 0
+    # rebalance moving a node: no drain; the node is told to leave, as on a notice
+    assert c.request_drain("rebalance", ["zz"]) == 0  # unknown node
+    gen = c.request_drain("rebalance", ["d"])
+    assert gen > 0 and c.drain is None
+    assert hb(c, "d", "running")["leave"] and not hb(c, "a", workers=[w(0, "ft-q2", 13, ws=2)])[
+        "leave"]
+    assert not hb(c, "d", "left")["leave"]
     # b goes silent: its quorum already dropped it; nobody's workers are killed
     hb(c, "a", workers=[w(0, "ft-q2", 14, ws=2)])
     clk.t += 5
