@@ -1,6 +1,6 @@
 """Replica groups on the torchft engine, for tests and scripts/bench: a Lighthouse (the
-head's module) on loopback and one real torchrun per replica running ft_train.py, each
-logging its committed steps. Notices are SIGUSR1 to the replica's worker (what the agent
+head's module) on loopback and one real torchrun per replica running ft_train.py (`nproc`
+workers per replica group), each worker logging its committed steps. Notices are SIGUSR1 to the replica's worker (what the agent
 sends), kills SIGKILL its whole process tree."""
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 class FtReplicas:
     def __init__(self, tmp: Path, max_steps: int, every: int = 25, delay: float = 0.03,
                  engine: str = "torchft", timing: LighthouseTiming | None = None,
-                 script: Path = SCRIPT):
+                 script: Path = SCRIPT, nproc: int = 1):
         self.tmp = Path(tmp)
+        self.nproc = nproc
         self.max_steps, self.every, self.delay, self.engine = max_steps, every, delay, engine
         os.environ.setdefault("RUST_LOG", "warn")
         self.lh = Lighthouse("127.0.0.1", timing=timing) if engine == "torchft" else None
@@ -34,8 +35,10 @@ class FtReplicas:
         self.ckpt = self.tmp / "ckpt"
         self.script = script
 
-    def log(self, name: str) -> Path:
-        return self.tmp / f"{name}.steps.jsonl"
+    def log(self, name: str, local_rank: int = 0) -> Path:
+        # ft_train.py: worker 0 writes FT_STEP_LOG, worker k FT_STEP_LOG + ".k"
+        p = self.tmp / f"{name}.steps.jsonl"
+        return p.with_name(f"{p.name}.{local_rank}") if local_rank else p
 
     def start(self, name: str, gated: bool = False) -> None:
         env = dict(os.environ)
@@ -54,7 +57,8 @@ class FtReplicas:
         self.procs[name] = subprocess.Popen(
             # the c10d rendezvous store on port 0: torchrun's agent binds a port the kernel
             # picks and keeps it (no port chosen here and bound later, which can race)
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1",
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+             f"--nproc-per-node={self.nproc}",
              "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={name}",
              "--local-addr=127.0.0.1", str(self.script)],
             env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -66,8 +70,8 @@ class FtReplicas:
         (self.tmp / f"{name}.go").touch()
         return time.time()
 
-    def steps(self, name: str) -> list[dict[str, Any]]:
-        p = self.log(name)
+    def steps(self, name: str, local_rank: int = 0) -> list[dict[str, Any]]:
+        p = self.log(name, local_rank)
         if not p.exists():
             return []
         out = []
@@ -131,6 +135,20 @@ class FtReplicas:
             p.wait(10)
         if self.lh is not None:
             self.lh.stop()
+
+
+def reference_steps(tmp: Path, max_steps: int) -> dict[int, dict[str, Any]]:
+    """An uninterrupted one-replica, one-process run's step log, by step."""
+    (tmp / "ref").mkdir()
+    ref = FtReplicas(tmp / "ref", max_steps, delay=0.0)
+    try:
+        ref.start("solo")
+        assert ref.finish(["solo"]) == {"solo": 0}, ref.output("solo")
+        steps = {s["step"]: s for s in ref.steps("solo")}
+    finally:
+        ref.stop()
+    assert sorted(steps) == list(range(1, max_steps + 1))
+    return steps
 
 
 def pause_at(steps: list[dict[str, Any]], t_event: float, to_replicas: int) -> float:

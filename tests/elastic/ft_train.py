@@ -1,8 +1,9 @@
 """Training script for the torchft-engine tests and bench: written against spotctl.elastic
 only (the engine comes from SPOTCTL_ENGINE). Logs one JSON line per committed step to
-$FT_STEP_LOG: time, step, this replica's samples, the quorum's size, and the model's loss
+$FT_STEP_LOG (worker k > 0 of a replica group to $FT_STEP_LOG.k): time, step, this replica's samples, the quorum's size, and the model's loss
 over the whole dataset after the step (equal on every replica, and to an uninterrupted
-run's, if no step was lost, repeated or half-applied)."""
+run's, if no step was lost, repeated or half-applied). FT_FSDP=1: the model is FSDP2
+`fully_shard` over the replica group's workers (HSDP with torchft across the groups)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ def main() -> None:
     y = x @ torch.randn(DIM, 1, generator=g) + 0.1 * torch.randn(N, 1, generator=g)
     torch.manual_seed(int(os.environ.get("FT_INIT_SEED", "0")))
     model = nn.Sequential(nn.Linear(DIM, 32), nn.Tanh(), nn.Linear(32, 1))
+    if os.environ.get("FT_FSDP") == "1":
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        dev = elastic.init()  # the replica group's own process group
+        fully_shard(model, mesh=init_device_mesh(dev.type, (dist.get_world_size(),)))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.05 * s))
     gate = os.environ.get("FT_JOIN_GATE")
@@ -33,6 +41,8 @@ def main() -> None:
                       schedulers=[sched])
     delay = float(os.environ.get("FT_STEP_DELAY", "0.02"))
     log = os.environ["FT_STEP_LOG"].replace("{node}", os.environ.get("SPOTCTL_NODE_ID", "x"))
+    if int(os.environ.get("LOCAL_RANK", "0")):
+        log += "." + os.environ["LOCAL_RANK"]
     out = open(log, "a", buffering=1)
     while run.next_step():
         before = run.step
@@ -49,7 +59,7 @@ def main() -> None:
             out.write(json.dumps({
                 "t": time.time(), "step": run.step, "idx": idx.tolist(), "full_loss": full,
                 "replicas": getattr(run, "replicas", 1), "pid": os.getpid(),
-                "lr": sched.get_last_lr()[0],
+                "lr": sched.get_last_lr()[0], "wrapper": type(run.model).__name__,
             }) + "\n")
         if delay:
             time.sleep(delay)

@@ -17,23 +17,14 @@ if importlib.util.find_spec("torchft") is None:
     pytest.skip("torchft is not installed (the 'ft' extra)", allow_module_level=True)
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
 
-from tests.elastic.ft_harness import FtReplicas, pause_at  # noqa: E402
+from tests.elastic.ft_harness import FtReplicas, pause_at, reference_steps  # noqa: E402
 
 pytestmark = pytest.mark.slow
 M = 160
 
 
 def _reference(tmp: Path) -> dict[int, dict]:
-    ref = FtReplicas(tmp / "ref", M, delay=0.0)
-    (tmp / "ref").mkdir()
-    try:
-        ref.start("solo")
-        assert ref.finish(["solo"]) == {"solo": 0}, ref.output("solo")
-        steps = {s["step"]: s for s in ref.steps("solo")}
-    finally:
-        ref.stop()
-    assert sorted(steps) == list(range(1, M + 1))
-    return steps
+    return reference_steps(tmp, M)
 
 
 def test_notice_kill_join_keep_the_trajectory(tmp_path: Path) -> None:
