@@ -24,6 +24,18 @@ def hb(c, node, state="running", workers=(), drain_gen=0, notice=None):
                         "drain_gen": drain_gen, "notice": notice})
 
 
+def training(nodes, inc, step, **kw):
+    """A coordinator (fake clock) whose `nodes` started together and train `inc` at
+    `step`, one rank each."""
+    clk = Clock()
+    c = Coordinator(clk, **kw)
+    for n in nodes:
+        assert hb(c, n, "waiting")["go"]  # nothing to protect yet: all start at once
+    for i, n in enumerate(nodes):
+        hb(c, n, workers=[w(i, inc, step, ws=len(nodes), first=999.0)])
+    return clk, c
+
+
 def test_notice_drain_leave_release_and_rescale_event():
     clk = Clock()
     c = Coordinator(clk)
@@ -54,12 +66,7 @@ def test_notice_drain_leave_release_and_rescale_event():
 
 
 def test_join_waits_for_drain_then_goes():
-    clk = Clock()
-    c = Coordinator(clk)
-    for n in ["a", "b"]:
-        hb(c, n, "waiting")
-    for i, n in enumerate(["a", "b"]):
-        hb(c, n, workers=[w(i, "inc1", 10, ws=2, first=999.0)])
+    clk, c = training(["a", "b"], "inc1", 10)
     r = hb(c, "new", "waiting")
     assert not r["go"] and c.drain is not None and c.drain.reason == "join"
     for i, n in enumerate(["a", "b"]):
@@ -77,12 +84,7 @@ def test_join_waits_for_drain_then_goes():
 
 
 def test_silent_node_kills_peers_workers_once_and_failure_is_recorded():
-    clk = Clock()
-    c = Coordinator(clk, dead_after_s=4.0)
-    for n in ["a", "b"]:
-        hb(c, n, "waiting")
-    for i, n in enumerate(["a", "b"]):
-        hb(c, n, workers=[w(i, "inc1", 30, ws=2, first=999.0)])
+    clk, c = training(["a", "b"], "inc1", 30, dead_after_s=4.0)
     clk.t += 2
     hb(c, "a", workers=[w(0, "inc1", 35, ws=2)])
     assert c.kill_gen == 0  # 2 s of silence is not death
@@ -120,12 +122,7 @@ def test_start_waits_until_every_node_is_at_the_gate():
 def test_notice_drain_broken_by_a_death_ends_when_the_survivors_reform():
     # fault scenario 4: b has a notice, c dies mid-drain. a re-forms alone (b's torchrun
     # refuses a new round); the drain must end then, not hold joins until its timeout.
-    clk = Clock()
-    c = Coordinator(clk, dead_after_s=4.0)
-    for n in ["a", "b", "c"]:
-        hb(c, n, "waiting")
-    for i, n in enumerate(["a", "b", "c"]):
-        hb(c, n, workers=[w(i, "inc1", 40, first=999.0)])
+    clk, c = training(["a", "b", "c"], "inc1", 40, dead_after_s=4.0)
     clk.t += 1
     hb(c, "b", workers=[w(1, "inc1", 41)], notice={"id": "x", "deadline": clk.t + 30})
     assert c.drain is not None and c.drain.leavers == ["b"]
@@ -153,12 +150,7 @@ def test_notice_drain_broken_by_a_death_ends_when_the_survivors_reform():
 def test_notice_for_a_node_in_a_forming_group_waits_until_it_trains_then_drains():
     # b's torchrun entered a new round before its notice came: pulling it out would fail
     # the round for everyone; drain it once the group trains instead
-    clk = Clock()
-    c = Coordinator(clk)
-    for n in ["a", "b"]:
-        hb(c, n, "waiting")
-    for i, n in enumerate(["a", "b"]):
-        hb(c, n, workers=[w(i, "inc1", 10, ws=2, first=999.0)])
+    clk, c = training(["a", "b"], "inc1", 10)
     clk.t += 1
     forming = [w(1, "inc2", 10, phase="init", ws=2)]
     r = hb(c, "b", workers=forming, notice={"id": "x", "deadline": clk.t + 30})
@@ -172,12 +164,7 @@ def test_notice_for_a_node_in_a_forming_group_waits_until_it_trains_then_drains(
 
 
 def test_notice_close_to_its_deadline_leaves_a_forming_group_at_once():
-    clk = Clock()
-    c = Coordinator(clk)
-    for n in ["a", "b"]:
-        hb(c, n, "waiting")
-    for i, n in enumerate(["a", "b"]):
-        hb(c, n, workers=[w(i, "inc1", 10, ws=2, first=999.0)])
+    clk, c = training(["a", "b"], "inc1", 10)
     r = hb(c, "b", workers=[w(1, "inc2", 10, phase="init", ws=2)],
            notice={"id": "x", "deadline": clk.t + 5})
     assert r["leave"] and c.drain is None
@@ -186,12 +173,7 @@ def test_notice_close_to_its_deadline_leaves_a_forming_group_at_once():
 def test_torchft_notice_join_and_kill_need_no_group_drain():
     # torchft's replicas regroup by themselves: the head drains nobody, gates no joiner,
     # kills no peer's workers, and records each new quorum as a rescale naming the engine
-    clk = Clock()
-    c = Coordinator(clk, dead_after_s=4.0, engine="torchft")
-    for n in ["a", "b", "c"]:
-        assert hb(c, n, "waiting")["go"]
-    for i, n in enumerate(["a", "b", "c"]):
-        hb(c, n, workers=[w(i, "ft-q1", 10, first=999.0)])
+    clk, c = training(["a", "b", "c"], "ft-q1", 10, dead_after_s=4.0, engine="torchft")
     clk.t += 1
     r = hb(c, "c", workers=[w(2, "ft-q1", 11)], notice={"id": "x", "deadline": clk.t + 120})
     assert r["drain"] is None and c.drain is None
