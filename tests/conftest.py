@@ -621,6 +621,57 @@ def cloud_flow(
         f.teardown()
 
 
+def use_torchft(project: CliProject) -> None:
+    """Switch a project's spotctl.toml to `[train] engine = "torchft"` (before `up`)."""
+    spec = project.project / "spotctl.toml"
+    text = spec.read_text()
+    assert "\n[train]\n" in text and "engine" not in text, text
+    spec.write_text(text.replace("\n[train]\n", '\n[train]\nengine = "torchft"\n', 1))
+
+
+def lighthouse_status(address: str) -> str:
+    """The text of torchft's Lighthouse's /status page at `address` (its quorum: ids of
+    the replicas in it); raises when nothing answers there."""
+    with urllib.request.urlopen(address.rstrip("/") + "/status", timeout=10) as r:
+        return str(r.read().decode(errors="replace"))
+
+
+def run_torchft_flow(flow: CloudFlow, provider: str, nodes: int = 2,
+                     want_steps: int = 5) -> dict[str, Any]:  # fmt: skip
+    """A CloudFlow on the torchft engine: up (the head gets its Lighthouse on a free third
+    SPOTCTL_HEAD_PORTS port), `nodes` replicas training in one quorum, then down. Returns
+    what it saw before down: `status`, the head's `head_json` (its head.json on the head
+    "VM"), the `head` the state dir recorded, each node's `agents` (agent.json), and the
+    Lighthouse's `lighthouse_status` page."""
+    use_torchft(flow)
+    api, _, store = flow.env["SPOTCTL_HEAD_PORTS"].partition(":")
+    flow.env["SPOTCTL_HEAD_PORTS"] = f"{api}:{store}:{free_port()}"
+    up = flow.up(provider, str(nodes), nodes)
+    st = flow.wait_for(f"{nodes} replicas at step {want_steps}",
+                       lambda s: s.get("world_size") == nodes
+                       and (s.get("step") or 0) >= want_steps, timeout=240, interval=1)  # fmt: skip
+    assert sorted(n["id"] for n in st["nodes"]) == sorted(up["launched"]), st
+    cdir = flow.remote / flow.name
+    head_json = json.loads((cdir / "head" / "head" / "head.json").read_text())
+    token = (flow.home / "clusters" / flow.name / "token").read_text().strip()
+    req = urllib.request.Request(head_json["url"] + "/api/status",
+                                 headers={"Authorization": f"Bearer {token}"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert json.load(r)["engine"] == "torchft"  # the head knows its cluster's engine
+    agents = {n: json.loads((cdir / n / "agent.json").read_text()) for n in up["launched"]}
+    page = lighthouse_status(head_json["lighthouse"])
+    from spotctl.state import Store
+
+    store = Store(flow.home)
+    try:
+        recorded = dict(store.get_cluster(flow.name).head)
+    finally:
+        store.close()
+    flow.down()
+    return {"status": st, "head_json": head_json, "agents": agents, "lighthouse_status": page,
+            "head": recorded}  # fmt: skip
+
+
 # --- real sshd on loopback ------------------------------------------------------------------
 
 

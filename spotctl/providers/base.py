@@ -92,6 +92,9 @@ class HeadInfo:
     # SSH forward the controller opens to reach the API when the port is closed to the
     # outside (clouds): address, port, user, key_file, remote_port. Empty: use the URLs.
     tunnel: dict[str, Any] = field(default_factory=dict)
+    # torchft's Lighthouse on the head, as the nodes reach it (e.g. http://10.0.0.5:29510);
+    # "" when the cluster's engine is torchrun (no Lighthouse runs).
+    lighthouse: str = ""
 
 
 @dataclass

@@ -600,12 +600,13 @@ def tail_node_log(
 #   SPOTCTL_SSH_OVERRIDE="127.0.0.1:PORT"    where every instance's SSH goes
 #   SPOTCTL_SSH_OVERRIDE_KEY=/path/key       private key for it (default: the cluster's)
 #   SPOTCTL_SSH_OVERRIDE_USER=name           login (default: the current user)
-#   SPOTCTL_HEAD_PORTS="API:STORE"           head's coordinator and store ports
+#   SPOTCTL_HEAD_PORTS="API:STORE[:LH]"      head's coordinator and store ports (and its
+#                                            torchft Lighthouse's, for engine torchft)
 #   SPOTCTL_METADATA_URL="http://127.0.0.1:PORT/{node}"   where the agents poll for notices
 #                                            ({node}: the node id) instead of the cloud's
 #                                            metadata service; honoured only with the override
 # ProviderContext.options "ssh_override", "ssh_override_key", "ssh_override_user",
-# "head_api_port", "head_store_port" win over the environment.
+# "head_api_port", "head_store_port", "head_lighthouse_port" win over the environment.
 OVERRIDE_VAR = "SPOTCTL_SSH_OVERRIDE"
 OVERRIDE_KEY_VAR = "SPOTCTL_SSH_OVERRIDE_KEY"
 OVERRIDE_USER_VAR = "SPOTCTL_SSH_OVERRIDE_USER"
@@ -614,6 +615,9 @@ METADATA_URL_VAR = "SPOTCTL_METADATA_URL"
 # Node directories on the hosts; relative = under the remote user's $HOME (as for `ssh`).
 REMOTE_ROOT_VAR = "SPOTCTL_SSH_REMOTE_ROOT"
 HEAD_NODE_ID = "head"
+# The head's torchft Lighthouse (engine torchft), torchft's own default port. Like the
+# store it has no authentication: the clouds' rules open it to cluster members only.
+LIGHTHOUSE_PORT = 29510
 
 
 @dataclass(frozen=True)
@@ -644,17 +648,34 @@ def ssh_override(options: Mapping[str, Any]) -> SshOverride | None:
     return SshOverride(host.strip("[]"), int(port), user, key)
 
 
-def head_ports(options: Mapping[str, Any], api: int, store: int) -> tuple[int, int]:
-    """The head's (coordinator, store) ports: options, then SPOTCTL_HEAD_PORTS, then defaults."""
+def _head_ports_env() -> list[int]:
     import os
 
     raw = os.environ.get(HEAD_PORTS_VAR, "")
-    if raw:
-        a, _, s = raw.partition(":")
-        if not (a.isdigit() and s.isdigit()):
-            raise BootstrapError(f"{HEAD_PORTS_VAR}: expected API:STORE ports, got {raw!r}")
-        api, store = int(a), int(s)
+    if not raw:
+        return []
+    parts = raw.split(":")
+    if len(parts) not in (2, 3) or not all(x.isdigit() for x in parts):
+        raise BootstrapError(f"{HEAD_PORTS_VAR}: expected API:STORE[:LIGHTHOUSE] ports, "
+                             f"got {raw!r}")  # fmt: skip
+    return [int(x) for x in parts]
+
+
+def head_ports(options: Mapping[str, Any], api: int, store: int) -> tuple[int, int]:
+    """The head's (coordinator, store) ports: options, then SPOTCTL_HEAD_PORTS, then defaults."""
+    env = _head_ports_env()
+    if env:
+        api, store = env[0], env[1]
     return int(options.get("head_api_port", api)), int(options.get("head_store_port", store))
+
+
+def head_lighthouse_port(options: Mapping[str, Any], default: int = LIGHTHOUSE_PORT) -> int:
+    """The head's torchft Lighthouse port: options, then SPOTCTL_HEAD_PORTS's third, then
+    `default`."""
+    env = _head_ports_env()
+    if len(env) == 3:
+        default = env[2]
+    return int(options.get("head_lighthouse_port", default))
 
 
 def controller_url(head: HeadInfo, known_hosts: Path) -> str:
@@ -686,6 +707,7 @@ class CloudNodes:
         metadata_url: str,
         api_port: int,
         store_port: int,
+        lighthouse_port: int = LIGHTHOUSE_PORT,
     ):
         import os
 
@@ -695,6 +717,9 @@ class CloudNodes:
         self.metadata_url = metadata_url
         self.override = ssh_override(opts)
         self.api_port, self.store_port = head_ports(opts, api_port, store_port)
+        # engine torchft: the head also runs torchft's Lighthouse, on this port
+        self.torchft = ctx.spec.train.engine == "torchft"
+        self.lighthouse_port = head_lighthouse_port(opts, lighthouse_port)
         self.remote_root = str(
             opts.get("ssh_remote_root") or os.environ.get(REMOTE_ROOT_VAR) or ".spotctl"
         )
@@ -729,7 +754,9 @@ class CloudNodes:
             script = Path(self.ctx.spec.train.script)
             project = project_files(script.resolve().parent) if script.is_file() else None
             also = packages_for(self.ctx.spec.train.checkpoint_dir)
-            self._pkg = (node_package(cache, also=also), project)
+            # engine torchft: torchft (the `ft` extra) on every node, the head included
+            extras = ("ft",) if self.torchft else ()
+            self._pkg = (node_package(cache, extras=extras, also=also), project)
             log.info("%s%s", self._pkg[0].summary(),
                      f"; {project.summary()}" if project else "")  # fmt: skip
         return self._pkg
@@ -754,13 +781,15 @@ class CloudNodes:
     def head_info(self, inst: Instance) -> HeadInfo:
         """Where the head on this VM listens: private address for nodes, public for us."""
         host = self.override.address if self.override else inst.address
+        # the Lighthouse listens where the store does (the nodes' side of the head)
+        lighthouse = f"http://{host}:{self.lighthouse_port}" if self.torchft else ""
         if self.override:
             # test seam: the "VM" is this machine, its API is reachable directly
             public = self.override.address
             return HeadInfo(
                 url=f"http://{host}:{self.api_port}", store_host=host,
                 store_port=self.store_port, instance_id=inst.id,
-                public_url=f"http://{public}:{self.api_port}",
+                public_url=f"http://{public}:{self.api_port}", lighthouse=lighthouse,
             )  # fmt: skip
         # On a cloud the API port is open only inside the cluster: the controller goes
         # through an SSH forward to the head VM (spotctl.remote.tunnel), host key pinned.
@@ -769,6 +798,7 @@ class CloudNodes:
             url=f"http://{host}:{self.api_port}", store_host=host, store_port=self.store_port,
             instance_id=inst.id, tunnel={"address": t.address, "port": t.port, "user": t.user,
                                          "key_file": t.key_path, "remote_port": self.api_port},
+            lighthouse=lighthouse,
         )  # fmt: skip
 
     def start_head(self, inst: Instance, info: HeadInfo) -> HostResult:
@@ -792,6 +822,8 @@ class CloudNodes:
                     "spotctl.cli.app", "head", "--dir", f"{d}/head", "--token-file",
                     f"{d}/{TOKEN_FILE}", "--host", listen, "--http-port", str(self.api_port),
                     "--store-port", str(self.store_port)]  # fmt: skip
+            if self.torchft:  # torchft's Lighthouse, in the head process, bound like the store
+                argv += ["--lighthouse-port", str(self.lighthouse_port)]
             return render_bootstrap(t, cfg, token, python=self.python, agent_argv=argv,
                                     package=package)  # fmt: skip
 
@@ -813,7 +845,31 @@ class CloudNodes:
                     ),
                 )
             time.sleep(0.3)
+        if self.torchft and not self._lighthouse_up(target, deadline):
+            return dataclasses.replace(res, ok=False, reason=(
+                f"{target.label}: head started without torchft's Lighthouse (engine torchft; "
+                f"is torchft installed there? see head/ in {target.remote_dir})"))  # fmt: skip
         return res
+
+    def _lighthouse_up(self, target: HostTarget, deadline: float) -> bool:
+        """Whether the head on `target` records a running Lighthouse (its head.json; the
+        port itself is open to cluster members only, not to this controller)."""
+        deadline = max(deadline, time.monotonic() + 10.0)
+        path = shlex.quote(f"{target.remote_dir.rstrip('/')}/head/head.json")
+        conn = connect(target, self.known_hosts, wait_s=self.wait_s)
+        try:
+            while True:
+                r = run(conn, f"cat {path} 2>/dev/null", timeout_s=30)
+                try:
+                    if json.loads(r.stdout or "{}").get("lighthouse"):
+                        return True
+                except ValueError:
+                    pass  # being rewritten
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.5)
+        finally:
+            conn.close()
 
     def head(self, inst: Instance, start: bool, cloud: str) -> HeadInfo:
         """Where the head on this VM is; with `start`, run it there first (or raise)."""
@@ -840,7 +896,8 @@ class CloudNodes:
             max_steps=tr.max_steps, python=tr.python, env=dict(tr.env),
             local_addr=self.override.address if self.override else inst.address,
             metadata=self.metadata, metadata_url=self.node_metadata_url(inst.id),
-            run_as=tr.run_as,
+            run_as=tr.run_as, engine=tr.engine,
+            lighthouse=head.lighthouse if tr.engine == "torchft" else "",
         )  # fmt: skip
 
     def node_metadata_url(self, node_id: str) -> str:

@@ -20,6 +20,7 @@ from spotctl.providers.aws.api import (
 )
 from spotctl.providers.aws.provider import AwsProvider
 from spotctl.providers.base import Provider
+from spotctl.remote.bootstrap import LIGHTHOUSE_PORT
 
 pytestmark = pytest.mark.aws
 
@@ -159,8 +160,9 @@ def test_security_group_rules(make_provider: MakeProvider, ec2: Any) -> None:
     for r in group_rules:
         assert [pair["GroupId"] for pair in r["UserIdGroupPairs"]] == [gid]
         assert not r.get("IpRanges")
-    # The coordinator and store ports are covered by a group rule, and by nothing else.
-    for port in (COORDINATOR_PORT, STORE_PORT):
+    # The coordinator and store ports, and torchft's Lighthouse (engine torchft), are
+    # covered by a group rule, and by nothing else.
+    for port in (COORDINATOR_PORT, STORE_PORT, LIGHTHOUSE_PORT):
         reaching = [
             r
             for r in group["IpPermissions"]

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import CloudFlow
+from tests.conftest import CloudFlow, run_torchft_flow
 
 from .conftest import aws_leftovers
 
@@ -59,3 +59,21 @@ def test_sixteen_nodes_up_status_notice_down_on_moto_leave_nothing(
     assert aws_leftovers(flow.name, moto_url) == NOTHING
     assert flow.leftover() == []
     assert flow.state_left() == CloudFlow.CLEAN
+
+
+def test_torchft_engine_on_moto_head_runs_the_lighthouse_agents_use_it(
+    aws_flow: Callable[..., CloudFlow], ec2: Any, moto_url: str
+) -> None:
+    """`[train] engine = "torchft"` on AWS: the head VM's `spotctl head` runs torchft's
+    Lighthouse, both nodes' agents are configured with it (the head's private address) and
+    their replicas train in one quorum there; down leaves nothing."""
+    flow = aws_flow("g5.xlarge")
+    out = run_torchft_flow(flow, "aws", nodes=2)
+    lighthouse = out["head_json"]["lighthouse"]
+    assert lighthouse.startswith("http://127.0.0.1:"), out["head_json"]
+    assert out["head"]["lighthouse"] == lighthouse, out["head"]  # recorded in the state dir
+    for node, cfg in out["agents"].items():
+        assert (cfg["engine"], cfg["lighthouse"]) == ("torchft", lighthouse), (node, cfg)
+        assert node in out["lighthouse_status"], out["lighthouse_status"]
+    assert aws_leftovers(flow.name, moto_url) == NOTHING
+    assert flow.leftover() == []

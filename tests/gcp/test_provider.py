@@ -229,6 +229,69 @@ def test_prepare_creates_firewall_rules_idempotently(fake, provider):
     assert ssh["priority"] < deny["priority"] < 65534 and internal["priority"] < deny["priority"]
 
 
+# The default network's stock rules, which the cluster's deny rule must outrank.
+STOCK_RULES = [
+    {"name": "default-allow-internal", "direction": "INGRESS", "priority": 65534,
+     "sourceRanges": ["10.128.0.0/9"],
+     "allowed": [{"IPProtocol": "tcp", "ports": ["0-65535"]}, {"IPProtocol": "udp"}]},
+    {"name": "default-allow-ssh", "direction": "INGRESS", "priority": 65534,
+     "sourceRanges": ["0.0.0.0/0"], "allowed": [{"IPProtocol": "tcp", "ports": ["22"]}]},
+]  # fmt: skip
+
+
+def _ingress_allowed(rules, port: int, target_tags, source: str, source_tags=()) -> bool:
+    """GCP's ingress decision for TCP `port` on a VM with `target_tags` from `source`
+    (address, with the sending VM's `source_tags`): the matching rule of the lowest
+    priority number wins, a deny over an allow at equal priority; none: denied."""
+    import ipaddress
+
+    def ports_match(perms) -> bool:
+        for a in perms:
+            if a["IPProtocol"] not in ("tcp", "all"):
+                continue
+            for spec in a.get("ports") or ["0-65535"]:
+                lo, _, hi = spec.partition("-")
+                if int(lo) <= port <= int(hi or lo):
+                    return True
+        return False
+
+    def applies(r) -> bool:
+        if r.get("direction", "INGRESS") != "INGRESS":
+            return False
+        if r.get("targetTags") and not set(r["targetTags"]) & set(target_tags):
+            return False
+        ranges = [ipaddress.ip_network(x) for x in r.get("sourceRanges", [])]
+        by_range = any(ipaddress.ip_address(source) in n for n in ranges)
+        by_tag = bool(set(r.get("sourceTags", [])) & set(source_tags))
+        return by_range or by_tag
+
+    hits = sorted(((int(r["priority"]), "denied" in r) for r in rules if applies(r)
+                   and ports_match(r.get("denied") or r.get("allowed") or [])),
+                  key=lambda h: (h[0], not h[1]))  # fmt: skip
+    return bool(hits) and not hits[0][1]
+
+
+def test_lighthouse_port_is_open_to_cluster_members_only(fake, provider):
+    """engine torchft: the head's Lighthouse port (like the store's) answers members of
+    the cluster only: not the controller, not another VM of the project, not the world."""
+    from spotctl.providers.gcp.api import STORE_PORT
+    from spotctl.remote.bootstrap import LIGHTHOUSE_PORT
+
+    provider.prepare()
+    rules = list(fake.firewalls.values()) + STOCK_RULES
+    member = ["spotctl-demo"]
+    for port in (LIGHTHOUSE_PORT, STORE_PORT):
+        assert _ingress_allowed(rules, port, member, "10.128.0.5", member)
+        assert not _ingress_allowed(rules, port, member, "10.128.0.9")  # same project
+        assert not _ingress_allowed(rules, port, member, CIDR.split("/")[0])  # controller
+        assert not _ingress_allowed(rules, port, member, "198.51.100.20")  # the world
+        # without the cluster's deny rule the stock rules would let the project in
+        stock_only = [r for r in rules if r["name"] != "spotctl-demo-deny"]
+        assert _ingress_allowed(stock_only, port, member, "10.128.0.9")
+    assert _ingress_allowed(rules, 22, member, CIDR.split("/")[0])  # SSH: the controller
+    assert not _ingress_allowed(rules, 22, member, "198.51.100.20")
+
+
 def test_prepare_reconciles_a_rule_widened_by_hand(fake, provider):
     provider.prepare()
     internal = fake.firewalls["spotctl-demo-internal"]

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.conftest import CloudFlow
+from tests.conftest import CloudFlow, run_torchft_flow
 
 from .conftest import GCP_NOTHING, gcp_leftovers
 from .fake_compute import FakeCompute
@@ -53,3 +53,21 @@ def test_sixteen_nodes_up_status_notice_down_on_fake_compute_leave_nothing(
     assert gcp_leftovers(fake) == GCP_NOTHING
     assert flow.leftover() == []
     assert flow.state_left() == CloudFlow.CLEAN
+
+
+def test_torchft_engine_on_fake_compute_head_runs_the_lighthouse_agents_use_it(
+    gcp_flow: Callable[..., CloudFlow], fake: FakeCompute
+) -> None:
+    """`[train] engine = "torchft"` on GCP: the head VM's `spotctl head` runs torchft's
+    Lighthouse, both nodes' agents are configured with it and their replicas train in one
+    quorum there; down leaves nothing."""
+    flow = gcp_flow("g2-standard-4")
+    out = run_torchft_flow(flow, "gcp", nodes=2)
+    lighthouse = out["head_json"]["lighthouse"]
+    assert lighthouse.startswith("http://127.0.0.1:"), out["head_json"]
+    assert out["head"]["lighthouse"] == lighthouse, out["head"]  # recorded in the state dir
+    for node, cfg in out["agents"].items():
+        assert (cfg["engine"], cfg["lighthouse"]) == ("torchft", lighthouse), (node, cfg)
+        assert node in out["lighthouse_status"], out["lighthouse_status"]
+    assert gcp_leftovers(fake) == GCP_NOTHING
+    assert flow.leftover() == []

@@ -158,7 +158,8 @@ class AwsNetwork(AwsApi):
             )["GroupId"]
         )
         # SSH only from the user's address. Everything else (coordinator, rendezvous store,
-        # and the ephemeral ports gloo/NCCL pick between workers) only from the group.
+        # torchft's Lighthouse on engine torchft, and the ephemeral ports gloo/NCCL pick
+        # between workers) only from the group.
         self._call(
             f"open SSH from {cidr} on {self._group_name}",
             self.ec2.authorize_security_group_ingress,

@@ -56,7 +56,8 @@ class GcpNetwork(GcpApi):
                 direction="INGRESS",
                 priority=ALLOW_PRIORITY,
                 description=f"spotctl cluster {self.cluster}: traffic between members",
-                # Rendezvous, coordinator API and gloo/NCCL use dynamic ports.
+                # Rendezvous, coordinator API, torchft's Lighthouse (engine torchft) and
+                # gloo/NCCL (dynamic ports).
                 allowed=[
                     compute_v1.Allowed(I_p_protocol="tcp"),
                     compute_v1.Allowed(I_p_protocol="udp"),
