@@ -4,7 +4,7 @@ controller and listens on the controller's 127.0.0.1 only: a reverse SSH forward
 For each host a detached process (`python -m spotctl.remote.revtunnel SPEC.json`) logs in
 with the host key pinned in the cluster's known_hosts and asks sshd for remote forwards
 bound to the *host's* loopback (sshd's default GatewayPorts=no): the head's coordinator API
-and its store. The agent on that host is configured with `http://127.0.0.1:<api>` and
+and its store (and torchft's Lighthouse, for engine torchft). The agent on that host is configured with `http://127.0.0.1:<api>` and
 `127.0.0.1:<store>`, so the store is never opened to any network: only processes on the
 controller and on the joined hosts' loopback reach it, as over any SSH session.
 
@@ -31,7 +31,7 @@ from typing import Any
 from spotctl.errors import BootstrapError
 from spotctl.remote.tunnel import pump
 
-__all__ = ["TunnelSpec", "ensure", "stop", "stop_all"]
+__all__ = ["TunnelPorts", "TunnelSpec", "ensure", "ensure_ports", "stop", "stop_all"]
 
 
 @dataclass
@@ -46,6 +46,24 @@ class TunnelSpec:
     local_store: int
     remote_api: int = 0  # 0: the host picks (then kept across reconnects)
     remote_store: int = 0
+    local_lighthouse: int = 0  # the head's torchft Lighthouse (0: none, no forward)
+    remote_lighthouse: int = 0
+
+
+@dataclass(frozen=True)
+class TunnelPorts:
+    """The host-side ends of one host's forwards (lighthouse 0: not forwarded)."""
+
+    api: int
+    store: int
+    lighthouse: int = 0
+
+
+_REMOTE_KEYS = ("remote_api", "remote_store", "remote_lighthouse")
+
+
+def _ports(st: dict[str, Any]) -> TunnelPorts:
+    return TunnelPorts(int(st["api"]), int(st["store"]), int(st.get("lighthouse") or 0))
 
 
 def _paths(base: Path, name: str) -> tuple[Path, Path, Path]:
@@ -63,6 +81,12 @@ def _alive(pid: int, spec_path: Path) -> bool:
 
 def ensure(base: Path, spec: TunnelSpec, timeout_s: float = 60.0) -> tuple[int, int]:
     """Start (or reuse) the tunnel for `spec.name`; returns the host-side (api, store) ports."""
+    p = ensure_ports(base, spec, timeout_s)
+    return p.api, p.store
+
+
+def ensure_ports(base: Path, spec: TunnelSpec, timeout_s: float = 60.0) -> TunnelPorts:
+    """Start (or reuse) the tunnel for `spec.name`; returns every host-side port."""
     base.mkdir(parents=True, exist_ok=True, mode=0o700)
     spec_path, state_path, log_path = _paths(base, spec.name)
     if state_path.exists():
@@ -70,9 +94,9 @@ def ensure(base: Path, spec: TunnelSpec, timeout_s: float = 60.0) -> tuple[int, 
             st = json.loads(state_path.read_text())
             old = json.loads(spec_path.read_text())
             same = all(old.get(k) == v for k, v in asdict(spec).items()
-                       if k not in ("remote_api", "remote_store"))  # fmt: skip
+                       if k not in _REMOTE_KEYS)  # fmt: skip
             if same and _alive(int(st["pid"]), spec_path):
-                return int(st["api"]), int(st["store"])
+                return _ports(st)
         except (OSError, ValueError, KeyError):
             pass
         stop(base, spec.name)
@@ -88,8 +112,7 @@ def ensure(base: Path, spec: TunnelSpec, timeout_s: float = 60.0) -> tuple[int, 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if state_path.exists():
-            st = json.loads(state_path.read_text())
-            return int(st["api"]), int(st["store"])
+            return _ports(json.loads(state_path.read_text()))
         if proc.poll() is not None:
             break
         time.sleep(0.1)
@@ -164,11 +187,18 @@ def _serve(spec: TunnelSpec, spec_path: Path, state_path: Path) -> None:
     store = transport.request_port_forward("127.0.0.1", spec.remote_store, handler)
     to_local[int(store)] = spec.local_store
     spec.remote_api, spec.remote_store = int(api), int(store)
+    lighthouse = 0
+    if spec.local_lighthouse:
+        lighthouse = int(transport.request_port_forward("127.0.0.1", spec.remote_lighthouse,
+                                                        handler))  # fmt: skip
+        to_local[lighthouse] = spec.local_lighthouse
+        spec.remote_lighthouse = lighthouse
     tmp = state_path.with_name(state_path.name + ".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "api": api, "store": store}))
+    tmp.write_text(json.dumps({"pid": os.getpid(), "api": api, "store": store,
+                               "lighthouse": lighthouse}))  # fmt: skip
     os.replace(tmp, state_path)
-    print(f"revtunnel {spec.name}: host 127.0.0.1:{api} -> head api, :{store} -> store",
-          flush=True)  # fmt: skip
+    print(f"revtunnel {spec.name}: host 127.0.0.1:{api} -> head api, :{store} -> store"
+          + (f", :{lighthouse} -> lighthouse" if lighthouse else ""), flush=True)
     while transport.is_active() and spec_path.exists():
         time.sleep(1.0)
     conn.close()

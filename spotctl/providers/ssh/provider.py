@@ -5,7 +5,9 @@ Nothing is bought, launched or powered off. `launch` *joins* free hosts to the c
 `terminate` *releases* them: the agent is stopped and the token removed, the machine stays.
 The head runs on the controller, as for the local provider, on its 127.0.0.1 only; agents on
 other machines reach it through a reverse SSH forward per host (spotctl.remote.revtunnel)
-on their own loopback, so the store is never opened to a network.
+on their own loopback, so the store is never opened to a network. With `[train] engine =
+"torchft"` the head also runs torchft's Lighthouse (as for the local provider), forwarded
+the same way.
 
 Delivery: with `[train] python` empty, each host gets this controller's spotctl wheel, its
 pinned dependencies and the project directory (spotctl.remote.package) and runs them in a
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from spotctl.agent.config import AgentConfig
-from spotctl.errors import CapacityError, SpecError, TransientError
+from spotctl.errors import BootstrapError, CapacityError, SpecError, TransientError
 from spotctl.head.auth import node_token
 from spotctl.providers.base import HeadInfo, Instance, Offer, ProviderContext
 from spotctl.remote.bootstrap import (
@@ -250,8 +252,19 @@ class SshProvider:
             checkpoint_every=tr.checkpoint_every, keep_last=tr.keep_last,
             max_steps=tr.max_steps, python=tr.python, env=dict(tr.env),
             local_addr=inst.address, metadata="file" if notice else "none",
-            notice_file=notice,
+            notice_file=notice, engine=tr.engine, lighthouse=self._lighthouse(head),
         )  # fmt: skip
+
+    def _lighthouse(self, head: HeadInfo) -> str:
+        """The head's Lighthouse as this host reaches it; "" on torchrun."""
+        if self.spec.train.engine != "torchft":
+            return ""
+        if not head.lighthouse:
+            raise BootstrapError(
+                "engine torchft: the head runs no torchft Lighthouse (is torchft installed on "
+                "this controller? pip install 'spotctl[ft]'; see the head's head.log)"
+            )
+        return head.lighthouse
 
     def checkpoint_dir(self) -> str:
         """Where every node reads and writes checkpoints: an object-store URI, a path under
@@ -285,6 +298,7 @@ class SshProvider:
         from spotctl.remote import revtunnel
 
         api = urlparse(head.url).port or 80
+        lighthouse = (urlparse(head.lighthouse).port or 0) if head.lighthouse else 0
         need = [i for i in instances if self._needs_tunnel(i)]
 
         def one(inst: Instance) -> HeadInfo:
@@ -292,12 +306,14 @@ class SshProvider:
             spec = revtunnel.TunnelSpec(
                 name=inst.id, address=t.address, port=t.port, user=t.user, key_file=t.key_path,
                 known_hosts=str(self.cdir.known_hosts), local_api=api,
-                local_store=head.store_port,
+                local_store=head.store_port, local_lighthouse=lighthouse,
             )  # fmt: skip
-            rapi, rstore = revtunnel.ensure(self.cdir.path / TUNNELS_DIR, spec)
+            ports = revtunnel.ensure_ports(self.cdir.path / TUNNELS_DIR, spec)
             return dataclasses.replace(
-                head, url=f"http://127.0.0.1:{rapi}", store_host="127.0.0.1", store_port=rstore
-            )
+                head, url=f"http://127.0.0.1:{ports.api}", store_host="127.0.0.1",
+                store_port=ports.store,
+                lighthouse=f"http://127.0.0.1:{ports.lighthouse}" if ports.lighthouse else "",
+            )  # fmt: skip
 
         if not need:
             return {}
@@ -312,7 +328,9 @@ class SshProvider:
         root = script.resolve().parent if script.is_file() else Path.cwd()
         cache = self.cdir.path.parent.parent / "cache" / "package"
         also = packages_for(self.checkpoint_dir())
-        return node_package(cache, also=also), project_files(root)
+        # engine torchft: torchft (the `ft` extra) on every host
+        extras = ("ft",) if self.spec.train.engine == "torchft" else ()
+        return node_package(cache, extras=extras, also=also), project_files(root)
 
     def bootstrap(
         self,
@@ -377,10 +395,21 @@ class SshProvider:
         self._head().prepare()
 
     def ensure_head(self) -> HeadInfo:
-        return self._head().ensure_head()  # type: ignore[no-any-return]
+        return self._with_lighthouse(self._head().ensure_head())
 
     def head_info(self) -> HeadInfo:
-        return self._head().head_info()  # type: ignore[no-any-return]
+        return self._with_lighthouse(self._head().head_info())
+
+    def _with_lighthouse(self, head: HeadInfo) -> HeadInfo:
+        """The head's Lighthouse address (its head.json), which the local provider's
+        HeadInfo does not carry."""
+        if self.spec.train.engine != "torchft":
+            return head
+        try:
+            rec = json.loads((self._head().head_dir / "head.json").read_text())
+        except (OSError, ValueError):
+            return head
+        return dataclasses.replace(head, lighthouse=str(rec.get("lighthouse") or ""))
 
     def cleanup(self) -> _Strs:
         """Release every joined host and stop the head; returns what could not be stopped."""

@@ -1,0 +1,188 @@
+"""The torchft engine on the remote providers: what the cloud head and agents are told
+(spotctl.remote.bootstrap.CloudNodes), the ssh provider's reverse forward of the head's
+Lighthouse (spotctl.remote.revtunnel, a real sshd on loopback and a real Lighthouse), and
+`up --provider ssh` with engine torchft end to end over those forwards."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from spotctl.errors import BootstrapError
+from spotctl.providers.base import Instance, ProviderContext
+from spotctl.remote import revtunnel
+from spotctl.remote.bootstrap import LIGHTHOUSE_PORT, CloudNodes
+from spotctl.spec import ClusterSpec
+from spotctl.state import Store
+from tests.conftest import (
+    CliProject,
+    lighthouse_status,
+    procs_mentioning,
+    use_torchft,
+    wait_until,
+)
+
+from .conftest import SshdFactory
+
+HAVE_FT = importlib.util.find_spec("torchft") is not None
+needs_ft = pytest.mark.skipif(not HAVE_FT, reason="torchft is not installed (the 'ft' extra)")
+
+
+def _nodes(home: Path, engine: str, options: dict | None = None) -> CloudNodes:
+    spec = ClusterSpec.model_validate({
+        "name": "ft", "provider": "aws", "train": {"engine": engine},
+        "aws": {"region": "us-east-1", "ssh_cidr": "198.51.100.7/32"},
+    })  # fmt: skip
+    ctx = ProviderContext("ft", spec, Store(home).cluster_dir("ft").ensure(), options or {})
+    return CloudNodes(ctx, metadata="aws", metadata_url="http://169.254.169.254",
+                      api_port=7470, store_port=29400)  # fmt: skip
+
+
+def _vm(id_: str, role: str, address: str) -> Instance:
+    return Instance(id=id_, cluster="ft", role=role, zone="us-east-1a", instance_type="g5",
+                    gpus=1, state="running", request_id="r", address=address,
+                    public_address="203.0.113.9", ssh_user="ubuntu")  # fmt: skip
+
+
+def test_cloud_head_and_agents_get_the_lighthouse_on_torchft_only(
+    spotctl_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SPOTCTL_HEAD_PORTS", raising=False)
+    ft = _nodes(spotctl_home, "torchft")
+    head = ft.head_info(_vm("i-head", "head", "10.0.0.5"))
+    # the nodes' side of the head (its private address), where the store is
+    assert head.lighthouse == f"http://10.0.0.5:{LIGHTHOUSE_PORT}"
+    assert head.store_host == "10.0.0.5" and head.tunnel["remote_port"] == 7470
+    cfg = ft.agent_config(_vm("i-w1", "worker", "10.0.0.7"), head)
+    assert (cfg.engine, cfg.lighthouse) == ("torchft", head.lighthouse)
+
+    plain = _nodes(spotctl_home, "torchrun")
+    head = plain.head_info(_vm("i-head", "head", "10.0.0.5"))
+    assert head.lighthouse == ""
+    cfg = plain.agent_config(_vm("i-w1", "worker", "10.0.0.7"), head)
+    assert (cfg.engine, cfg.lighthouse) == ("torchrun", "")
+
+
+def test_lighthouse_port_from_options_or_the_test_seam(
+    spotctl_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPOTCTL_HEAD_PORTS", "4001:4002:4003")
+    n = _nodes(spotctl_home, "torchft")
+    assert (n.api_port, n.store_port, n.lighthouse_port) == (4001, 4002, 4003)
+    monkeypatch.setenv("SPOTCTL_HEAD_PORTS", "4001:4002")  # the two-port form still works
+    assert _nodes(spotctl_home, "torchft").lighthouse_port == LIGHTHOUSE_PORT
+    assert _nodes(spotctl_home, "torchft", {"head_lighthouse_port": 4100}).lighthouse_port == 4100
+    monkeypatch.setenv("SPOTCTL_HEAD_PORTS", "4001:4002:x")
+    with pytest.raises(BootstrapError, match="API:STORE\\[:LIGHTHOUSE\\]"):
+        _nodes(spotctl_home, "torchft")
+
+
+@pytest.mark.ssh
+@pytest.mark.slow  # over 4 s: out of the fast set
+@needs_ft
+def test_reverse_tunnel_forwards_the_lighthouse(
+    sshd_factory: SshdFactory, client_key: Path, tmp_path: Path
+) -> None:
+    from spotctl.head.lighthouse import Lighthouse
+
+    s = sshd_factory.start()
+    lh = Lighthouse("127.0.0.1")
+    spec = revtunnel.TunnelSpec(
+        name="n1", address="127.0.0.1", port=s.port, user="root", key_file=str(client_key),
+        known_hosts=str(tmp_path / "known_hosts"), local_api=1, local_store=2,
+        local_lighthouse=lh.port,
+    )  # fmt: skip
+    base = tmp_path / "tunnels"
+    try:
+        ports = revtunnel.ensure_ports(base, spec)
+        assert ports.lighthouse not in (0, lh.port, ports.api, ports.store)
+        # the Lighthouse answers on the host's loopback end of the forward
+        assert "quorum" in lighthouse_status(f"http://127.0.0.1:{ports.lighthouse}")
+        assert revtunnel.ensure_ports(base, spec) == ports  # reused while alive
+        assert revtunnel.ensure(base, spec) == (ports.api, ports.store)
+    finally:
+        revtunnel.stop(base, "n1")
+        lh.stop()
+
+
+class FtProject(CliProject):
+    remote: Path
+
+    def debug(self) -> str:
+        r = self.remote
+        return "\n".join(
+            f"--- {p.relative_to(r)}\n{p.read_text(errors='replace')[-1500:]}"
+            for p in sorted(r.glob("ftb/*/*.log")) + sorted(r.glob("ftb/*/work/*.log"))
+        )
+
+
+@pytest.mark.ssh
+@pytest.mark.e2e
+@pytest.mark.slow  # real torchrun + torchft over sshd
+@pytest.mark.timeout(600)
+@needs_ft
+def test_up_torchft_over_reverse_tunnels_on_two_ssh_hosts(
+    sshd_factory: SshdFactory, client_key: Path, tmp_path: Path
+) -> None:
+    """`up --provider ssh` with engine torchft and two hosts reached through reverse
+    tunnels (forced on loopback): each agent is configured with the head's Lighthouse at
+    its own host-side forward, both replicas train in one quorum there, `down` ends all."""
+    a, b = sshd_factory.start(), sshd_factory.start()
+    remote = tmp_path / "remote"
+    proj = FtProject(tmp_path, "ftb", {"SPOTCTL_SSH_REMOTE_ROOT": str(remote),
+                                      "SPOTCTL_SSH_TUNNEL": "always"})  # fmt: skip
+    proj.remote = remote
+    (proj.project / "spotctl.toml").write_text(
+        'name = "ftb"\nprovider = "ssh"\ngpus = "2"\n\n'
+        f'[train]\nscript = "train.py"\ncheckpoint_every = 5\npython = "{sys.executable}"\n'
+        'env = { TRAIN_STEP_SLEEP_S = "0.05", TRAIN_DATASET_SIZE = "4096" }\n\n'
+        + "".join(
+            f'[[ssh.hosts]]\naddress = "127.0.0.1"\nport = {s.port}\nkey = "{client_key}"\n\n'
+            for s in (a, b)
+        )
+    )
+    use_torchft(proj)
+    nodes = [f"ssh-127-0-0-1-{a.port}", f"ssh-127-0-0-1-{b.port}"]
+    home = tmp_path / "home"
+    try:
+        proj.cli("up", "--wait", "180", timeout=400)
+        proj.wait_for("2 replicas past step 5",
+                      lambda st: st.get("world_size") == 2 and (st.get("step") or 0) >= 5,
+                      timeout=180, interval=1)  # fmt: skip
+        head = json.loads((home / "clusters" / "ftb" / "head" / "head.json").read_text())
+        head_port = int(head["lighthouse"].rsplit(":", 1)[1])
+        seen = []
+        for n in nodes:
+            cfg = json.loads((remote / "ftb" / n / "agent.json").read_text())
+            assert cfg["engine"] == "torchft", cfg
+            host, _, port = cfg["lighthouse"].removeprefix("http://").partition(":")
+            # the host's own loopback end of its forward, not the controller's port
+            assert host == "127.0.0.1" and int(port) != head_port, cfg
+            seen.append(int(port))
+            page = lighthouse_status(cfg["lighthouse"])  # the head's Lighthouse answers
+            assert all(x in page for x in nodes), page
+        assert len(set(seen)) == 2, seen
+        token = (home / "clusters" / "ftb" / "token").read_text().strip()
+        req = urllib.request.Request(head["url"] + "/api/status",
+                                     headers={"Authorization": f"Bearer {token}"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert json.load(r)["engine"] == "torchft"
+        proj.cli("down", "--name", "ftb", "--yes", timeout=240)
+        wait_until(lambda: not procs_mentioning(remote) and not procs_mentioning(home), 60,
+                   "the cluster's processes to end", 0.5,
+                   lambda: f"left: {procs_mentioning(remote) + procs_mentioning(home)}")  # fmt: skip
+    finally:
+        if (home / "state.db").exists():
+            proj.cli("down", "--name", "ftb", "--yes", check=False)
+        for pid in procs_mentioning(remote) + procs_mentioning(home):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
