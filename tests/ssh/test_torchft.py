@@ -186,3 +186,16 @@ def test_up_torchft_over_reverse_tunnels_on_two_ssh_hosts(
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@pytest.mark.slow  # builds spotctl's wheel and repacks its dependencies
+@needs_ft
+def test_torchft_is_shipped_to_the_nodes_on_torchft_only(
+    spotctl_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SPOTCTL_HEAD_PORTS", raising=False)
+    ft, _ = _nodes(spotctl_home, "torchft", {"deliver": True}).package()
+    plain, _ = _nodes(spotctl_home, "torchrun", {"deliver": True}).package()
+    assert ft is not None and plain is not None
+    assert "torchft==" in ft.requirements
+    assert "torchft" not in plain.requirements
