@@ -78,6 +78,7 @@ def collect(store: Store, name: str, now: float | None = None) -> dict[str, Any]
         "provider": row.provider,
         "state": row.state,
         "gpus": {"now": sum(x["gpus"] for x in live), "min": spec.gpus.min, "max": spec.gpus.max},
+        "engine": spec.train.engine,
         "world_size": head.get("world_size", 0),
         "step": head.get("step", 0),
         "last_checkpoint_step": head.get("last_checkpoint_step", 0),

@@ -73,6 +73,7 @@ def test_torchft_notice_kill_join(local_cluster):
                                       and len(_steps(logs, p.stem)) >= 5), None),
                         240, "a joined replica training", 0.5, c.debug)
     events = c.events()
+    assert c.status()["engine"] == "torchft"
     c.cli("down", "--name", "ftr", "--yes")
 
     # the head drained nobody and killed nobody's workers: torchft regrouped by itself,

@@ -58,7 +58,8 @@ def test_commands_use_the_default_name(home: Path, tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     assert "launch" in res.output and "local in local-a, 1 GPU: below minimum" in res.output
     res = CliRunner().invoke(app, ["status", "--json"])
-    assert res.exit_code == 0 and json.loads(res.output)["cluster"] == "only"
+    out = json.loads(res.output)
+    assert res.exit_code == 0 and out["cluster"] == "only" and out["engine"] == "torchrun"
     (tmp_path / "spotctl.toml").write_text('name = "other"\n')
     res = CliRunner().invoke(app, ["events"])
     assert isinstance(res.exception, NotFoundError) and "other" in str(res.exception)
