@@ -12,7 +12,9 @@ What spotctl adds to torchft (its own example loop has none of these):
   the step's quorum (and the data-parallel ranks inside each), so a step computes the
   same update whatever the membership. `loss_scale` is computed per step.
 - Exact data position: (epoch, offset) travel with the model in live recovery and in
-  checkpoints, and advance only on a committed step.
+  checkpoints, and advance only on a committed step. run.dataloader() follows it: its
+  DataLoader is replaced, at the run's position, when the split or the step sequence
+  changes.
 - A failed step is applied by nobody: the optimizer (and LR scheduler) steps only when
   torchft's commit vote passes; otherwise the same step, same samples, runs again after
   the next quorum. A replica whose vote differs is behind by one step and heals from a
@@ -45,11 +47,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from spotctl.elastic import (
     REPORT_EVERY_S,
+    ElasticBatchSampler,
     Run,
     _is_sharded,
     _process_start_time,
     _rng_state,
     _set_rng_state,
+    micro_slices,
 )
 
 log = logging.getLogger("spotctl.elastic.ft")
@@ -96,6 +100,68 @@ def _gate_scheduler(sched: Any, run: FtRun) -> None:
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, DDP) else model
+
+
+class QuorumLoader:
+    """FtRun.dataloader(): see there."""
+
+    def __init__(self, run: FtRun, dataset: Any, kwargs: dict[str, Any]):
+        self.run, self.dataset, self.kwargs = run, dataset, kwargs
+
+    def __iter__(self) -> _QuorumLoaderIter:
+        return _QuorumLoaderIter(self)
+
+
+class _QuorumLoaderIter:
+    """Yields the batches of the run's current step. `_at` is the step (and split) whose
+    batches the DataLoader yields next, `_left` how many of them are still due; when the
+    run is somewhere else at a next(), the DataLoader is replaced by one starting there."""
+
+    def __init__(self, loader: QuorumLoader):
+        self.loader = loader
+        self._it: Any = None
+        self._at: tuple[int, int, int, int, int] | None = None
+        self._left = 0
+        self.restarts = 0  # DataLoaders started (for tests)
+
+    def __iter__(self) -> _QuorumLoaderIter:
+        return self
+
+    def _batches(self, at: tuple[int, int, int, int, int]) -> int:
+        """How many batches ElasticBatchSampler yields for the step at `at`."""
+        r = self.loader.run
+        _, _, offset, world, rank = at
+        sl = micro_slices(min(r.global_batch, r.dataset_size - offset), world, rank,
+                          r.micro_batch)
+        return 1 if sl[0][0] == sl[0][1] else sum(1 for a, b in sl if b > a)
+
+    def __next__(self) -> Any:
+        from torch.utils.data import DataLoader
+
+        r = self.loader.run
+        here = (r.step, r.epoch, r.offset, r.dp_world, r.dp_rank)
+        if self._it is None or self._at != here:
+            self._it = None  # its workers stop before the next ones start
+            g = torch.Generator()
+            g.manual_seed(r.seed * 1_000_003 + r.step)
+            sampler = ElasticBatchSampler(
+                r.dataset_size, r.global_batch, r.seed, r.dp_world, r.dp_rank,
+                micro_batch=r.micro_batch, epoch=r.epoch, offset=r.offset, step=r.step,
+                max_steps=r.max_steps or None, epochs=r.epochs)
+            self._it = iter(DataLoader(self.loader.dataset, batch_sampler=sampler, generator=g,
+                                       **self.loader.kwargs))
+            self._at, self._left = here, self._batches(here)
+            self.restarts += 1
+        batch = next(self._it)
+        self._left -= 1
+        if self._left == 0:  # the step's last batch: the DataLoader goes on to the next step
+            step, epoch, offset, world, rank = self._at
+            offset += min(r.global_batch, r.dataset_size - offset)
+            if offset >= r.dataset_size:
+                epoch, offset = epoch + 1, 0
+            self._at = (step + 1, epoch, offset, world, rank)
+            self._left = self._batches(self._at)
+        return batch
 
 
 class FtRun(Run):
@@ -265,12 +331,21 @@ class FtRun(Run):
         return True
 
     def batch_sampler(self) -> Any:
-        # a DataLoader prefetches for a fixed split; here the split changes with every
-        # quorum (not done yet: a sampler that follows the quorum)
+        # a DataLoader prefetches from its sampler for a fixed split; here the split
+        # changes with every quorum: run.dataloader() follows it
         raise NotImplementedError(
-            "spotctl.elastic on the torchft engine: batch_sampler()/dataloader() are not "
-            "supported yet (the split changes with every quorum); use run.batch_indices() "
-            "or run.micro_batches()")
+            "spotctl.elastic on the torchft engine: batch_sampler() is not supported (a "
+            "sampler is read ahead for a fixed split, and the split changes with every "
+            "quorum); use run.dataloader(dataset, ...), run.batch_indices() or "
+            "run.micro_batches()")
+
+    def dataloader(self, dataset: Any, **kwargs: Any) -> QuorumLoader:
+        """An iterable of this worker's micro-batches, in the run's exact order, from
+        DataLoaders over `dataset` (kwargs: num_workers, pin_memory, collate_fn...): one is
+        kept while the quorum and the step sequence hold (its workers prefetch), and a new
+        one starts at the run's position when they change (a join, a leave, a redone or
+        healed step). Use it as on the restart path: run.micro_batches(iter(loader))."""
+        return QuorumLoader(self, dataset, kwargs)
 
     def _leave_agreed(self) -> bool:
         flag = torch.tensor([1 if self.drain_requested else 0], dtype=torch.int32)

@@ -3,7 +3,9 @@ only (the engine comes from SPOTCTL_ENGINE). Logs one JSON line per committed st
 $FT_STEP_LOG (worker k > 0 of a replica group to $FT_STEP_LOG.k): time, step, this replica's samples, the quorum's size, and the model's loss
 over the whole dataset after the step (equal on every replica, and to an uninterrupted
 run's, if no step was lost, repeated or half-applied). FT_FSDP=1: the model is FSDP2
-`fully_shard` over the replica group's workers (HSDP with torchft across the groups)."""
+`fully_shard` over the replica group's workers (HSDP with torchft across the groups).
+FT_MICRO_BATCH: micro-batches of at most that many samples; FT_LOADER=k: the batches come
+from run.dataloader() with k DataLoader workers (the dataset yields each sample's index)."""
 
 from __future__ import annotations
 
@@ -38,7 +40,14 @@ def main() -> None:
     while gate and not os.path.exists(gate):  # a pre-started joiner waits here, imports done
         time.sleep(0.01)
     run = elastic.Run(model, opt, dataset_size=N, global_batch=BATCH, seed=3,
-                      schedulers=[sched])
+                      schedulers=[sched],
+                      micro_batch=int(os.environ.get("FT_MICRO_BATCH", "0")) or None)
+    loader = None
+    if os.environ.get("FT_LOADER"):
+        from torch.utils.data import TensorDataset
+
+        loader = iter(run.dataloader(TensorDataset(x, y, torch.arange(N)),
+                                     num_workers=int(os.environ["FT_LOADER"])))
     delay = float(os.environ.get("FT_STEP_DELAY", "0.02"))
     log = os.environ["FT_STEP_LOG"].replace("{node}", os.environ.get("SPOTCTL_NODE_ID", "x"))
     if int(os.environ.get("LOCAL_RANK", "0")):
@@ -46,20 +55,26 @@ def main() -> None:
     out = open(log, "a", buffering=1)
     while run.next_step():
         before = run.step
-        idx = run.batch_indices()
         opt.zero_grad()
-        loss = ((run.model(x[idx]) - y[idx]) ** 2).sum()
-        (loss * run.loss_scale).backward()
+        idx: list[int] = []
+        loss_sum = 0.0
+        for mb in run.micro_batches(loader):
+            xb, yb, ib = (x[mb], y[mb], mb) if loader is None else mb
+            loss = ((run.model(xb) - yb) ** 2).sum()
+            (loss * run.loss_scale).backward()
+            loss_sum += loss.item()
+            idx += ib.tolist()
         opt.step()
         sched.step()
-        run.end_step(loss=loss.item())
+        run.end_step(loss=loss_sum)
         if run.step == before + 1:
             with torch.no_grad():
                 full = float(((model(x) - y) ** 2).mean())
             out.write(json.dumps({
-                "t": time.time(), "step": run.step, "idx": idx.tolist(), "full_loss": full,
+                "t": time.time(), "step": run.step, "idx": idx, "full_loss": full,
                 "replicas": getattr(run, "replicas", 1), "pid": os.getpid(),
                 "lr": sched.get_last_lr()[0], "wrapper": type(run.model).__name__,
+                "loaders": getattr(loader, "restarts", None),
             }) + "\n")
         if delay:
             time.sleep(delay)

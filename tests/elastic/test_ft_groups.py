@@ -3,7 +3,8 @@ workers each (one torchrun with --nproc-per-node=2 per group: DDP inside the gro
 across groups, one Manager per worker). One group leaves on a notice, a pre-started group
 joins and recovers every worker's state from its peer of the same local rank; the loss
 after every step, on every worker, equals an uninterrupted one-process run's, and every
-step's samples are the fixed global batch split over all workers of the step's replicas."""
+step's samples are the fixed global batch split over all workers of the step's replicas,
+also when they come from run.dataloader() in micro-batches."""
 
 from __future__ import annotations
 
@@ -26,13 +27,19 @@ M = 100
 NPROC = 2
 
 
-@pytest.mark.parametrize("inside", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("inside", ["ddp", "fsdp2", "ddp+loader"])
 def test_two_process_replica_groups_survive_a_leave_and_a_join(
         inside: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ref = reference_steps(tmp_path, M)
     # ddp: a plain module, wrapped in DDP over the group's workers; fsdp2: the script
     # shards it with fully_shard over them (HSDP: FSDP2 inside, torchft across groups)
+    # ddp+loader: batches from run.dataloader() (one DataLoader worker each), in
+    # micro-batches of at most 3 samples (2 of a worker's 4 with two groups, 3 of its 8
+    # with one)
     monkeypatch.setenv("FT_FSDP", "1" if inside == "fsdp2" else "0")
+    if inside == "ddp+loader":
+        monkeypatch.setenv("FT_LOADER", "1")
+        monkeypatch.setenv("FT_MICRO_BATCH", "3")
     c = FtReplicas(tmp_path, M, every=25, delay=0.04, nproc=NPROC)
     try:
         c.start("g0")
@@ -46,7 +53,8 @@ def test_two_process_replica_groups_survive_a_leave_and_a_join(
         left_at = c.last_step("g0")
         c.wait("survivor past the leave", lambda: c.last_step("g1") >= left_at + 5)
         c.open_gate("g2")
-        c.wait("joiner training", lambda: len(c.steps("g2", 1)) >= 3)
+        # (generous: once, under a load of 40 on 2 cores, 120 s went by before it quorumed)
+        c.wait("joiner training", lambda: len(c.steps("g2", 1)) >= 3, timeout=300)
         codes = c.finish(["g1", "g2"])
         assert codes == {"g1": 0, "g2": 0}, c.output("g1") + c.output("g2")
         logs = {(n, k): c.steps(n, k) for n in ("g0", "g1", "g2") for k in range(NPROC)}
@@ -55,6 +63,12 @@ def test_two_process_replica_groups_survive_a_leave_and_a_join(
 
     wrapper = "FSDPSequential" if inside == "fsdp2" else "DistributedDataParallel"
     assert {s["wrapper"] for steps in logs.values() for s in steps} == {wrapper}
+    if inside == "ddp+loader":
+        # the survivor's DataLoader was replaced at the leave and at the join (the split
+        # changed), not at every step
+        for k in range(NPROC):
+            starts = [s["loaders"] for s in logs[("g1", k)]]
+            assert 3 <= starts[-1] <= 6 and starts[-1] < len(starts) // 4, (k, starts)
     for k in range(NPROC):
         # the leaver's workers stopped at the same committed step
         assert logs[("g0", k)][-1]["step"] == left_at
