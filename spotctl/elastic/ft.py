@@ -189,7 +189,7 @@ class FtRun(Run):
         timeout_s: float | None = None,
     ):
 
-        from torchft import Manager, ProcessGroupGloo
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
         from torchft import manager as ft_manager
         from torchft.checkpointing.pg_transport import PGTransport
 
@@ -215,9 +215,20 @@ class FtRun(Run):
 
         host = env.get("MASTER_ADDR", "127.0.0.1")
         ft_manager.ManagerServer = _bound_manager_server(host)  # type: ignore[attr-defined]
-        self._ft_pg = ProcessGroupGloo(timeout=timedelta(seconds=FT_TIMEOUT_S))
+        # across replicas: NCCL with CUDA (torchft's abortable, reconfigurable wrapper),
+        # gloo on CPU; SPOTCTL_FT_PG overrides
+        backend = env.get("SPOTCTL_FT_PG") or ("nccl" if self.device.type == "cuda" else "gloo")
+        if backend == "nccl":
+            # torchft warns and sets it itself when unset: its bound on a non-blocking op
+            env.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(FT_TIMEOUT_S))
+            self._ft_pg = ProcessGroupNCCL(timeout=timedelta(seconds=FT_TIMEOUT_S))
+        elif backend == "gloo":
+            self._ft_pg = ProcessGroupGloo(timeout=timedelta(seconds=FT_TIMEOUT_S))
+        else:
+            raise SystemExit(f"spotctl.elastic: SPOTCTL_FT_PG must be nccl or gloo, not {backend!r}")
+        # live recovery over the same group: tensors go through it on its device
         transport = PGTransport(self._ft_pg, timeout=timedelta(seconds=FT_TIMEOUT_S),
-                                device=self.device)
+                                device=self.device if backend == "nccl" else torch.device("cpu"))
         self.manager = Manager(
             pg=self._ft_pg,
             load_state_dict=self._load_live,

@@ -1,7 +1,8 @@
 """scripts/gpu-check: without CUDA it skips every check cleanly (exit 0, one SKIP line per
 check); and the checks whose logic does not need a GPU (the DCP saves through the pinned /
-overlapping stager) run here on CPU through the script's own worker path, so a broken check
-is found before a GPU machine is paid for."""
+overlapping stager) run here on CPU through the script's own worker path, as does ft-nccl's
+scenario with gloo in place of NCCL, so a broken check is found before a GPU machine is
+paid for."""
 
 from __future__ import annotations
 
@@ -43,3 +44,17 @@ def test_cpu_capable_checks_pass_through_the_worker_path(check: str, tmp_path: P
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(Path(f"{out}.r0").read_text())
     assert res["ok"], res
+
+
+@pytest.mark.slow  # two replica groups in fresh processes, a join, a leave
+def test_ft_nccl_check_logic_passes_on_cpu_with_gloo(tmp_path: Path) -> None:
+    """ft-nccl's scenario with gloo instead of NCCL: the second replica group heals from the
+    first, they train with equal parameters, the first leaves, the second goes on."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchft") is None:
+        pytest.skip("torchft is not installed (the 'ft' extra)")
+    check = runpy.run_path(str(SCRIPT), run_name="gpu_check")
+    ok, detail = check["ft_check"](str(tmp_path), cuda=False)
+    assert ok, detail
+    assert detail.startswith("torchft-gloo on {'cpu'}: joiner healed"), detail
