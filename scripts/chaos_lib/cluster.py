@@ -33,20 +33,31 @@ class Cluster:
         checkpoint_every: int,
         train_env: dict[str, str] | None = None,
         extra_toml: str = "",
+        engine: str = "torchrun",
+        script: Path | None = None,
     ):
+        """engine: the spec's `[train] engine` (torchrun, the default, writes no engine
+        line). script: the training script (default: templates/train.py); the template is
+        copied as train.py either way, so a script may import it."""
         self.root, self.name, self.every = root, name, checkpoint_every
+        self.engine = engine
         self.checkpoint_dir: Path | None = None  # set when the spec names one
         self.home = root / "home"
         self.project = root / "project"
         self.project.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / "templates" / "train.py", self.project / "train.py")
+        if script is not None:
+            shutil.copy(script, self.project / script.name)
+        script_name = script.name if script is not None else "train.py"
+        engine_toml = "" if engine == "torchrun" else f'engine = "{engine}"\n'
         self.env = dict(os.environ, SPOTCTL_HOME=str(self.home), NO_COLOR="1")
         self._store: Any = None  # the journal (state.db), opened on the first poll
         env = {"TRAIN_STEP_SLEEP_S": "0.05"} | (train_env or {})
         env_toml = ", ".join(f'{k} = "{v}"' for k, v in env.items())
         (self.project / "spotctl.toml").write_text(
             f'name = "{name}"\nprovider = "local"\ngpus = "{gpus}"\n\n'
-            f'[train]\nscript = "train.py"\ncheckpoint_every = {checkpoint_every}\n'
+            f'[train]\n{engine_toml}script = "{script_name}"\n'
+            f"checkpoint_every = {checkpoint_every}\n"
             f"env = {{ {env_toml} }}\n{extra_toml}\n"
         )
 

@@ -11,12 +11,32 @@ from pathlib import Path
 
 from .result import Result, table, unmeasured
 
+# scenarios with a cluster of their own (or none): run with the default engine only
+NOT_ON_TORCHFT = {
+    "9": "9 capacity exhausted while training",
+    "10": "10 API throttling and 5xx",
+    "13": "13 checkpoint disk full",
+    "14": "14 node cut off from the network",
+}
 
-def run_all(root: Path, only: set[str] | None = None, log=print) -> list[Result]:
+
+def run_all(
+    root: Path, only: set[str] | None = None, log=print, engine: str = "torchrun"
+) -> list[Result]:
     from . import cloud, disk, local
 
     rows: list[Result] = []
     cluster_keys = {"1", "2", "3", "4", "5", "6", "7", "8", "11", "12", "15", "16", "17"}
+    if engine == "torchft":
+        from . import ft
+
+        if not only or only & cluster_keys:
+            rows += ft.run_ft_cluster_scenarios(root, only & cluster_keys if only else None, log)
+        for key, name in NOT_ON_TORCHFT.items():
+            if not only or key in only:
+                rows.append(Result(name, blocked="own cluster or none: run without --engine"))
+        rows.sort(key=_order)
+        return rows
     if not only or only & cluster_keys:
         rows += local.run_cluster_scenarios(root, only & cluster_keys if only else None, log)
     if not only or "9" in only:
@@ -30,8 +50,12 @@ def run_all(root: Path, only: set[str] | None = None, log=print) -> list[Result]
     if not only or "14" in only:
         rows.append(disk.network_cut(root))
         log(f"{rows[-1].scenario}: survived={rows[-1].survived} {rows[-1].notes}")
-    rows.sort(key=lambda r: int(r.scenario.split()[0]) if r.scenario.split()[0].isdigit() else 99)
+    rows.sort(key=_order)
     return rows
+
+
+def _order(r: Result) -> int:
+    return int(r.scenario.split()[0]) if r.scenario.split()[0].isdigit() else 99
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help='print {"scenarios": [...]}')
     ap.add_argument("--only", default="", help="comma-separated scenario numbers")
     ap.add_argument("--dir", default="", help="work dir (default: a temporary one)")
+    ap.add_argument("--engine", choices=("torchrun", "torchft"), default="torchrun",
+                    help="the cluster scenarios' [train] engine (default torchrun)")
     a = ap.parse_args(argv)
     only = {x.strip() for x in a.only.split(",") if x.strip()} or None
     t0 = time.time()
@@ -47,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.time() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
     with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
-        rows = run_all(Path(a.dir or tmp), only, log)
+        rows = run_all(Path(a.dir or tmp), only, log, a.engine)
     if a.json:
         print(json.dumps({"scenarios": [r.to_json() for r in rows]}, indent=2, default=str))
     else:
