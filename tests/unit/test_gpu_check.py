@@ -57,4 +57,4 @@ def test_ft_nccl_check_logic_passes_on_cpu_with_gloo(tmp_path: Path) -> None:
     check = runpy.run_path(str(SCRIPT), run_name="gpu_check")
     ok, detail = check["ft_check"](str(tmp_path), cuda=False)
     assert ok, detail
-    assert detail.startswith("torchft-gloo on {'cpu'}: joiner healed"), detail
+    assert detail.startswith("torchft-gloo on {'cpu'} (CPU): joiner healed"), detail
