@@ -147,9 +147,9 @@ def wait_world(c: Cluster, t0: float, world: int, past: int = 3,
                   f"\n{c.debug()}")
 
 
-def wait_steps(c: Cluster, n: int, timeout: float = 120) -> dict[str, Any]:
-    """Wait until the job has committed n more steps (in any quorum)."""
-    t0 = time.time()
+def wait_steps(c: Cluster, t0: float, n: int, timeout: float = 120) -> dict[str, Any]:
+    """Wait until the job has committed n more steps (in any quorum) from now; return
+    analyse()'s view of the time since t0."""
     start = analyse(c, t0)["newest"]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -171,9 +171,26 @@ def training_at(c: Cluster, world: int, past: int, timeout: float = 240) -> None
     raise Timeout(f"not training at {world} replicas past step {past}\n{c.debug()}")
 
 
-def fill(res: Result, m: dict[str, Any], ckpt_before: int, t0: float,
+def ckpts(c: Cluster, t0: float) -> list[int]:
+    """The checkpoint steps committed before t0 (read at the fault: keep_last prunes)."""
+    from spotctl.elastic.checkpoint import COMMIT
+
+    out = []
+    for s in c.committed():
+        try:
+            if (c.ckpt_dir / f"step-{s:08d}" / COMMIT).stat().st_mtime <= t0:
+                out.append(s)
+        except OSError:
+            continue
+    return out
+
+
+def fill(res: Result, m: dict[str, Any], committed: list[int], t0: float,
          recover: bool = True) -> None:
-    """The figures from analyse()'s view `m` of the time since t0."""
+    """The figures from analyse()'s view `m` of the time since t0. committed: the
+    checkpoints committed before the fault; the newest one not past the job's step at the
+    fault counts (a newer one is an earlier scenario's, left from before a replay)."""
+    ckpt_before = max((s for s in committed if s <= m["pre"]), default=0)
     resume = m["pre"] if m["resume"] is None else m["resume"]
     res.committed_steps_lost = max(0, ckpt_before - resume)
     res.steps_replayed = m["replayed_commits"] + len(m["failed_steps"])
@@ -211,10 +228,10 @@ def _cycle(c: Cluster, res: Result, fault: Callable[[], object], world: int,
     n0 = len(c.events("rescale"))
     t0 = time.time()
     before = analyse(c, t0)
-    ckpt = c.committed_before(t0)
+    ckpt = ckpts(c, t0)
     fault()
     m = wait_world(c, t0, world)
-    fill(res, m, max(ckpt, c.committed_before(t0)), t0)
+    fill(res, m, sorted(set(ckpt) | set(ckpts(c, t0))), t0)
     restarted = _restarted(before, m, gone)
     res.detail.update(restarted_survivors=restarted, rescale_events=head_rescales(c, n0))
     res.survived = not restarted
@@ -289,16 +306,28 @@ def head_restart(c: Cluster) -> Result:
     hj = c.cluster_dir / "head" / "head.json"
     ports = json.loads((c.cluster_dir / "head" / "ports.json").read_text())
     lighthouse0 = json.loads(hj.read_text()).get("lighthouse")
+    # a noticed node that still waits for its hard stop makes the `up` right after the
+    # restart drain a healthy node (reported separately): this scenario is about the
+    # Lighthouse, so it starts once such nodes are reclaimed
+    t_wait = time.monotonic()
+    while time.monotonic() - t_wait < local.AWS_HARD_STOP_S + 10:
+        running = {n["id"] for n in c.status()["nodes"] if n["state"] == "running"}
+        if set(c.live_nodes()) <= running:
+            break
+        time.sleep(1)
+    res.detail["waited_for_reclaim_s"] = round(time.monotonic() - t_wait, 1)
     t0 = time.time()
     before = analyse(c, t0)
     killed = c.kill_head()
-    ckpt = c.committed_before(t0)
+    ckpt = ckpts(c, t0)
     time.sleep(3)
     c.up()
     head = json.loads(hj.read_text())
     same_ports = (head.get("store_port") == ports.get("store")
                   and str(head.get("url", "")).endswith(f":{ports.get('http')}"))
-    m = wait_world(c, t0, WORLD, timeout=180)
+    # the replicas' quorum calls to the restarted Lighthouse hang until their quorum
+    # timeout (SPOTCTL_FT_QUORUM_TIMEOUT_S, 120 s), then they restart from the checkpoint
+    m = wait_world(c, t0, WORLD, timeout=300)
     fill(res, m, ckpt, t0)
     restarted = _restarted(before, m, set())
     res.survived = same_ports and res.committed_steps_lost == 0
@@ -314,7 +343,7 @@ def join(c: Cluster, which: str) -> Result:
     """7 / 8: the torchrun scenario (convergence, no duplicate, no leak) with the figures
     measured from the step logs: the joiner heals from a live peer, nobody replays."""
     t0 = time.time()
-    ckpt = c.committed_before(t0)
+    ckpt = ckpts(c, t0)
     before = analyse(c, t0)
     commits = [r for r in records(c) if r.get("ok")]
     full = bool(commits) and commits[-1].get("replicas") == WORLD  # nobody to join
@@ -322,7 +351,7 @@ def join(c: Cluster, which: str) -> Result:
     res.detail["head_figures"] = {"committed_steps_lost": res.committed_steps_lost,
                                   "steps_replayed": res.steps_replayed}
     if full:
-        m = wait_steps(c, 3)
+        m = wait_steps(c, t0, 3)
         fill(res, m, ckpt, t0, recover=False)
     else:
         m = wait_world(c, t0, WORLD)
@@ -339,11 +368,11 @@ def join(c: Cluster, which: str) -> Result:
 def calm(c: Cluster, key: str, run: Callable[[], Result]) -> Result:
     """11 / 15 / 16: faults that must not disturb training: no new quorum, no failed step."""
     t0 = time.time()
-    ckpt = c.committed_before(t0)
+    ckpt = ckpts(c, t0)
     res = run()
     res.detail["head_figures"] = {"committed_steps_lost": res.committed_steps_lost,
                                   "steps_replayed": res.steps_replayed}
-    m = wait_steps(c, 3)
+    m = wait_steps(c, t0, 3)
     fill(res, m, ckpt, t0, recover=False)
     if m["new_quorums"]:
         res.survived = False
@@ -351,15 +380,14 @@ def calm(c: Cluster, key: str, run: Callable[[], Result]) -> Result:
     return res
 
 
-def _worker_pids(c: Cluster) -> list[int]:
-    pids = []
-    for n in c.live_nodes():
-        for p in (c.cluster_dir / "nodes" / n / "status").glob("worker-*.json"):
-            try:
-                pids.append(int(json.loads(p.read_text())["pid"]))
-            except (OSError, ValueError, KeyError):
-                continue
-    return pids
+def members(c: Cluster) -> dict[str, int]:
+    """The replicas of the newest quorum: node -> its process (local rank 0, the only
+    worker of a 1-GPU node)."""
+    commits = [r for r in records(c) if r.get("ok")]
+    if not commits:
+        return {}
+    q = commits[-1]["q"]
+    return {r["node"]: r["pid"] for r in commits if r["q"] == q}
 
 
 def all_replicas_corrupt_newest(c: Cluster) -> Result:
@@ -374,7 +402,8 @@ def all_replicas_corrupt_newest(c: Cluster) -> Result:
     before = analyse(c, t0)
 
     def fault() -> None:
-        pids = _worker_pids(c)
+        quorum = members(c)
+        pids = sorted(quorum.values())
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -387,12 +416,12 @@ def all_replicas_corrupt_newest(c: Cluster) -> Result:
         for f in d.iterdir():
             if f.name != "COMMIT":
                 f.write_bytes(b"\0garbage" * 64)
-        state.update(killed=pids, nodes=c.live_nodes(), corrupted=newest,
+        state.update(killed=pids, nodes=sorted(quorum), corrupted=newest,
                      previous=steps[1] if len(steps) > 1 else 0)
 
     fault()
     m = wait_world(c, t0, WORLD, timeout=240)
-    fill(res, m, state["previous"], t0)
+    fill(res, m, [state["previous"]], t0)
     restored = sorted(set(m["restored"]))
     restarted = _restarted(before, m, set())
     # every replica restarted (none was left to heal from) and the job went back to the
