@@ -63,6 +63,10 @@ def main(node_dir: Path) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     while not stopping.is_set() and agent.poll() is None:
         stopping.wait(0.5)
+    if dead.is_set():
+        # reclaimed: the reclaim thread recorded "preempted" and is killing the tree and
+        # us; writing "stopped" now would make the preemption look like a lost node
+        threading.Event().wait()
     if agent.poll() is None:
         agent.terminate()
         try:
