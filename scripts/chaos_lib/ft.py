@@ -21,7 +21,8 @@ Scenario by scenario (keys as in scripts/chaos):
  3   kill: the quorum drops the replica; the failed step is the replay.
  4   notice + kill at once: 3 -> 1 replica.
  5   SIGSTOP: the frozen replica stops heartbeating; survivors' collective times out
-     (SPOTCTL_FT_TIMEOUT_S), they fail that step and re-form without it.
+     (SPOTCTL_FT_TIMEOUT_S) and they fail that step, or, frozen outside a collective, it
+     is just not in the next quorum; either way the others re-form without it.
  6   head (and with it the Lighthouse) killed and restarted by `up`: are the replicas
      back at 3, from memory or from the checkpoint?
  7/8 joins (CLI killed mid-up; two `up` at once): the joiner heals from a live peer.
@@ -296,7 +297,8 @@ def sigstop(c: Cluster) -> Result:
     if not unresp:
         res.survived = False
         res.notes += "no node-unresponsive event; "
-    res.notes += f"{node} frozen; survivors failed the step in flight, re-formed without it"
+    failed = len(res.detail["ft"]["failed_steps"])
+    res.notes += f"{node} frozen; the quorum re-formed without it ({failed} failed step(s))"
     return res
 
 

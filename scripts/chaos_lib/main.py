@@ -9,7 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .result import Result, table, unmeasured
+from .result import FIGURES, Result, table, unmeasured
 
 # scenarios with a cluster of their own (or none): run with the default engine only
 NOT_ON_TORCHFT = {
@@ -34,7 +34,8 @@ def run_all(
             rows += ft.run_ft_cluster_scenarios(root, only & cluster_keys if only else None, log)
         for key, name in NOT_ON_TORCHFT.items():
             if not only or key in only:
-                rows.append(Result(name, blocked="own cluster or none: run without --engine"))
+                rows.append(Result(name, blocked="own cluster or none: run without --engine",
+                                   not_applicable=list(FIGURES)))
         rows.sort(key=_order)
         return rows
     if not only or only & cluster_keys:
