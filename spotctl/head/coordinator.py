@@ -403,7 +403,9 @@ class Coordinator:
             "first_seen": now, "first_step_at": w.first_step_at, "old": old,
             "prev_world": prev_world, "prev_max": prev_max,
         }
-        self.max_step = max(self.max_step, w.step)
+        # the new group's own progress: after a restore from an older checkpoint the old
+        # group's higher steps are gone, and must not count as lost again at the next rescale
+        self.max_step = w.step
         if w.first_step_at:
             self._record_rescale(self.incarnation)
 

@@ -217,3 +217,19 @@ def test_rescale_events_name_the_torchrun_engine_and_bad_engine_is_refused():
     assert [e for e in c.events if e["type"] == "rescale"][-1]["engine"] == "torchrun"
     with pytest.raises(ValueError, match="engine must be one of"):
         Coordinator(clk, engine="horovod")
+
+
+def test_steps_lost_at_a_restore_are_not_counted_again_at_the_next_rescale():
+    # a failure restores step 20 of a group that had reached 37; the next failure comes at
+    # step 25: it loses 25 - 20 = 5 steps, not 37 - 20 again
+    clk, c = training(["a", "b", "c"], "inc1", 37, dead_after_s=4.0)
+    clk.t += 5
+    hb(c, "a", workers=[w(0, "inc1", 37)])
+    hb(c, "b", workers=[w(1, "inc1", 37)])  # c silent: dead
+    hb(c, "a", workers=[w(0, "inc2", 20, ws=2, resume=20, first=clk.t)])
+    hb(c, "a", workers=[w(0, "inc2", 25, ws=2, resume=20)])
+    clk.t += 5  # b silent: dead
+    hb(c, "a", workers=[w(0, "inc3", 20, ws=1, resume=20, first=clk.t)])
+    lost = [e["lost_steps"] for e in c.events if e["type"] == "rescale"]
+    assert lost == [17, 5], lost
+    assert c.status()["step"] == 20
