@@ -367,8 +367,34 @@ def join(c: Cluster, which: str) -> Result:
     return res
 
 
+def head_settled(c: Cluster, world: int = WORLD, quiet_s: float = 2.0,
+                 timeout: float = 90) -> None:
+    """Wait until the head's view has caught up with the replicas: it says `world`, its
+    newest membership event (train-start / rescale) is at `world`, and no such event came
+    for quiet_s. The replicas' step logs run ahead of the head (it records a new quorum
+    once rank 0's report of its first step arrives), so a scenario that counts the head's
+    rescale events starts from here, or it counts the last join's late event as its own."""
+    deadline = time.monotonic() + timeout
+    seen: int | None = None
+    since = time.monotonic()
+    st: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        st = c.status()
+        evs = [e for e in c.events() if e.get("type") in ("rescale", "train-start")]
+        if len(evs) != seen:
+            seen, since = len(evs), time.monotonic()
+        newest = evs[-1] if evs else {}
+        at = newest.get("to_world_size", newest.get("world_size"))
+        if st.get("world_size") == world and at == world and time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.4)
+    raise Timeout(f"the head never settled at {world} replicas (status world "
+                  f"{st.get('world_size')}, {seen} membership events)\n{c.debug()}")
+
+
 def calm(c: Cluster, key: str, run: Callable[[], Result]) -> Result:
     """11 / 15 / 16: faults that must not disturb training: no new quorum, no failed step."""
+    head_settled(c)
     t0 = time.time()
     ckpt = ckpts(c, t0)
     res = run()
