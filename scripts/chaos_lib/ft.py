@@ -23,8 +23,8 @@ Scenario by scenario (keys as in scripts/chaos):
  5   SIGSTOP: the frozen replica stops heartbeating; survivors' collective times out
      (SPOTCTL_FT_TIMEOUT_S) and they fail that step, or, frozen outside a collective, it
      is just not in the next quorum; either way the others re-form without it.
- 6   head (and with it the Lighthouse) killed and restarted by `up`: are the replicas
-     back at 3, from memory or from the checkpoint?
+ 6   head (and with it the Lighthouse) killed and restarted by `up`: the replicas' managers
+     ask again until the restarted Lighthouse answers, and go on from memory.
  7/8 joins (CLI killed mid-up; two `up` at once): the joiner heals from a live peer.
  11/15/16 must not disturb training: no new quorum, no failed step.
  12  every replica's workers killed at once (the only case torchft reads a checkpoint)
@@ -327,8 +327,9 @@ def head_restart(c: Cluster) -> Result:
     head = json.loads(hj.read_text())
     same_ports = (head.get("store_port") == ports.get("store")
                   and str(head.get("url", "")).endswith(f":{ports.get('http')}"))
-    # the replicas' quorum calls to the restarted Lighthouse hang until their quorum
-    # timeout (SPOTCTL_FT_QUORUM_TIMEOUT_S, 120 s), then they restart from the checkpoint
+    # the replicas' managers retry their quorum call (SPOTCTL_FT_QUORUM_RETRY_S) until the
+    # restarted Lighthouse answers; if they gave up instead, they would wait out their
+    # quorum timeout (SPOTCTL_FT_QUORUM_TIMEOUT_S, 120 s) and restart from the checkpoint
     m = wait_world(c, t0, WORLD, timeout=300)
     fill(res, m, ckpt, t0)
     restarted = _restarted(before, m, set())

@@ -33,6 +33,7 @@ interface as torchft does by default; the Lighthouse binds the head's (spotctl.h
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -60,10 +61,59 @@ log = logging.getLogger("spotctl.elastic.ft")
 # cross-replica collectives and commit votes: a vanished replica must not hold the others
 FT_TIMEOUT_S = float(os.environ.get("SPOTCTL_FT_TIMEOUT_S", "10"))
 FT_QUORUM_TIMEOUT_S = float(os.environ.get("SPOTCTL_FT_QUORUM_TIMEOUT_S", "120"))
+# how often a replica group's manager asks the Lighthouse again after a failed quorum call
+# (torchft spreads its retries over the quorum timeout: one every timeout / (retries + 1)).
+# With none, a Lighthouse that restarts (with the head) fails the call in flight, and
+# torchft 0.2.0 then never answers the group's workers: they wait out the whole quorum
+# timeout and restart from the checkpoint. With a retry every ~0.5 s the group asks the
+# restarted Lighthouse and goes on from memory.
+FT_QUORUM_RETRY_S = float(os.environ.get("SPOTCTL_FT_QUORUM_RETRY_S", "0.5"))
 
 
 def engine() -> str:
     return os.environ.get("SPOTCTL_ENGINE", "torchrun") or "torchrun"
+
+
+class _Quorum:
+    """A torchft QuorumResult with another quorum id (the rest read through)."""
+
+    def __init__(self, q: Any, quorum_id: int):
+        self._q = q
+        self.quorum_id = quorum_id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._q, name)
+
+
+class UniqueQuorums:
+    """torchft's ManagerClient, with quorum ids unique across Lighthouse restarts.
+
+    A Lighthouse numbers its quorums from 1, so one restarted with the head hands out ids
+    the replicas used before. torchft reconfigures its process group only when the id
+    changes and asks for a store prefix that is never reused (`.../torchft/{id}/{rank}`):
+    an old id would keep a stale group or meet stale rendezvous keys, and the head would
+    take the new quorum's worker group for an old one. Every member of a quorum gets the
+    same (id, members, max step) in the round it forms, so each derives the same new id
+    from them, and keeps it while the Lighthouse's id and the members stay the same."""
+
+    def __init__(self, client: Any):
+        self._client = client
+        self._key: tuple[int, tuple[str, ...]] | None = None
+        self.quorum_id = -1
+        self.lighthouse_quorum_id = -1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def _quorum(self, **kw: Any) -> Any:
+        q = self._client._quorum(**kw)
+        key = (int(q.quorum_id), tuple(q.replica_ids))
+        if key != self._key:
+            seed = f"{key[0]}|{','.join(key[1])}|{int(q.max_step)}".encode()
+            self._key = key
+            self.quorum_id = int(hashlib.sha1(seed).hexdigest()[:12], 16)
+            self.lighthouse_quorum_id = key[0]
+        return _Quorum(q, self.quorum_id)
 
 
 def _bound_manager_server(host: str) -> Any:
@@ -238,11 +288,14 @@ class FtRun(Run):
             use_async_quorum=False,
             timeout=timedelta(seconds=FT_TIMEOUT_S),
             quorum_timeout=timedelta(seconds=FT_QUORUM_TIMEOUT_S),
+            quorum_retries=max(0, int(FT_QUORUM_TIMEOUT_S / max(FT_QUORUM_RETRY_S, 0.1)) - 1),
             connect_timeout=timedelta(seconds=FT_TIMEOUT_S),
             replica_id=env.get("SPOTCTL_FT_REPLICA_ID") or env.get("SPOTCTL_NODE_ID") or None,
             hostname=host,
             checkpoint_transport=transport,
         )
+        self._quorums = UniqueQuorums(self.manager._client)
+        self.manager._client = self._quorums
         self.manager.load_state_dict({"step": self.step, "batches_committed": 0})
         for o in self.optimizers:
             o.step = self._gated(o.step)  # type: ignore[method-assign]
@@ -334,7 +387,9 @@ class FtRun(Run):
             # a new membership: reported to the head as a new worker group, so a rescale
             # event records it (from the first step committed in it)
             self._quorum_seen = qid
-            self.incarnation = f"ft-q{qid}"
+            # the Lighthouse's own quorum number, then the spotctl id that stays unique
+            # when a restarted Lighthouse numbers from 1 again
+            self.incarnation = f"ft-q{self._quorums.lighthouse_quorum_id}-{qid:012x}"
             self.resume_step = self.step
             self.first_step_at = None
         if self.max_steps and self.step >= self.max_steps:  # healed to the end
