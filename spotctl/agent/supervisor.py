@@ -39,11 +39,14 @@ def torchrun_command(cfg: AgentConfig, master_port: int = 0) -> list[str]:
     py = cfg.python or sys.executable
     if cfg.engine == "torchft":
         # one replica group per node: its own torchrun, no shared rendezvous; torchft's
-        # Manager in each worker joins the quorum through the head's Lighthouse
+        # Manager in each worker joins the quorum through the head's Lighthouse. The
+        # group's store listens on the node's address only (spotctl.elastic.rdzv)
         return [
             py, "-m", "torch.distributed.run", "--nnodes=1",
             f"--nproc-per-node={cfg.nproc_per_node}",
-            f"--master-addr={cfg.local_addr}", f"--master-port={master_port}",
+            "--rdzv-backend=spotctl-node",
+            f"--rdzv-endpoint={_endpoint(cfg.local_addr, master_port)}",
+            f"--rdzv-id={cfg.cluster}",
             "--max-restarts=0", "--monitor-interval=0.2",
             "-m", "spotctl.agent.launch", cfg.script, *cfg.args,
         ]
@@ -63,6 +66,10 @@ def torchrun_command(cfg: AgentConfig, master_port: int = 0) -> list[str]:
         "-m", "spotctl.agent.launch",
         cfg.script, *cfg.args,
     ]
+
+
+def _endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _free_port(host: str) -> int:

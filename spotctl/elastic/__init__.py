@@ -112,7 +112,7 @@ def _init_process_group(timeout_s: float, device_id: torch.device | None) -> Non
     """Over the worker store at MASTER_ADDR:MASTER_PORT. Rank 0 hosts that store on a
     socket bound to MASTER_ADDR only (TCPStore's own listener takes every interface, and
     the store has no authentication)."""
-    import socket
+    from spotctl.elastic.rdzv import listening_socket
 
     env = os.environ
     timeout = timedelta(seconds=timeout_s)
@@ -134,11 +134,7 @@ def _init_process_group(timeout_s: float, device_id: torch.device | None) -> Non
     store = None
     if rank == 0:
         try:
-            fam, _, _, _, sa = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
-            sock = socket.socket(fam, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(sa)
-            sock.listen(512)
+            sock = listening_socket(addr, port)
             store = dist.TCPStore(addr, port, world, True, init_timeout, wait_for_workers=False,
                                   master_listen_fd=sock.detach(), use_libuv=True)
         except (OSError, RuntimeError, ValueError) as e:

@@ -169,3 +169,60 @@ def get_handler():  # type: ignore[no-untyped-def]
         return _Gated(inner, os.environ.get("SPOTCTL_RDZV_GATE", ""))
 
     return create
+
+
+def listening_socket(addr: str, port: int):  # type: ignore[no-untyped-def]
+    """A TCP listener bound to `addr` only, for a TCPStore (`master_listen_fd`): its own
+    listener takes every interface whatever host it is given, and the store has no
+    authentication."""
+    import socket
+
+    fam, _, _, _, sa = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(fam, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sa)
+        sock.listen(512)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def get_node_handler():  # type: ignore[no-untyped-def]
+    """Entry point (group `torchrun.handlers`, name `spotctl-node`): the torchft engine's
+    per-node replica group, `--nnodes=1 --rdzv-backend=spotctl-node --rdzv-endpoint=ADDR:PORT`.
+
+    torch's static one-node rendezvous, whose store (torchrun's agent store: the group's
+    workers meet in it, and the other replicas' workers meet in it when torchft picks this
+    group's store for a quorum) listens on ADDR only instead of on every interface."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
+        StaticTCPRendezvous,
+        create_rdzv_handler,
+    )
+
+    class _Bound(StaticTCPRendezvous):
+        def get_backend(self) -> str:
+            return "spotctl-node"  # torch checks it against --rdzv-backend
+
+        def next_rendezvous(self):  # type: ignore[no-untyped-def]
+            if not self._store:
+                sock = listening_socket(self.master_addr, self.master_port)
+                self.master_port = sock.getsockname()[1]
+                # the store owns (and closes) the listening fd from here on
+                self._store = TCPStore(
+                    self.master_addr, self.master_port, self.world_size, True, self.timeout,
+                    multi_tenant=True, master_listen_fd=sock.detach(), use_libuv=True,
+                )
+            return super().next_rendezvous()
+
+    def create(params):  # type: ignore[no-untyped-def]
+        if params.max_nodes != 1:
+            raise ValueError("--rdzv-backend=spotctl-node is one node's group: --nnodes=1")
+        params.config["rank"] = 0  # the only node (torchrun sets it for "static" only)
+        handler = create_rdzv_handler(params)
+        handler.__class__ = _Bound
+        return handler
+
+    return create

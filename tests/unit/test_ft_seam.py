@@ -59,8 +59,9 @@ def test_agent_config_checks_the_engine() -> None:
 def test_torchft_node_is_one_replica_group_with_its_own_torchrun() -> None:
     cmd = torchrun_command(_cfg(engine="torchft", lighthouse="http://127.0.0.1:9"), 4242)
     assert "--nnodes=1" in cmd and "--nproc-per-node=2" in cmd
-    assert "--master-addr=127.0.0.5" in cmd and "--master-port=4242" in cmd
-    assert not any(a.startswith("--rdzv") for a in cmd)  # no shared rendezvous on the head
+    # its own one-node rendezvous (no shared one on the head), store on the node's address
+    assert "--rdzv-backend=spotctl-node" in cmd and "--rdzv-endpoint=127.0.0.5:4242" in cmd
+    assert not any(a.startswith("--master") for a in cmd)
     assert cmd[-4:] == ["-m", "spotctl.agent.launch", "/p/train.py", "--x"]  # warm zygote
     # the restart path is unchanged
     old = torchrun_command(_cfg())
