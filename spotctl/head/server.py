@@ -77,23 +77,33 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
 
     def __init__(self, *a: Any, **kw: Any) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        # the slot each open connection holds, released exactly once, into the semaphore it
+        # came from (by its thread, or here when the thread could not start)
+        self._held: dict[Any, threading.BoundedSemaphore] = {}
         super().__init__(*a, **kw)
 
+    def _release(self, request: Any) -> None:
+        slots = self._held.pop(request, None)  # atomic: only one caller gets it
+        if slots is not None:
+            slots.release()
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
+        slots = self._slots
+        if not slots.acquire(blocking=False):
             self.shutdown_request(request)
             return
+        self._held[request] = slots
         try:
             super().process_request(request, client_address)
         except Exception:
-            self._slots.release()
+            self._release(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._release(request)
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -319,6 +319,32 @@ def test_connections_are_capped_and_idle_ones_dropped(head: HeadServer,
         pytest.fail("head did not serve again after the idle connections closed")
 
 
+def test_a_connection_gives_its_slot_back_to_the_cap_it_took_it_from(
+        head: HeadServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each connection's slot goes back once, into the semaphore it came from, even when
+    the cap was replaced meanwhile (as the test above does; its teardown used to make a
+    closing connection's thread release into the full original: 'Semaphore released too
+    many times' in the thread)."""
+    errors: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda a: errors.append(a.exc_value))
+    first = threading.BoundedSemaphore(2)
+    monkeypatch.setattr(head.httpd, "_slots", first)
+    conn = socket.create_connection(("127.0.0.1", head.http_port))
+    deadline = time.monotonic() + 5
+    while first not in head.httpd._held.values() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert first in head.httpd._held.values(), "the connection holds no slot of the cap"
+    second = threading.BoundedSemaphore(1)
+    monkeypatch.setattr(head.httpd, "_slots", second)
+    conn.close()
+    while head.httpd._held and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not head.httpd._held and errors == [], errors
+    # both caps whole again: 2 slots in the first, 1 in the second, none more
+    assert [first.acquire(blocking=False) for _ in range(3)] == [True, True, False]
+    assert [second.acquire(blocking=False) for _ in range(2)] == [True, False]
+
+
 def test_the_in_memory_event_list_is_bounded(head: HeadServer,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(head_server, "MAX_EVENTS", 50)
