@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from spotctl.elastic.rdzv import listening_socket
 from spotctl.head import validate
 from spotctl.head.auth import Principal, identify
 from spotctl.head.coordinator import Coordinator
@@ -106,15 +106,6 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
             self._release(request)
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    # a restarted head takes its old port back at once (ports.json)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind((host, port))
-    s.listen(512)
-    return s
-
-
 class HeadServer:
     def __init__(
         self,
@@ -147,7 +138,8 @@ class HeadServer:
 
             # TCPStore's own listener binds every interface whatever `host` says, and the
             # store has no auth: hand it a socket bound to `host` only.
-            sock = _listen(host, store_port)
+            # a restarted head takes its old port back at once (ports.json): SO_REUSEADDR
+            sock = listening_socket(host, store_port)
             port = sock.getsockname()[1]
             # multi_tenant: several torchrun agents share this one store as clients;
             # the store owns (and closes) the listening fd from here on

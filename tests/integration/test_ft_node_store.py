@@ -7,7 +7,6 @@ command, with a probe for a training script."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 
 from spotctl.agent.config import AgentConfig
 from spotctl.agent.supervisor import torchrun_command
+from tests.conftest import free_port
 
 PROBE = r"""
 import json, os, socket, sys
@@ -41,12 +41,6 @@ open(sys.argv[1], "w").write(json.dumps(out))
 """
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.timeout(120)
 def test_the_replica_groups_store_listens_on_the_node_address_only(tmp_path: Path) -> None:
     addr = "127.0.0.5"
@@ -58,7 +52,7 @@ def test_the_replica_groups_store_listens_on_the_node_address_only(tmp_path: Pat
                       workdir=str(tmp_path), script=str(script), args=[str(out)],
                       nproc_per_node=1, local_addr=addr, engine="torchft",
                       lighthouse="http://127.0.0.1:9", python=sys.executable)
-    port = _free_port(addr)
+    port = free_port()  # free on loopback: nothing binds 127.0.0.5 itself
     cmd = torchrun_command(cfg, port)
     p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=100)
     assert p.returncode == 0, p.stderr[-3000:]
