@@ -487,6 +487,8 @@ class CloudFlow(CliProject):
         }
         if metadata is not None:
             seams["SPOTCTL_METADATA_URL"] = metadata.url_template
+        if 'script = "idle.py"' in spec:
+            seams["SPOTCTL_UP_STEP_WAIT_S"] = "2"  # it never reports a step
         super().__init__(tmp, name, {**seams, **(env_extra or {})})
         (self.project / "spotctl.toml").write_text(spec)
         (self.project / "idle.py").write_text(IDLE_SCRIPT)
@@ -572,13 +574,19 @@ class CloudFlow(CliProject):
                 "lock_held": held}
 
     def up_notice_down(self, provider: str, gpus: str, nodes: int) -> dict[str, Any]:
-        """up -> `nodes` running in status -> one gets a spot notice through its own metadata
+        """up -> `nodes` reporting in status -> one gets a spot notice through its own metadata
         service (the cloud's protocol: `provider`'s) -> the head and status have it -> down.
         Returns down's JSON."""
         assert self.metadata is not None, "a notice needs the flow's MetadataRouter"
         up = self.up(provider, gpus, nodes)
-        st = self.wait_for(f"{nodes} nodes running", lambda s: len(s["nodes"]) == nodes
-                           and {n["state"] for n in s["nodes"]} == {"running"}, timeout=240)  # fmt: skip
+        # every node in status and reporting: joining (its torchrun at the head's gate) or
+        # running. Not all running: a start takes the nodes ready within the head's start
+        # grace, the rest join through drains, and an idle script never drains (each join
+        # waits out the drain timeout): over 100 s at 16 nodes, for no part of this flow
+        st = self.wait_for(f"{nodes} nodes reporting", lambda s: len(s["nodes"]) == nodes
+                           and {n["state"] for n in s["nodes"]} <= {"running", "joining"}
+                           and all((n["heartbeat_age_s"] or 99) < 5 for n in s["nodes"]),
+                           timeout=240)  # fmt: skip
         assert sorted(n["id"] for n in st["nodes"]) == sorted(up["launched"]), st
         victim = sorted(up["launched"])[nodes // 2]
         self.metadata.node(victim).preempt(provider, in_s=120)

@@ -60,8 +60,9 @@ def register(app: typer.Typer) -> None:
                 con.print(f"launch {a.count} x {o.instance_type} ({o.gpus} GPU) in {o.zone} "
                           f"at ${o.spot_price:.4f}/h each: {a.reason}")
             return
-        from spotctl.cli.up_progress import Reporter, watch
+        from spotctl.cli.up_progress import Reporter, first_step_wait_s, watch
 
+        first_step_wait_s()  # a bad SPOTCTL_UP_STEP_WAIT_S stops `up` before it launches
         con = console(stderr=True)
         live = con.is_terminal and not json_out
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),

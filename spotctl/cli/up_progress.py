@@ -6,6 +6,8 @@ the single result object)."""
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 import sys
 import time
@@ -93,13 +95,30 @@ def node_phase(h: dict[str, Any] | None) -> str | None:
 FIRST_STEP_WAIT_S = 60.0  # after every node reports: how long to wait for a step
 
 
+def first_step_wait_s(env: Any = None) -> float:
+    """FIRST_STEP_WAIT_S, or SPOTCTL_UP_STEP_WAIT_S (seconds, >= 0: a script that never
+    reports a step, as the launch tests' idle one, need not hold `up` a minute)."""
+    from spotctl.errors import SpecError
+
+    raw = (os.environ if env is None else env).get("SPOTCTL_UP_STEP_WAIT_S")
+    if raw is None or raw == "":
+        return FIRST_STEP_WAIT_S
+    try:
+        v = float(raw)
+    except ValueError:
+        v = -1.0
+    if not math.isfinite(v) or v < 0:
+        raise SpecError(f"SPOTCTL_UP_STEP_WAIT_S must be a number of seconds >= 0, not {raw!r}")
+    return v
+
+
 def watch(store: Store, name: str, timeout_s: float, emit: Emit, min_gpus: int = 0,
           status: Callable[[], dict[str, Any]] | None = None,
           clock: Callable[[], float] = time.monotonic) -> tuple[int, int, bool]:
     """Follow every live node through booting -> joining -> training until all report and
     the job takes a step, or `timeout_s`. Emits a "nodes" phase on each change and one
     "first-step". Once every node reports, it waits for a step only when their GPUs reach
-    `min_gpus`, and at most FIRST_STEP_WAIT_S. Returns (reporting, expected, training)."""
+    `min_gpus`, and at most first_step_wait_s(). Returns (reporting, expected, training)."""
     from spotctl.control.reconcile import head_client
     from spotctl.head.client import HeadUnavailable
 
@@ -107,6 +126,7 @@ def watch(store: Store, name: str, timeout_s: float, emit: Emit, min_gpus: int =
         return head_client(store, name, timeout_s=2).status()
 
     status = status or head_status
+    step_wait = first_step_wait_s()
     start = clock()
     deadline = start + timeout_s
     since: dict[tuple[str, str], float] = {}
@@ -158,9 +178,9 @@ def watch(store: Store, name: str, timeout_s: float, emit: Emit, min_gpus: int =
                       f"minimum {min_gpus}: training starts when capacity comes"})
                 return seen, want, False
             reported_at = reported_at or now
-            if now - reported_at >= FIRST_STEP_WAIT_S:
+            if now - reported_at >= step_wait:
                 emit({"phase": "waiting", "message": f"every node reports; no step after "
-                      f"{FIRST_STEP_WAIT_S:.0f}s (`spotctl logs --all`)"})
+                      f"{step_wait:.0f}s (`spotctl logs --all`)"})
                 return seen, want, False
         time.sleep(0.3)
 

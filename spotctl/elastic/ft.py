@@ -259,6 +259,9 @@ class FtRun(Run):
         self.replica_rank: int | None = None
         self.failed_steps = 0
         self._quorum_seen: int | None = None
+        # a periodic checkpoint's step, saved once this replica has asked for the next
+        # quorum (see _save_due_checkpoint)
+        self._save_due: int | None = None
         t_restore = time.time()
         self.resume_step = self._restore()  # the last committed checkpoint, if any
         t_ready = time.time()
@@ -367,7 +370,6 @@ class FtRun(Run):
 
     # -- per step
     def next_step(self) -> bool:
-        self.ckpt.poll()
         if self._leave_agreed():
             self._leave()
         if self.max_steps and self.step >= self.max_steps:
@@ -376,6 +378,8 @@ class FtRun(Run):
             return False
         self._decision = None
         self.manager.start_quorum()  # sync: quorum, PG reconfigure, healing applied
+        self._save_due_checkpoint(self.manager.current_step())
+        self.ckpt.poll()
         self.step = self.manager.current_step()
         self.replicas = max(1, self.manager.num_participants())
         r = self.manager.participating_rank()
@@ -482,12 +486,25 @@ class FtRun(Run):
             self.startup["first_step"] = round(self.first_step_at - self._t_ready, 3)
             self._report(force=True)
         if self.step % self.every == 0 and self.replica_rank == 0:
-            self.ckpt.save_async(self.step, self._state(), self._meta())
+            self._save_due = self.step
         self._report()
+
+    def _save_due_checkpoint(self, now: int | None = None) -> None:
+        """The periodic checkpoint of the last committed step, started after this replica
+        asked for the next quorum, not before: the save's blocking part and the commit of
+        the one before it (poll) would make the saving replica late to that quorum, and a
+        replica more than the Lighthouse's join timeout late is left out of it and heals
+        back at the next (seen under load). `now`: the step after the quorum; a replica
+        healed to another step no longer holds the due step's state and skips it."""
+        due, self._save_due = self._save_due, None
+        if due is None or due != self.step or (now is not None and now != due):
+            return
+        self.ckpt.save_async(due, self._state(), self._meta())
 
     def _leave(self) -> None:
         """A notice: the last step is committed; leave the quorum and exit. The survivors
         form their next quorum without this replica and go on from memory."""
+        self._save_due_checkpoint()  # a due checkpoint is written before leaving
         self.drain_step = self.step
         self.phase = "drained"  # the head knows this phase: stopped after a commit
         self._report(force=True)
@@ -537,6 +554,7 @@ class FtRun(Run):
     def finish(self) -> None:
         """End of training: the replica of rank 0 in the last quorum writes the final
         checkpoint; every replica then exits 0."""
+        self._save_due = None  # the final checkpoint below is of the same step or newer
         if self.step > 0 and self.replica_rank == 0:
             self.ckpt.save_sync(self.step, self._state(), self._meta())
         self.ckpt.close()

@@ -178,6 +178,43 @@ def test_watch_stops_when_capacity_is_below_the_minimum(tmp_path: Path) -> None:
     assert "below the minimum 2" in out[-1]["message"]
 
 
+def test_watch_waits_for_a_step_as_long_as_the_knob_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every node reports, no step comes: `up` waits SPOTCTL_UP_STEP_WAIT_S (default 60)."""
+    store = Store(tmp_path / "home")
+    store.upsert_cluster("c", "local", {}, "running")
+    store.upsert_node(NodeRow(id="n1", cluster="c", provider="local", zone="z",
+                              instance_type="local", gpus=1, state="running", price=0.0,
+                              on_demand_price=0.0, launched_at=0.0, ended_at=None,
+                              request_id="r", address=""))
+    reporting = {"nodes": {"n1": {"state": "waiting", "heartbeat_age_s": 0.1}}}
+    for knob, waited in ((None, 60), ("7.5", 8)):
+        if knob is None:
+            monkeypatch.delenv("SPOTCTL_UP_STEP_WAIT_S", raising=False)
+        else:
+            monkeypatch.setenv("SPOTCTL_UP_STEP_WAIT_S", knob)
+        monkeypatch.setattr(up_progress.time, "sleep", lambda s: None)
+        ticks = iter(range(1000))
+        out: list[dict[str, Any]] = []
+        res = up_progress.watch(store, "c", 600, out.append, 1, status=lambda: reporting,
+                                clock=lambda t=ticks: float(next(t)))  # type: ignore[misc]
+        assert res == (1, 1, False)
+        assert out[-1]["message"] == (f"every node reports; no step after {float(knob or 60):.0f}s"
+                                      " (`spotctl logs --all`)")
+        # one clock tick per loop: the first report at tick 1, given up `waited` ticks later
+        assert next(ticks) == 1 + waited + 1
+
+
+@pytest.mark.parametrize("bad", ["soon", "-1", "nan", "inf"])
+def test_a_bad_step_wait_knob_is_one_line(monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
+    from spotctl.errors import SpecError
+
+    monkeypatch.setenv("SPOTCTL_UP_STEP_WAIT_S", bad)
+    with pytest.raises(SpecError, match=r"^SPOTCTL_UP_STEP_WAIT_S must be a number of seconds"):
+        up_progress.first_step_wait_s()
+
+
 def test_json_phases_are_lines_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
     r = up_progress.Reporter(json_lines=True)
     r.reconcile("launching 1 x local in local-a")
