@@ -163,13 +163,19 @@ def test_watch_follows_nodes_to_the_first_step(tmp_path: Path) -> None:
     assert out[-1]["phase"] == "first-step" and out[-1]["step"] == 1
 
 
-def test_watch_stops_when_capacity_is_below_the_minimum(tmp_path: Path) -> None:
+def _one_node_store(tmp_path: Path) -> Store:
+    """A state dir with cluster "c" and its one 1-GPU node n1."""
     store = Store(tmp_path / "home")
     store.upsert_cluster("c", "local", {}, "running")
     store.upsert_node(NodeRow(id="n1", cluster="c", provider="local", zone="z",
                               instance_type="local", gpus=1, state="running", price=0.0,
                               on_demand_price=0.0, launched_at=0.0, ended_at=None,
                               request_id="r", address=""))
+    return store
+
+
+def test_watch_stops_when_capacity_is_below_the_minimum(tmp_path: Path) -> None:
+    store = _one_node_store(tmp_path)
     out: list[dict[str, Any]] = []
     res = up_progress.watch(store, "c", 60, out.append, 2,
                             status=lambda: {"nodes": {"n1": {"state": "waiting",
@@ -182,12 +188,7 @@ def test_watch_waits_for_a_step_as_long_as_the_knob_says(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every node reports, no step comes: `up` waits SPOTCTL_UP_STEP_WAIT_S (default 60)."""
-    store = Store(tmp_path / "home")
-    store.upsert_cluster("c", "local", {}, "running")
-    store.upsert_node(NodeRow(id="n1", cluster="c", provider="local", zone="z",
-                              instance_type="local", gpus=1, state="running", price=0.0,
-                              on_demand_price=0.0, launched_at=0.0, ended_at=None,
-                              request_id="r", address=""))
+    store = _one_node_store(tmp_path)
     reporting = {"nodes": {"n1": {"state": "waiting", "heartbeat_age_s": 0.1}}}
     for knob, waited in ((None, 60), ("7.5", 8)):
         if knob is None:
