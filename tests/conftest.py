@@ -135,6 +135,12 @@ def _no_network() -> Iterator[None]:
 # --- small helpers --------------------------------------------------------------------------
 
 
+def last_char_changed(s: str) -> str:
+    """`s` with its last character replaced by a different one (a forged MAC: replacing it
+    with a fixed "0" leaves it valid whenever it already ended in 0, 1 run in 16)."""
+    return s[:-1] + ("1" if s.endswith("0") else "0")
+
+
 def free_port() -> int:
     """A loopback TCP port that was free a moment ago (nobody listens on it)."""
     with socket.socket() as s:
