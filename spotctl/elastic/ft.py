@@ -378,9 +378,10 @@ class FtRun(Run):
             return False
         self._decision = None
         self.manager.start_quorum()  # sync: quorum, PG reconfigure, healing applied
-        self._save_due_checkpoint(self.manager.current_step())
+        now = self.manager.current_step()
+        self._save_due_checkpoint(now)
         self.ckpt.poll()
-        self.step = self.manager.current_step()
+        self.step = now
         self.replicas = max(1, self.manager.num_participants())
         r = self.manager.participating_rank()
         self.replica_rank = r
@@ -489,7 +490,7 @@ class FtRun(Run):
             self._save_due = self.step
         self._report()
 
-    def _save_due_checkpoint(self, now: int | None = None) -> None:
+    def _save_due_checkpoint(self, now: int) -> None:
         """The periodic checkpoint of the last committed step, started after this replica
         asked for the next quorum, not before: the save's blocking part and the commit of
         the one before it (poll) would make the saving replica late to that quorum, and a
@@ -497,14 +498,14 @@ class FtRun(Run):
         back at the next (seen under load). `now`: the step after the quorum; a replica
         healed to another step no longer holds the due step's state and skips it."""
         due, self._save_due = self._save_due, None
-        if due is None or due != self.step or (now is not None and now != due):
+        if due is None or now != due:
             return
         self.ckpt.save_async(due, self._state(), self._meta())
 
     def _leave(self) -> None:
         """A notice: the last step is committed; leave the quorum and exit. The survivors
         form their next quorum without this replica and go on from memory."""
-        self._save_due_checkpoint()  # a due checkpoint is written before leaving
+        self._save_due_checkpoint(self.step)  # a due checkpoint is written before leaving
         self.drain_step = self.step
         self.phase = "drained"  # the head knows this phase: stopped after a commit
         self._report(force=True)
