@@ -259,6 +259,9 @@ class FtRun(Run):
         self.replica_rank: int | None = None
         self.failed_steps = 0
         self._quorum_seen: int | None = None
+        # seconds the last next_step() waited for its (synchronous) quorum: the per-step
+        # price of splitting each step's batch over its quorum (scripts/bench quorum)
+        self.quorum_s = 0.0
         # a periodic checkpoint's step, saved once this replica has asked for the next
         # quorum (see _save_due_checkpoint)
         self._save_due: int | None = None
@@ -377,7 +380,9 @@ class FtRun(Run):
         if self.epoch >= self.epochs:
             return False
         self._decision = None
+        t_quorum = time.perf_counter()
         self.manager.start_quorum()  # sync: quorum, PG reconfigure, healing applied
+        self.quorum_s = time.perf_counter() - t_quorum
         now = self.manager.current_step()
         self._save_due_checkpoint(now)
         self.ckpt.poll()

@@ -179,3 +179,29 @@ def test_every_name_has_a_benchmark() -> None:
         assert callable(get(n))
     with pytest.raises(KeyError):
         get("nope")
+
+
+def test_quorum_figures_from_a_step_log() -> None:
+    from bench_lib.quorum import steady, step_times
+
+    log = [{"t": 0.0, "step": 1, "replicas": 2}]  # a smaller quorum first
+    log += [{"t": 1.0 + 0.1 * i, "step": 2 + i, "replicas": 3, "quorum_s": 0.01}
+            for i in range(12)]
+    log += [{"t": 3.0, "step": 16, "replicas": 3}]  # a skipped step's gap is no step time
+    s = steady(log, 3, skip=2)
+    assert [x["step"] for x in s] == list(range(4, 14)) + [16]
+    assert step_times(s) == pytest.approx([0.1] * 9)
+    assert steady(log, 4) == []
+
+
+@pytest.mark.slow  # 2 x 2 replica groups of real torchrun + torchft
+def test_quorum_smoke(tmp_path: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("torchft") is None:
+        pytest.skip("torchft is not installed (the 'ft' extra)")
+    rows = get("quorum")(_ctx(tmp_path), nodes=2, steps=15)
+    _check(rows[:1], "quorum", 1)
+    assert rows[0].baseline is not None and rows[0].spotctl.n == 15, rows
+    assert rows[1].spotctl is not None and rows[1].spotctl.n == 15, rows
+    assert "error" not in rows[0].note, rows

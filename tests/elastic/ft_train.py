@@ -73,6 +73,7 @@ def main() -> None:
             out.write(json.dumps({
                 "t": time.time(), "step": run.step, "idx": idx, "full_loss": full,
                 "replicas": getattr(run, "replicas", 1), "pid": os.getpid(),
+                "quorum_s": getattr(run, "quorum_s", None),
                 "lr": sched.get_last_lr()[0], "wrapper": type(run.model).__name__,
                 "loaders": getattr(loader, "restarts", None),
             }) + "\n")
