@@ -37,6 +37,7 @@ def test_up_kill_continue_down(local_cluster):
     time.sleep(0.5)
     assert c.processes() == []
     assert any(e["type"] == "down" for e in c.events())
-    # down of an unknown cluster says so and fails
+    # down of an unknown cluster says so in one line and fails with "not found" (3)
     p = c.cli("down", "--name", "nosuch", "--yes", check=False)
-    assert p.returncode != 0 and "nosuch" in p.stderr
+    assert p.returncode == 3, (p.returncode, p.stderr)
+    assert p.stderr.strip().splitlines() == ["error: no cluster named 'nosuch' (see `spotctl list`)"]

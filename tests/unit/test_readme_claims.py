@@ -99,3 +99,20 @@ def test_prices_ship_in_the_built_wheel(tmp_path: Path) -> None:
     where, n_aws, priced, n_gcp = __import__("json").loads(p.stdout)
     assert where.startswith(str(tmp_path / "site")), where  # the wheel's copy, not the checkout
     assert n_aws > 10 and priced == n_aws and n_gcp > 10, (n_aws, priced, n_gcp)
+
+
+def test_readme_exit_codes_are_the_error_classes_codes() -> None:
+    from spotctl import errors
+
+    m = re.search(r"an exit code that says its kind:(.*?)\.\n", README, re.S)
+    assert m, "README: the exit-code sentence is gone"
+    listed = {int(code): what for code, what in re.findall(r"(\d) ([^,]+)", m.group(1))}
+    classes = [c for c in vars(errors).values()
+               if isinstance(c, type) and issubclass(c, errors.SpotctlError)]
+    assert set(listed) == {c.exit_code for c in classes}, (listed, classes)
+    expect = {errors.SpotctlError: "other", errors.SpecError: "bad spec",
+              errors.NotFoundError: "no such cluster", errors.StateError: "locked local state",
+              errors.ProviderError: "a provider's API", errors.QuotaError: "quota",
+              errors.AuthError: "credentials", errors.BootstrapError: "bootstrapped"}
+    for cls, words in expect.items():
+        assert words in " ".join(listed[cls.exit_code].split()), (cls, listed)
