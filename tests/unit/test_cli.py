@@ -27,13 +27,18 @@ def run(argv, capsys):
     return code, out.out, out.err
 
 
-def test_init_writes_templates(home):
+def test_init_writes_templates(home, capsys):
     r = CliRunner().invoke(app, ["init", str(home / "proj")])
     assert r.exit_code == 0, r.output
     assert "elastic.Run" in (home / "proj" / "train.py").read_text()
-    assert 'provider = "local"' in (home / "proj" / "spotctl.toml").read_text()
-    r = CliRunner().invoke(app, ["init", str(home / "proj")])
-    assert r.exit_code != 0  # no silent overwrite
+    spec = home / "proj" / "spotctl.toml"
+    assert 'provider = "local"' in spec.read_text()
+    spec.write_text(spec.read_text() + "# mine\n")
+    # no silent overwrite: one line naming the file, exit 2, the user's file untouched
+    code, out, err = run(["init", str(home / "proj")], capsys)
+    assert code == 2, (code, out, err)
+    assert err.strip().splitlines() == [f"error: {spec} already exists (use --force to overwrite)"]
+    assert spec.read_text().endswith("# mine\n")
 
 
 @pytest.mark.parametrize("argv,needle", [
