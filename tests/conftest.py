@@ -428,7 +428,8 @@ class MetadataRouter:
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Route)
         self._server.daemon_threads = True
         self.port = int(self._server.server_address[1])
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        threading.Thread(target=self._server.serve_forever, daemon=True,
+                         kwargs={"poll_interval": 0.05}).start()
 
     @property
     def url_template(self) -> str:

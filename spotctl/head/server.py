@@ -374,7 +374,9 @@ class HeadServer:
 
     def serve(self) -> None:
         self._load_events()
-        t = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # a short poll keeps stop() quick: shutdown() waits for one poll
+        t = threading.Thread(target=self.httpd.serve_forever, daemon=True,
+                             kwargs={"poll_interval": 0.05})
         t.start()
         write_json_atomic(
             self.dir / "head.json",

@@ -247,7 +247,8 @@ def test_gcp_reply_without_flavor_header_is_odd(server: MetadataServer) -> None:
             pass
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Impostor)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    threading.Thread(target=httpd.serve_forever, daemon=True,
+                     kwargs={"poll_interval": 0.05}).start()
     try:
         mon = GcpMetadataMonitor(f"http://127.0.0.1:{httpd.server_address[1]}")
         assert mon.poll() == []

@@ -237,7 +237,8 @@ class FaultProxy:
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        threading.Thread(target=self._server.serve_forever, daemon=True,
+                         kwargs={"poll_interval": 0.05}).start()
         return self
 
     def stop(self) -> None:

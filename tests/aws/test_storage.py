@@ -60,11 +60,14 @@ def test_cluster_prefix_profile_and_down_keeps_checkpoints(
     with pytest.raises(iam.exceptions.NoSuchEntityException):
         iam.get_role(RoleName=f"spotctl-{name}-node")
     # Purge: the prefix's objects go too (another cluster's prefix is untouched).
-    s3.put_object(Bucket=bucket, Key="other/checkpoints/keep", Body=b"y")
+    # (its own name: the bucket is the session's moto account's, shared with other tests,
+    # e.g. test_down_purge's "other/" cluster when both run in one pytest-xdist worker)
+    other = f"other-{name}"
+    s3.put_object(Bucket=bucket, Key=f"{other}/checkpoints/keep", Body=b"y")
     purged = make_provider(name=name, options={"purge": True})
     assert purged.cleanup() == []
     assert s3.list_objects_v2(Bucket=bucket, Prefix=f"{name}/")["KeyCount"] == 0
-    assert s3.list_objects_v2(Bucket=bucket, Prefix="other/")["KeyCount"] == 1
+    assert s3.list_objects_v2(Bucket=bucket, Prefix=f"{other}/")["KeyCount"] == 1
 
 
 def test_given_bucket_must_exist_and_an_explicit_checkpoint_dir_wins(

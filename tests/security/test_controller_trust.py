@@ -63,7 +63,8 @@ class _EvilHead(BaseHTTPRequestHandler):
 @pytest.fixture
 def evil_head() -> Iterator[str]:
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _EvilHead)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t = threading.Thread(target=srv.serve_forever, daemon=True,
+                         kwargs={"poll_interval": 0.05})
     t.start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
     srv.shutdown()
