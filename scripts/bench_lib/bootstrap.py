@@ -269,10 +269,11 @@ def available() -> str:
 INSTALL_S = 10.0  # the emulated host-side install of the "slow install" rows
 
 
-def measure(ctx: Context, nodes: int, reps: int) -> dict[str, list[float]]:
+def measure(ctx: Context, nodes: int, reps: int,
+            install_s: float = INSTALL_S) -> dict[str, list[float]]:  # fmt: skip
     """{mode: seconds per rep}; a rep where some host failed is logged and kept out.
     Modes: spotctl, serial, old8 (deps present) and spotctl+install, old8+install (each
-    host's install takes INSTALL_S on its side)."""
+    host's install takes `install_s` on its side)."""
     work = ctx.subdir("bootstrap")
     out: dict[str, list[float]] = {
         "spotctl": [], "serial": [], "old8": [], "spotctl+install": [], "old8+install": []
@@ -285,7 +286,7 @@ def measure(ctx: Context, nodes: int, reps: int) -> dict[str, list[float]]:
             for name in out:
                 mode, _, inst = name.partition("+")
                 dt, ok = run_bootstrap(work, port, key, url, store, token, nodes, mode, startup,
-                                       INSTALL_S if inst else 0.0)  # fmt: skip
+                                       install_s if inst else 0.0)  # fmt: skip
                 if ok == nodes:
                     out[name].append(dt)
                 else:

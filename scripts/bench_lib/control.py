@@ -264,7 +264,8 @@ def time_render(snap: dict[str, Any], as_json: bool) -> float:
 
 
 def bootstrap_rows(
-    ctx: Context, nodes: int, launch: list[float], launch_base: list[float]
+    ctx: Context, nodes: int, launch: list[float], launch_base: list[float],
+    install_s: float | None = None,
 ) -> list[Row]:
     """SSH bootstrap of `nodes` nodes (spotctl vs serial vs 8 slots held to heartbeat),
     launch + bootstrap, and the node package build."""
@@ -276,7 +277,8 @@ def bootstrap_rows(
         return []
     n = ctx.reps(1)
     ctx.log(f"control: SSH bootstrap of {nodes} nodes (loopback sshd, real head), {n} time(s)")
-    t = bs.measure(ctx, nodes, n)
+    install_s = bs.INSTALL_S if install_s is None else install_s
+    t = bs.measure(ctx, nodes, n, install_s)
     ours, serial, old8 = t["spotctl"], t["serial"], t["old8"]
     k = min(len(ours), len(serial), len(launch), len(launch_base))
     rows = [
@@ -286,7 +288,7 @@ def bootstrap_rows(
             "bench_lib/bootstrap.py)"),
         row("control", f"bootstrap: {nodes} nodes vs 8 slots held", ours, old8, "s",
             "baseline: the previous scheme, 8 slots each held until its host's heartbeat"),
-        row("control", f"bootstrap: {nodes} nodes, {bs.INSTALL_S:.0f} s installs", t["spotctl+install"],
+        row("control", f"bootstrap: {nodes} nodes, {install_s:g} s installs", t["spotctl+install"],
             t["old8+install"], "s",
             "each host's install takes that long on its side (a sleep: a cloud host installs "
             "on its own CPU); baseline: 8 slots each held until its host's heartbeat"),
@@ -307,6 +309,7 @@ def bench(
     plan_nodes: int = 1000,
     plan_offers: int = 500,
     repeat: int | None = None,
+    install_s: float | None = None,
 ) -> list[Row]:
     n = ctx.reps(5) if repeat is None else repeat
     rows: list[Row] = []
@@ -339,7 +342,7 @@ def bench(
             + (f"; WARNING instance counts {bad}" if bad else ""),
         )
     )
-    rows += bootstrap_rows(ctx, nodes, ours, base)
+    rows += bootstrap_rows(ctx, nodes, ours, base, install_s)
     ctx.log(f"control: planner {plan_nodes} nodes x {plan_offers} offers")
     time_planner(plan_nodes, plan_offers)  # warm
     pl = [time_planner(plan_nodes, plan_offers) * 1000 for _ in range(max(n, 5))]
