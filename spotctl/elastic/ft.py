@@ -316,7 +316,11 @@ class FtRun(Run):
             "forked_warm": False,
         }
         self._t_ready = t_ready
-        self.phase = "train"
+        # "init" until the first quorum: before it this replica is in no group, and a report
+        # of phase "train" here (rank 0, world 1, the torchrun incarnation) made the head
+        # take a starting joiner for a new one-replica worker group, ignore the survivors'
+        # reports as an old group's, and record the join as 1 -> N
+        self.phase = "init"
         self._report(force=True)
 
     # -- setup
@@ -390,6 +394,7 @@ class FtRun(Run):
         self.replicas = max(1, self.manager.num_participants())
         r = self.manager.participating_rank()
         self.replica_rank = r
+        self.phase = "train"
         self.dp_world = self.replicas * self.local_dp_world
         self.dp_rank = (r or 0) * self.local_dp_world + self.local_dp_rank
         qid = self.manager._quorum_id
