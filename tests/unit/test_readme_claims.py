@@ -15,12 +15,12 @@ README = (REPO / "README.md").read_text()
 INTERNAL = {"SPOTCTL_NODE_TAG", "SPOTCTL_ZYGOTE", "SPOTCTL_COMPLETE",
             # the agent's contract with its workers (tests/elastic/ft_harness.py plays it)
             "SPOTCTL_CHECKPOINT_DIR", "SPOTCTL_CHECKPOINT_EVERY", "SPOTCTL_MAX_STEPS",
-            "SPOTCTL_ENGINE", "SPOTCTL_FT_REPLICA_ID", "SPOTCTL_NODE_ID",
+            "SPOTCTL_ENGINE", "SPOTCTL_FT_REPLICA_ID", "SPOTCTL_NODE_ID", "SPOTCTL_STATUS_DIR",
             # the agent's contract with its torchrun (tests/unit/test_rdzv_gate.py plays it)
             "SPOTCTL_RDZV_GATE"}
 # Tuning knobs a test sets, documented in their own README section rather than as seams.
 KNOBS = {"SPOTCTL_FT_JOIN_TIMEOUT_MS", "SPOTCTL_CHECKPOINT_STORAGE_OPTIONS",
-         "SPOTCTL_UP_STEP_WAIT_S"}
+         "SPOTCTL_UP_STEP_WAIT_S", "SPOTCTL_FT_MIN_REPLICAS"}
 
 
 def _names(paths: list[Path]) -> set[str]:
