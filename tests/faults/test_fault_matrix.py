@@ -104,8 +104,11 @@ def _late_replica_only_moved_the_quorum(r: Result, key: str) -> bool:
 def test_torchft_scenario(ft_rows: dict[str, Result], key: str) -> None:
     assert key in ft_rows, f"scenario {key} did not run: {sorted(ft_rows)}"
     r = ft_rows[key]
-    # the quorum moving under load is test_torchft_calm_scenarios_keep_the_quorum; a
-    # scenario that raised has no figures to weigh: _check reports its error
+    # 11, 15, 16 may move the quorum on this loaded machine (a replica late to one quorum:
+    # the README's known gap), and then only that: nothing lost, replayed, failed or
+    # restarted. Whether it moved is no pass/fail figure (an xfail(strict=False) test of it
+    # could never fail); scripts/chaos --engine torchft reports it. A scenario that raised
+    # has no figures to weigh: _check reports its error
     if key == "16" and "error" not in r.detail:
         r = dataclasses.replace(r, survived=r.survived or _garbage_only_moved_the_quorum(r))
     if key in ("11", "15") and "error" not in r.detail:
@@ -136,17 +139,6 @@ def test_torchft_scenario(ft_rows: dict[str, Result], key: str) -> None:
         assert r.detail["ft"]["processes_started"] == 0, r.detail
         assert r.detail["ft"]["new_quorums"], r.detail
         assert r.steps_replayed is not None and r.steps_replayed <= FT_KILL_REPLAY, r.detail
-
-
-@pytest.mark.xfail(reason="known: on this loaded 2-core machine a replica is now and then "
-                   "more than the join timeout (100 ms) late to a quorum, or (16's request "
-                   "flood on the head, where the Lighthouse runs) misses its heartbeat "
-                   "timeout (1 s), and torchft leaves it out of one quorum; nothing lost or "
-                   "replayed (test_torchft_scenario checks that)", strict=False)
-@pytest.mark.parametrize("key", ["11", "15", "16"])
-def test_torchft_calm_scenarios_keep_the_quorum(ft_rows: dict[str, Result], key: str) -> None:
-    r = ft_rows[key]  # nothing changed: not even a new quorum
-    assert r.detail["ft"]["new_quorums"] == [] and r.detail["rescales"] == 0, r.detail
 
 
 def test_capacity_exhausted_while_training(tmp_path: Path) -> None:
