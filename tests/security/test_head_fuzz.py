@@ -72,9 +72,9 @@ def requests(draw: Any) -> bytes:
     return head + body
 
 
-@pytest.fixture(scope="module")
-def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HeadServer]:
-    srv = HeadServer(Path(tmp_path_factory.mktemp("fuzzhead")), SECRET, with_store=False)
+@pytest.fixture
+def head(tmp_path: Path) -> Iterator[HeadServer]:
+    srv = HeadServer(tmp_path, SECRET, with_store=False)
     t = threading.Thread(target=srv.serve, daemon=True)
     t.start()
     c = HeadClient(srv.url, node_token(SECRET, "victim"))
@@ -82,9 +82,6 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HeadServer]:
     yield srv
     srv.stop()
     t.join(5)
-
-
-CODES: list[int] = []
 
 
 def _send(srv: HeadServer, data: bytes) -> int:
@@ -100,18 +97,22 @@ def _send(srv: HeadServer, data: bytes) -> int:
     return int(reply.split(b" ", 2)[1])
 
 
-@settings(max_examples=400, deadline=None, derandomize=False,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(req=requests())
-def test_head_survives_random_requests(head: HeadServer, req: bytes) -> None:
-    code = _send(head, req)
-    CODES.append(code)
-    assert code < 500 or code == 505, req[:300]
+def test_head_survives_random_requests_and_its_state_is_intact(head: HeadServer) -> None:
+    # the storm and the checks after it are one test: as two, the checks relied on running
+    # after the storm in the same process, which pytest-xdist does not promise (seen in a
+    # fresh-clone CI run: "the fuzz test ran first" failed when they went to two workers)
+    codes: list[int] = []
 
+    @settings(max_examples=400, deadline=None, derandomize=False,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(req=requests())
+    def storm(req: bytes) -> None:
+        code = _send(head, req)
+        codes.append(code)
+        assert code < 500 or code == 505, req[:300]
 
-def test_after_the_storm_the_head_serves_and_its_state_is_intact(head: HeadServer) -> None:
-    # runs after the fuzz test in this module (pytest keeps file order)
-    assert CODES, "the fuzz test ran first"
+    storm()
+    assert len(codes) >= 100, len(codes)  # the storm ran
     ctl = HeadClient(head.url, SECRET)
     t0 = time.monotonic()
     assert ctl.health()["ok"] and time.monotonic() - t0 < 5
