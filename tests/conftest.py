@@ -310,6 +310,21 @@ class LocalCluster(CliProject):
                              lambda s: s["world_size"] == world and s["step"] >= first["step"] + by,
                              timeout)  # fmt: skip
 
+    def rescale_after(self, n0: int, reason: str, to: int | None = None,
+                      timeout: float = 240) -> dict[str, Any]:  # fmt: skip
+        """The first rescale event past the first n0 with this reason (and resulting size):
+        picked by what it is and when, not by position or count, so a rescale from before
+        the action (a late node's join during start-up; on torchft the start-up quorum
+        grows replica by replica), or a join that could not complete and re-formed at the
+        old size, cannot stand in for the one the action causes."""
+
+        def found() -> dict[str, Any] | None:
+            return next((e for e in self.events("rescale")[n0:] if e.get("reason") == reason
+                         and to in (None, e.get("to_world_size"))), None)  # fmt: skip
+
+        return wait_until(found, timeout, f"a {reason} rescale" + (f" to {to}" if to else ""),
+                          0.5, lambda: f"{self.events('rescale')}\n{self.debug()}")
+
     def assert_one_world(self, st: dict[str, Any]) -> None:
         """No split brain: every training node is in the same worker group, whose world
         size counts exactly those nodes' GPUs."""

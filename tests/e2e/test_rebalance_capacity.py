@@ -47,23 +47,6 @@ def launches(out: dict[str, Any]) -> list[dict[str, Any]]:
     return [a for a in out.get("actions", []) if a["type"] == "launch"]
 
 
-def after(c: Any, n0: int, reason: str, to: int, timeout: float = 240) -> dict[str, Any]:
-    """The first rescale event past the first n0 with this reason and resulting size:
-    picked by what it is and when, not by position or count, so a rescale from before the
-    action (on torchft the start-up quorum grows replica by replica: its joins are rescale
-    events too), or a join that could not complete and re-formed at the old size, cannot
-    stand in for the one the action causes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        evs = c.events("rescale")[n0:]
-        hit = next((e for e in evs if e.get("reason") == reason
-                    and e.get("to_world_size") == to), None)  # fmt: skip
-        if hit is not None:
-            return hit
-        time.sleep(1)
-    raise AssertionError(f"no {reason} rescale to {to} after #{n0}: {c.events('rescale')}")
-
-
 def plan_events(c: Any) -> list[tuple[str, int, str]]:
     """The plan actions the reconciler journaled, in order: (type, count, why)."""
     evs = [(e["ts"], t, e) for t in ("launch", "terminate", "replace", "move")
@@ -79,7 +62,7 @@ def shrink(c: Any, cdir: Path, n: int) -> float:
     n0 = len(c.events("rescale"))
     t = time.time()
     set_capacity(cdir, 2)
-    r = after(c, n0, "notice", 2)
+    r = c.rescale_after(n0, "notice", 2)
     assert (r["from_world_size"], r["to_world_size"], r["lost_steps"]) == (3, 2, 0), r
     deadline = time.monotonic() + 120
     while len(c.events("preempted")) < n:
@@ -117,7 +100,7 @@ def test_capacity_back_cluster_back_and_simulate_agrees(local_cluster, tmp_path,
     la = launches(out)
     assert [(a["count"], a["zone"], a["price"]) for a in la] == [(1, "local-a", 0.9)], out
     assert any("cooling down" in n for n in out["notes"]), out["notes"]
-    r = after(c, n0, "join", 3)
+    r = c.rescale_after(n0, "join", 3)
     assert (r["from_world_size"], r["to_world_size"], r["lost_steps"]) == (2, 3, 0), r
     c.steps_advance(world=3, by=5, timeout=180)
 
@@ -131,7 +114,7 @@ def test_capacity_back_cluster_back_and_simulate_agrees(local_cluster, tmp_path,
         schedule.append((time.time() - t_up, 3))
         n0 = len(c.events("rescale"))
         set_capacity(cdir, 3)
-        r = after(c, n0, "join", 3)
+        r = c.rescale_after(n0, "join", 3)
         assert (r["from_world_size"], r["to_world_size"], r["lost_steps"]) == (2, 3, 0), r
         c.steps_advance(world=3, by=5, timeout=180)
     except BaseException as e:

@@ -24,19 +24,10 @@ OPTIM, LR = "sgd", "3e-4"  # the template's SGD uses 10 x TRAIN_LR
 
 
 def _after(c, action, reason):
-    """Run `action`, then wait for the first rescale with `reason` among those that come
-    after it: picked by reason, not by position, so a late node's join during start-up (or
-    any rescale that was already under way) cannot stand in for the one this step causes."""
-    from tests.conftest import wait_until
-
+    """Run `action`, then wait for the first rescale with `reason` among those after it."""
     n0 = len(c.events("rescale"))
     action()
-
-    def found():
-        return next((e for e in c.events("rescale")[n0:] if e["reason"] == reason), None)
-
-    return wait_until(found, 180, f"a {reason} rescale", 0.5,
-                      lambda: f"{c.events('rescale')}\n{c.debug()}")
+    return c.rescale_after(n0, reason, timeout=180)
 
 
 def test_notice_join_gcp_kill_cycle(local_cluster):
