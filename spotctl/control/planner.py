@@ -75,7 +75,9 @@ class Observed:
 
     @property
     def cost_per_hour(self) -> float:
-        return sum(n.price for n in self.live)
+        # fsum: exact, so the total (and the notes that print it) never depends on the
+        # order the nodes were listed in
+        return math.fsum(n.price for n in self.live)
 
     @property
     def draining(self) -> bool:
@@ -114,7 +116,7 @@ class Action:
     @property
     def usd_per_hour_added(self) -> float:
         if self.type == "move":
-            return sum(a.usd_per_hour_added for a in self.launches)
+            return math.fsum(a.usd_per_hour_added for a in self.launches)
         return self.count * self.offer.spot_price if self.offer is not None else 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -298,7 +300,7 @@ def _exact(
 
 def _as_fill(ranked: Sequence[Offer], counts: Sequence[int]) -> _Fill:
     picks = tuple((o, n) for o, n in zip(ranked, counts, strict=True) if n > 0)
-    return _Fill(picks, sum(o.gpus * n for o, n in picks), sum(o.spot_price * n for o, n in picks))
+    return _Fill(picks, sum(o.gpus * n for o, n in picks), math.fsum(o.spot_price * n for o, n in picks))
 
 
 def _fill_last(
@@ -598,5 +600,5 @@ def plan(
                 out.usd_per_hour_after = cost - prev.price + act.usd_per_hour_added
                 return out
     out.gpus_after = have + sum(a.gpus_added for a in out.launches)
-    out.usd_per_hour_after = cost + sum(a.usd_per_hour_added for a in out.launches)
+    out.usd_per_hour_after = math.fsum([cost, *(a.usd_per_hour_added for a in out.launches)])
     return out
