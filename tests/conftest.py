@@ -6,6 +6,8 @@
 - `spotctl_home` / `home`: a fresh state dir in SPOTCTL_HOME, no test seam left set
 - `run_cli`: the typer app in-process (CliRunner), with that state dir; `cli_main`: the
   same through `main` (exit codes and error lines as a user gets them)
+- `ENGINES`: parametrize a cluster test over `[train] engine` (torchft skipped where the
+  `ft` extra is not installed)
 - `CliProject`: a project dir with spotctl.toml + train.py and the real CLI run in it as a
   subprocess (the up -> train -> down harness); `LocalCluster` / `local_cluster` on it
 - `CloudFlow` / `cloud_flow`: the same on aws or gcp pointed at a fake, every instance's
@@ -18,6 +20,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import json
 import os
@@ -39,6 +42,13 @@ REPO = Path(__file__).resolve().parents[1]
 SPOTCTL = [sys.executable, "-m", "spotctl.cli.app"]
 SSHD = "/usr/sbin/sshd"
 T = TypeVar("T")
+# `@pytest.mark.parametrize("engine", ENGINES)`: a cluster test on both engines (issue 17)
+ENGINES = [
+    "torchrun",
+    pytest.param("torchft", marks=pytest.mark.skipif(
+        importlib.util.find_spec("torchft") is None,
+        reason="torchft is not installed (the 'ft' extra)")),
+]
 
 # --- the network guard ----------------------------------------------------------------------
 
@@ -294,13 +304,16 @@ class LocalCluster(CliProject):
         self.trace_dir.mkdir(exist_ok=True)
 
     def write_spec(self, gpus: str, checkpoint_every: int = 20, train_env: dict[str, str] | None = None,
-                   extra: str = "") -> None:  # fmt: skip
+                   extra: str = "", engine: str | None = None) -> None:  # fmt: skip
+        """spotctl.toml; `extra` goes on inside [train] (or opens sections of its own);
+        `engine`: `[train] engine` (None writes none: the spec's default)."""
         env = {"SPOTCTL_TRACE_SAMPLES": str(self.trace_dir), "TRAIN_STEP_SLEEP_S": "0.05"}
         env.update(train_env or {})
         env_toml = ", ".join(f'{k} = "{v}"' for k, v in env.items())
+        engine_toml = f'engine = "{engine}"\n' if engine else ""
         (self.project / "spotctl.toml").write_text(
             f'name = "{self.name}"\nprovider = "local"\ngpus = "{gpus}"\n\n'
-            f'[train]\nscript = "train.py"\ncheckpoint_every = {checkpoint_every}\n'
+            f'[train]\n{engine_toml}script = "train.py"\ncheckpoint_every = {checkpoint_every}\n'
             f"env = {{ {env_toml} }}\n{extra}\n"
         )
 

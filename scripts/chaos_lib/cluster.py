@@ -176,6 +176,18 @@ class Cluster:
                 out.append(d.name)
         return out
 
+    def failed_steps(self) -> dict[str, int]:
+        """torchft: each node's count of step attempts that failed the commit vote (and ran
+        again), from its rank-0 worker's own report (status/worker-0.json). A replica's
+        count starts at 0 with its process: compare a node's counts within one process."""
+        out = {}
+        for p in sorted(self.cluster_dir.glob("nodes/n*/status/worker-0.json")):
+            try:
+                out[p.parent.parent.name] = int(json.loads(p.read_text()).get("failed_steps") or 0)
+            except (OSError, ValueError):
+                continue
+        return out
+
     def training_nodes(self) -> list[str]:
         st = self.status()
         return [n["id"] for n in st["nodes"] if n["state"] == "running" and n.get("step")]

@@ -1,6 +1,9 @@
 """13: the checkpoint disk fills up (a small tmpfs of the test's own): the save fails
 cleanly, training goes on, older checkpoints stay intact, saves resume once space is back.
-14: a node cut off from the network (nodes in network namespaces; its link goes down)."""
+14: a node cut off from the network (nodes in network namespaces; its link goes down).
+Both run on either engine (`engine`). On torchft a step whose commit vote failed is run
+again in place, with no restart and no rescale event: its replays are counted from the
+replicas' own reports (failed_steps), on top of what the head's rescale events account."""
 
 from __future__ import annotations
 
@@ -56,7 +59,15 @@ def _snapshot(ck: Path, steps: list[int]) -> dict[int, dict[str, int]]:
     return out
 
 
-def disk_full(root: Path) -> Result:
+def _replayed_on_torchft(c: Cluster, before: dict[str, int], nodes: list[str]) -> int:
+    """Steps run again (in place) by `nodes` since `before`: a failed step is run again by
+    every replica, so the most any one of them failed, not the sum. A replica whose
+    process restarted counts from 0 again (a restart is the head's rescale to account)."""
+    now = c.failed_steps()
+    return max((max(0, now.get(n, 0) - before.get(n, 0)) for n in nodes), default=0)
+
+
+def disk_full(root: Path, engine: str = "torchrun") -> Result:
     res = Result("13 checkpoint disk full")
     mnt = root / "ckpt-tmpfs"
     err = _mount_tmpfs(mnt, "8m")
@@ -64,7 +75,8 @@ def disk_full(root: Path) -> Result:
         res.blocked = f"cannot mount a tmpfs ({err}); not simulated"
         return res
     c = Cluster(
-        root / "disk", "disk", "1", EVERY, extra_toml=f'checkpoint_dir = "{mnt}"\nkeep_last = 3'
+        root / "disk", "disk", "1", EVERY, extra_toml=f'checkpoint_dir = "{mnt}"\nkeep_last = 3',
+        engine=engine,
     )
     c.checkpoint_dir = mnt
     try:
@@ -78,6 +90,7 @@ def disk_full(root: Path) -> Result:
         kept = c.committed()
         before = _snapshot(mnt, kept)
         n_rescales = len(c.events("rescale"))
+        failed0 = c.failed_steps()
         st0 = c.status()
         # three checkpoint intervals with no room at all
         st = c.wait_for(
@@ -109,6 +122,8 @@ def disk_full(root: Path) -> Result:
         # replays the head accounted while the disk was full and after (none expected)
         res.steps_replayed = sum(int(e.get("lost_steps") or 0)
                                  for e in c.events("rescale")[n_rescales:])
+        if engine == "torchft":
+            res.steps_replayed += _replayed_on_torchft(c, failed0, ["n1"])
         res.survived = intact and alive and not new_during and st1["world_size"] == 1
         res.detail = {
             "committed_before": kept,
@@ -133,7 +148,7 @@ def disk_full(root: Path) -> Result:
     return res
 
 
-def network_cut(root: Path) -> Result:
+def network_cut(root: Path, engine: str = "torchrun") -> Result:
     """14: nodes in network namespaces of the run's own (`[local] netns = true`); one
     node's link is taken down. The survivors must not hang: the head declares the silent
     node unresponsive after 4 s, their workers re-form without it."""
@@ -141,7 +156,8 @@ def network_cut(root: Path) -> Result:
     if os.geteuid() != 0 or shutil.which("ip") is None:
         res.blocked = "network namespaces need root and iproute2"
         return res
-    c = Cluster(root / "net", "net", "2..3", EVERY, extra_toml="\n[local]\nnetns = true")
+    c = Cluster(root / "net", "net", "2..3", EVERY, extra_toml="\n[local]\nnetns = true",
+                engine=engine)
     try:
         c.up()
         c.training(3, past=EVERY)
@@ -155,11 +171,22 @@ def network_cut(root: Path) -> Result:
         prov = LocalProvider(ProviderContext("net", spec, store.cluster_dir("net")))
         t0 = time.time()
         committed = c.committed_before(t0)
+        failed0 = c.failed_steps()
         prov.isolate("n3")
         st = c.training(2, past=0, timeout=180)
         res.recover_s = round(time.time() - t0, 1)
-        r = [e for e in c.events("rescale") if e["ts"] >= t0][-1]
+        # the failure rescale (on torchft the start-up quorum's joins are rescales too)
+        deadline = time.monotonic() + 30
+        while not (rs := [e for e in c.events("rescale")
+                          if e["ts"] >= t0 and e["reason"] == "failure"]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no failure rescale: {c.events('rescale')}")
+            time.sleep(0.5)
+        r = rs[0]
         res.steps_replayed = int(r["lost_steps"])
+        if engine == "torchft":
+            st = c.training(2, past=st["step"] + 2, timeout=60)  # the survivors' counts settled
+            res.steps_replayed += _replayed_on_torchft(c, failed0, ["n1", "n2"])
         res.committed_steps_lost = max(0, committed - int(r["resume_step"]))
         unresp = [e for e in c.events("node-unresponsive") if e.get("node") == "n3"]
         res.survived = bool(unresp) and st["world_size"] == 2

@@ -116,6 +116,7 @@ class Coordinator:
         self.clock = clock
         self.engine = engine
         self.dead_after_s = dead_after_s
+        self.started_at = clock()  # a group training before this is one a restarted head adopts
         self.nodes: dict[str, NodeInfo] = {}
         self.drain: Drain | None = None
         self.gens = itertools.count(1)
@@ -414,19 +415,34 @@ class Coordinator:
             return
         inc["recorded"] = True
         cause = self.cause
-        if cause is None and self.engine == "torchft" and inc["world_size"] != inc["prev_world"]:
-            # torchft regroups within a quorum round, before the head could see why
+        inferred = cause is None and self.engine == "torchft" and inc["world_size"] != inc["prev_world"]
+        if inferred:
+            # torchft regroups within a quorum round, before the head could see why: when
+            # it happened is unknown too, so no duration is measured from it
             cause = Cause("join" if inc["world_size"] > inc["prev_world"] else "failure",
                           inc["first_seen"])
         cause = cause or Cause("restart", inc["first_seen"])
         if inc["prev_world"] == 0:
-            self.record("train-start", world_size=inc["world_size"],
-                        resume_step=inc["resume_step"])
+            if inc["first_step_at"] < self.started_at:
+                # a group that trained before this head started (torchft, after a head
+                # restart: the replicas went on from memory): taken up where first seen,
+                # not "started" at its quorum's first step
+                self.record("train-start", world_size=inc["world_size"],
+                            resume_step=max(inc["resume_step"], self.max_step), adopted=True)
+            else:
+                self.record("train-start", world_size=inc["world_size"],
+                            resume_step=inc["resume_step"])
             self.cause = None
             return
         lost = max(0, inc["prev_max"] - inc["resume_step"])
         rank0 = next((w for n in self.nodes.values() for w in n.workers
                       if w.rank == 0 and w.incarnation == inc["id"]), None)
+        # the workers' start-up, when they were started for this rescale (on torchft the
+        # quorum's first replica has usually trained all along: none then)
+        spawned = (round(rank0.startup["started_at"] - cause.at, 3)
+                   if rank0 and rank0.startup else None)
+        if spawned is not None and spawned < 0:
+            spawned = None
         self.record(
             "rescale",
             from_world_size=inc["prev_world"],
@@ -436,11 +452,10 @@ class Coordinator:
             resume_step=inc["resume_step"],
             lost_steps=lost,
             engine=self.engine,
-            notice_to_resume_s=round(inc["first_step_at"] - cause.at, 3),
+            notice_to_resume_s=(None if inferred else round(inc["first_step_at"] - cause.at, 3)),
             # the new workers' own start: imports, process group, restore, first step
-            worker_start=(rank0.startup if rank0 else None),
-            worker_spawned_after_s=(round(rank0.startup["started_at"] - cause.at, 3)
-                                    if rank0 and rank0.startup else None),
+            worker_start=(rank0.startup if rank0 and spawned is not None else None),
+            worker_spawned_after_s=spawned,
         )
         self.cause = None
 

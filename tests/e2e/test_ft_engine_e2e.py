@@ -45,7 +45,7 @@ def test_torchft_notice_kill_join(local_cluster):
     shutil.copy(REPO / "tests" / "elastic" / "ft_train.py", c.project / "train.py")
     logs = c.tmp / "steps"
     logs.mkdir()
-    c.write_spec("3", checkpoint_every=25, extra='engine = "torchft"',
+    c.write_spec("3", checkpoint_every=25, engine="torchft",
                  train_env={"FT_STEP_LOG": f"{logs}/{{node}}.jsonl", "FT_STEP_DELAY": "0.05"})
     c.cli("up", "--wait", "120")
     wait_until(lambda: all(any(s["replicas"] == 3 for s in _steps(logs, n))

@@ -18,7 +18,6 @@ quorum by themselves).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from typing import Any
 import pytest
 
 from spotctl.providers.local.capacity import set_capacity
+from tests.conftest import ENGINES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -73,15 +73,13 @@ def shrink(c: Any, cdir: Path, n: int) -> float:
     return t
 
 
-@pytest.mark.parametrize("engine", ["torchrun", "torchft"])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_capacity_back_cluster_back_and_simulate_agrees(local_cluster, tmp_path, engine):
     """On torchft no group drains: the reclaimed node's replica leaves the quorum on its
     notice and the relaunched one joins it from a live peer; the rescale events, the plan
     actions and the replay are the same."""
-    if engine == "torchft" and importlib.util.find_spec("torchft") is None:
-        pytest.skip("torchft is not installed (the 'ft' extra)")
     c = local_cluster("rebal")
-    c.write_spec("2..3", checkpoint_every=10, extra=f'engine = "{engine}"\n' + CAPACITY)
+    c.write_spec("2..3", checkpoint_every=10, extra=CAPACITY, engine=engine)
     c.cli("up", "--wait", "120")
     cdir = c.home / "clusters" / "rebal"
     t_up = c.events("launch")[0]["ts"]

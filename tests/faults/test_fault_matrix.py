@@ -17,6 +17,7 @@ sys.path.insert(0, str(REPO))
 
 from scripts.chaos_lib import cloud, disk, ft, local  # noqa: E402
 from scripts.chaos_lib.result import Result, unmeasured  # noqa: E402
+from tests.conftest import ENGINES  # noqa: E402
 
 pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -171,13 +172,18 @@ def test_unmeasured_figures_fail_the_check() -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
-def test_checkpoint_disk_full(tmp_path: Path) -> None:
-    r = disk.disk_full(tmp_path)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_checkpoint_disk_full(tmp_path: Path, engine: str) -> None:
+    """On torchft the periodic checkpoint is the only one (a one-replica cluster): its
+    failed save must not fail a step either (a failed step would count as replayed)."""
+    r = disk.disk_full(tmp_path, engine)
     if r.blocked:
         pytest.skip(r.blocked)
     _check(r)
     assert r.detail["steps_while_full"] >= 3 * disk.EVERY
+    assert r.steps_replayed == 0, r.detail  # a failed save fails no step
 
 
-# 14 (a node cut off from the network) runs in tests/e2e/test_network_partition.py, with
-# the same mechanism scripts/chaos uses (nodes in network namespaces, one link taken down).
+# 14 (a node cut off from the network) runs in tests/e2e/test_network_partition.py (both
+# engines), with the same mechanism scripts/chaos uses (nodes in network namespaces, one
+# link taken down).

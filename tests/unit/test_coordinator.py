@@ -202,6 +202,29 @@ def test_torchft_notice_join_and_kill_need_no_group_drain():
     assert (ev["reason"], ev["to_world_size"]) == ("failure", 1)
     hb(c, "a", workers=[w(0, "ft-q4", 16, ws=2, resume=16, first=clk.t + 1)])
     assert [e for e in c.events if e["type"] == "rescale"][-1]["reason"] == "join"
+    # those two causes were inferred from the membership, not seen: no duration is made up
+    # from them, and the quorum's first replica, training all along, was spawned for
+    # neither (its start-up is from long before: not reported as this rescale's)
+    for ev in [e for e in c.events if e["type"] == "rescale"][-2:]:
+        assert ev["notice_to_resume_s"] is None and ev["worker_spawned_after_s"] is None, ev
+        assert ev["worker_start"] is None, ev
+
+
+def test_torchft_group_training_before_a_restarted_head_is_adopted_at_its_step():
+    # the head restarts while torchft's replicas go on from memory: the new head first sees
+    # a quorum formed at step 5 that has trained to step 40 -- taken up at 40, not
+    # journaled as training started at step 5
+    clk = Clock()
+    c = Coordinator(clk, engine="torchft")
+    hb(c, "a", workers=[w(0, "ft-q1", 40, ws=2, resume=5, first=clk.t - 30)])
+    hb(c, "b", workers=[w(1, "ft-q1", 40, ws=2, resume=5, first=clk.t - 30)])
+    start = [e for e in c.events if e["type"] == "train-start"]
+    assert len(start) == 1 and start[0]["resume_step"] == 40 and start[0]["adopted"], start
+    # a group whose first step comes after the head started is a real start
+    c2 = Coordinator(clk)
+    hb(c2, "a", workers=[w(0, "inc1", 0, ws=1, first=clk.t + 1)])
+    start = [e for e in c2.events if e["type"] == "train-start"]
+    assert start[0]["resume_step"] == 0 and "adopted" not in start[0], start
 
 
 def test_rescale_events_name_the_torchrun_engine_and_bad_engine_is_refused():
