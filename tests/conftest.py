@@ -338,6 +338,13 @@ class LocalCluster(CliProject):
         return wait_until(found, timeout, f"a {reason} rescale" + (f" to {to}" if to else ""),
                           0.5, lambda: f"{self.events('rescale')}\n{self.debug()}")
 
+    def rescale_from(self, action: Callable[[], Any], reason: str, to: int | None = None,
+                     timeout: float = 180) -> dict[str, Any]:  # fmt: skip
+        """Run `action`, then the rescale it caused (`rescale_after` from before it)."""
+        n0 = len(self.events("rescale"))
+        action()
+        return self.rescale_after(n0, reason, to, timeout)
+
     def assert_one_world(self, st: dict[str, Any]) -> None:
         """No split brain: every training node is in the same worker group, whose world
         size counts exactly those nodes' GPUs."""

@@ -423,15 +423,13 @@ class Coordinator:
                           inc["first_seen"])
         cause = cause or Cause("restart", inc["first_seen"])
         if inc["prev_world"] == 0:
-            if inc["first_step_at"] < self.started_at:
-                # a group that trained before this head started (torchft, after a head
-                # restart: the replicas went on from memory): taken up where first seen,
-                # not "started" at its quorum's first step
-                self.record("train-start", world_size=inc["world_size"],
-                            resume_step=max(inc["resume_step"], self.max_step), adopted=True)
-            else:
-                self.record("train-start", world_size=inc["world_size"],
-                            resume_step=inc["resume_step"])
+            # a group that trained before this head started (torchft, after a head restart:
+            # the replicas went on from memory) is taken up where first seen, not
+            # "started" at its quorum's first step
+            adopted = inc["first_step_at"] < self.started_at
+            self.record("train-start", world_size=inc["world_size"],
+                        resume_step=max(inc["resume_step"], self.max_step) if adopted
+                        else inc["resume_step"], **({"adopted": True} if adopted else {}))
             self.cause = None
             return
         lost = max(0, inc["prev_max"] - inc["resume_step"])

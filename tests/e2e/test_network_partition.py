@@ -49,9 +49,7 @@ def test_node_cut_off_from_the_network(local_cluster, engine):
     assert len(set(addrs.values())) == 3 and "127.0.0.1" not in addrs.values()
 
     # picked by reason: on torchft the start-up quorum's growth is rescale events too
-    n0 = len(c.events("rescale"))
-    prov.isolate("n3")
-    r = c.rescale_after(n0, "failure", timeout=180)
+    r = c.rescale_from(lambda: prov.isolate("n3"), "failure")
     assert (r["from_world_size"], r["to_world_size"], r["reason"]) == (3, 2, "failure")
     assert 0 <= r["lost_steps"] <= 10 + 1
     c.steps_advance(world=2, by=10, timeout=120)

@@ -23,13 +23,6 @@ N, G, EVERY = 2048, 32, 10
 OPTIM, LR = "sgd", "3e-4"  # the template's SGD uses 10 x TRAIN_LR
 
 
-def _after(c, action, reason):
-    """Run `action`, then wait for the first rescale with `reason` among those after it."""
-    n0 = len(c.events("rescale"))
-    action()
-    return c.rescale_after(n0, reason, timeout=180)
-
-
 def test_notice_join_gcp_kill_cycle(local_cluster):
     c = local_cluster("resc")
     c.write_spec("2..3", checkpoint_every=EVERY,
@@ -39,7 +32,7 @@ def test_notice_join_gcp_kill_cycle(local_cluster):
     c.assert_one_world(c.steps_advance(world=3, by=10, timeout=180))
 
     # 1. AWS-style notice: n1 leaves, survivors continue at 2 with no lost step
-    r = _after(c, lambda: c.cli("preempt", "n1", "--name", "resc", "--style", "aws"), "notice")
+    r = c.rescale_from(lambda: c.cli("preempt", "n1", "--name", "resc", "--style", "aws"), "notice")
     assert (r["from_world_size"], r["to_world_size"], r["reason"]) == (3, 2, "notice")
     assert r["lost_steps"] == 0 and r["checkpoint_step"] == r["resume_step"]
     assert r["notice_to_resume_s"] > 0
@@ -70,14 +63,14 @@ def test_notice_join_gcp_kill_cycle(local_cluster):
     c.assert_one_world(c.steps_advance(world=2, by=10))
 
     # 2. join: `up` reconciles back to 3 GPUs; the newcomer enters through a drain
-    r = _after(c, lambda: c.cli("up", "--wait", "120"), "join")
+    r = c.rescale_from(lambda: c.cli("up", "--wait", "120"), "join")
     assert (r["from_world_size"], r["to_world_size"], r["reason"]) == (2, 3, "join")
     assert r["lost_steps"] == 0
     st = c.steps_advance(world=3, by=10)
     c.assert_one_world(st)
 
     # 3. GCP-style notice (30 s to hard stop): committed inside the window, nothing lost
-    r = _after(c, lambda: c.cli("preempt", "n2", "--name", "resc", "--style", "gcp"), "notice")
+    r = c.rescale_from(lambda: c.cli("preempt", "n2", "--name", "resc", "--style", "gcp"), "notice")
     assert (r["from_world_size"], r["to_world_size"], r["reason"]) == (3, 2, "notice")
     assert r["lost_steps"] == 0
     notice = [e for e in c.events("notice") if e["node"] == "n2"][-1]
@@ -87,7 +80,7 @@ def test_notice_join_gcp_kill_cycle(local_cluster):
     c.steps_advance(world=2, by=10)
 
     # 4. hard failure, no notice: loss bounded by the checkpoint interval
-    r = _after(c, lambda: c.cli("kill", "n3", "--name", "resc"), "failure")
+    r = c.rescale_from(lambda: c.cli("kill", "n3", "--name", "resc"), "failure")
     assert (r["from_world_size"], r["to_world_size"], r["reason"]) == (2, 1, "failure")
     assert 0 <= r["lost_steps"] <= EVERY + 1
     st = c.steps_advance(world=1, by=5)

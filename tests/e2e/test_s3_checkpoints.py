@@ -28,16 +28,13 @@ def test_notice_and_join_with_checkpoints_in_s3(local_cluster, engine):
         c.cli("up", "--wait", "120")
         c.assert_one_world(c.steps_advance(world=3, by=5, timeout=180))
 
-        n0 = len(c.events("rescale"))
-        c.cli("preempt", "n1", "--name", "s3ck", "--style", "aws")
-        r = c.rescale_after(n0, "notice", timeout=180)
+        r = c.rescale_from(lambda: c.cli("preempt", "n1", "--name", "s3ck", "--style", "aws"),
+                           "notice")
         assert (r["from_world_size"], r["to_world_size"]) == (3, 2)
         assert r["lost_steps"] == 0 and r["checkpoint_step"] == r["resume_step"]
         c.assert_one_world(c.steps_advance(world=2, by=5))
 
-        n0 = len(c.events("rescale"))
-        c.cli("up", "--wait", "120")
-        r2 = c.rescale_after(n0, "join", timeout=180)
+        r2 = c.rescale_from(lambda: c.cli("up", "--wait", "120"), "join")
         assert (r2["from_world_size"], r2["to_world_size"], r2["lost_steps"]) == (2, 3, 0)
         st = c.steps_advance(world=3, by=EVERY + 1)
         c.assert_one_world(st)
