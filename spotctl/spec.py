@@ -21,6 +21,7 @@ else:  # Python 3.10 (e.g. the AWS Deep Learning AMI's): the same parser, from P
     import tomli as tomllib
 
 PROVIDERS = ("local", "aws", "gcp", "ssh")
+ENGINES = ("torchrun", "torchft")  # [train] engine
 SPEC_FILE = "spotctl.toml"
 _NAME_RE = re.compile(r"[a-z][a-z0-9-]{0,38}[a-z0-9]|[a-z]")  # fullmatch: no trailing \n
 _URI_RE = re.compile(r"[a-z][a-z0-9+.-]*://", re.ASCII)  # match: an object-store URI

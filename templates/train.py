@@ -120,7 +120,9 @@ def main():
     amp = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
            else torch.autocast("cpu", enabled=False))
     trace_dir = os.environ.get("SPOTCTL_TRACE_SAMPLES")
-    trace = open(os.path.join(trace_dir, f"{run.incarnation}-r{run.rank}.txt"), "a") if trace_dir else None
+    # the sample trace (tests): one file per process, since on torchft a process outlives
+    # its worker group; each line names the group and this rank's share of the batch
+    trace = open(os.path.join(trace_dir, f"{os.getpid()}.txt"), "a") if trace_dir else None
     while run.next_step():
         opt.zero_grad()
         total = torch.zeros((), device=device)
@@ -135,7 +137,8 @@ def main():
             time.sleep(STEP_SLEEP_S)
         if trace:
             idx = run.batch_indices()
-            trace.write(f"{run.step + 1} {run.epoch} {' '.join(map(str, idx.tolist()))}\n")
+            trace.write(f"{run.incarnation} {run.dp_rank} {run.step + 1} {run.epoch} "
+                        f"{' '.join(map(str, idx.tolist()))}\n")
             trace.flush()
         run.end_step(loss=total.item() / max(1, len(run.batch_indices())))  # one sync a step
         if run.rank == 0 and run.step % 50 == 0:

@@ -3,13 +3,16 @@
 9 runs the way it meets users: a 3-node local cluster trains, the local "cloud" takes a
 node back (its capacity drops to 2: a GCP-style notice), the replacement `up` meets the
 exhausted pool while the job trains at 2, capacity comes back and `up` restores 3; the
-figures are measured on that job. The same scenario's cloud API half runs against the GCP
+figures are measured on that job, on either engine: on torchrun from the head's rescale
+events (a drain each time), on torchft from the replicas' own step logs (the reclaimed
+replica's graceful leave, the joiner's heal from a live peer; scripts/chaos_lib/ft.py). The same scenario's cloud API half runs against the GCP
 test server (tests/gcp/fake_compute.py) with the real GcpProvider and google-cloud-compute
 client over REST: every zone exhausted gives one clear CapacityError per zone and leaves
 nothing behind.
 
 10 (429 and 5xx from the API) is a provider-level check only: no job trains while it runs,
-so the job figures are reported as not applicable (null), never as 0.
+so the job figures are reported as not applicable (null), never as 0, and no engine is
+involved (`--engine torchft` runs it the same).
 
 Neither touches the caller's environment: SPOTCTL_HOME is passed to the provider's
 context, never set in os.environ.
@@ -112,28 +115,45 @@ def _capacity_api(res: Result) -> bool:
     return ok
 
 
-def capacity_everywhere(root: Path) -> Result:
+def capacity_everywhere(root: Path, engine: str = "torchrun") -> Result:
     """9: the pool runs out while the job trains: a reclaimed node, a replacement that
-    cannot launch, training at reduced size meanwhile, and the join once capacity is back."""
+    cannot launch, training at reduced size meanwhile, and the join once capacity is back.
+    On torchft the survivors must go on from memory through both (no replica restarted)."""
+    from collections.abc import Callable
+
     from spotctl.providers.local.capacity import set_capacity
 
+    from . import ft, local
     from .cluster import Cluster
-    from .local import EVERY, _cycle
 
     res = Result("9 capacity exhausted while training", notice=True)
     api_ok = _capacity_api(res)
+    env = {"TRAIN_DATASET_SIZE": "4096", "TRAIN_GLOBAL_BATCH": "24"}
+    script = None
+    if engine == "torchft":  # the replicas log each step attempt: the figures come from it
+        (root / "capacity" / "steps").mkdir(parents=True, exist_ok=True)
+        env["CHAOS_STEP_LOG"] = f"{root / 'capacity' / 'steps'}/{{node}}.jsonl"
+        script = ft.SCRIPT
     c = Cluster(
         root / "capacity",
         "cap",
         "2..3",
-        EVERY,
-        train_env={"TRAIN_DATASET_SIZE": "4096", "TRAIN_GLOBAL_BATCH": "24"},
+        local.EVERY,
+        train_env=env,
         # cooldown 0: the replacement tries the reclaimed zone again at once
         extra_toml="\n[rebalance]\ncooldown_s = 0\n\n[local]\ncapacity = [{ at_s = 0, nodes = 3 }]\n",
+        engine=engine,
+        script=script,
     )
+
+    def _cycle(c: Cluster, r: Result, fault: Callable[[], None], world: int) -> None:
+        if engine == "torchft":  # nobody restarts: a node that left keeps its last pid
+            ft._cycle(c, r, fault, world, gone=set())
+        else:
+            local._cycle(c, r, fault, world)
     try:
         c.up()
-        c.training(3, past=EVERY + 2, timeout=240)
+        c.training(3, past=local.EVERY + 2, timeout=240)
         # the cloud takes one node back: notice, drain, the job goes on at 2
         reclaim = Result("reclaim", notice=True)
         _cycle(c, reclaim, lambda: set_capacity(c.cluster_dir, 2), 2)
@@ -174,6 +194,7 @@ def capacity_everywhere(root: Path) -> Result:
                                        join.committed_steps_lost or 0)  # fmt: skip
         res.steps_replayed = (reclaim.steps_replayed or 0) + (join.steps_replayed or 0)
         res.detail.update(
+            engine=engine,
             steps_at_2_while_exhausted=st1["step"] - st0["step"],
             seconds_exhausted=exhausted_s,  # failed `up`, then 5+ steps at 2
             join=join.detail,

@@ -9,14 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .result import FIGURES, Result, table, unmeasured
-
-# scenarios with a cluster of their own (or none) run with the default engine only, but
-# for 13 and 14, which run on either (a cluster of their own on the engine asked for)
-NOT_ON_TORCHFT = {
-    "9": "9 capacity exhausted while training",
-    "10": "10 API throttling and 5xx",
-}
+from .result import Result, table, unmeasured
 
 
 def run_all(
@@ -26,23 +19,19 @@ def run_all(
 
     rows: list[Result] = []
     cluster_keys = {"1", "2", "3", "4", "5", "6", "7", "8", "11", "12", "15", "16", "17"}
-    if engine == "torchft":
-        from . import ft
+    if not only or only & cluster_keys:  # one shared 3-node cluster on the engine asked for
+        if engine == "torchft":
+            from . import ft
 
-        if not only or only & cluster_keys:
             rows += ft.run_ft_cluster_scenarios(root, only & cluster_keys if only else None, log)
-        for key, name in NOT_ON_TORCHFT.items():
-            if not only or key in only:
-                rows.append(Result(name, blocked="own cluster or none: run without --engine",
-                                   not_applicable=list(FIGURES)))
-    else:
-        if not only or only & cluster_keys:
+        else:
             rows += local.run_cluster_scenarios(root, only & cluster_keys if only else None, log)
-        if not only or "9" in only:
-            rows.append(cloud.capacity_everywhere(root))
-            log(f"{rows[-1].scenario}: survived={rows[-1].survived} {rows[-1].notes}")
-        if not only or "10" in only:
-            rows.append(cloud.throttling())
+    # 9, 13 and 14 have a cluster of their own, on the engine asked for; 10 has no job
+    if not only or "9" in only:
+        rows.append(cloud.capacity_everywhere(root, engine))
+        log(f"{rows[-1].scenario}: survived={rows[-1].survived} {rows[-1].notes}")
+    if not only or "10" in only:
+        rows.append(cloud.throttling())
     if not only or "13" in only:
         rows.append(disk.disk_full(root, engine))
         log(f"{rows[-1].scenario}: survived={rows[-1].survived} {rows[-1].notes}")

@@ -28,9 +28,11 @@ def details(e: dict[str, Any]) -> str:
     t = e.get("type")
     g = e.get
     if t == "rescale":
+        # torchft: the survivors go on from memory, no checkpoint is read
+        at = (f"in memory from step {g('resume_step')}" if g("engine") == "torchft"
+              else f"checkpoint step {g('checkpoint_step')}")
         return (f"world {g('from_world_size')} -> {g('to_world_size')}, {g('reason')}, "
-                f"checkpoint step {g('checkpoint_step')}, lost {g('lost_steps')} steps, "
-                f"pause {_s(g('notice_to_resume_s'))}")
+                f"{at}, lost {g('lost_steps')} steps, pause {_s(g('notice_to_resume_s'))}")
     if t == "train-start":
         return f"world {g('world_size')}, from step {g('resume_step')}"
     if t == "notice":

@@ -142,8 +142,9 @@ def test_torchft_scenario(ft_rows: dict[str, Result], key: str) -> None:
         assert r.steps_replayed is not None and r.steps_replayed <= FT_KILL_REPLAY, r.detail
 
 
-def test_capacity_exhausted_while_training(tmp_path: Path) -> None:
-    r = cloud.capacity_everywhere(tmp_path)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_capacity_exhausted_while_training(tmp_path: Path, engine: str) -> None:
+    r = cloud.capacity_everywhere(tmp_path, engine)
     _check(r)
     # measured on the training job: the reclaim was a notice (no replay), the replacement
     # launched nothing while the pool was empty and the job kept training at 2
@@ -151,6 +152,10 @@ def test_capacity_exhausted_while_training(tmp_path: Path) -> None:
     assert r.detail["exhausted_up"]["out"]["launched"] == [], r.detail
     assert r.detail["steps_at_2_while_exhausted"] >= 5, r.detail
     assert all(z in m for z, m in r.detail["api"]["errors"].items()), r.detail
+    if engine == "torchft":  # from the replicas' step logs: a graceful leave, then a heal
+        for cycle in (r.detail["reclaim"], r.detail["join"]):  # from a live peer
+            assert cycle["restarted_survivors"] == [], cycle
+            assert cycle["ft"]["failed_steps"] == [] and cycle["ft"]["replayed_commits"] == 0
 
 
 def test_throttling_and_5xx_are_retried() -> None:

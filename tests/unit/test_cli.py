@@ -41,6 +41,27 @@ def test_init_writes_templates(home, capsys):
     assert spec.read_text().endswith("# mine\n")
 
 
+@pytest.mark.parametrize("engine", ["torchrun", "torchft"])
+def test_init_engine_is_written_and_parsed(home, capsys, engine):
+    from spotctl.spec import load_spec
+
+    code, out, err = run(["init", str(home / "proj"), "--engine", engine], capsys)
+    assert code == 0, err
+    spec = home / "proj" / "spotctl.toml"
+    assert load_spec(spec).train.engine == engine
+    # the template's comment (the choices) stays
+    line = next(x for x in spec.read_text().splitlines() if x.startswith("engine = "))
+    assert line.startswith(f'engine = "{engine}"') and "# torchrun (restart" in line
+
+
+def test_init_unknown_engine_one_line_exit_2_nothing_written(home, capsys):
+    code, out, err = run(["init", str(home / "proj"), "--engine", "horovod"], capsys)
+    assert code == 2, (code, out, err)
+    assert err.strip().splitlines() == [
+        "error: --engine must be one of torchrun, torchft, got 'horovod'"]
+    assert not (home / "proj").exists()
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["up", "--gpus", "4..2"], "gpus: range 4..2 is inverted"),
     (["up", "--gpus", "0"], "gpus: range 0..0 must be positive"),

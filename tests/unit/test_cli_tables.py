@@ -107,6 +107,11 @@ def test_events_table_fits_with_readable_columns(width: int) -> None:
     d = {e["type"]: cmd_events.details(e) for e in evs}
     assert d["rescale"] == ("world 8 -> 4, notice, checkpoint step 1200, lost 0 steps, "
                             "pause 4.6s")
+    # torchft: no checkpoint is read, the survivors go on from memory
+    ft = next(e for e in evs if e["type"] == "rescale") | {"engine": "torchft",
+                                                          "notice_to_resume_s": None}
+    assert cmd_events.details(ft) == ("world 8 -> 4, notice, in memory from step 1200, "
+                                      "lost 0 steps, pause -")
     assert d["notice"].startswith("aws-imds spot terminate, deadline ")
     assert d["notice"].endswith("(in 120s)")
     assert d["drain-committed"] == "gen 3, checkpoint at step 1200"
