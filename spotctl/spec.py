@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -21,7 +21,8 @@ else:  # Python 3.10 (e.g. the AWS Deep Learning AMI's): the same parser, from P
     import tomli as tomllib
 
 PROVIDERS = ("local", "aws", "gcp", "ssh")
-ENGINES = ("torchrun", "torchft")  # [train] engine
+Engine = Literal["torchrun", "torchft"]  # [train] engine
+ENGINES: tuple[str, ...] = get_args(Engine)
 SPEC_FILE = "spotctl.toml"
 _NAME_RE = re.compile(r"[a-z][a-z0-9-]{0,38}[a-z0-9]|[a-z]")  # fullmatch: no trailing \n
 _URI_RE = re.compile(r"[a-z][a-z0-9+.-]*://", re.ASCII)  # match: an object-store URI
@@ -107,7 +108,7 @@ class TrainSpec(_Strict):
     # group under its own torchrun, joined by the head's torchft Lighthouse; notices are
     # graceful leaves, joiners recover from a live peer, survivors never restart
     # (needs the 'ft' extra). The script is the same for both.
-    engine: Literal["torchrun", "torchft"] = "torchrun"
+    engine: Engine = "torchrun"
     # On cloud nodes, where the bootstrap has root, training workers run as this
     # unprivileged user (created if missing) and cannot read the node's credential;
     # "" = they run as the agent's user. Local nodes always run as you.
