@@ -103,12 +103,12 @@ class TrainSpec(_Strict):
     # Per-node interpreter; empty means the controller's own (local and ssh providers).
     python: str = ""
     env: dict[str, str] = Field(default_factory=dict)
-    # The distributed engine. torchrun: every rescale restarts the workers from the last
-    # committed checkpoint (one rendezvous on the head). torchft: each node is a replica
-    # group under its own torchrun, joined by the head's torchft Lighthouse; notices are
-    # graceful leaves, joiners recover from a live peer, survivors never restart
-    # (needs the 'ft' extra). The script is the same for both.
-    engine: Engine = "torchrun"
+    # The distributed engine. torchft (the default): each node is a replica group under its
+    # own torchrun, joined by the head's torchft Lighthouse; notices are graceful leaves,
+    # joiners recover from a live peer, survivors never restart (torchft is in the 'train'
+    # and 'ft' extras). torchrun: every rescale restarts the workers from the last
+    # committed checkpoint (one rendezvous on the head). The script is the same for both.
+    engine: Engine = "torchft"
     # On cloud nodes, where the bootstrap has root, training workers run as this
     # unprivileged user (created if missing) and cannot read the node's credential;
     # "" = they run as the agent's user. Local nodes always run as you.

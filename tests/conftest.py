@@ -24,6 +24,7 @@ import importlib.util
 import ipaddress
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -304,9 +305,9 @@ class LocalCluster(CliProject):
         self.trace_dir.mkdir(exist_ok=True)
 
     def write_spec(self, gpus: str, checkpoint_every: int = 20, train_env: dict[str, str] | None = None,
-                   extra: str = "", engine: str | None = None) -> None:  # fmt: skip
+                   extra: str = "", engine: str = "torchrun") -> None:  # fmt: skip
         """spotctl.toml; `extra` goes on inside [train] (or opens sections of its own);
-        `engine`: `[train] engine` (None writes none: the spec's default)."""
+        `engine`: `[train] engine`, always written ("" writes none: the spec's default)."""
         env = {"SPOTCTL_TRACE_SAMPLES": str(self.trace_dir), "TRAIN_STEP_SLEEP_S": "0.05"}
         env.update(train_env or {})
         env_toml = ", ".join(f'{k} = "{v}"' for k, v in env.items())
@@ -496,13 +497,15 @@ def metadata_router() -> Iterator[MetadataRouter]:
 
 
 def cloud_spec_text(name: str, section: str, script: str = "train.py",
-                    env: dict[str, str] | None = None) -> str:  # fmt: skip
-    """spotctl.toml for a cloud flow: templates/train.py, short steps, a cloud section."""
+                    env: dict[str, str] | None = None, engine: str = "torchrun") -> str:  # fmt: skip
+    """spotctl.toml for a cloud flow: templates/train.py, short steps, a cloud section,
+    `[train] engine` written out (a torchft flow switches it: `use_torchft`)."""
     env = {"TRAIN_STEP_SLEEP_S": "0.05", "TRAIN_DATASET_SIZE": "4096", **(env or {})}
     env_toml = ", ".join(f'{k} = "{v}"' for k, v in env.items())
     return (
         f'name = "{name}"\n\n'
-        f'[train]\nscript = "{script}"\ncheckpoint_every = 5\npython = "{sys.executable}"\n'
+        f'[train]\nengine = "{engine}"\nscript = "{script}"\ncheckpoint_every = 5\n'
+        f'python = "{sys.executable}"\n'
         f"env = {{ {env_toml} }}\n\n" + section
     )
 
@@ -675,6 +678,7 @@ def use_torchft(project: CliProject) -> None:
     """Switch a project's spotctl.toml to `[train] engine = "torchft"` (before `up`)."""
     spec = project.project / "spotctl.toml"
     text = spec.read_text()
+    text = re.sub(r'^engine = "torchrun"\n', "", text, count=1, flags=re.M)
     assert "\n[train]\n" in text and "engine" not in text, text
     spec.write_text(text.replace("\n[train]\n", '\n[train]\nengine = "torchft"\n', 1))
 

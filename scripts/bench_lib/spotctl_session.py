@@ -70,7 +70,8 @@ class Cluster:
         env_toml = ", ".join(f'{k} = "{v}"' for k, v in env.items())
         (self.project / "spotctl.toml").write_text(
             f'name = "{self.name}"\nprovider = "local"\ngpus = "{nodes - 1}..{nodes}"\n\n'
-            f'[train]\nscript = "train.py"\ncheckpoint_every = {first_every}\n'
+            f'[train]\nengine = "torchrun"\nscript = "train.py"\n'
+            f"checkpoint_every = {first_every}\n"
             f"env = {{ {env_toml} }}\n"
         )
         self.env = dict(os.environ, SPOTCTL_HOME=str(self.home), NO_COLOR="1")

@@ -36,8 +36,7 @@ class Cluster:
         engine: str = "torchrun",
         script: Path | None = None,
     ):
-        """engine: the spec's `[train] engine` (torchrun, the default, writes no engine
-        line). script: the training script (default: templates/train.py); the template is
+        """engine: the spec's `[train] engine` (always written). script: the training script (default: templates/train.py); the template is
         copied as train.py either way, so a script may import it."""
         self.root, self.name, self.every = root, name, checkpoint_every
         self.engine = engine
@@ -49,7 +48,7 @@ class Cluster:
         if script is not None:
             shutil.copy(script, self.project / script.name)
         script_name = script.name if script is not None else "train.py"
-        engine_toml = "" if engine == "torchrun" else f'engine = "{engine}"\n'
+        engine_toml = f'engine = "{engine}"\n'
         self.env = dict(os.environ, SPOTCTL_HOME=str(self.home), NO_COLOR="1")
         self._store: Any = None  # the journal (state.db), opened on the first poll
         env = {"TRAIN_STEP_SLEEP_S": "0.05"} | (train_env or {})

@@ -13,9 +13,9 @@ def register(app: typer.Typer) -> None:
         directory: Path = typer.Argument(Path("."), help="Where to write the files."),
         force: bool = typer.Option(False, "--force", help="Overwrite existing files."),
         engine: str = typer.Option(
-            "torchrun", "--engine",
-            help="[train] engine: torchrun (workers restart at a rescale) | torchft (hot: "
-                 "survivors go on from memory; needs the 'ft' extra)."),
+            "torchft", "--engine",
+            help="[train] engine: torchft (hot: survivors go on from memory) | torchrun "
+                 "(workers restart from a checkpoint at every rescale)."),
     ) -> None:
         """Write spotctl.toml and an example elastic train.py (from templates/)."""
         from importlib.resources import files

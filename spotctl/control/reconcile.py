@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import time
@@ -185,6 +186,23 @@ def _row(inst: Instance, cluster: str, provider: str) -> NodeRow:
     )
 
 
+def check_engine(spec: ClusterSpec) -> None:
+    """The torchft engine needs torchft on this controller: the head's Lighthouse runs from
+    it (local, ssh) and the nodes install it from here (aws, gcp, ssh). Checked before
+    anything is created, so a controller without it launches nothing."""
+    if spec.train.engine != "torchft":
+        return
+    try:
+        found = importlib.util.find_spec("torchft") is not None
+    except (ImportError, ValueError):  # a broken or blocked install
+        found = False
+    if not found:
+        raise SpecError(
+            'train.engine = "torchft" (the default) needs torchft on this controller and it is '
+            "not installed: pip install 'spotctl[train]', or set [train] engine = \"torchrun\""
+        )
+
+
 def reconcile(
     store: Store,
     spec: ClusterSpec,
@@ -210,6 +228,7 @@ def reconcile(
         return ReconcileResult(cluster=name, plan=p, dry_run=True)
     if not create:
         store.get_cluster(name)
+    check_engine(spec)
     with cdir.lock(on_wait=progress):
         # Re-checked under the lock: a rebalance that waited for `down` must not bring
         # the cluster back (down holds this lock while it cleans up).

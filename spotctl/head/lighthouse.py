@@ -88,7 +88,7 @@ def start_lighthouse(host: str, port: int) -> Lighthouse | None:
         lh = Lighthouse(host, port)
     except ImportError:
         log.error("the spec asks for the torchft engine but torchft is not installed on the "
-                  "head (pip install 'spotctl[ft]')")
+                  "head (pip install 'spotctl[train]')")
         return None
     log.info("torchft lighthouse on %s (%s)", lh.address, lh.timing)
     return lh

@@ -1,6 +1,7 @@
 """Issue 15: the CLI as a new user types it. `init`, `up`, then plain `status --once`,
 `events`, `logs`, `report --plot` and `down`, with no --name anywhere (the cluster comes
-from ./spotctl.toml, then from being the only one), on a real local cluster."""
+from ./spotctl.toml, then from being the only one), on a real local cluster: on the default
+engine (torchft, from a plain `init`) and on `init --engine torchrun`."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
 def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any,
                                                              engine: str) -> None:
     c = local_cluster("demo")  # the name `spotctl init` writes; the harness tears it down
-    c.cli("init", ".", "--force", "--engine", engine)
+    # the default engine as a new user gets it: plain `init`; the other one by its flag
+    c.cli("init", ".", "--force", *(() if engine == "torchft" else ("--engine", engine)))
     spec = (c.project / "spotctl.toml").read_text()
     assert 'name = "demo"' in spec and f'engine = "{engine}"' in spec
 

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.timeout(120)
 def provider(tmp_path):
     (tmp_path / "train.py").write_text("")
     spec = ClusterSpec.model_validate({"name": "lp", "gpus": "1..8",
-                                       "train": {"script": str(tmp_path / "train.py")}})
+                                       "train": {"script": str(tmp_path / "train.py"),
+                                                 "engine": "torchrun"}})
     (tmp_path / "home").mkdir()
     store = Store(tmp_path / "home")
     cdir = store.cluster_dir("lp")

@@ -5,8 +5,9 @@ The host is a throwaway Unix user reached through a real sshd on loopback. The b
 must upload this controller's wheel, its pinned wheelhouse and the project directory,
 install them into a venv made from the image python (reusing its torch, installing
 nothing by name: pip runs with --no-index), start the agent, which reaches the head on the
-controller through the reverse SSH tunnel (forced here: the host is loopback), trains and
-commits checkpoints to S3 (a moto server on loopback) through s3fs, which the controller
+controller through the reverse SSH tunnel (forced here: the host is loopback), trains on
+the default engine (torchft: its wheel shipped too, its Lighthouse on the controller's head
+reached through the same tunnel) and commits checkpoints to S3 (a moto server on loopback) through s3fs, which the controller
 shipped because checkpoint_dir is an s3:// URI.
 """
 
@@ -220,13 +221,14 @@ def test_bootstrap_from_uploaded_wheels_into_a_clean_account(
         venvs = [p for p in (HOME / ".spotctl" / "venvs").iterdir() if p.is_dir()]
         assert len(venvs) == 1, venvs
         vpy = str(venvs[0] / "bin" / "python")
-        r = _as_user(
-            vpy, "-c", "import spotctl, torch; print(spotctl.__file__); print(torch.__file__)"
-        )
+        r = _as_user(vpy, "-c", "import spotctl, torch, torchft; print(spotctl.__file__); "
+                     "print(torch.__file__); print(torchft.__file__)")  # fmt: skip
         assert r.returncode == 0, r.stderr
-        spotctl_file, torch_file = r.stdout.split()
+        spotctl_file, torch_file, ft_file = r.stdout.split()
         assert spotctl_file.startswith(str(venvs[0])), spotctl_file  # our wheel, in the venv
         assert not torch_file.startswith(str(venvs[0])), torch_file  # the image's torch
+        # the default engine's torchft (a compiled wheel), uploaded and installed there too
+        assert ft_file.startswith(str(venvs[0])), ft_file
         assert (ndir / "pkg" / "requirements.txt").exists()
         pins = (ndir / "pkg" / "requirements.txt").read_text().split()
         assert pins and all("==" in p for p in pins)
@@ -239,6 +241,7 @@ def test_bootstrap_from_uploaded_wheels_into_a_clean_account(
         # reverse tunnel on the host's loopback (never the controller's head port)
         cfg = json.loads(_as_user("cat", str(ndir / "agent.json")).stdout)
         assert cfg["python"] == vpy
+        assert cfg["engine"] == "torchft" and cfg["lighthouse"].startswith("http://127.0.0.1:")
         head = json.loads(
             (tmp_path / "home" / "clusters" / "clean" / "tunnels" / f"{node}.json").read_text()
         )
@@ -247,6 +250,7 @@ def test_bootstrap_from_uploaded_wheels_into_a_clean_account(
         # committed checkpoints in S3, through the s3fs the controller shipped
         assert cfg["checkpoint_dir"] == "s3://ckpt/clean"
         assert any(p.startswith("s3fs==") for p in pins)
+        assert "torchft==0.2.0" in pins, pins
         keys = [o["Key"] for o in s3.list_objects_v2(Bucket="ckpt").get("Contents", [])]
         assert any(k.startswith("clean/") and k.endswith("COMMIT") for k in keys), (
             f"no committed checkpoint in s3://ckpt: {keys[:20]}\n{debug()}"

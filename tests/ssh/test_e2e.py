@@ -48,7 +48,8 @@ def test_up_train_ssh_logs_down(sshd_factory: SshdFactory, client_key: Path, tmp
     proj.remote = remote
     (proj.project / "spotctl.toml").write_text(
         'name = "byo"\nprovider = "ssh"\ngpus = "2"\n\n'
-        f'[train]\nscript = "train.py"\ncheckpoint_every = 5\npython = "{sys.executable}"\n'
+        f'[train]\nengine = "torchrun"\nscript = "train.py"\ncheckpoint_every = 5\n'
+        f'python = "{sys.executable}"\n'
         'env = { TRAIN_STEP_SLEEP_S = "0.05" }\n\n'
         + "".join(
             f'[[ssh.hosts]]\naddress = "127.0.0.1"\nport = {s.port}\nkey = "{client_key}"\n\n'

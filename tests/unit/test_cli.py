@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -51,7 +52,15 @@ def test_init_engine_is_written_and_parsed(home, capsys, engine):
     assert load_spec(spec).train.engine == engine
     # the template's comment (the choices) stays
     line = next(x for x in spec.read_text().splitlines() if x.startswith("engine = "))
-    assert line.startswith(f'engine = "{engine}"') and "# torchrun (restart" in line
+    assert line.startswith(f'engine = "{engine}"') and "| torchrun (restart" in line
+
+
+def test_init_default_engine_is_torchft(home, capsys):
+    from spotctl.spec import load_spec
+
+    code, out, err = run(["init", str(home / "proj")], capsys)
+    assert code == 0, err
+    assert load_spec(home / "proj" / "spotctl.toml").train.engine == "torchft"
 
 
 def test_init_unknown_engine_one_line_exit_2_nothing_written(home, capsys):
@@ -78,6 +87,23 @@ def test_up_bad_input_one_line_exit_2_nothing_started(home, capsys, argv, needle
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("error: ")
     assert "Traceback" not in err
     assert not (home / "home" / "clusters").exists()  # nothing was started
+
+
+def test_up_default_engine_without_torchft_one_line_exit_2_nothing_started(
+        home, capsys, monkeypatch):
+    from spotctl.control.reconcile import check_engine
+    from spotctl.spec import load_spec
+
+    assert run(["init", "."], capsys)[0] == 0
+    monkeypatch.setitem(sys.modules, "torchft", None)  # this controller has no torchft
+    code, out, err = run(["up"], capsys)
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2 and len(lines) == 1, (code, out, err)
+    assert lines[0].startswith('error: train.engine = "torchft"') and "spotctl[train]" in lines[0]
+    assert not (home / "home" / "clusters").exists()  # nothing was started
+    spec = load_spec(home / "spotctl.toml")
+    spec.train.engine = "torchrun"
+    check_engine(spec)  # the other engine does not need it
 
 
 @pytest.mark.parametrize("cmd", [["status"], ["down", "--yes"], ["events"], ["logs", "n1"],

@@ -59,7 +59,7 @@ def test_commands_use_the_default_name(home: Path, tmp_path: Path) -> None:
     assert "launch" in res.output and "local in local-a, 1 GPU: below minimum" in res.output
     res = CliRunner().invoke(app, ["status", "--json"])
     out = json.loads(res.output)
-    assert res.exit_code == 0 and out["cluster"] == "only" and out["engine"] == "torchrun"
+    assert res.exit_code == 0 and out["cluster"] == "only" and out["engine"] == "torchft"
     (tmp_path / "spotctl.toml").write_text('name = "other"\n')
     res = CliRunner().invoke(app, ["events"])
     assert isinstance(res.exception, NotFoundError) and "other" in str(res.exception)

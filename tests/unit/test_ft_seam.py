@@ -27,10 +27,10 @@ def _spec(tmp: Path, body: str) -> Path:
     return p
 
 
-def test_engine_defaults_to_torchrun_and_takes_torchft(tmp_path: Path) -> None:
-    assert load_spec(_spec(tmp_path, 'name = "a"\n')).train.engine == "torchrun"
-    spec = load_spec(_spec(tmp_path, 'name = "a"\n[train]\nengine = "torchft"\n'))
-    assert spec.train.engine == "torchft"
+def test_engine_defaults_to_torchft_and_takes_torchrun(tmp_path: Path) -> None:
+    assert load_spec(_spec(tmp_path, 'name = "a"\n')).train.engine == "torchft"
+    spec = load_spec(_spec(tmp_path, 'name = "a"\n[train]\nengine = "torchrun"\n'))
+    assert spec.train.engine == "torchrun"
 
 
 def test_unknown_engine_is_one_line_naming_the_field(tmp_path: Path) -> None:

@@ -262,7 +262,7 @@ class SshProvider:
         if not head.lighthouse:
             raise BootstrapError(
                 "engine torchft: the head runs no torchft Lighthouse (is torchft installed on "
-                "this controller? pip install 'spotctl[ft]'; see the head's head.log)"
+                "this controller? pip install 'spotctl[train]'; see the head's head.log)"
             )
         return head.lighthouse
 
