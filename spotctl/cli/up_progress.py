@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from spotctl.control.reconcile import heartbeat_fresh
 from spotctl.state import Store
 
 Emit = Callable[[dict[str, Any]], None]
@@ -87,7 +88,7 @@ def node_phase(h: dict[str, Any] | None) -> str | None:
         return None
     if st == "finished":  # the job already ran to its last step
         return "training"
-    if st == "running" and h.get("step") is not None and (h.get("heartbeat_age_s") or 99) < 5:
+    if st == "running" and h.get("step") is not None and heartbeat_fresh(h):
         return "training"
     return "joining"
 
@@ -148,8 +149,7 @@ def watch(store: Store, name: str, timeout_s: float, emit: Emit, min_gpus: int =
             by[ph].append(n.id)
             since.setdefault((n.id, ph), now)
         want = sum(len(v) for v in by.values())
-        seen = sum(1 for nid in by["joining"] + by["training"]
-                   if (hn.get(nid, {}).get("heartbeat_age_s") or 99) < 5)
+        seen = sum(1 for nid in by["joining"] + by["training"] if heartbeat_fresh(hn.get(nid)))
         behind = [(since[(nid, ph)], nid, ph) for ph in ("booting", "joining") for nid in by[ph]]
         slowest = None
         if behind:

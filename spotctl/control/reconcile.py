@@ -32,6 +32,14 @@ from spotctl.state import NodeRow, Store, write_json_atomic
 
 Progress = Callable[[str, float | None], None]  # (message, fraction or None)
 MAX_FAILOVERS = 20
+HEARTBEAT_FRESH_S = 5.0  # a node whose last heartbeat is older is not reporting
+
+
+def heartbeat_fresh(h: dict[str, Any] | None) -> bool:
+    """A node's entry in the head's status heartbeated within HEARTBEAT_FRESH_S (an age of
+    0.0, a heartbeat in the same few milliseconds, is the freshest there is)."""
+    age = (h or {}).get("heartbeat_age_s")
+    return age is not None and age < HEARTBEAT_FRESH_S
 
 
 def _noop(msg: str, frac: float | None = None) -> None:
@@ -413,7 +421,7 @@ def wait_for_nodes(store: Store, name: str, timeout_s: float,
             hn = st["nodes"]
             expected -= {k for k, v in hn.items() if v["state"] in ("leaving", "left")}
             seen = sum(1 for k in expected if k in hn and hn[k]["state"] in ("running", "waiting")
-                       and (hn[k].get("heartbeat_age_s") or 99) < 5)
+                       and heartbeat_fresh(hn[k]))
         except HeadUnavailable:
             seen = 0
         count = len(expected)

@@ -163,6 +163,18 @@ def test_watch_follows_nodes_to_the_first_step(tmp_path: Path) -> None:
     assert out[-1]["phase"] == "first-step" and out[-1]["step"] == 1
 
 
+def test_a_heartbeat_of_age_zero_is_fresh() -> None:
+    """The head rounds a heartbeat's age to 10 ms: 0.0 is the freshest, not a missing one
+    (the demo showed a training node as joining while its heartbeat read 0.0)."""
+    from spotctl.control.reconcile import heartbeat_fresh
+
+    node = {"state": "running", "step": 7, "heartbeat_age_s": 0.0}
+    assert heartbeat_fresh(node) and up_progress.node_phase(node) == "training"
+    assert up_progress.node_phase({**node, "heartbeat_age_s": 5.0}) == "joining"
+    assert up_progress.node_phase({**node, "heartbeat_age_s": None}) == "joining"
+    assert not heartbeat_fresh({"state": "running"}) and not heartbeat_fresh(None)
+
+
 def _one_node_store(tmp_path: Path) -> Store:
     """A state dir with cluster "c" and its one 1-GPU node n1."""
     store = Store(tmp_path / "home")
