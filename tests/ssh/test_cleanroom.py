@@ -87,11 +87,16 @@ def _ensure_image() -> None:
         subprocess.run([SYSTEM_PY, "-m", "venv", str(IMAGE)], check=True)
     site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
+    # the image outlives this venv (a CI clone's, since deleted, or another checkout's):
+    # every link is made again, to this venv's torch
+    for old in site.iterdir():
+        if old.is_symlink():
+            old.unlink()
     for d in _torch_closure():
         root = Path(str(d.locate_file("")))
         for top in {f.parts[0] for f in d.files or [] if not f.as_posix().startswith("..")}:
             src, dst = root / top, site / top
-            if src.exists() and not (dst.exists() or dst.is_symlink()):
+            if src.exists() and not dst.exists():
                 dst.symlink_to(src)
     os.chmod(IMAGE.parent, 0o755)
 
