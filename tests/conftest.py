@@ -622,6 +622,8 @@ class CloudFlow(CliProject):
         """up -> `nodes` reporting in status -> one gets a spot notice through its own metadata
         service (the cloud's protocol: `provider`'s) -> the head and status have it -> down.
         Returns down's JSON."""
+        from spotctl.control.reconcile import heartbeat_fresh
+
         assert self.metadata is not None, "a notice needs the flow's MetadataRouter"
         up = self.up(provider, gpus, nodes)
         # every node in status and reporting: joining (its torchrun at the head's gate) or
@@ -630,7 +632,7 @@ class CloudFlow(CliProject):
         # waits out the drain timeout): over 100 s at 16 nodes, for no part of this flow
         st = self.wait_for(f"{nodes} nodes reporting", lambda s: len(s["nodes"]) == nodes
                            and {n["state"] for n in s["nodes"]} <= {"running", "joining"}
-                           and all((n["heartbeat_age_s"] or 99) < 5 for n in s["nodes"]),
+                           and all(heartbeat_fresh(n) for n in s["nodes"]),
                            timeout=240)  # fmt: skip
         assert sorted(n["id"] for n in st["nodes"]) == sorted(up["launched"]), st
         victim = sorted(up["launched"])[nodes // 2]
