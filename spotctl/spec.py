@@ -23,6 +23,7 @@ else:  # Python 3.10 (e.g. the AWS Deep Learning AMI's): the same parser, from P
 PROVIDERS = ("local", "aws", "gcp", "ssh")
 Engine = Literal["torchrun", "torchft"]  # [train] engine
 ENGINES: tuple[str, ...] = get_args(Engine)
+DEFAULT_ENGINE: Engine = "torchft"  # the spec's, `spotctl init`'s and `scripts/chaos`'s
 SPEC_FILE = "spotctl.toml"
 _NAME_RE = re.compile(r"[a-z][a-z0-9-]{0,38}[a-z0-9]|[a-z]")  # fullmatch: no trailing \n
 _URI_RE = re.compile(r"[a-z][a-z0-9+.-]*://", re.ASCII)  # match: an object-store URI
@@ -108,7 +109,7 @@ class TrainSpec(_Strict):
     # joiners recover from a live peer, survivors never restart (torchft is in the 'train'
     # and 'ft' extras). torchrun: every rescale restarts the workers from the last
     # committed checkpoint (one rendezvous on the head). The script is the same for both.
-    engine: Engine = "torchft"
+    engine: Engine = DEFAULT_ENGINE
     # On cloud nodes, where the bootstrap has root, training workers run as this
     # unprivileged user (created if missing) and cannot read the node's credential;
     # "" = they run as the agent's user. Local nodes always run as you.

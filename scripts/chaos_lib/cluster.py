@@ -36,8 +36,9 @@ class Cluster:
         engine: str = "torchrun",
         script: Path | None = None,
     ):
-        """engine: the spec's `[train] engine` (always written). script: the training script (default: templates/train.py); the template is
-        copied as train.py either way, so a script may import it."""
+        """engine: the spec's `[train] engine` (always written). script: the training
+        script (default: templates/train.py); the template is copied as train.py either
+        way, so a script may import it."""
         self.root, self.name, self.every = root, name, checkpoint_every
         self.engine = engine
         self.checkpoint_dir: Path | None = None  # set when the spec names one
@@ -48,14 +49,13 @@ class Cluster:
         if script is not None:
             shutil.copy(script, self.project / script.name)
         script_name = script.name if script is not None else "train.py"
-        engine_toml = f'engine = "{engine}"\n'
         self.env = dict(os.environ, SPOTCTL_HOME=str(self.home), NO_COLOR="1")
         self._store: Any = None  # the journal (state.db), opened on the first poll
         env = {"TRAIN_STEP_SLEEP_S": "0.05"} | (train_env or {})
         env_toml = ", ".join(f'{k} = "{v}"' for k, v in env.items())
         (self.project / "spotctl.toml").write_text(
             f'name = "{name}"\nprovider = "local"\ngpus = "{gpus}"\n\n'
-            f'[train]\n{engine_toml}script = "{script_name}"\n'
+            f'[train]\nengine = "{engine}"\nscript = "{script_name}"\n'
             f"checkpoint_every = {checkpoint_every}\n"
             f"env = {{ {env_toml} }}\n{extra_toml}\n"
         )

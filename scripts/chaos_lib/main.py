@@ -51,11 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help='print {"scenarios": [...]}')
     ap.add_argument("--only", default="", help="comma-separated scenario numbers")
     ap.add_argument("--dir", default="", help="work dir (default: a temporary one)")
-    from spotctl.spec import ENGINES, TrainSpec
+    from spotctl.spec import DEFAULT_ENGINE, ENGINES
 
-    default = TrainSpec.model_fields["engine"].default  # the spec's: torchft
-    ap.add_argument("--engine", choices=ENGINES, default=default,
-                    help=f"the cluster scenarios' [train] engine (default {default}, the spec's)")
+    ap.add_argument("--engine", choices=ENGINES, default=DEFAULT_ENGINE,
+                    help=f"the cluster scenarios' [train] engine (default {DEFAULT_ENGINE}, "
+                         "the spec's)")
     a = ap.parse_args(argv)
     only = {x.strip() for x in a.only.split(",") if x.strip()} or None
     t0 = time.time()

@@ -5,6 +5,7 @@ from pathlib import Path
 import typer
 
 from spotctl.errors import SpecError
+from spotctl.spec import DEFAULT_ENGINE
 
 
 def register(app: typer.Typer) -> None:
@@ -13,7 +14,7 @@ def register(app: typer.Typer) -> None:
         directory: Path = typer.Argument(Path("."), help="Where to write the files."),
         force: bool = typer.Option(False, "--force", help="Overwrite existing files."),
         engine: str = typer.Option(
-            "torchft", "--engine",
+            DEFAULT_ENGINE, "--engine",
             help="[train] engine: torchft (hot: survivors go on from memory) | torchrun "
                  "(workers restart from a checkpoint at every rescale)."),
     ) -> None:

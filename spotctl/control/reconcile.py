@@ -206,7 +206,7 @@ def check_engine(spec: ClusterSpec) -> None:
         found = False
     if not found:
         raise SpecError(
-            'train.engine = "torchft" (the default) needs torchft on this controller and it is '
+            'train.engine = "torchft" needs torchft on this controller and it is '
             "not installed: pip install 'spotctl[train]', or set [train] engine = \"torchrun\""
         )
 
