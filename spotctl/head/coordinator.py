@@ -415,12 +415,18 @@ class Coordinator:
             return
         inc["recorded"] = True
         cause = self.cause
+        grew = inc["world_size"] > inc["prev_world"]
+        # on torchft a notice explains only a quorum that shrank: one that grew while a
+        # notice is pending (a replica late to a quorum healing back in, a join) is not the
+        # notice's, and the notice stays pending for the quorum its node leaves
+        keep = cause is not None and cause.reason == "notice" and grew and self.engine == "torchft"
+        if keep:
+            cause = None
         inferred = cause is None and self.engine == "torchft" and inc["world_size"] != inc["prev_world"]
         if inferred:
             # torchft regroups within a quorum round, before the head could see why: when
             # it happened is unknown too, so no duration is measured from it
-            cause = Cause("join" if inc["world_size"] > inc["prev_world"] else "failure",
-                          inc["first_seen"])
+            cause = Cause("join" if grew else "failure", inc["first_seen"])
         cause = cause or Cause("restart", inc["first_seen"])
         if inc["prev_world"] == 0:
             # a group that trained before this head started (torchft, after a head restart:
@@ -430,7 +436,8 @@ class Coordinator:
             self.record("train-start", world_size=inc["world_size"],
                         resume_step=max(inc["resume_step"], self.max_step) if adopted
                         else inc["resume_step"], **({"adopted": True} if adopted else {}))
-            self.cause = None
+            if not keep:
+                self.cause = None
             return
         lost = max(0, inc["prev_max"] - inc["resume_step"])
         rank0 = next((w for n in self.nodes.values() for w in n.workers
@@ -455,7 +462,8 @@ class Coordinator:
             worker_start=(rank0.startup if rank0 and spawned is not None else None),
             worker_spawned_after_s=spawned,
         )
-        self.cause = None
+        if not keep:
+            self.cause = None
 
     # -- outputs
     def _reply(self, node: NodeInfo) -> dict[str, Any]:

@@ -210,6 +210,28 @@ def test_torchft_notice_join_and_kill_need_no_group_drain():
         assert ev["worker_start"] is None, ev
 
 
+def test_torchft_quorum_that_grows_while_a_notice_is_pending_is_not_the_notices():
+    # a replica late to a quorum was left out (3 -> 2, inferred a failure) and heals back
+    # in (2 -> 3) just after c's notice reached the head: that growth is a join, and the
+    # notice stays pending for the quorum c leaves (3 -> 2). The CI of the last stop saw the
+    # notice's reason on the 2 -> 3 healing.
+    clk, c = training(["a", "b", "c"], "ft-q1", 10, engine="torchft")
+    clk.t += 0.5
+    hb(c, "a", workers=[w(0, "ft-q2", 11, ws=2, resume=11, first=clk.t)])
+    clk.t += 0.5
+    hb(c, "c", workers=[w(2, "ft-q2", 12, ws=2)], notice={"id": "x", "deadline": clk.t + 120})
+    clk.t += 0.1
+    hb(c, "a", workers=[w(0, "ft-q3", 12, ws=3, resume=12, first=clk.t)])
+    hb(c, "c", state="left")
+    clk.t += 0.3
+    hb(c, "a", workers=[w(0, "ft-q4", 13, ws=2, resume=13, first=clk.t)])
+    got = [(e["from_world_size"], e["to_world_size"], e["reason"])
+           for e in c.events if e["type"] == "rescale"]
+    assert got == [(3, 2, "failure"), (2, 3, "join"), (3, 2, "notice")], got
+    notice = [e for e in c.events if e["type"] == "rescale"][-1]
+    assert notice["notice_to_resume_s"] == 0.4 and notice["lost_steps"] == 0, notice
+
+
 def test_torchft_group_training_before_a_restarted_head_is_adopted_at_its_step():
     # the head restarts while torchft's replicas go on from memory: the new head first sees
     # a quorum formed at step 5 that has trained to step 40 -- taken up at 40, not
