@@ -122,8 +122,14 @@ class Context:
     quiet: bool = False
     # Cluster sessions are expensive; recovery, lost and join read the same runs.
     cache: dict[str, Any] = field(default_factory=dict)
-    # Measured SimModel fields (spotctl simulate --recovery-json), filled by benchmarks.
-    sim: dict[str, float] = field(default_factory=dict)
+    # Measured SimModel fields (spotctl simulate --recovery-json), filled by benchmarks:
+    # shared ones at the top, each engine's pauses under its name (`engine_sim`).
+    sim: dict[str, Any] = field(default_factory=dict)
+
+    def engine_sim(self, engine: str) -> dict[str, float]:
+        """The measured model fields of one engine (`[train] engine`)."""
+        d: dict[str, float] = self.sim.setdefault(engine, {})
+        return d
     t0: float = field(default_factory=time.monotonic)
 
     def reps(self, default: int) -> int:

@@ -15,6 +15,7 @@ join <= 0.2 s.
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -139,6 +140,12 @@ def rows(ctx: Context, nodes: int, repeat: int | None, which: str) -> list[Row]:
     if f.error or b.error:
         note += f"; {f.error or ''} {('bare: ' + b.error) if b.error else ''}"
     m_down, m_up = f"{nodes}->{nodes - 1}", f"{nodes - 1}->{nodes}"
+    # the simulator's torchft pauses; not its hard_recovery_s: a SIGKILL here closes the
+    # sockets at once, a VM that vanishes does not (spotctl.simulate.model.ENGINE_DEFAULTS)
+    sim = ctx.engine_sim("torchft")
+    for key, xs in (("notice_recovery_s", f.notice), ("join_pause_s", f.join)):
+        if xs and which == ("join" if key == "join_pause_s" else "recovery"):
+            sim[key] = round(statistics.median(xs), 3)
     if which == "recovery":
         return [
             row("recovery", f"torchft: pause at a notice ({m_down})", f.notice, b.notice, "s",

@@ -25,7 +25,7 @@ def bench(
     lost = [c.join_lost for c in ours.cycles if c.join_lost is not None]
     blost = [c.join_lost for c in base.cycles if c.join_lost is not None]
     if pause:
-        ctx.sim["join_pause_s"] = round(statistics.median(pause), 3)
+        ctx.engine_sim("torchrun")["join_pause_s"] = round(statistics.median(pause), 3)
     m = f"{nodes - 1}->{nodes} nodes"
     return [
         row(

@@ -28,10 +28,11 @@ def bench(
     kill = [c.recovery_s for c in ours.cycles if c.kind == "kill" and c.recovery_s is not None]
     killed = [c.recovery_s for c in base.cycles if c.recovery_s is not None]
     odd = [c.reason for c in ours.cycles if c.kind == "notice" and c.reason not in ("", "notice")]
+    sim = ctx.engine_sim("torchrun")  # the spotctl session runs the torchrun engine
     if notice:
-        ctx.sim["notice_recovery_s"] = round(statistics.median(notice), 3)
+        sim["notice_recovery_s"] = round(statistics.median(notice), 3)
     if kill:
-        ctx.sim["hard_recovery_s"] = round(statistics.median(kill), 3)
+        sim["hard_recovery_s"] = round(statistics.median(kill), 3)
     fail = failure_note(ours, base)
     m = f"{nodes}->{nodes - 1} nodes"
     return [

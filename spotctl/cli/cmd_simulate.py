@@ -12,6 +12,7 @@ from rich.table import Table
 from spotctl.cli.common import console, print_json
 from spotctl.control.tables import Col, fit_table
 from spotctl.errors import SpecError
+from spotctl.spec import DEFAULT_ENGINE, ENGINES
 
 SHIPPED_TRACES = Path(__file__).resolve().parent.parent / "data" / "traces"
 
@@ -54,7 +55,8 @@ def build_table(data: dict[str, Any], width: int = 120) -> Table:
         SIM_COLS, rows, width,
         title=(
             f"{tr['name']} ({tr['format']}, {tr['span_h']:.1f} h, {tr['removals']} removals), "
-            f"{m['nodes']} nodes, target {m['target_steps']:.0f} steps"
+            f"{m['nodes']} nodes, target {m['target_steps']:.0f} steps, "
+            f"{m.get('engine', 'torchrun')} engine"
         ),
         caption=(
             f"spot: {m['spot_source']}; on-demand {m['on_demand_usd_per_node_hour']} $/node-h: "
@@ -84,7 +86,8 @@ def simulate_cmd(
         None, "--plot", help="write a PNG of nodes and progress over time"
     ),
     recovery_json: Path | None = typer.Option(
-        None, "--recovery-json", help="measured timings from scripts/bench (model field names)"
+        None, "--recovery-json",
+        help="measured timings from scripts/bench (model field names; the engine's own win)"
     ),
     spot_price: float | None = typer.Option(
         None, "--spot-price", help="USD per node-hour (overrides catalog and trace)"
@@ -106,13 +109,14 @@ def simulate_cmd(
         None, "--checkpoint-cost", help="seconds blocked per checkpoint [2.0]"
     ),
     notice_recovery: float | None = typer.Option(
-        None, "--notice-recovery", help="spotctl notice -> resumed, s [10]"
+        None, "--notice-recovery", help="spotctl notice -> resumed, s [torchft 0.3, torchrun 10]"
     ),
     hard_recovery: float | None = typer.Option(
-        None, "--hard-recovery", help="spotctl loss without notice -> resumed, s [30]"
+        None, "--hard-recovery",
+        help="spotctl loss without notice -> resumed, s [torchft 10, torchrun 30]"
     ),
     join_pause: float | None = typer.Option(
-        None, "--join-pause", help="spotctl pause when a node joins, s [10]"
+        None, "--join-pause", help="spotctl pause when a node joins, s [torchft 0.2, torchrun 10]"
     ),
     provision: float | None = typer.Option(
         None, "--provision", help="launch -> node ready, s [120]"
@@ -131,6 +135,10 @@ def simulate_cmd(
     ),
     notice_fraction: float | None = typer.Option(
         None, "--notice-fraction", help="share of preemptions with a usable notice [0.9]"
+    ),
+    engine: str = typer.Option(
+        DEFAULT_ENGINE, "--engine",
+        help="training engine whose pauses and losses to model: torchft | torchrun",
     ),
 ) -> None:
     """Replay a spot trace: cost, progress and time to finish per policy."""
@@ -169,9 +177,11 @@ def simulate_cmd(
     tr = read_trace(_trace_path(trace))
     if hours is not None:
         tr = tr.truncated(hours)
-    model = SimModel()
+    if engine not in ENGINES:
+        raise SpecError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    model = SimModel.for_engine(engine)
     if recovery_json is not None:
-        model = with_overrides(model, load_recovery_json(recovery_json))
+        model = with_overrides(model, load_recovery_json(recovery_json, engine))
     model = with_overrides(
         model,
         {

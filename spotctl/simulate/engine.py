@@ -1,8 +1,9 @@
 """Discrete-event replay of a spot trace under three policies, with the real planner.
 
 - spotctl: elastic. Survivors keep training at the reduced size; a preemption with a
-  notice drains (checkpoint at the current step, no step lost), one without loses the
-  steps since the last committed checkpoint. The reconciler asks the real planner
+  notice loses no step, one without loses the steps since the last committed checkpoint
+  (torchrun engine: every worker restarts from it) or only the step in flight (torchft:
+  the survivors keep their state in memory; `SimModel.engine`). The reconciler asks the real planner
   (`spotctl.control.planner.plan`) for replacements right after a notice and every
   `reconcile_interval_s`, with the zone cool-downs and back-offs that
   `spotctl.control.cooldown.zone_cooldowns` derives from the simulated journal
@@ -173,6 +174,15 @@ class Job:
         self.progress = self.committed
         self.cycle_pos = 0.0
         self.ckpt_left = 0.0
+        self.resume_at = max(self.resume_at, t + pause)
+
+    def regroup(self, t: float, pause: float, lost: float = 0.0) -> None:
+        """torchft: the survivors regroup with their state in memory (no checkpoint is
+        written, the checkpoint cycle goes on); `lost`: progress of the step in flight,
+        which failed and is run again."""
+        lost = min(lost, max(0.0, self.progress - self.committed))
+        self.lost_steps += lost
+        self.progress -= lost
         self.resume_at = max(self.resume_at, t + pause)
 
 
@@ -457,11 +467,19 @@ class _Spotctl(_Replay):
         self._losses += 1
         # Spread notices evenly over preemptions (deterministic, no randomness).
         notice = math.ceil((i + 1) * f - _EPS) > math.ceil(i * f - _EPS)
+        before = self.job.world
         self.job.world -= 1
+        hot = self.model.engine == "torchft" and self.job.world > 0  # survivors keep state
         if notice:
             self.notices += 1
-            self.job.drain(t, self.model.notice_recovery_s)
+            if hot:
+                self.job.regroup(t, self.model.notice_recovery_s)
+            else:
+                self.job.drain(t, self.model.notice_recovery_s)
             self.at(t, self.reconcile)  # the reconciler reacts to the notice
+        elif hot:  # the step in flight at the old size fails
+            self.job.regroup(t, self.model.hard_recovery_s,
+                             lost=before / self.job.target_nodes)
         else:
             self.job.rollback(t, self.model.hard_recovery_s)
 
@@ -516,7 +534,9 @@ class _Spotctl(_Replay):
         if self.held.get(node.trace_node) is not node:
             return  # preempted while booting
         node.state = "running"
-        if self.job.world > 0:
+        if self.job.world > 0 and self.model.engine == "torchft":
+            self.job.regroup(t, self.model.join_pause_s)  # heals from a live peer
+        elif self.job.world > 0:
             self.job.drain(t, self.model.join_pause_s)
         else:
             self.job.resume_at = t + self.model.job_start_s

@@ -263,6 +263,8 @@ CASES: list[Case] = [
         "simulate-bad-policy", ("simulate", "--trace", "p3-trace", "--policy", "bogus"), "--policy"
     ),
     Case("simulate-zero-nodes", ("simulate", "--trace", "p3-trace", "--nodes", "0"), "--nodes"),
+    Case("simulate-bad-engine", ("simulate", "--trace", "p3-trace", "--engine", "horovod"),
+         "--engine"),
     Case("prices-unknown-provider", ("prices", "--provider", "azure"), "azure"),
     Case("init-exists", ("init", "."), "already exists"),
 ]

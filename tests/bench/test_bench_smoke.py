@@ -18,6 +18,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 from bench_lib import NAMES, get, steplog  # noqa: E402
 from bench_lib.core import Context, Row, Stat, fmt_stat, table  # noqa: E402
 
+from spotctl.errors import SpecError  # noqa: E402
+
 
 def _ctx(tmp_path: Path) -> Context:
     return Context(repeat=1, work=tmp_path / "work", out=tmp_path / "out", quiet=True)
@@ -138,6 +140,27 @@ def test_cli_json_and_recovery_file(tmp_path: Path) -> None:
     assert set(load_recovery_json(out / "bench-recovery.json")) == set(rec)
 
 
+def test_recovery_file_per_engine(tmp_path: Path) -> None:
+    # what scripts/bench writes: shared fields at the top, each engine's under its name;
+    # simulate takes the shared ones and its engine's, never another engine's
+    from spotctl.simulate.model import load_recovery_json
+
+    f = tmp_path / "bench-recovery.json"
+    f.write_text(json.dumps({"checkpoint_cost_s": 1.5,
+                             "torchrun": {"notice_recovery_s": 4.1, "hard_recovery_s": 6.9},
+                             "torchft": {"notice_recovery_s": 0.14, "join_pause_s": 0.05}}))
+    assert load_recovery_json(f, "torchft") == {
+        "checkpoint_cost_s": 1.5, "notice_recovery_s": 0.14, "join_pause_s": 0.05}
+    assert load_recovery_json(f, "torchrun") == {
+        "checkpoint_cost_s": 1.5, "notice_recovery_s": 4.1, "hard_recovery_s": 6.9}
+    f.write_text(json.dumps({"torchrun": {"notice_recovery_s": 4.1}}))
+    with pytest.raises(SpecError, match="no known field for the torchft engine"):
+        load_recovery_json(f, "torchft")
+    f.write_text(json.dumps({"torchft": {"join_pause_s": "fast"}}))
+    with pytest.raises(SpecError, match="torchft.join_pause_s must be a number"):
+        load_recovery_json(f, "torchft")
+
+
 @pytest.fixture(scope="module")
 def cluster_ctx(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Context]:
     # the plain torchrun baseline with a 1 s rendezvous last call and a dead agent counted
@@ -165,9 +188,15 @@ def test_cluster_benchmarks_smoke(cluster_ctx: Context, name: str, count: int) -
     rows = get(name)(cluster_ctx, **SMALL)
     _check(rows, name, count)
     assert all(r.baseline is not None for r in rows), rows
+    # each engine's measured pauses for `spotctl simulate --engine E --recovery-json`; no
+    # hard_recovery_s for torchft (a SIGKILL is not a vanished VM: the model's assumption)
     sim = cluster_ctx.sim
-    want = {"recovery": {"notice_recovery_s", "hard_recovery_s"}, "join": {"join_pause_s"}}
-    assert want.get(name, set()) <= set(sim)
+    want = {"recovery": {"torchrun": {"notice_recovery_s", "hard_recovery_s"},
+                         "torchft": {"notice_recovery_s"}},
+            "join": {"torchrun": {"join_pause_s"}, "torchft": {"join_pause_s"}}}
+    for engine, keys in want.get(name, {}).items():
+        assert keys <= set(sim.get(engine, {})), (engine, sim)
+    assert "hard_recovery_s" not in sim.get("torchft", {}), sim
     from spotctl.agent import proctree
 
     assert proctree.tagged_prefix(str(cluster_ctx.work) + "/") == []

@@ -145,7 +145,7 @@ def test_capacity_back_cluster_back_and_simulate_agrees(local_cluster, tmp_path,
     sim = json.loads(c.cli(
         "simulate", "--trace", str(trace), "--policy", "spotctl", "--nodes", "3", "--json",
         "--reconcile-interval", "3", "--provision", "5", "--spot-price", "0.9",
-        "--on-demand-price", "3.0").stdout)
+        "--on-demand-price", "3.0", "--engine", engine).stdout)
     acts = sim["policies"][0]["plan_actions"]
     simulated = [(a["type"], a["count"], a["reason"].split(":")[0]) for a in acts]
     assert simulated == live, (simulated, live, schedule)

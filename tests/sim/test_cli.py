@@ -35,7 +35,21 @@ def test_json_shape() -> None:
     assert od["cost_per_progress_vs_on_demand"] == 1.0
     assert od["time_to_finish_h"] == doc["trace"]["span_h"]
     assert doc["trace"]["format"] == "bamboo" and doc["model"]["nodes"] == 8
-    assert doc["model"]["notice_recovery_s"] == 10.0
+    # the default engine's model (torchft): sub-second pauses, a vanished VM's timeout
+    m = doc["model"]
+    assert (m["engine"], m["notice_recovery_s"], m["join_pause_s"], m["hard_recovery_s"]) == (
+        "torchft", 0.3, 0.2, 10.0)
+
+
+def test_engine_flag_picks_the_model_and_a_bad_one_is_refused() -> None:
+    args = ["simulate", "--trace", str(DATA / "g4dn-trace.csv"), "--nodes", "8", "--json",
+            "--policy", "spotctl"]
+    res = CliRunner().invoke(app, [*args, "--engine", "torchrun", "--join-pause", "3"])
+    assert res.exit_code == 0, res.output
+    m = json.loads(res.output)["model"]
+    assert (m["engine"], m["notice_recovery_s"], m["join_pause_s"]) == ("torchrun", 10.0, 3.0)
+    res = CliRunner().invoke(app, [*args, "--engine", "horovod"])
+    assert isinstance(res.exception, SpecError) and "--engine 'horovod'" in str(res.exception)
 
 
 def test_one_policy_hours_flags_and_recovery_json(tmp_path: Path) -> None:
@@ -77,7 +91,7 @@ def test_table_and_plot(tmp_path: Path) -> None:
         app, ["simulate", "--trace", str(DATA / "p3-trace.csv"), "--nodes", "8", "--plot", str(png)]
     )
     assert res.exit_code == 0, res.output
-    for word in ("spotctl", "restart", "ondemand", "goodput"):
+    for word in ("spotctl", "restart", "ondemand", "goodput", "torchft"):
         assert word in res.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000

@@ -114,6 +114,39 @@ def test_hard_losses_cost_at_most_one_checkpoint_interval_each() -> None:
     assert r.lost_steps <= r.preemptions * m.checkpoint_every
 
 
+def test_torchft_loses_the_step_in_flight_not_the_interval_and_writes_no_drain_checkpoint(
+    tmp_path: Path,
+) -> None:
+    # 4 nodes; one vanishes without notice after 1 h, another leaves with one at 2 h, and
+    # both come back at 3 h (60 s ticks). torchrun rolls back to the last checkpoint;
+    # torchft loses one step at 4 nodes (4/4 of a full-size step) and pays its pauses.
+    tr = count_trace(tmp_path, [4] * 60 + [3] * 60 + [2] * 60 + [4] * 60)
+    kw = dict(step_time_s=1.0, checkpoint_every=1000, checkpoint_cost_s=0.0, notice_fraction=0.5)
+    ft = SimModel.for_engine("torchft", **kw)
+    tr_ = SimModel.for_engine("torchrun", **kw)
+    assert (ft.engine, ft.notice_recovery_s, ft.hard_recovery_s, ft.join_pause_s) == (
+        "torchft", 0.3, 10.0, 0.2)
+    assert SimModel.for_engine("torchrun") == SimModel()
+    a = run_policy("spotctl", tr, ft, PRICES, 4)
+    b = run_policy("spotctl", tr, tr_, PRICES, 4)
+    assert (a.preemptions, a.notices) == (b.preemptions, b.notices) == (2, 1)
+    # the second loss has no notice: torchft loses the one step in flight at 3 nodes (3/4
+    # of a full-size step); torchrun goes back to its last checkpoint: its cycle restarted
+    # at the drain, resumed at 3610 s, saved at 4610, 5610 and 6610: 590 s at 3/4 lost
+    assert a.lost_steps == pytest.approx(0.75)
+    assert b.lost_steps == pytest.approx((7200 - 6610) * 3 / 4)
+
+    def after(r: object, t: float) -> object:
+        return [s for s in r.samples if s.t_s <= t][-1]  # type: ignore[attr-defined]
+
+    # the notice at 1 h: torchrun's drain commits a checkpoint, torchft writes none
+    assert after(b, 3600).committed == after(b, 3600).progress == pytest.approx(3600)
+    assert after(a, 3600).committed == pytest.approx(3000)
+    assert a.progress_steps > b.progress_steps
+    with pytest.raises(SpecError, match="engine"):
+        SimModel.for_engine("horovod")
+
+
 def test_spotctl_shrinks_and_grows_back_restart_waits_for_full_size(tmp_path: Path) -> None:
     # 2 nodes for 1 h, 1 node for 2 h, then 2 nodes for 3 h (60 s ticks).
     tr = count_trace(tmp_path, [2] * 60 + [1] * 120 + [2] * 180)
