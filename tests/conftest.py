@@ -252,6 +252,10 @@ class CliProject:
         self.project.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / "templates" / "train.py", self.project / "train.py")
         self.env = dict(os.environ, SPOTCTL_HOME=str(self.home), NO_COLOR="1")
+        # a pipe's full-width tables (PIPE_WIDTH), whatever the runner's COLUMNS: an 80
+        # column one cut a rescale's details short when a long event type widened the
+        # type column (seen under pytest-xdist)
+        self.env.pop("COLUMNS", None)
         self.env.update(env_extra or {})
 
     def debug(self) -> str:

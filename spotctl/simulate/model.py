@@ -120,9 +120,11 @@ ENGINE_DEFAULTS: dict[str, dict[str, float]] = {
         "notice_recovery_s": 0.3,
         "join_pause_s": 0.2,
         # A preempted VM without notice vanishes: no RST closes its sockets (a SIGKILL
-        # does, hence the bench's 0.17 s), so the survivors' cross-replica collective
-        # waits out its timeout (spotctl.elastic.ft's FT_TIMEOUT_S, 10 s) before the
-        # quorum re-forms without it.
+        # does, hence the bench's 0.17 s). Cut off mid-collective, the survivors wait out
+        # the cross-replica timeout (spotctl.elastic.ft's FT_TIMEOUT_S, 10 s): measured
+        # 10.1 s with a netns link taken down under a compute-bound step; cut off between
+        # collectives, the next quorum leaves it out (0.21 s, tiny model). With a GPU's
+        # gradient all-reduce spread over most of the step, the first is the usual case.
         "hard_recovery_s": 10.0,
     },
 }
