@@ -143,9 +143,10 @@ def rows(ctx: Context, nodes: int, repeat: int | None, which: str) -> list[Row]:
     # the simulator's torchft pauses; not its hard_recovery_s: a SIGKILL here closes the
     # sockets at once, a VM that vanishes does not (spotctl.simulate.model.ENGINE_DEFAULTS)
     sim = ctx.engine_sim("torchft")
-    for key, xs in (("notice_recovery_s", f.notice), ("join_pause_s", f.join)):
-        if xs and which == ("join" if key == "join_pause_s" else "recovery"):
-            sim[key] = round(statistics.median(xs), 3)
+    if which == "recovery" and f.notice:
+        sim["notice_recovery_s"] = round(statistics.median(f.notice), 3)
+    if which == "join" and f.join:
+        sim["join_pause_s"] = round(statistics.median(f.join), 3)
     if which == "recovery":
         return [
             row("recovery", f"torchft: pause at a notice ({m_down})", f.notice, b.notice, "s",

@@ -428,6 +428,8 @@ class Coordinator:
             # it happened is unknown too, so no duration is measured from it
             cause = Cause("join" if grew else "failure", inc["first_seen"])
         cause = cause or Cause("restart", inc["first_seen"])
+        if not keep:
+            self.cause = None
         if inc["prev_world"] == 0:
             # a group that trained before this head started (torchft, after a head restart:
             # the replicas went on from memory) is taken up where first seen, not
@@ -436,8 +438,6 @@ class Coordinator:
             self.record("train-start", world_size=inc["world_size"],
                         resume_step=max(inc["resume_step"], self.max_step) if adopted
                         else inc["resume_step"], **({"adopted": True} if adopted else {}))
-            if not keep:
-                self.cause = None
             return
         lost = max(0, inc["prev_max"] - inc["resume_step"])
         rank0 = next((w for n in self.nodes.values() for w in n.workers
@@ -462,8 +462,6 @@ class Coordinator:
             worker_start=(rank0.startup if rank0 and spawned is not None else None),
             worker_spawned_after_s=spawned,
         )
-        if not keep:
-            self.cause = None
 
     # -- outputs
     def _reply(self, node: NodeInfo) -> dict[str, Any]:
