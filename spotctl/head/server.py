@@ -5,18 +5,24 @@ small on-demand VM). The token is read from a file, never from the command line.
 API request needs `Authorization: Bearer <token>`: the cluster secret (the controller)
 or a node's own token (spotctl.head.auth), which may only call the node routes and speak
 for that node. Every field is validated (spotctl.head.validate); sizes, connections and
-the in-memory event list are capped; a failing tick is logged, never fatal.
+the in-memory event list are capped; a failing tick is logged, never fatal. Before the
+token is read a request has a deadline (the whole request, not each read) and capped
+request-line and header sizes, and unauthenticated connections make room for newcomers
+(_BoundedHTTPServer): hostile clients without a token cannot lock the controller out.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -30,11 +36,19 @@ from spotctl.state import write_json_atomic
 
 log = logging.getLogger("spotctl.head")
 MAX_BODY = 1 << 20
-MAX_CONNECTIONS = 256  # concurrent; more are closed at once
+MAX_CONNECTIONS = 256  # concurrent (a thread each)
+PER_ADDRESS = 64  # unauthenticated connections one address may hold at once
+PER_NODE_TRUSTED = 8  # authenticated connections one node credential may hold
+EVICTING_MAX = 32  # connections closed for newcomers whose threads have not ended yet
+# read before the token is checked: a request's line, its header block and header count
+MAX_REQUEST_LINE = 4096
+MAX_HEADER_BYTES = 8192
+MAX_HEADERS = 64
+REQUEST_DEADLINE_S = 10.0  # the whole request (line, headers, body) arrives within this
 MAX_NODES = 1024
 MAX_EVENTS = 10_000  # kept in memory (all are journaled to events.jsonl)
 MAX_EVENTS_REPLY = MAX_EVENTS
-HANDLER_TIMEOUT_S = 10.0
+HANDLER_TIMEOUT_S = 10.0  # a write to a client that does not read
 NODE_RATE = 50.0  # requests a second per node credential (an agent sends ~4)
 NODE_BURST = 100.0
 # what a node's own credential may call (everything else is the controller's)
@@ -69,30 +83,168 @@ class RateLimit:
             return ok
 
 
+class _HeadTooLarge(Exception):
+    """A request line or header block over its cap (answered 431, connection closed)."""
+
+
+class _DeadlineIO(io.RawIOBase):
+    """The socket as read by one connection's handler: every recv waits at most until the
+    current request's deadline, so a request that trickles in (a slowloris: one byte every
+    few seconds) is cut off when its deadline passes, however often its bytes come."""
+
+    def __init__(self, sock: socket.socket, reader: _RequestReader):
+        super().__init__()
+        self.sock, self.reader = sock, reader
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        left = self.reader.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("request deadline passed")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(b)
+
+
+class _RequestReader:
+    """The handler's rfile: a deadline per request (the request line, the headers and the
+    body all arrive within REQUEST_DEADLINE_S, counted from the moment the head waits for
+    the request) and a cap on the request line and on the header block's size and line
+    count, enforced while reading, before the token is looked at."""
+
+    def __init__(self, sock: socket.socket):
+        self.deadline = time.monotonic() + REQUEST_DEADLINE_S
+        self._f = io.BufferedReader(_DeadlineIO(sock, self), 8192)
+        self._line_left = self._head_left = 0
+        self._lines_left = 0
+
+    def start(self) -> None:
+        """A new request: its deadline and its head's budget start now."""
+        self.deadline = time.monotonic() + REQUEST_DEADLINE_S
+        self._line_left = MAX_REQUEST_LINE
+        self._head_left = MAX_HEADER_BYTES
+        self._lines_left = MAX_HEADERS + 1  # the empty line that ends the headers
+
+    def readline(self, limit: int = -1) -> bytes:
+        if self._line_left:  # the request line
+            cap, self._line_left = self._line_left, 0
+            line = self._f.readline(cap + 1)
+            if len(line) > cap:
+                raise _HeadTooLarge(f"request line over {cap} bytes")
+            return line
+        if self._lines_left <= 0:
+            raise _HeadTooLarge(f"over {MAX_HEADERS} headers")
+        cap = self._head_left + 1
+        line = self._f.readline(cap if limit < 0 else min(limit, cap))
+        self._head_left -= len(line)
+        self._lines_left -= 1
+        if self._head_left < 0:
+            raise _HeadTooLarge(f"headers over {MAX_HEADER_BYTES} bytes")
+        return line
+
+    def read(self, n: int = -1) -> bytes:
+        return self._f.read(n)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+@dataclass
+class _Conn:
+    sock: Any
+    host: str
+    opened: float
+    trusted: str = ""  # who it proved to be ("" until a request carried a valid token)
+    evicted: bool = False
+
+
 class _BoundedHTTPServer(ThreadingHTTPServer):
-    """A thread per connection, but at most MAX_CONNECTIONS at once."""
+    """A thread per connection, at most `max_connections` at once, and the newest comer
+    always gets a chance: when the slots are full (or one address holds PER_ADDRESS of the
+    connections that have not authenticated yet) the oldest unauthenticated connection of
+    the address holding most of them is closed to make room. A connection counts as
+    authenticated once one of its requests carried a valid token (at most PER_NODE_TRUSTED
+    per node credential), and is never evicted for a newcomer: 300 stalled sockets from
+    one address, or from loopback (which every local client shares), can no longer lock
+    the controller out. Only when every slot is authenticated is a newcomer refused."""
 
     daemon_threads = True
     request_queue_size = 128
 
     def __init__(self, *a: Any, **kw: Any) -> None:
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        # the slot each open connection holds, released exactly once, into the semaphore it
-        # came from (by its thread, or here when the thread could not start)
-        self._held: dict[Any, threading.BoundedSemaphore] = {}
+        self.max_connections = MAX_CONNECTIONS
+        self.per_address = PER_ADDRESS
+        self._conns: dict[Any, _Conn] = {}
+        self._conns_lock = threading.Lock()
+        self.evictions = 0  # for tests and the attack benchmark
         super().__init__(*a, **kw)
 
     def _release(self, request: Any) -> None:
-        slots = self._held.pop(request, None)  # atomic: only one caller gets it
-        if slots is not None:
-            slots.release()
+        with self._conns_lock:
+            self._conns.pop(request, None)
+
+    def _victim(self, host: str) -> _Conn | None:
+        """The connection to close for a newcomer from `host`, None when none is needed,
+        or raises LookupError when every slot is authenticated (the newcomer is refused)."""
+        live = [c for c in self._conns.values() if not c.evicted]
+        untrusted = [c for c in live if not c.trusted]
+        mine = [c for c in untrusted if c.host == host]
+        if len(mine) >= self.per_address:
+            return min(mine, key=lambda c: c.opened)
+        if len(live) < self.max_connections:
+            return None
+        if not untrusted:
+            raise LookupError("every connection is authenticated")
+        per_host: dict[str, int] = {}
+        for c in untrusted:
+            per_host[c.host] = per_host.get(c.host, 0) + 1
+        worst = max(per_host, key=lambda h: per_host[h])
+        return min((c for c in untrusted if c.host == worst), key=lambda c: c.opened)
+
+    def _admit(self, request: Any, client_address: Any) -> bool:
+        host = str(client_address[0]) if isinstance(client_address, tuple) else ""
+        with self._conns_lock:
+            # closed-but-not-yet-gone connections still hold a thread: a bound on those too
+            if len(self._conns) >= self.max_connections + EVICTING_MAX:
+                return False
+            try:
+                victim = self._victim(host)
+            except LookupError:
+                return False
+            if victim is not None:
+                victim.evicted = True
+                self.evictions += 1
+                try:
+                    victim.sock.shutdown(socket.SHUT_RDWR)  # its thread reads EOF and ends
+                except OSError:
+                    pass
+            self._conns[request] = _Conn(request, host, time.monotonic())
+            return True
+
+    def trust(self, request: Any, who: Principal) -> None:
+        """`request` carried a valid token: it is no longer evicted for newcomers."""
+        key = "controller" if who.controller else f"node:{who.node_id}"
+        with self._conns_lock:
+            c = self._conns.get(request)
+            if c is None or c.trusted:
+                return
+            if not who.controller and sum(
+                    1 for x in self._conns.values() if x.trusted == key) >= PER_NODE_TRUSTED:
+                return
+            c.trusted = key
+
+    def connections(self) -> dict[str, int]:
+        """How many connections are open, authenticated, closing (for tests and benches)."""
+        with self._conns_lock:
+            cs = list(self._conns.values())
+        return {"open": len(cs), "trusted": sum(1 for c in cs if c.trusted),
+                "evicted": sum(1 for c in cs if c.evicted), "evictions": self.evictions}
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        slots = self._slots
-        if not slots.acquire(blocking=False):
+        if not self._admit(request, client_address):
             self.shutdown_request(request)
             return
-        self._held[request] = slots
         try:
             super().process_request(request, client_address)
         except Exception:
@@ -166,13 +318,23 @@ class HeadServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
-            timeout = HANDLER_TIMEOUT_S  # a client that stalls mid-request is dropped
+            timeout = HANDLER_TIMEOUT_S
+            rfile: Any
+
+            def setup(self) -> None:
+                super().setup()
+                # reads go through the request deadline and the head caps (see
+                # _RequestReader), not through the per-recv timeout alone
+                self.rfile.close()
+                self.rfile = _RequestReader(self.connection)
 
             def log_message(self, fmt: str, *args: Any) -> None:
                 pass
 
             def _send(self, code: int, obj: Any, close: bool = False) -> None:
                 body = json.dumps(obj).encode()
+                # reads left the socket's timeout at what the request deadline had left
+                self.connection.settimeout(HANDLER_TIMEOUT_S)
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -220,6 +382,7 @@ class HeadServer:
                 if who is None:
                     self._send(401, {"error": "missing or wrong token"}, close=True)
                     return True
+                self.server.trust(self.connection, who)  # type: ignore[attr-defined]
                 if not who.controller and (method, path) not in NODE_ROUTES:
                     self._send(403, {"error": f"a node may not call {path}"}, close=True)
                     return True
@@ -229,10 +392,19 @@ class HeadServer:
                 return False
 
             def handle_one_request(self) -> None:
+                self.rfile.start()
                 try:
                     super().handle_one_request()
                 except (TimeoutError, ConnectionError):
                     self.close_connection = True
+                except _HeadTooLarge as e:
+                    self.close_connection = True
+                    self.request_version = "HTTP/1.1"
+                    self.requestline = getattr(self, "requestline", "")
+                    try:
+                        self._send(431, {"error": str(e)}, close=True)
+                    except OSError:
+                        pass
                 except Exception:  # never let one request take a thread's loop down
                     log.exception("request failed")
                     self.close_connection = True

@@ -295,55 +295,78 @@ def test_garbage_requests_get_4xx_and_the_head_still_serves(head: HeadServer) ->
     assert HeadClient(head.url, SECRET).health()["ok"]
 
 
-def test_connections_are_capped_and_idle_ones_dropped(head: HeadServer,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A flood of idle sockets neither exhausts threads (over the cap they are closed at
-    once) nor holds the head: after the handler timeout the head serves again."""
-    monkeypatch.setattr(head.httpd, "_slots", threading.BoundedSemaphore(8))
-    idle = [socket.create_connection(("127.0.0.1", head.http_port)) for _ in range(8)]
-    time.sleep(0.3)
+def _wait(cond: Any, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _health_on(s: socket.socket) -> bytes:
+    """One keep-alive GET /api/health on `s`, with the controller's token: the reply."""
+    s.sendall(b"GET /api/health HTTP/1.1\r\nHost: x\r\nAuthorization: " + CTL.encode()
+              + b"\r\n\r\n")
+    out = b""
+    while b"}" not in out and (chunk := s.recv(4096)):
+        out += chunk
+    return out
+
+
+def _keepalive(head: HeadServer) -> socket.socket:
+    """A connection that authenticated with the controller's token and stays open."""
+    s = socket.create_connection(("127.0.0.1", head.http_port), timeout=5)
+    assert _health_on(s).startswith(b"HTTP/1.1 200")
+    return s
+
+
+def test_connections_are_capped_and_the_oldest_idle_one_makes_room(head: HeadServer) -> None:
+    """A flood of idle sockets neither exhausts threads nor holds the head: over the cap
+    the oldest connection that has not authenticated is closed by the head, so a newcomer
+    (the controller) is served at once; threads stay bounded."""
+    head.httpd.max_connections = 8
+    idle = [socket.create_connection(("127.0.0.1", head.http_port), timeout=5)
+            for _ in range(8)]
+    assert _wait(lambda: head.httpd.connections()["open"] == 8)
     extra = socket.create_connection(("127.0.0.1", head.http_port), timeout=5)
-    assert extra.recv(10) == b""  # over the cap: closed by the head
-    extra.close()
-    threads = threading.active_count()
-    assert threads < 8 + 20
-    for s in idle:
+    assert idle[0].recv(10) == b""  # the oldest: closed by the head for the newcomer
+    assert HeadClient(head.url, SECRET).health()["ok"]  # and a client is served at once
+    assert threading.active_count() < 8 + 20
+    for s in [*idle, extra]:
         s.close()
-    deadline = time.monotonic() + head_server.HANDLER_TIMEOUT_S + 5
-    while time.monotonic() < deadline:
-        try:
-            assert HeadClient(head.url, SECRET).health()["ok"]
-            break
-        except Exception:
-            time.sleep(0.2)
-    else:
-        pytest.fail("head did not serve again after the idle connections closed")
+    assert _wait(lambda: head.httpd.connections()["open"] == 0), head.httpd.connections()
 
 
-def test_a_connection_gives_its_slot_back_to_the_cap_it_took_it_from(
-        head: HeadServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each connection's slot goes back once, into the semaphore it came from, even when
-    the cap was replaced meanwhile (as the test above does; its teardown used to make a
-    closing connection's thread release into the full original: 'Semaphore released too
-    many times' in the thread)."""
-    errors: list[BaseException] = []
-    monkeypatch.setattr(threading, "excepthook", lambda a: errors.append(a.exc_value))
-    first = threading.BoundedSemaphore(2)
-    monkeypatch.setattr(head.httpd, "_slots", first)
-    conn = socket.create_connection(("127.0.0.1", head.http_port))
-    deadline = time.monotonic() + 5
-    while first not in head.httpd._held.values() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert first in head.httpd._held.values(), "the connection holds no slot of the cap"
-    second = threading.BoundedSemaphore(1)
-    monkeypatch.setattr(head.httpd, "_slots", second)
-    conn.close()
-    while head.httpd._held and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not head.httpd._held and errors == [], errors
-    # both caps whole again: 2 slots in the first, 1 in the second, none more
-    assert [first.acquire(blocking=False) for _ in range(3)] == [True, True, False]
-    assert [second.acquire(blocking=False) for _ in range(2)] == [True, False]
+def test_authenticated_connections_are_not_evicted(head: HeadServer) -> None:
+    """Only connections that have not shown a token make room; when every slot holds an
+    authenticated one a newcomer is refused (closed at once), and a node credential holds
+    at most PER_NODE_TRUSTED of them."""
+    head.httpd.max_connections = 4
+    kept = [_keepalive(head) for _ in range(4)]
+    assert _wait(lambda: head.httpd.connections()["trusted"] == 4)
+    extra = socket.create_connection(("127.0.0.1", head.http_port), timeout=5)
+    assert extra.recv(10) == b""  # refused
+    for s in kept:  # and none of the authenticated ones was touched
+        assert _health_on(s).startswith(b"HTTP/1.1 200")
+        s.close()
+    extra.close()
+    assert _wait(lambda: head.httpd.connections()["open"] == 0), head.httpd.connections()
+
+
+def test_every_connection_is_forgotten_when_it_ends(head: HeadServer) -> None:
+    """Closed, evicted and refused connections all leave the table (no slot leaks)."""
+    head.httpd.max_connections = 3
+    head.httpd.per_address = 2
+    socks = [socket.create_connection(("127.0.0.1", head.http_port), timeout=5)
+             for _ in range(6)]
+    assert _wait(lambda: head.httpd.evictions >= 4), head.httpd.connections()
+    assert [s.recv(10) for s in socks[:4]] == [b""] * 4  # the 4 oldest made room
+    assert head.httpd.connections()["open"] <= 3
+    for s in socks:
+        s.close()
+    assert _wait(lambda: head.httpd.connections()["open"] == 0), head.httpd.connections()
+    assert HeadClient(head.url, SECRET).health()["ok"]
 
 
 def test_the_in_memory_event_list_is_bounded(head: HeadServer,
