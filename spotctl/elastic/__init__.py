@@ -74,11 +74,27 @@ _T_IMPORTED = time.time()
 __all__ = ["ElasticBatchSampler", "ResumeMismatch", "Run", "epoch_permutation", "init",
            "micro_slices", "split_batch"]
 log = logging.getLogger("spotctl.elastic")
-_CUDA = torch.cuda.is_available()
-# Collective timeout. Short on CPU/gloo (a vanished peer must not block survivors for 30
-# minutes); long with CUDA, where a first step under torch.compile or a large load keeps
-# peers waiting for minutes. SPOTCTL_PG_TIMEOUT_S overrides both.
-PG_TIMEOUT_S = float(os.environ.get("SPOTCTL_PG_TIMEOUT_S", "900" if _CUDA else "60"))
+_cuda_answer: bool | None = None
+
+
+def _cuda() -> bool:
+    """Whether this process trains on CUDA, asked once, when a worker first needs it.
+    Never at import: the warm zygote imports this module and then forks workers, and any
+    CUDA query there (is_available() counts devices through the driver) poisons every
+    forked child ("Cannot re-initialize CUDA in forked subprocess")."""
+    global _cuda_answer
+    if _cuda_answer is None:
+        _cuda_answer = torch.cuda.is_available()
+    return _cuda_answer
+
+
+def _pg_timeout_s() -> float:
+    """Collective timeout. Short on CPU/gloo (a vanished peer must not block survivors for
+    30 minutes); long with CUDA, where a first step under torch.compile or a large load
+    keeps peers waiting for minutes. SPOTCTL_PG_TIMEOUT_S overrides both."""
+    return float(os.environ.get("SPOTCTL_PG_TIMEOUT_S", "900" if _cuda() else "60"))
+
+
 # Forming the group: a peer that never shows up (it left during the rendezvous) must not
 # hold the others for long; they fail, and torchrun re-forms without it.
 PG_INIT_TIMEOUT_S = float(os.environ.get("SPOTCTL_PG_INIT_TIMEOUT_S", "30"))
@@ -91,7 +107,7 @@ class ResumeMismatch(SystemExit):
 
 
 def _backend() -> str:
-    return "cuda:nccl,cpu:gloo" if _CUDA else "gloo"
+    return "cuda:nccl,cpu:gloo" if _cuda() else "gloo"
 
 
 def init(timeout_s: float | None = None) -> torch.device:
@@ -100,11 +116,12 @@ def init(timeout_s: float | None = None) -> torch.device:
     collectives) and cpu:gloo (control). Without CUDA: gloo. Returns the device to put
     the model and batches on. Call it before building a DeviceMesh / fully_shard."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if _CUDA else torch.device("cpu")
-    if _CUDA:
+    cuda = _cuda()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        _init_process_group(timeout_s or PG_TIMEOUT_S, device if _CUDA else None)
+        _init_process_group(timeout_s or _pg_timeout_s(), device if cuda else None)
     return device
 
 
@@ -316,7 +333,7 @@ class Run:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.local_rank = int(env.get("LOCAL_RANK", "0"))
-        t = timedelta(seconds=timeout_s or PG_TIMEOUT_S)
+        t = timedelta(seconds=timeout_s or _pg_timeout_s())
         # control traffic (drain flag, incarnation) and checkpoint coordination: CPU/gloo,
         # never a device synchronisation
         self.ctl_pg = dist.new_group(backend="gloo", timeout=t)
@@ -455,6 +472,48 @@ class Run:
                 "incarnation": self.incarnation, "seed": self.seed,
                 "global_batch": self.global_batch, "dataset_size": self.dataset_size,
                 "micro_batch": self.micro_batch}
+
+    # -- one view of the job, on either engine
+    @property
+    def is_main(self) -> bool:
+        """True on exactly one process of the whole job at any step: log and write files
+        there. (On torchft, `rank` and `world` are the replica group's own process group;
+        use dp_rank / dp_world for the job's data-parallel coordinates.)"""
+        return self.rank == 0
+
+    def all_reduce(self, value: Any, op: str = "sum") -> Any:
+        """Reduce a metric over every data-parallel rank of the job: op "sum", "mean",
+        "max" or "min". `value`: a number (a float comes back) or a tensor (a new tensor
+        comes back). Every process must call it at the same point of the step. Ranks that
+        hold the same data (tensor-parallel peers) count once."""
+        if op not in ("sum", "mean", "max", "min"):
+            raise ValueError(f"all_reduce op must be sum, mean, max or min, not {op!r}")
+        number = not isinstance(value, torch.Tensor)
+        t = (torch.tensor(float(value), dtype=torch.float64) if number
+             else value.detach().clone())
+        if op == "mean" and not t.is_floating_point():
+            t = t.double()
+        self._reduce(t, op)
+        if op == "mean":
+            t /= self.dp_world
+        return t.item() if number else t
+
+    def mean(self, value: Any) -> Any:
+        """all_reduce(value, "mean"): e.g. the global mean loss of a step."""
+        return self.all_reduce(value, "mean")
+
+    def _reduce(self, t: torch.Tensor, op: str) -> None:
+        """Sum (or max/min) of `t` over the data-parallel ranks, in place."""
+        if op in ("max", "min"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN)
+            return
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        if self.world != self.local_dp_world:  # non-data-parallel peers hold copies
+            t /= self.world // self.local_dp_world
+
+    def sync_grads(self) -> None:
+        """Gradients are averaged over every data-parallel rank during backward (DDP,
+        FSDP2): nothing to do. Kept for scripts that call it on either engine."""
 
     # -- per step
     @property

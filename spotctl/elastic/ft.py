@@ -33,6 +33,7 @@ interface as torchft does by default; the Lighthouse binds the head's (spotctl.h
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -44,6 +45,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ReduceOp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from spotctl.elastic import (
@@ -116,6 +118,38 @@ class UniqueQuorums:
         return _Quorum(q, self.quorum_id)
 
 
+def _await_start_peers(lighthouse: str, n: int, bound_s: float) -> None:
+    """Before this replica's first quorum: while the Lighthouse has formed none yet (a new
+    cluster), wait until `n` replicas heartbeat it (each starts when its Manager exists),
+    at most `bound_s`. The Lighthouse's first quorum then waits for every heartbeating
+    replica (its join timeout), so the cluster's first quorum has them all. A Lighthouse
+    that has formed a quorum (a joiner, a restart) is not waited for. Read from its status
+    page (torchft 0.2.0's: no API gives the heartbeat count)."""
+    import re
+    import urllib.request
+
+    if n <= 1:
+        return
+    end = time.monotonic() + bound_s
+    seen = -1
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(f"{lighthouse.rstrip('/')}/status", timeout=2) as r:
+                page = r.read(1 << 20).decode(errors="replace")
+        except OSError:
+            time.sleep(0.1)
+            continue
+        qid = re.search(r"Current quorum_id: (\d+)", page)
+        beats = re.search(r"\[(\d+) heartbeating\]", page)
+        if qid is None or beats is None or int(qid.group(1)) > 0:
+            return  # a quorum exists already (or a page this code cannot read)
+        seen = int(beats.group(1))
+        if seen >= n:
+            return
+        time.sleep(0.05)
+    log.warning("started with %d of the %d replicas expected after %.0f s", seen, n, bound_s)
+
+
 def _bound_manager_server(host: str) -> Any:
     """torchft's ManagerServer, bound to `host` instead of every interface."""
     from torchft._torchft import ManagerServer
@@ -146,6 +180,31 @@ def _gate_scheduler(sched: Any, run: FtRun) -> None:
         _SCHED_CLASSES[base] = type(base.__name__, (base,), {"step": step})
     sched.__class__ = _SCHED_CLASSES[base]
     _SCHED_GATES[id(sched)] = run
+
+
+_SCALER_GATES: dict[int, Any] = {}
+_SCALER_CLASSES: dict[type, type] = {}
+
+
+def _gate_scaler(scaler: Any, run: FtRun) -> None:
+    """A GradScaler's update() follows the commit vote: a step nobody applies leaves the
+    scale as it was (an overflow found in the globally averaged gradients, seen alike by
+    every replica, updates it as in plain training). update() takes the vote when the
+    scaler skipped optimizer.step() for an inf."""
+    base = type(scaler)
+    if base not in _SCALER_CLASSES:
+        def update(self: Any, *a: Any, **kw: Any) -> Any:
+            if not _SCALER_GATES[id(self)]._commit():
+                from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+                self._per_optimizer_states = collections.defaultdict(
+                    _refresh_per_optimizer_state)
+                return None
+            return base.update(self, *a, **kw)
+
+        _SCALER_CLASSES[base] = type(base.__name__, (base,), {"update": update})
+    scaler.__class__ = _SCALER_CLASSES[base]
+    _SCALER_GATES[id(scaler)] = run
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -282,6 +341,7 @@ class FtRun(Run):
             self._ft_pg = ProcessGroupGloo(timeout=timedelta(seconds=FT_TIMEOUT_S))
         else:
             raise SystemExit(f"spotctl.elastic: SPOTCTL_FT_PG must be nccl or gloo, not {backend!r}")
+        self._ft_device = self.device if backend == "nccl" else torch.device("cpu")
         # live recovery over the same group: tensors go through it on its device
         transport = PGTransport(self._ft_pg, timeout=timedelta(seconds=FT_TIMEOUT_S),
                                 device=self.device if backend == "nccl" else torch.device("cpu"))
@@ -296,6 +356,11 @@ class FtRun(Run):
             quorum_timeout=timedelta(seconds=FT_QUORUM_TIMEOUT_S),
             quorum_retries=max(0, int(FT_QUORUM_TIMEOUT_S / max(FT_QUORUM_RETRY_S, 0.1)) - 1),
             connect_timeout=timedelta(seconds=FT_TIMEOUT_S),
+            # its Rust side heartbeats the Lighthouse this often: a silent replica is gone
+            # after the Lighthouse's heartbeat timeout (250 ms), a heartbeating one is
+            # waited for (spotctl.head.lighthouse)
+            heartbeat_interval=timedelta(milliseconds=float(
+                env.get("SPOTCTL_FT_HEARTBEAT_INTERVAL_MS", "50"))),
             replica_id=env.get("SPOTCTL_FT_REPLICA_ID") or env.get("SPOTCTL_NODE_ID") or None,
             hostname=host,
             checkpoint_transport=transport,
@@ -307,6 +372,8 @@ class FtRun(Run):
             o.step = self._gated(o.step)  # type: ignore[method-assign]
         for s in self.schedulers:
             _gate_scheduler(s, self)
+        if self.scaler is not None:
+            _gate_scaler(self.scaler, self)
         t_proc = _process_start_time()
         self.startup = {
             "imports": 0.0,
@@ -322,24 +389,89 @@ class FtRun(Run):
         # reports as an old group's, and record the join as 1 -> N
         self.phase = "init"
         self._report(force=True)
+        # a new cluster starts together: the first quorum waits (bounded) for the replicas
+        # started with it, instead of one replica training and the others healing in
+        _await_start_peers(env["TORCHFT_LIGHTHOUSE"], int(env.get("SPOTCTL_FT_START_REPLICAS") or 0),
+                           float(env.get("SPOTCTL_FT_START_WAIT_S", "30")))
 
     # -- setup
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Inside a replica group as on the restart path (DDP over the group's ranks, or
-        FSDP2/DTensor as given); a one-process replica needs no wrapper."""
-        if isinstance(model, DDP) or _is_sharded(model):
+        FSDP2/DTensor as given), with the cross-replica average added to the gradient
+        reduction that runs during backward (as HSDP does): when backward returns, every
+        gradient is the mean over the whole global batch, before any user code (clipping,
+        a GradScaler's unscale, a norm log) reads it. A one-process replica is wrapped too,
+        for the same hook."""
+        self._grads_synced = False
+        if _is_sharded(model):
+            self._hook_fsdp(model)
             return model
-        if self.device.type == "cuda":
-            model.to(self.device)
-        if self.world == 1:
+        if isinstance(model, DDP):
+            if not model.find_unused_parameters:
+                raise ValueError(
+                    "spotctl.elastic on the torchft engine: pass the plain module (spotctl "
+                    "wraps it in DDP), or a DDP built with find_unused_parameters=True: "
+                    "DDP otherwise re-orders its gradient buckets after its first step, and "
+                    "a replica that joins later would average gradients misaligned with "
+                    "its peers'")
+            model.register_comm_hook(None, self._ddp_hook)
             return model
         if self.local_dp_world != self.world:
             raise ValueError("a plain module is wrapped in DDP over every rank of the replica: "
                              "pass a module you parallelised yourself when the mesh has "
                              "other dimensions")
+        # find_unused_parameters=True keeps DDP's first bucket layout for good (it rebuilds
+        # buckets in gradient-ready order after the first step otherwise): the cross-replica
+        # reduction goes bucket by bucket, and a joiner's buckets must match its peers'
         if self.device.type == "cuda":
-            return DDP(model, device_ids=[self.device.index], output_device=self.device.index)
-        return DDP(model)
+            model.to(self.device)
+            ddp = DDP(model, device_ids=[self.device.index], output_device=self.device.index,
+                      find_unused_parameters=True)
+        else:
+            ddp = DDP(model, find_unused_parameters=True)
+        ddp.register_comm_hook(None, self._ddp_hook)
+        return ddp
+
+    def _hook_fsdp(self, model: torch.nn.Module) -> None:
+        """FSDP2 inside the replica: the cross-replica average runs on each reduce-scattered
+        gradient shard, in FSDP's own reduction during backward. A model FSDP cannot hook
+        (several parameter groups per module), or DTensors without FSDP, are averaged by
+        sync_grads() (explicit, or at the first optimizer step)."""
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover - torch without FSDP2
+            return
+        mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        try:
+            for m in mods:
+                m.set_all_reduce_hook(self._fsdp_hook)
+        except (ValueError, AttributeError) as e:
+            log.warning("FSDP all-reduce hook unavailable (%s): gradients are averaged "
+                        "across replicas at sync_grads() or the optimizer step", e)
+            for m in mods:
+                for g in m._get_fsdp_state()._fsdp_param_groups:  # type: ignore[attr-defined]
+                    g._all_reduce_hook = None
+
+    def _ddp_hook(self, _state, bucket):  # type: ignore[no-untyped-def]
+        # (no annotations: DDP checks a hook's against dist.GradBucket and Future, and this
+        # module's are strings)
+        buf = bucket.buffer()
+        if self.world > 1:  # the replica's own ranks first, as DDP's default hook does
+            buf.div_(self.world)
+            dist.all_reduce(buf)
+        self._cross_replica_mean(buf)
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+
+    def _fsdp_hook(self, reduced: torch.Tensor) -> None:
+        self._cross_replica_mean(reduced)
+
+    def _cross_replica_mean(self, t: torch.Tensor) -> None:
+        """Average `t` in place over the quorum's participating replicas. On an error the
+        values are garbage and the step's vote fails: everyone runs the step again."""
+        self.manager.allreduce(t).wait()
+        self._grads_synced = True
 
     # -- live recovery: what a joiner receives from a peer (same local rank)
     def _live_state(self) -> dict[str, Any]:
@@ -384,6 +516,7 @@ class FtRun(Run):
         if self.epoch >= self.epochs:
             return False
         self._decision = None
+        self._grads_synced = False
         t_quorum = time.perf_counter()
         self.manager.start_quorum()  # sync: quorum, PG reconfigure, healing applied
         self.quorum_s = time.perf_counter() - t_quorum
@@ -428,6 +561,21 @@ class FtRun(Run):
         healed step). Use it as on the restart path: run.micro_batches(iter(loader))."""
         return QuorumLoader(self, dataset, kwargs)
 
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0 and self.replica_rank == 0
+
+    def _reduce(self, t: torch.Tensor, op: str) -> None:
+        """Inside the replica group, then across the quorum's replicas (torchft's group:
+        on NCCL the value travels on this worker's GPU)."""
+        super()._reduce(t, op)
+        dev = t.device
+        x = t.to(self._ft_device)
+        rop = {"sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "max": ReduceOp.MAX,
+               "min": ReduceOp.MIN}[op]
+        self.manager.allreduce(x, reduce_op=rop).wait()
+        t.copy_(x.to(dev))
+
     def _leave_agreed(self) -> bool:
         flag = torch.tensor([1 if self.drain_requested else 0], dtype=torch.int32)
         if self.world > 1:
@@ -442,12 +590,20 @@ class FtRun(Run):
         return step
 
     def _commit(self) -> bool:
-        """Average gradients over the quorum's replicas, then torchft's commit vote: the
-        first optimizer.step() of a step takes it, the others follow it."""
+        """torchft's commit vote: the first optimizer.step() of a step takes it (gradients
+        already averaged across replicas during backward), the others follow it."""
         if self._decision is None:
-            self._allreduce_grads()
+            self.sync_grads()
             self._decision = bool(self.manager.should_commit())
         return self._decision
+
+    def sync_grads(self) -> None:
+        """Average this step's gradients over the quorum's replicas now, unless backward did
+        (the wrapped model's reduction does it whenever it can). For models spotctl cannot
+        hook: call it between backward() and any code that reads gradients."""
+        if not self._grads_synced:
+            self._allreduce_grads()
+            self._grads_synced = True
 
     def _allreduce_grads(self) -> None:
         grads: dict[torch.dtype, list[torch.Tensor]] = {}

@@ -5,7 +5,11 @@ over the whole dataset after the step (equal on every replica, and to an uninter
 run's, if no step was lost, repeated or half-applied). FT_FSDP=1: the model is FSDP2
 `fully_shard` over the replica group's workers (HSDP with torchft across the groups).
 FT_MICRO_BATCH: micro-batches of at most that many samples; FT_LOADER=k: the batches come
-from run.dataloader() with k DataLoader workers (the dataset yields each sample's index)."""
+from run.dataloader() with k DataLoader workers (the dataset yields each sample's index).
+FT_USER=1: what training scripts do between backward() and step(): a GradScaler (scale,
+unscale_, step, update), gradient clipping to FT_CLIP (default 0.05, so it always clips),
+the gradient norm logged, and the step's global mean loss from run.all_reduce; each is
+logged ("norm", "scale", "gloss") to compare with an uninterrupted one-process run."""
 
 from __future__ import annotations
 
@@ -36,11 +40,14 @@ def main() -> None:
         fully_shard(model, mesh=init_device_mesh(dev.type, (dist.get_world_size(),)))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.05 * s))
+    user = os.environ.get("FT_USER") == "1"
+    clip = float(os.environ.get("FT_CLIP", "0.05"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=7) if user else None
     gate = os.environ.get("FT_JOIN_GATE")
     while gate and not os.path.exists(gate):  # a pre-started joiner waits here, imports done
         time.sleep(0.01)
     run = elastic.Run(model, opt, dataset_size=N, global_batch=BATCH, seed=3,
-                      schedulers=[sched],
+                      schedulers=[sched], scaler=scaler,
                       micro_batch=int(os.environ.get("FT_MICRO_BATCH", "0")) or None)
     loader = None
     if os.environ.get("FT_LOADER"):
@@ -61,10 +68,23 @@ def main() -> None:
         for mb in run.micro_batches(loader):
             xb, yb, ib = (x[mb], y[mb], mb) if loader is None else mb
             loss = ((run.model(xb) - yb) ** 2).sum()
-            (loss * run.loss_scale).backward()
+            scaled = loss * run.loss_scale
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
             loss_sum += loss.item()
             idx += ib.tolist()
-        opt.step()
+        user_log = {}
+        if scaler is not None:
+            scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor over the replica's shards
+                norm = norm.full_tensor()
+            scaler.step(opt)
+            scaler.update()
+            user_log = {"norm": float(norm), "scale": scaler.get_scale(),
+                        "gloss": run.all_reduce(loss_sum, "sum") / run.step_samples,
+                        "main": run.is_main}
+        else:
+            opt.step()
         sched.step()
         run.end_step(loss=loss_sum)
         if run.step == before + 1:
@@ -75,7 +95,7 @@ def main() -> None:
                 "replicas": getattr(run, "replicas", 1), "pid": os.getpid(),
                 "quorum_s": getattr(run, "quorum_s", None),
                 "lr": sched.get_last_lr()[0], "wrapper": type(run.model).__name__,
-                "loaders": getattr(loader, "restarts", None),
+                "loaders": getattr(loader, "restarts", None), **user_log,
             }) + "\n")
         if delay:
             time.sleep(delay)

@@ -87,36 +87,67 @@ class Counter:
         self.n = sd["n"]
 
 
-def plain_losses(cfg: dict[str, Any]) -> list[float]:
-    """The reference: one process, no spotctl, same data order, AdamW + scheduler."""
+USER_CLIP = 0.5  # cfg["user"]: every step's gradient norm is above it
+
+
+def make_scaler(cfg: dict[str, Any]) -> Any:
+    """cfg["user"]: a GradScaler, as mixed-precision scripts use (its scale grows every 3
+    steps here, so a step applied twice or not at all would show in it)."""
+    if not cfg.get("user"):
+        return None
+    return torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
+
+
+def user_step(opt: torch.optim.Optimizer, params: Any, scaler: Any) -> float | None:
+    """What scripts do between backward() and step(): unscale, clip, log the norm."""
+    if scaler is None:
+        opt.step()
+        return None
+    scaler.unscale_(opt)
+    norm = torch.nn.utils.clip_grad_norm_(params, USER_CLIP)
+    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor over the shards
+        norm = norm.full_tensor()
+    scaler.step(opt)
+    scaler.update()
+    return float(norm)
+
+
+def plain_run(cfg: dict[str, Any]) -> tuple[list[float], list[float | None]]:
+    """The reference: one process, no spotctl, same data order, AdamW + scheduler (and with
+    cfg["user"], a GradScaler and clipping). Returns each step's loss and gradient norm."""
     x, y = data(cfg["n"])
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     sched = make_sched(opt)
-    out, epoch, offset = [], 0, 0
+    scaler = make_scaler(cfg)
+    out, norms, epoch, offset = [], [], 0, 0
     for _ in range(cfg["steps"]):
         perm = elastic.epoch_permutation(cfg["n"], cfg["seed"], epoch)
         cnt = min(cfg["batch"], cfg["n"] - offset)
         idx = perm[offset : offset + cnt]
         loss = nn.functional.mse_loss(model(x[idx]), y[idx])
         opt.zero_grad()
-        loss.backward()
-        opt.step()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        norms.append(user_step(opt, model.parameters(), scaler))
         sched.step()
         out.append(loss.item())
         offset += cnt
         if offset >= cfg["n"]:
             epoch, offset = epoch + 1, 0
-    return out
+    return out, norms
+
+
+def plain_losses(cfg: dict[str, Any]) -> list[float]:
+    return plain_run(cfg)[0]
 
 
 def _make_run(model: nn.Module, opt: Any, sched: Any, counter: Counter, mesh: Any,
-              cfg: dict[str, Any]) -> _TestRun:
+              cfg: dict[str, Any], scaler: Any = None) -> _TestRun:
     return _TestRun(model, opt, dataset_size=cfg["n"], global_batch=cfg["batch"],
                    seed=cfg["seed"], max_steps=cfg["steps"], checkpoint_every=cfg["every"],
                    checkpoint_dir=cfg["root"], keep_last=3, micro_batch=cfg.get("micro"),
                    mesh=mesh, dp_dim="dp" if mesh is not None else None, schedulers=[sched],
-                   state={"counter": counter})
+                   state={"counter": counter}, scaler=scaler)
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
@@ -138,14 +169,16 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
     counter = Counter()
     x, y = data(cfg["n"])
     try:
-        run = _make_run(model, opt, sched, counter, mesh, cfg)
+        scaler = make_scaler(cfg)
+        run = _make_run(model, opt, sched, counter, mesh, cfg, scaler)
     except elastic.ResumeMismatch as e:
         dist.destroy_process_group()
         Path(f"{cfg['out']}.r{rank}").write_text(json.dumps({"end": f"mismatch: {e}"}))
         return
     out = Path(cfg["out"])
     rec: dict[str, Any] = {"resume": run.resume_step, "counter": counter.n,
-                           "lr": opt.param_groups[0]["lr"], "losses": {}, "rand": {}}
+                           "lr": opt.param_groups[0]["lr"], "losses": {}, "rand": {},
+                           "norms": {}}
     loader = None
     if cfg.get("loader"):
         from torch.utils.data import TensorDataset
@@ -163,14 +196,17 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
                 xb, yb = (x[mb], y[mb]) if loader is None else mb
                 loss_sum = nn.functional.mse_loss(model(xb) if mesh is not None
                                                   else run.model(xb), yb, reduction="sum")
-                (loss_sum * run.loss_scale).backward()
+                scaled = loss_sum * run.loss_scale
+                (scaler.scale(scaled) if scaler is not None else scaled).backward()
                 total += loss_sum.detach()
-            opt.step()
+            norm = user_step(opt, model.parameters(), scaler)
             sched.step()
             counter.n += 1
             rec["rand"][run.step + 1] = torch.rand(1).item()
-            dist.all_reduce(total)
-            rec["losses"][run.step + 1] = total.item() / run.step_samples
+            rec["norms"][run.step + 1] = norm
+            # the step's global loss through the Run's own reduction (for metrics)
+            rec["losses"][run.step + 1] = run.all_reduce(total, "sum").item() / run.step_samples
+            rec.setdefault("main", {})[run.step + 1] = run.is_main
             run.end_step(loss=total.item())
         run.finish()
         rec["end"] = "finished"

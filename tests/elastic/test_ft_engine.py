@@ -27,7 +27,12 @@ def _reference(tmp: Path) -> dict[int, dict]:
     return reference_steps(tmp, M)
 
 
-def test_notice_kill_join_keep_the_trajectory(tmp_path: Path) -> None:
+def test_notice_kill_join_keep_the_trajectory(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # the script does what training scripts do between backward() and step(): a
+    # GradScaler, clipping (to a norm every step exceeds), a gradient-norm log and the
+    # global loss from run.all_reduce; the uninterrupted reference runs the same script
+    monkeypatch.setenv("FT_USER", "1")
     ref = _reference(tmp_path)
     c = FtReplicas(tmp_path, M, every=25, delay=0.04)
     try:
@@ -72,6 +77,18 @@ def test_notice_kill_join_keep_the_trajectory(tmp_path: Path) -> None:
             assert math.isclose(s["full_loss"], want["full_loss"], rel_tol=2e-4, abs_tol=1e-6), (
                 name, s["step"], s["full_loss"], want["full_loss"])
             assert math.isclose(s["lr"], want["lr"]), (name, s["step"])
+            # user code between backward() and step() saw the global gradient: the norm
+            # it clipped (and logged) is the uninterrupted run's, the scaler's scale too,
+            # and run.all_reduce gave every replica the step's global loss
+            assert s["norm"] > 0.05 and math.isclose(s["norm"], want["norm"], rel_tol=1e-3), (
+                name, s["step"], s["norm"], want["norm"])
+            assert s["scale"] == want["scale"], (name, s["step"], s["scale"], want["scale"])
+            assert math.isclose(s["gloss"], want["gloss"], rel_tol=1e-4), (name, s["step"])
+    # run.is_main: exactly one process of the job at every step all replicas logged
+    for step in range(1, M + 1):
+        entries = [s for steps in logs.values() for s in steps if s["step"] == step]
+        if entries and len(entries) == entries[0]["replicas"]:
+            assert sum(s["main"] for s in entries) == 1, (step, entries)
     # every step's samples: the fixed global batch, split without overlap over its replicas
     by_step: dict[int, list[list[int]]] = {}
     for steps in logs.values():

@@ -32,6 +32,9 @@ NPROC = 2
 @pytest.mark.parametrize("inside", ["fsdp2", "ddp+loader"])
 def test_two_process_replica_groups_survive_a_leave_and_a_join(
         inside: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a GradScaler, clipping, a gradient-norm log and a global loss (ft_train.py FT_USER),
+    # in the uninterrupted one-process reference too
+    monkeypatch.setenv("FT_USER", "1")
     ref = reference_steps(tmp_path, M)
     # ddp: a plain module, wrapped in DDP over the group's workers; fsdp2: the script
     # shards it with fully_shard over them (HSDP: FSDP2 inside, torchft across groups)
@@ -91,6 +94,10 @@ def test_two_process_replica_groups_survive_a_leave_and_a_join(
             assert math.isclose(s["full_loss"], want["full_loss"], rel_tol=2e-4, abs_tol=1e-6), (
                 name, s["step"], s["full_loss"], want["full_loss"])
             assert math.isclose(s["lr"], want["lr"]), (name, s["step"])
+            # what user code saw between backward() and step() was the global gradient
+            assert math.isclose(s["norm"], want["norm"], rel_tol=1e-3), (name, s["step"])
+            assert s["scale"] == want["scale"] and math.isclose(s["gloss"], want["gloss"],
+                                                                 rel_tol=1e-4), (name, s)
     _check_split(logs, ref)
 
 

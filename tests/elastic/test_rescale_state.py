@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from spotctl.elastic.checkpoint import committed_steps  # noqa: E402
-from tests.elastic.harness import launch, plain_losses  # noqa: E402
+from tests.elastic.harness import launch, plain_losses, plain_run  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -21,9 +21,10 @@ def _check(recorded: dict, ref: list[float]) -> None:
 
 
 def test_fsdp2_rescale_3_2_3_matches_plain_training(tmp_path):
+    # "user": a GradScaler, clipping (below every step's norm) and a norm log, as scripts do
     cfg = {"n": 64, "batch": 10, "seed": 3, "steps": 14, "every": 5, "micro": 2,
-           "root": str(tmp_path / "ck"), "fsdp": True}
-    ref = plain_losses(cfg)
+           "root": str(tmp_path / "ck"), "fsdp": True, "user": True}
+    ref, ref_norms = plain_run(cfg)
     a = launch(3, {**cfg, "out": str(tmp_path / "a"), "drain_at": 4, "drain_rank": 2})
     # the drain flag is agreed asynchronously: a notice seen during step 5 drains after it,
     # on every rank at the same step; step 5 was committed by the periodic save already
@@ -38,6 +39,13 @@ def test_fsdp2_rescale_3_2_3_matches_plain_training(tmp_path):
     losses = {**a[0]["losses"], **b[0]["losses"], **c[0]["losses"]}
     assert sorted(map(int, losses)) == list(range(1, 15))  # no step lost or repeated
     _check(losses, ref)
+    # the norm user code clipped was the global gradient's, at every world size
+    norms = {**a[0]["norms"], **b[0]["norms"], **c[0]["norms"]}
+    assert min(ref_norms) > 0.5
+    for step, norm in norms.items():
+        assert norm == pytest.approx(ref_norms[int(step) - 1], rel=1e-4), step
+    # run.is_main: rank 0 alone
+    assert all(all(r["main"].values()) == (i == 0) for i, r in enumerate(c))
     assert committed_steps(cfg["root"])[0] == 14
 
 
