@@ -9,6 +9,14 @@ tiny MLP and no sleep between steps, so the step is almost all overhead: the wor
 for the quorum's share. Figures from the replicas' own step logs: the step time (gap
 between committed steps) of the torchft engine vs bare torchft, and the time the engine's
 next_step() waited for its quorum (FtRun.quorum_s).
+
+Straggler (issue 28): 3 replica groups, one of them late to 8 % of its quorums by
+0.5-1.5 s (tests/elastic/ft_jitter_train.py, FT_JITTER) while its Manager heartbeats, no
+membership change: the quorums a steady replica got, from its own quorum log, each one
+after the first a spurious regrouping (the late replica left out, then healed back in).
+spotctl's Lighthouse timing (join timeout 60 s, heartbeat timeout 250 ms, a heartbeat
+every 50 ms) against the one before (join timeout 100 ms, heartbeat timeout 1 s, every
+100 ms) as the baseline.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import os
 import statistics
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +84,89 @@ def _session(ctx: Context, nodes: int, steps: int, bare: bool) -> QuorumFigures:
     return out
 
 
+JITTER = "0.08,0.5,1.5"
+BEFORE = {"SPOTCTL_FT_JOIN_TIMEOUT_MS": "100", "SPOTCTL_FT_HEARTBEAT_TIMEOUT_MS": "1000",
+          "SPOTCTL_FT_HEARTBEAT_INTERVAL_MS": "100"}
+
+
+def _watch_heartbeats(address: str, stop: threading.Event, ages: list[float]) -> None:
+    """The Lighthouse's age of each replica's last heartbeat, from its status page every
+    20 ms: how close a live replica came to the heartbeat timeout."""
+    import re
+    import urllib.request
+
+    while not stop.wait(0.02):
+        try:
+            with urllib.request.urlopen(f"{address}/status", timeout=2) as r:
+                page = r.read().decode(errors="replace")
+        except OSError:
+            continue
+        ages.extend(float(a) for a in re.findall(r"seen ([0-9.]+)s ago", page))
+
+
+def _straggler_session(ctx: Context, steps: int,
+                       env: dict[str, str]) -> tuple[float, int, str, float]:
+    """(spurious regroupings per 1,000 steps, times the straggler healed, error, the
+    oldest heartbeat of a replica the Lighthouse saw while all trained, in s)."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    import json
+
+    from spotctl.head.lighthouse import LighthouseTiming
+    from tests.elastic.ft_harness import FtReplicas
+
+    saved = {k: os.environ.get(k) for k in [*env, "FT_QUORUM_LOG", "FT_JITTER",
+                                            "SPOTCTL_FT_START_REPLICAS"]}
+    tag = "before" if env else "spotctl"
+    d = ctx.subdir(f"straggler-{tag}")
+    os.environ.update(env, FT_QUORUM_LOG=str(d / "{replica}.quorums.jsonl"),
+                      SPOTCTL_FT_START_REPLICAS="3")
+    c = FtReplicas(d, max_steps=steps + 40, every=1_000_000, delay=0.02,
+                   timing=LighthouseTiming.from_env(), script=REPO / "tests" / "elastic" /
+                   "ft_jitter_train.py")
+    stop, ages = threading.Event(), [0.0]
+    assert c.lh is not None
+    watch = threading.Thread(target=_watch_heartbeats, args=(c.lh.address, stop, ages),
+                             daemon=True)
+    try:
+        c.start("s0")
+        c.start("s1")
+        os.environ["FT_JITTER"] = JITTER
+        c.start("late")
+        os.environ.pop("FT_JITTER")
+        c.wait("three replicas in one quorum", lambda: any(
+            s["replicas"] == 3 for s in c.steps("s0")), timeout=300)
+        watch.start()
+        c.wait("the last steps", lambda: c.last_step("s0") >= steps + 30, timeout=900)
+        stop.set()
+        c.finish(["s0", "s1", "late"], timeout=900)
+
+        def log(n: str) -> list[dict[str, Any]]:
+            p = d / f"{n}.quorums.jsonl"
+            return [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+
+        q = log("s0")
+        full = next(i for i, x in enumerate(q) if x["replicas"] == 3)  # all three in
+        q = q[full:]
+        changes = sum(1 for a, b in zip(q, q[1:], strict=False) if a["quorum"] != b["quorum"])
+        heals = sum(1 for x in log("late") if x["step"] > x["step_before"] > 0)
+        ctx.log(f"straggler ({tag}): {changes} regroupings in {len(q)} steps, {heals} heals, "
+                f"oldest heartbeat {max(ages) * 1000:.0f} ms")
+        return 1000 * changes / max(1, len(q)), heals, "", max(ages)
+    except (AssertionError, StopIteration, OSError) as e:
+        err = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        ctx.log(f"straggler session ({tag}) failed: {err}")
+        return float("nan"), 0, err, max(ages)
+    finally:
+        stop.set()
+        c.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def bench(ctx: Context, nodes: int = 3, steps: int | None = None) -> list[Row]:
     os.environ.setdefault("RUST_LOG", "warn")  # torchft logs every quorum at info
     try:
@@ -95,4 +187,20 @@ def bench(ctx: Context, nodes: int = 3, steps: int | None = None) -> list[Row]:
         row("quorum", "torchft: next_step() waiting for its quorum",
             [x * 1000 for x in f.quorum_s], [], "ms",
             "the per-step Lighthouse round trip and the wait for the slowest replica"),
+        *straggler(ctx),
     ]
+
+
+def straggler(ctx: Context, steps: int | None = None) -> list[Row]:
+    n = steps if steps is not None else ctx.reps(1) * 300
+    ours = [_straggler_session(ctx, n, {}) for _ in range(ctx.reps(1))]
+    before = [_straggler_session(ctx, n, BEFORE) for _ in range(ctx.reps(1))]
+    errors = "; ".join(e for _, _, e, _ in ours + before if e)
+    note = (f"3 replicas, one late to 8 % of its quorums by 0.5-1.5 s, {n} steps; goal 0; "
+            f"heals of the late replica: {sum(h for _, h, _, _ in ours)} (before: "
+            f"{sum(h for _, h, _, _ in before)}); oldest heartbeat the Lighthouse saw of a "
+            f"live replica: {max(a for *_, a in ours) * 1000:.0f} ms (timeout 250 ms); "
+            f"baseline: join timeout 100 ms" + (f"; error: {errors}" if errors else ""))
+    return [row("quorum", "torchft: spurious regroupings per 1,000 steps, jittery replica",
+                [x for x, _, e, _ in ours if not e], [x for x, _, e, _ in before if not e], "",
+                note)]

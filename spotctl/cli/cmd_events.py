@@ -31,8 +31,12 @@ def details(e: dict[str, Any]) -> str:
         # torchft: the survivors go on from memory, no checkpoint is read
         at = (f"in memory from step {g('resume_step')}" if g("engine") == "torchft"
               else f"checkpoint step {g('checkpoint_step')}")
-        return (f"world {g('from_world_size')} -> {g('to_world_size')}, {g('reason')}, "
+        why = g("reason") if g("cause_seen") is not False else f"{g('reason')} (inferred)"
+        return (f"world {g('from_world_size')} -> {g('to_world_size')}, {why}, "
                 f"{at}, lost {g('lost_steps')} steps, pause {_s(g('notice_to_resume_s'))}")
+    if t == "regroup":  # torchft: a new quorum of the same replicas (no rescale)
+        return (f"world {g('world_size')}, same replicas, {g('reason')}, "
+                f"lost {g('lost_steps')} steps")
     if t == "train-start":
         return f"world {g('world_size')}, from step {g('resume_step')}"
     if t == "notice":

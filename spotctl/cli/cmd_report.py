@@ -30,7 +30,8 @@ def render(rep: Report, width: int = 80) -> Group:
         ("hours run", f"{t.hours:.3f} h ({_dur(rep.end - rep.start)})"),
         ("steps", str(t.steps)),
         ("lost steps", str(t.lost_steps)),
-        ("pauses (rescales)", f"{t.pauses}, {_dur(t.pause_s)} in all"),
+        ("pauses (rescales)", f"{t.pauses}, {_dur(t.pause_s)} in all"
+         + (f" ({t.pauses_unmeasured} not measured)" if t.pauses_unmeasured else "")),
         ("notices / hard losses", f"{t.notices} / {t.hard_losses}"),
         ("$ spent", f"{t.spent_usd:.4f}"),
         ("$ on demand", f"{od:.4f}" + (f" (saved {100 * (1 - t.spent_usd / od):.0f}%)"

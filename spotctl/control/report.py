@@ -31,6 +31,7 @@ class Totals:
     lost_steps: int = 0
     pauses: int = 0
     pause_s: float = 0.0
+    pauses_unmeasured: int = 0  # rescales whose pause the head could not measure
     notices: int = 0
     hard_losses: int = 0
     spent_usd: float = 0.0
@@ -167,9 +168,16 @@ def build(store: Store, name: str, now: float | None = None) -> Report:
 
     tot = Totals(hours=round((end - start) / 3600, 4))
     rescales = [e for e in events if e["type"] == "rescale"]
-    tot.lost_steps = sum(int(e.get("lost_steps") or 0) for e in rescales)
+    # steps thrown away at rescales and at torchft's regroups of the same replicas (a
+    # failed commit vote); a pause that could not be measured (null) is none, not 0 s
+    tot.lost_steps = sum(int(e.get("lost_steps") or 0) for e in events
+                         if e["type"] in ("rescale", "regroup"))
     tot.pauses = len(rescales)
-    tot.pause_s = round(sum(float(e.get("notice_to_resume_s") or 0) for e in rescales), 3)
+    # (a negative one, written by an older head, measured nothing either)
+    measured = [float(p) for p in (e.get("notice_to_resume_s") for e in rescales)
+                if isinstance(p, (int, float)) and p >= 0]
+    tot.pause_s = round(sum(measured), 3)
+    tot.pauses_unmeasured = len(rescales) - len(measured)
     tot.notices = len(marks["notice"])
     tot.hard_losses = len(marks["hard-loss"])
     steps = [int(s.get("step") or 0) for s in samples]

@@ -49,6 +49,10 @@ class WorkerReport:
     pid: int = 0
     startup: dict[str, Any] | None = None  # where this worker's start-up time went
     engine: str = "torchrun"
+    # torchft: the replicas in its quorum, and the steps this process ran whose work was
+    # thrown away (not committed: run again), counted by the replica itself
+    replicas: int = 0
+    failed_steps: int = 0
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> WorkerReport:
@@ -132,6 +136,10 @@ class Coordinator:
         self.seq = itertools.count(1)
         self.queued_notices: list[str] = []
         self.leave_requested: set[str] = set()  # torchft: nodes told to leave (rebalance)
+        # torchft: each worker process's own count of failed (redone) steps, as last
+        # reported and as already charged to a journaled regroup, by (node, pid, local rank)
+        self._failed_seen: dict[tuple[str, int, int], int] = {}
+        self._failed_charged: dict[tuple[str, int, int], int] = {}
         # A restarted head starts its generations from 0 again: agents reset theirs when
         # this id changes, so a new drain is never mistaken for an old one.
         self.head_id = f"{clock():.6f}"
@@ -168,6 +176,9 @@ class Coordinator:
         node.ready = bool(body.get("ready", True))
         if "drain_gen" in body:
             self.node_drain_gen[nid] = int(body["drain_gen"])
+        for w in node.workers:
+            if w.failed_steps:
+                self._failed_seen[(nid, w.pid, w.local_rank)] = int(w.failed_steps)
         for w in node.workers:
             self._observe_worker(w, now)
         if body.get("notice") and node.notice is None:
@@ -410,23 +421,47 @@ class Coordinator:
         if w.first_step_at:
             self._record_rescale(self.incarnation)
 
+    def _failed_since_last_regroup(self) -> int:
+        """torchft: the steps whose work was thrown away since the last journaled regroup,
+        from the replicas' own counts (every replica of a failed step counts it: the most
+        any worker counted)."""
+        lost = max((n - self._failed_charged.get(k, 0) for k, n in self._failed_seen.items()),
+                   default=0)
+        self._failed_charged.update(self._failed_seen)
+        return max(0, lost)
+
     def _record_rescale(self, inc: dict[str, Any]) -> None:
         if inc.get("recorded"):
             return
         inc["recorded"] = True
         cause = self.cause
+        ft = self.engine == "torchft"
         grew = inc["world_size"] > inc["prev_world"]
+        if ft and inc["prev_world"] and inc["world_size"] == inc["prev_world"] and (
+                cause is None or cause.reason == "notice"):
+            # a new quorum of the same size with no join or loss seen: the same replicas
+            # regrouped (torchft numbers a quorum anew after a failed commit vote, a
+            # restarted Lighthouse from 1 again). Nobody stopped and nothing was rescaled:
+            # journaled as a regroup, never as a rescale with a made-up pause, and a
+            # pending notice stays pending for the quorum its node leaves
+            lost = self._failed_since_last_regroup()
+            self.record("regroup", world_size=inc["world_size"], resume_step=inc["resume_step"],
+                        reason="redo" if lost else "same-members", lost_steps=lost,
+                        engine=self.engine)
+            return
         # on torchft a notice explains only a quorum that shrank: one that grew while a
         # notice is pending (a replica late to a quorum healing back in, a join) is not the
         # notice's, and the notice stays pending for the quorum its node leaves
-        keep = cause is not None and cause.reason == "notice" and grew and self.engine == "torchft"
+        keep = cause is not None and cause.reason == "notice" and grew and ft
         if keep:
             cause = None
-        inferred = cause is None and self.engine == "torchft" and inc["world_size"] != inc["prev_world"]
+        inferred = cause is None and ft and inc["world_size"] != inc["prev_world"]
         if inferred:
             # torchft regroups within a quorum round, before the head could see why: when
             # it happened is unknown too, so no duration is measured from it
             cause = Cause("join" if grew else "failure", inc["first_seen"])
+        # no cause seen: the group restarted by itself; when that began is unknown
+        unseen = cause is None
         cause = cause or Cause("restart", inc["first_seen"])
         if not keep:
             self.cause = None
@@ -438,8 +473,13 @@ class Coordinator:
             self.record("train-start", world_size=inc["world_size"],
                         resume_step=max(inc["resume_step"], self.max_step) if adopted
                         else inc["resume_step"], **({"adopted": True} if adopted else {}))
+            self._failed_since_last_regroup()
             return
-        lost = max(0, inc["prev_max"] - inc["resume_step"])
+        # steps thrown away: on torchft the replicas count their own failed (redone) steps
+        # (a quorum's resume step says nothing of it: a healed replica resumes at its
+        # peers' step); on torchrun, the steps past the checkpoint the group restored
+        lost = (self._failed_since_last_regroup() if ft
+                else max(0, inc["prev_max"] - inc["resume_step"]))
         rank0 = next((w for n in self.nodes.values() for w in n.workers
                       if w.rank == 0 and w.incarnation == inc["id"]), None)
         # the workers' start-up, when they were started for this rescale (on torchft the
@@ -448,16 +488,23 @@ class Coordinator:
                    if rank0 and rank0.startup else None)
         if spawned is not None and spawned < 0:
             spawned = None
+        # the pause, from the cause the head saw to the new group's first step; none when
+        # the cause was not seen (inferred, or a restart by itself) and never negative (a
+        # cause the head learnt of after the first step, or clocks apart, measures nothing)
+        pause = None if inferred or unseen else round(inc["first_step_at"] - cause.at, 3)
+        if pause is not None and pause < 0:
+            pause = None
         self.record(
             "rescale",
             from_world_size=inc["prev_world"],
             to_world_size=inc["world_size"],
             reason=cause.reason,
+            cause_seen=not (inferred or unseen),
             checkpoint_step=inc["resume_step"],
             resume_step=inc["resume_step"],
             lost_steps=lost,
             engine=self.engine,
-            notice_to_resume_s=(None if inferred else round(inc["first_step_at"] - cause.at, 3)),
+            notice_to_resume_s=pause,
             # the new workers' own start: imports, process group, restore, first step
             worker_start=(rank0.startup if rank0 and spawned is not None else None),
             worker_spawned_after_s=spawned,

@@ -5,12 +5,16 @@ bound to the head's address only, like the rendezvous store: it has no authentic
 is reachable only from the cluster's nodes. Started only for clusters whose spec says
 `[train] engine = "torchft"` (the head is told with --lighthouse-port).
 
-Timing (milliseconds; SPOTCTL_FT_* environment variables override):
-- join_timeout: how long a quorum waits for a replica that heartbeats but has not asked
-  to join (a replica that just left on a notice, or died, until its heartbeats expire).
-  This is the pause the survivors see at a graceful leave or a kill with >= 3 replicas.
-- heartbeat_timeout: a silent replica counts as gone after this. With 2 replicas a leave
-  waits for it (torchft never forms a quorum of half the live replicas: split brain).
+Timing (milliseconds; SPOTCTL_FT_* environment variables override). The quorum holds
+still: it changes only when membership really changes.
+- heartbeat_timeout: a replica whose heartbeats stop (its Manager's Rust side sends one
+  every `heartbeat_interval`, 50 ms in spotctl.elastic.ft) counts as gone after this. A
+  graceful leaver's Manager stops heartbeating as it exits and torchft 0.2.0 has no call
+  to leave the Lighthouse, so this bounds the survivors' pause at a notice or a kill.
+- join_timeout: how long a quorum whose previous members have not all asked yet waits for
+  one that still heartbeats (a straggler: a slow step, a periodic save, a starved core).
+  Long: a straggler is waited for, not left out and healed back at the next quorum. (A
+  quorum whose previous members have all asked forms at once: torchft's fast quorum.)
 - quorum_tick: how often the Lighthouse re-evaluates a pending quorum.
 """
 
@@ -26,8 +30,8 @@ log = logging.getLogger("spotctl.head.lighthouse")
 
 @dataclass(frozen=True)
 class LighthouseTiming:
-    join_timeout_ms: int = 100
-    heartbeat_timeout_ms: int = 1000
+    join_timeout_ms: int = 60_000
+    heartbeat_timeout_ms: int = 250
     quorum_tick_ms: int = 20
     min_replicas: int = 1
 

@@ -13,10 +13,10 @@ class Clock:
         return self.t
 
 
-def w(rank, inc, step, phase="train", ws=3, resume=0, first=None, drain_step=None):
+def w(rank, inc, step, phase="train", ws=3, resume=0, first=None, drain_step=None, **extra):
     return {"rank": rank, "local_rank": 0, "world_size": ws, "step": step, "phase": phase,
             "incarnation": inc, "resume_step": resume, "first_step_at": first,
-            "last_ckpt": 0, "drain_step": drain_step, "pid": 1}
+            "last_ckpt": 0, "drain_step": drain_step, "pid": 1, **extra}
 
 
 def hb(c, node, state="running", workers=(), drain_gen=0, notice=None):
@@ -278,3 +278,74 @@ def test_steps_lost_at_a_restore_are_not_counted_again_at_the_next_rescale():
     lost = [e["lost_steps"] for e in c.events if e["type"] == "rescale"]
     assert lost == [17, 5], lost
     assert c.status()["step"] == 20
+
+
+def test_torchft_regroups_of_the_same_replicas_are_no_rescales_and_no_pause_is_negative():
+    # the demo's sequence: two replicas train; torchft hands them new quorums of the same
+    # two (a replica late to one, healed back in the same round; a failed commit vote),
+    # each seen by the head after its first step. The journal said "world 2 -> 2, restart"
+    # ~100 times with negative pauses and "lost 2 steps" inferred from an old report
+    clk, c = training(["a", "b"], "ft-q1", 10, engine="torchft")
+    step = 10
+    for i in range(2, 102):
+        clk.t += 0.3
+        step += 2
+        # b still reports the old quorum two steps ahead of the new one's resume step
+        hb(c, "b", workers=[w(1, f"ft-q{i - 1}", step + 2, ws=2)])
+        hb(c, "a", workers=[w(0, f"ft-q{i}", step + 1, ws=2, resume=step, first=clk.t - 0.2)])
+    assert not [e for e in c.events if e["type"] == "rescale"]
+    regroups = [e for e in c.events if e["type"] == "regroup"]
+    assert len(regroups) == 100 and all(
+        (e["world_size"], e["reason"], e["lost_steps"]) == (2, "same-members", 0)
+        for e in regroups), regroups[:2]
+    assert all((e.get("notice_to_resume_s") or 0) >= 0 for e in c.events)
+
+
+def test_torchft_lost_steps_are_the_replicas_own_failed_steps_and_every_rescale_has_a_cause():
+    clk, c = training(["a", "b", "c"], "ft-q1", 10, dead_after_s=4.0, engine="torchft")
+    # c is killed mid-step: the survivors' step in flight fails (each counts it), is run
+    # again in the next quorum, 3 -> 2; the head saw no cause: inferred, no pause made up
+    clk.t += 1
+    hb(c, "b", workers=[w(1, "ft-q1", 11, failed_steps=1)])
+    hb(c, "a", workers=[w(0, "ft-q2", 12, ws=2, resume=11, first=clk.t, failed_steps=1)])
+    ev = [e for e in c.events if e["type"] == "rescale"][-1]
+    assert (ev["from_world_size"], ev["to_world_size"], ev["reason"], ev["lost_steps"],
+            ev["cause_seen"], ev["notice_to_resume_s"]) == (3, 2, "failure", 1, False, None), ev
+    # a failed commit vote with the same two replicas: a regroup that lost 1 step, and the
+    # step already charged to the kill is not charged again
+    clk.t += 1
+    hb(c, "b", workers=[w(1, "ft-q2", 20, ws=2, failed_steps=2)])
+    hb(c, "a", workers=[w(0, "ft-q3", 21, ws=2, resume=20, first=clk.t, failed_steps=2)])
+    ev = c.events[-1]
+    assert (ev["type"], ev["reason"], ev["lost_steps"]) == ("regroup", "redo", 1), ev
+    # a notice: its node commits and leaves; the survivor's quorum shrinks 2 -> 1, the
+    # pause measured from the notice the head saw, nothing lost
+    clk.t += 1
+    hb(c, "b", workers=[w(1, "ft-q3", 22, ws=2, failed_steps=2)],
+       notice={"id": "n", "deadline": clk.t + 120})
+    hb(c, "b", state="left")
+    clk.t += 0.3
+    hb(c, "a", workers=[w(0, "ft-q4", 23, ws=1, resume=23, first=clk.t, failed_steps=2)])
+    ev = [e for e in c.events if e["type"] == "rescale"][-1]
+    assert (ev["reason"], ev["lost_steps"], ev["cause_seen"], ev["notice_to_resume_s"]) == (
+        "notice", 0, True, 0.3), ev
+    assert all(e.get("reason") for e in c.events if e["type"] in ("rescale", "regroup"))
+
+
+def test_a_pause_that_cannot_be_measured_is_null_never_negative():
+    # the notice reached the head after the survivors' first step in the smaller quorum
+    # (its report came late, or the clocks of node and head differ): no negative pause
+    clk, c = training(["a", "b", "c"], "ft-q1", 10, engine="torchft")
+    clk.t += 1
+    hb(c, "c", workers=[w(2, "ft-q1", 11)], notice={"id": "x", "deadline": clk.t + 120})
+    hb(c, "a", workers=[w(0, "ft-q2", 12, ws=2, resume=12, first=clk.t - 0.5)])
+    ev = [e for e in c.events if e["type"] == "rescale"][-1]
+    assert (ev["reason"], ev["notice_to_resume_s"]) == ("notice", None), ev
+    # torchrun: a group that restarted with no cause the head saw ("restart") has no pause
+    # either (when it began is unknown), not its first step minus when the head saw it
+    clk, c = training(["a", "b"], "inc1", 10)
+    clk.t += 1
+    hb(c, "a", workers=[w(0, "inc2", 10, ws=2, resume=10, first=clk.t - 0.4)])
+    ev = [e for e in c.events if e["type"] == "rescale"][-1]
+    assert (ev["reason"], ev["notice_to_resume_s"], ev["cause_seen"]) == (
+        "restart", None, False), ev

@@ -169,3 +169,20 @@ def test_a_cloud_heads_samples_are_copied_for_later_reports(tmp_path: Path) -> N
     store.set_cluster_state("cl", "down")
     assert rp.fetch_samples(store, "cl") == 0  # a finished cluster keeps its copy
     assert len(read_samples(store.cluster_dir("cl").head_dir / SAMPLES_FILE)) == 4
+
+
+def test_totals_count_regroups_lost_steps_and_no_unmeasured_or_negative_pause(
+        store: Store) -> None:
+    # torchft: a regroup of the same replicas that redid a step, a rescale whose pause the
+    # head could not measure (null), and one an older head journaled negative
+    for ts, typ, data in [
+        (440, "regroup", {"world_size": 2, "reason": "redo", "lost_steps": 1}),
+        (450, "rescale", {"from_world_size": 2, "to_world_size": 1, "reason": "failure",
+                          "lost_steps": 1, "notice_to_resume_s": None}),
+        (460, "rescale", {"from_world_size": 1, "to_world_size": 2, "reason": "restart",
+                          "lost_steps": 0, "notice_to_resume_s": -0.2}),
+    ]:
+        store.add_event("r", typ, data, ts=T0 + ts)
+    t = rp.build(store, "r", now=T0 + 10_000).totals
+    assert t.lost_steps == 7 + 1 + 1 and t.pauses == 5
+    assert t.pause_s == 15.0 and t.pauses_unmeasured == 2

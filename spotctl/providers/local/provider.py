@@ -204,6 +204,10 @@ class LocalProvider:
             d.mkdir(mode=0o700)
             addr = self.net.add_node(n) if self.net else "127.0.0.1"
             env = dict(self.spec.train.env)
+            if self.spec.train.engine == "torchft":
+                # the nodes launched together start together: their replicas' first quorum
+                # waits (bounded) for this many (spotctl.elastic.ft)
+                env.setdefault("SPOTCTL_FT_START_REPLICAS", str(count))
             if self.net:
                 from spotctl.providers.local.net import NODE_IFNAME
 
