@@ -9,6 +9,9 @@ any world size without losing a step. Run it through `spotctl up`, not directly.
 Sizes come from the environment (defaults fit CI): TRAIN_DATASET_SIZE sequences of
 TRAIN_SEQ_LEN tokens, TRAIN_GLOBAL_BATCH sequences per step (fixed at any world size),
 TRAIN_MICRO_BATCH (at most this many per forward on a rank; 0 = the whole share).
+TRAIN_CLIP: the gradient norm is clipped to it (0 = no clipping). On either engine the
+gradients are the mean over the whole global batch by the time backward() returns, so
+clipping (or a GradScaler, or a logged norm) sees what it would in plain training.
 """
 
 import math
@@ -34,6 +37,7 @@ WARMUP = int(os.environ.get("TRAIN_WARMUP_STEPS", "20"))
 OPTIM = os.environ.get("TRAIN_OPTIM", "adamw")  # adamw | sgd
 COMPILE = os.environ.get("TRAIN_COMPILE", "0") == "1"
 STEP_SLEEP_S = float(os.environ.get("TRAIN_STEP_SLEEP_S", "0.05"))  # stands in for GPU work
+CLIP = float(os.environ.get("TRAIN_CLIP", "1.0"))
 SEED = 0
 
 
@@ -131,6 +135,8 @@ def main():
                 ls = loss_sum(fwd, x[idx].to(device), y[idx].to(device))
             (ls * run.loss_scale).backward()
             total += ls.detach()
+        if CLIP:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         sched.step()
         if STEP_SLEEP_S:
@@ -140,9 +146,12 @@ def main():
             trace.write(f"{run.incarnation} {run.dp_rank} {run.step + 1} {run.epoch} "
                         f"{' '.join(map(str, idx.tolist()))}\n")
             trace.flush()
-        run.end_step(loss=total.item() / max(1, len(run.batch_indices())))  # one sync a step
-        if run.rank == 0 and run.step % 50 == 0:
-            print(f"step {run.step} loss {run.loss:.5f} world {run.world}", flush=True)
+        # the step's mean loss over the whole global batch (every rank's share): one small
+        # reduction and one sync a step
+        loss = run.all_reduce(total, "sum").item() / run.step_samples
+        run.end_step(loss=loss)
+        if run.is_main and run.step % 50 == 0:  # one process of the whole job
+            print(f"step {run.step} loss {loss:.5f} world {run.dp_world}", flush=True)
     run.finish()
 
 

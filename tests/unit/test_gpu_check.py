@@ -58,3 +58,24 @@ def test_ft_nccl_check_logic_passes_on_cpu_with_gloo(tmp_path: Path) -> None:
     ok, detail = check["ft_check"](str(tmp_path), cuda=False)
     assert ok, detail
     assert detail.startswith("torchft-gloo on {'cpu'} (CPU): joiner healed"), detail
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the real checks")
+def test_require_makes_a_machine_without_cuda_fail() -> None:
+    """On the GPU machine the checks run with --require: a check that cannot run fails."""
+    p = subprocess.run([sys.executable, str(SCRIPT), "--require"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert [ln.split(":")[0] for ln in p.stdout.splitlines()] == [
+        f"FAIL {c}" for c in _checks()], p.stdout
+
+
+@pytest.mark.slow  # a zygote (torch imported) and a worker forked from it
+def test_zygote_check_forks_its_workers_from_a_real_zygote(tmp_path: Path) -> None:
+    """The zygote check's plumbing on CPU: the worker is forked by a real zygote (the
+    device check itself then fails here: it wants CUDA), not started cold."""
+    run_check = runpy.run_path(str(SCRIPT), run_name="gpu_check")["run_check"]
+    ok, detail = run_check("zygote", 1, str(tmp_path))
+    assert not ok  # no GPU here
+    assert not detail.startswith(("not forked by the zygote", "the zygote did not start",
+                                  "rank 0 wrote no result")), detail
