@@ -31,6 +31,7 @@ _ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 # a host name or an IP address; never starts with '-' (ssh would read it as an option)
 _HOST_RE = re.compile(r"[A-Za-z0-9_\[][A-Za-z0-9._:\[\]-]{0,252}")
 _USER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
+MAX_GPUS = 10_000  # the most GPUs any spec may ask for (the head's bound on a world size)
 
 
 def _no_control(v: Any, where: str) -> None:
@@ -73,8 +74,8 @@ def parse_gpu_range(text: str | int) -> GpuRange:
         raise ValueError(f"range {lo}..{hi} must be positive (at least 1 GPU)")
     if lo > hi:
         raise ValueError(f"range {lo}..{hi} is inverted (MIN must be <= MAX)")
-    if hi > 10_000:
-        raise ValueError(f"range {lo}..{hi} is larger than 10000 GPUs")
+    if hi > MAX_GPUS:
+        raise ValueError(f"range {lo}..{hi} is larger than {MAX_GPUS} GPUs")
     return GpuRange(min=lo, max=hi)
 
 

@@ -16,12 +16,14 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import os
 import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -32,6 +34,7 @@ from spotctl.elastic.rdzv import listening_socket
 from spotctl.head import validate
 from spotctl.head.auth import Principal, identify
 from spotctl.head.coordinator import Coordinator
+from spotctl.spec import MAX_GPUS
 from spotctl.state import write_json_atomic
 
 log = logging.getLogger("spotctl.head")
@@ -48,6 +51,13 @@ REQUEST_DEADLINE_S = 10.0  # the whole request (line, headers, body) arrives wit
 MAX_NODES = 1024
 MAX_EVENTS = 10_000  # kept in memory (all are journaled to events.jsonl)
 MAX_EVENTS_REPLY = MAX_EVENTS
+# what one node's requests may hold of that window (its oldest beyond go, still journaled)
+MAX_EVENTS_PER_NODE = MAX_EVENTS // 10
+# a step reported above what the node (or the cluster) last reported plus this rate times
+# the seconds since, plus the slack, is refused (400): no node trains faster than that
+MAX_STEP_RATE = 10_000.0
+STEP_SLACK = 10_000
+BOUNDS_FILE = "bounds.json"  # the highest step believed, kept across head restarts
 HANDLER_TIMEOUT_S = 10.0  # a write to a client that does not read
 NODE_RATE = 50.0  # requests a second per node credential (an agent sends ~4)
 NODE_BURST = 100.0
@@ -81,6 +91,71 @@ class RateLimit:
             if len(self._buckets) > 4 * MAX_NODES:  # ids are MAC-checked: this is a bound
                 self._buckets.clear()
             return ok
+
+
+class StepBounds:
+    """What steps the head believes. A report's steps (step, resume_step, last_ckpt,
+    drain_step) may exceed neither the highest its node reported nor the cluster's highest
+    by more than MAX_STEP_RATE a second since (plus STEP_SLACK): a node's own credential
+    can no longer make the head record 2^62 steps. Steps may go down (a restore).
+
+    The cluster's highest is kept in BOUNDS_FILE, so a restarted head keeps bounding; a
+    head with no history at all (a new head directory) believes its first report up to
+    validate.MAX_STEP."""
+
+    def __init__(self, path: Path | None = None, clock: Callable[[], float] = time.time):
+        self.path, self.clock = path, clock
+        self.nodes: dict[str, tuple[int, float]] = {}  # node -> (its last highest, at)
+        self.cluster: tuple[int, float] | None = None  # (the highest believed, at)
+        self._saved: tuple[int, float] | None = None
+        if path is not None and path.exists():
+            try:
+                got = json.loads(path.read_text(), parse_constant=_no_constant)
+                step, at = got["step"], got["at"]
+                if (isinstance(step, int) and not isinstance(step, bool)
+                        and 0 <= step <= validate.MAX_STEP
+                        and isinstance(at, (int, float)) and not isinstance(at, bool)
+                        and math.isfinite(at)):
+                    self.cluster = self._saved = (step, min(float(at), self.clock()))
+            except (OSError, ValueError, KeyError, TypeError, RecursionError):
+                pass  # a damaged file: no history (as a new head)
+
+    @staticmethod
+    def highest(hb: dict[str, Any]) -> int:
+        return max((max(w["step"], w["resume_step"], w["last_ckpt"], w["drain_step"] or 0)
+                    for w in hb["workers"]), default=0)
+
+    def limit(self, node: str) -> int | None:
+        now = self.clock()
+        refs = [r for r in (self.nodes.get(node), self.cluster) if r is not None]
+        if not refs:
+            return None
+        return max(int(step + MAX_STEP_RATE * max(0.0, now - at)) for step, at in refs) \
+            + STEP_SLACK
+
+    def check(self, node: str, hb: dict[str, Any]) -> None:
+        """Raises BadInput when the report's steps are beyond belief; else remembers them
+        (a lower one too: after a restore the node counts on from there)."""
+        top = self.highest(hb)
+        lim = self.limit(node)
+        if lim is not None and top > lim:
+            raise validate.BadInput(
+                f"step {top} is beyond what this node could have reached (at most {lim}: "
+                f"{MAX_STEP_RATE:g} steps a second since the last report)")
+        now = self.clock()
+        self.nodes[node] = (top, now)
+        if self.cluster is None or top > self.cluster[0]:
+            self.cluster = (top, now)
+
+    def forget(self, node: str) -> None:
+        self.nodes.pop(node, None)
+
+    def save(self) -> None:
+        """Keep the cluster's highest for a restarted head."""
+        if self.path is None or self.cluster is None or self.cluster == self._saved:
+            return
+        write_json_atomic(self.path, {"step": self.cluster[0], "at": self.cluster[1]})
+        self._saved = self.cluster
 
 
 class _HeadTooLarge(Exception):
@@ -269,8 +344,15 @@ class HeadServer:
         with_store: bool = True,
         reclaim: Callable[[], list[str]] | None = None,
         lighthouse_port: int = -1,
+        max_world: int | None = None,
     ):
         self.dir = Path(dir)
+        # no worker may report a world size over this: the spec's maximum GPUs when the
+        # head is told it (`max_world`), else the most any spec may ask for
+        self.max_world = min(max_world or MAX_GPUS, MAX_GPUS)
+        self.steps = StepBounds(self.dir / BOUNDS_FILE)
+        # which node's request recorded an event that names no node (seq -> node id)
+        self._event_node: dict[int, str] = {}
         # Called about once a second; returns the nodes it reclaimed. The local provider
         # hands one in (its capacity schedule plays the cloud); cloud heads have none.
         self.reclaim = reclaim
@@ -462,13 +544,23 @@ class HeadServer:
             def _post(self, who: Principal, path: str, body: dict[str, Any]) -> None:
                 coord = server.coord
                 if path == "/api/heartbeat":
-                    hb = validate.heartbeat(body)
-                    if not who.may_speak_for(hb["node_id"]):
+                    hb = validate.heartbeat(body, server.max_world)
+                    nid = hb["node_id"]
+                    if not who.may_speak_for(nid):
                         return self._send(403, {"error": "a node may only speak for itself"})
                     with server.lock:
-                        if hb["node_id"] not in coord.nodes and len(coord.nodes) >= MAX_NODES:
+                        if nid not in coord.nodes and len(coord.nodes) >= MAX_NODES:
                             return self._send(429, {"error": f"over {MAX_NODES} nodes"})
-                        return self._send(200, coord.heartbeat(hb))
+                        # a group is at most MAX_WORKERS GPUs per node the head knows
+                        known = len(coord.nodes) + (nid not in coord.nodes)
+                        world = max((w["world_size"] for w in hb["workers"]), default=0)
+                        if world > validate.MAX_WORKERS * known:
+                            raise validate.BadInput(
+                                f"world_size {world} is more than {validate.MAX_WORKERS} "
+                                f"GPUs for each of the {known} nodes this head knows")
+                        server.steps.check(nid, hb)
+                        with server.attributed(who):
+                            return self._send(200, coord.heartbeat(hb))
                 if path == "/api/notice":
                     validate.fields(body, ("node_id", "notice"), ("node_id", "notice"))
                     nid = validate.node_id(body.get("node_id"))
@@ -478,7 +570,8 @@ class HeadServer:
                     with server.lock:
                         if nid not in coord.nodes and len(coord.nodes) >= MAX_NODES:
                             return self._send(429, {"error": f"over {MAX_NODES} nodes"})
-                        coord.notice(nid, nt)
+                        with server.attributed(who):
+                            coord.notice(nid, nt)
                         return self._send(200, {"ok": True})
                 if path == "/api/drain":
                     reason, leavers = validate.drain(body)
@@ -491,6 +584,7 @@ class HeadServer:
                     with server.lock:
                         for nid in nodes:
                             coord.forget(nid)
+                            server.steps.forget(nid)
                         return self._send(200, {"ok": True})
                 if path == "/api/event":
                     type_, data = validate.event(body)
@@ -511,6 +605,21 @@ class HeadServer:
         except Exception:
             log.exception("coordinator tick failed")
 
+    @contextmanager
+    def attributed(self, who: Principal) -> Iterator[None]:
+        """Events recorded inside count against `who`'s node (the lock is held)."""
+        n = len(self.coord.events)
+        try:
+            yield
+        finally:
+            if not who.controller:
+                for e in self.coord.events[n:]:
+                    self._event_node[e["seq"]] = who.node_id
+
+    def _owner(self, ev: dict[str, Any]) -> str:
+        node = ev.get("node")
+        return node if isinstance(node, str) else self._event_node.get(ev["seq"], "")
+
     def _flush_events(self) -> None:
         evs = self.coord.events[self._events_written :]
         if evs:
@@ -518,12 +627,40 @@ class HeadServer:
                 for e in evs:
                     f.write(json.dumps(e) + "\n")
             self._events_written += len(evs)
+            self._cap_per_node()
         # memory stays bounded: journaled events beyond the last MAX_EVENTS are dropped
         # from the list (events.jsonl keeps them all)
         drop = min(len(self.coord.events) - MAX_EVENTS, self._events_written)
         if drop > 0:
             del self.coord.events[:drop]
             self._events_written -= drop
+        if len(self._event_node) > 2 * MAX_EVENTS:
+            first = self.coord.events[0]["seq"] if self.coord.events else 0
+            self._event_node = {k: v for k, v in self._event_node.items() if k >= first}
+
+    def _cap_per_node(self) -> None:
+        """One node's events (naming it, or recorded by its requests) keep at most
+        MAX_EVENTS_PER_NODE places in the in-memory window: a node flooding events pushes
+        out its own oldest, never the others' (all are journaled already)."""
+        events = self.coord.events
+        counts: dict[str, int] = {}
+        for e in events:
+            o = self._owner(e)
+            if o:
+                counts[o] = counts.get(o, 0) + 1
+        over = {o: c - MAX_EVENTS_PER_NODE for o, c in counts.items()
+                if c > MAX_EVENTS_PER_NODE}
+        if not over:
+            return
+        keep = []
+        for e in events:  # all journaled (this runs right after the journal write)
+            o = self._owner(e)
+            if over.get(o, 0) > 0:
+                over[o] -= 1
+                continue
+            keep.append(e)
+        events[:] = keep
+        self._events_written = len(keep)
 
     def _load_events(self) -> None:
         """After a head restart keep numbering events after the ones already journaled.
@@ -556,7 +693,7 @@ class HeadServer:
              "store_port": self.store_port, "started_at": time.time(),
              "lighthouse": self.lighthouse.address if self.lighthouse else ""},
         )
-        last_capacity = 0.0
+        last_capacity = last_bounds = 0.0
         while not self._stop.is_set():
             with self.lock:
                 self.safe_tick()
@@ -564,6 +701,12 @@ class HeadServer:
                     self._flush_events()
                 except OSError as e:
                     log.warning("could not journal events: %s", e)
+                if time.time() - last_bounds >= 5.0:
+                    last_bounds = time.time()
+                    try:
+                        self.steps.save()
+                    except OSError as e:
+                        log.warning("could not keep the step bound: %s", e)
             if time.time() - last_capacity >= 1.0:
                 last_capacity = time.time()
                 self._local_capacity()
@@ -573,6 +716,10 @@ class HeadServer:
             self.lighthouse.stop()
         with self.lock:
             self._flush_events()
+            try:
+                self.steps.save()
+            except OSError:
+                pass
 
     def _local_capacity(self) -> None:
         if self.reclaim is None:
@@ -593,12 +740,13 @@ class HeadServer:
 def run_head(
     dir: Path, token_file: Path, host: str, http_port: int, store_port: int,
     reclaim: Callable[[], list[str]] | None = None, lighthouse_port: int = -1,
+    max_world: int | None = None,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s head %(message)s")
     dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = token_file.read_text().strip()
     srv = HeadServer(dir, token, host=host, http_port=http_port, store_port=store_port,
-                     reclaim=reclaim, lighthouse_port=lighthouse_port)
+                     reclaim=reclaim, lighthouse_port=lighthouse_port, max_world=max_world)
     signal.signal(signal.SIGTERM, lambda *_: srv.stop())
     log.info("head up: api %s store %s:%s", srv.url, host, srv.store_port)
     srv.serve()

@@ -8,8 +8,10 @@ import math
 from typing import Any
 
 from spotctl.head.auth import valid_node_id
+from spotctl.spec import MAX_GPUS
 
 MAX_STR = 256
+MAX_STEP = 1 << 53  # steps, checkpoints: JSON-exact integers (the head bounds their rate)
 MAX_WORKERS = 64  # per node (GPUs per VM are far fewer)
 MAX_STARTUP_KEYS = 32
 AGENT_STATES = ("waiting", "running", "leaving", "left", "finished")
@@ -73,27 +75,28 @@ def notice(v: Any) -> dict[str, Any]:
     return out
 
 
-def worker(v: Any, i: int) -> dict[str, Any]:
+def worker(v: Any, i: int, max_world: int = MAX_GPUS) -> dict[str, Any]:
     if not isinstance(v, dict):
         raise BadInput(f"workers[{i}] must be an object")
     w = f"workers[{i}]"
     phase = v.get("phase")
     if phase not in PHASES:
         raise BadInput(f"{w}.phase must be one of {', '.join(PHASES)}")
+    world = _int(v.get("world_size"), f"{w}.world_size", 1, max_world)
     out: dict[str, Any] = {
-        "rank": _int(v.get("rank"), f"{w}.rank", 0, 1 << 20),
-        "local_rank": _int(v.get("local_rank", 0), f"{w}.local_rank", 0, 1 << 20),
-        "world_size": _int(v.get("world_size"), f"{w}.world_size", 1, 1 << 20),
-        "step": _int(v.get("step", 0), f"{w}.step"),
+        "rank": _int(v.get("rank"), f"{w}.rank", 0, world - 1),
+        "local_rank": _int(v.get("local_rank", 0), f"{w}.local_rank", 0, MAX_WORKERS - 1),
+        "world_size": world,
+        "step": _int(v.get("step", 0), f"{w}.step", 0, MAX_STEP),
         "phase": phase,
         "incarnation": _str(v.get("incarnation") or "", f"{w}.incarnation", 128),
-        "resume_step": _int(v.get("resume_step") or 0, f"{w}.resume_step"),
+        "resume_step": _int(v.get("resume_step") or 0, f"{w}.resume_step", 0, MAX_STEP),
         "first_step_at": _num(v.get("first_step_at"), f"{w}.first_step_at"),
-        "last_ckpt": _int(v.get("last_ckpt") or 0, f"{w}.last_ckpt"),
+        "last_ckpt": _int(v.get("last_ckpt") or 0, f"{w}.last_ckpt", 0, MAX_STEP),
         "loss": _metric(v.get("loss"), f"{w}.loss"),
         "throughput": _metric(v.get("throughput"), f"{w}.throughput"),
         "drain_step": None if v.get("drain_step") is None
-        else _int(v["drain_step"], f"{w}.drain_step"),
+        else _int(v["drain_step"], f"{w}.drain_step", 0, MAX_STEP),
         "pid": _int(v.get("pid") or 0, f"{w}.pid", 0, 1 << 31),
     }
     st = v.get("startup")
@@ -107,6 +110,8 @@ def worker(v: Any, i: int) -> dict[str, Any]:
             if x is None or isinstance(x, bool) or (isinstance(x, str) and len(x) <= 64)
             or (isinstance(x, (int, float)) and math.isfinite(x))
         }
+        # the one timing the head computes with (when the workers were spawned)
+        _num(st.get("started_at"), f"{w}.startup.started_at", optional=False)
     return out
 
 
@@ -123,7 +128,9 @@ def fields(v: dict[str, Any], allowed: tuple[str, ...], required: tuple[str, ...
 HEARTBEAT_FIELDS = ("node_id", "agent_state", "addr", "workers", "drain_gen", "notice", "ready")
 
 
-def heartbeat(v: dict[str, Any]) -> dict[str, Any]:
+def heartbeat(v: dict[str, Any], max_world: int = MAX_GPUS) -> dict[str, Any]:
+    """A node's report; no worker's world size over `max_world` (the spec's maximum GPUs
+    when the head was told it, else the largest any spec may ask for)."""
     fields(v, HEARTBEAT_FIELDS, ("node_id",))
     out: dict[str, Any] = {"node_id": node_id(v.get("node_id"))}
     state = v.get("agent_state", "waiting")
@@ -135,7 +142,7 @@ def heartbeat(v: dict[str, Any]) -> dict[str, Any]:
     ws = v.get("workers", [])
     if not isinstance(ws, list) or len(ws) > MAX_WORKERS:
         raise BadInput(f"workers must be a list of at most {MAX_WORKERS}")
-    out["workers"] = [worker(w, i) for i, w in enumerate(ws)]
+    out["workers"] = [worker(w, i, max_world) for i, w in enumerate(ws)]
     if "drain_gen" in v:
         out["drain_gen"] = _int(v["drain_gen"], "drain_gen", 0, 1 << 40)
     if v.get("notice") is not None:
