@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -129,6 +130,8 @@ class Agent:
         self.torchrun_restarts = 0
         self.next_start = 0.0
         self.head_id: str | None = None
+        self._leaver: subprocess.Popen[bytes] | None = None
+        self._leaver_lock = threading.Lock()
         self._warm = threading.Thread(target=self._import_torch, daemon=True)
 
     def _prepare_worker_dirs(self, w: runas.WorkerUser) -> bool:
@@ -161,13 +164,78 @@ class Agent:
         log.info("training workers run as %s (uid %d)", w.name, w.uid)
         return True
 
-    @staticmethod
-    def _import_torch() -> None:
-        # leave_rendezvous imports torch; do it early so leaving takes no import time
+    def _import_torch(self) -> None:
+        """Make the rendezvous leave cost no import time when it comes: import torch here,
+        or, for a root agent, start the leave server as the training user (it imports)."""
+        if self.worker is not None:
+            if self.cfg.engine != "torchft":
+                try:
+                    self._leave_server()
+                except OSError as e:
+                    log.warning("rendezvous leave server: %s", e)
+            return
         try:
             import torch.distributed.elastic.rendezvous.dynamic_rendezvous  # noqa: F401
         except Exception:  # pragma: no cover - torch missing on a controller-only host
             pass
+
+    def _leave_server(self) -> subprocess.Popen[bytes]:
+        """The rendezvous leave server (spotctl.elastic.rdzv.serve_leaves), running as the
+        training user: the rendezvous state is a pickle that anyone who reaches the store
+        can write, and a root agent must never load it."""
+        with self._leaver_lock:
+            srv = self._leaver
+            if srv is not None and srv.poll() is None:
+                return srv
+            assert self.worker is not None
+            env = self.worker.env(worker_env(os.environ, self.head.token))
+            srv = subprocess.Popen(
+                [self.cfg.python or sys.executable, "-m", "spotctl.elastic.rdzv",
+                 "--leave-server"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, cwd=str(self.workdir),
+                **self.worker.popen_kwargs())
+            self._leaver = srv
+            return srv
+
+    def _leave_rendezvous(self, pid: int) -> bool:
+        """Take this node's stopped torchrun (pid) out of the rendezvous: here, or through
+        the leave server when the agent is root. Reads at most one short line back."""
+        cfg = self.cfg
+        if self.worker is None:
+            from spotctl.elastic.rdzv import leave_rendezvous
+
+            return leave_rendezvous(cfg.store_host, cfg.store_port, cfg.cluster,
+                                    cfg.local_addr, pid)
+        srv = self._leave_server()
+        assert srv.stdin is not None and srv.stdout is not None
+        req = {"host": cfg.store_host, "port": cfg.store_port, "run_id": cfg.cluster,
+               "addr": cfg.local_addr, "pid": pid}
+        srv.stdin.write((json.dumps(req) + "\n").encode())
+        srv.stdin.flush()
+        fd = srv.stdout.fileno()
+        buf = b""
+        end = time.monotonic() + 30  # interpreter start-up if it was not ready yet
+        while time.monotonic() < end and len(buf) <= 4096:
+            r, _, _ = select.select([fd], [], [], max(0.0, end - time.monotonic()))
+            if not r:
+                break
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            buf += chunk
+            lines = buf.split(b"\n")
+            for line in lines[:-1]:
+                try:
+                    ans = json.loads(line)
+                except ValueError:
+                    raise RuntimeError("leave server: unreadable answer") from None
+                if not isinstance(ans, dict) or "ready" in ans:
+                    continue
+                if "error" in ans:
+                    raise RuntimeError(f"leave server: {str(ans['error'])[:200]}")
+                return ans.get("ok") is True
+            buf = lines[-1]
+        raise RuntimeError("leave server: no answer")
 
     # -- notices
     def on_notice(self, notice: Any) -> None:
@@ -343,10 +411,7 @@ class Agent:
             self.stop_torchrun()
             if pid is not None:
                 try:
-                    from spotctl.elastic.rdzv import leave_rendezvous
-
-                    ok = leave_rendezvous(self.cfg.store_host, self.cfg.store_port,
-                                          self.cfg.cluster, self.cfg.local_addr, pid)
+                    ok = self._leave_rendezvous(pid)
                     log.info("left the rendezvous (%s)", "ok" if ok else "still listed")
                 except Exception as e:  # the keep-alive expiry removes it anyway
                     log.warning("rendezvous leave failed: %s", e)
@@ -490,6 +555,8 @@ class Agent:
         self.stop_torchrun()
         if self.zygote is not None and self.zygote.poll() is None:
             self.zygote.kill()
+        if self._leaver is not None and self._leaver.poll() is None:
+            self._leaver.kill()
         self.zygote_path.unlink(missing_ok=True)
         return 0
 

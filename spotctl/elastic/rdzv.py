@@ -61,6 +61,34 @@ def leave_rendezvous(
     return node not in st.participants and node not in st.wait_list
 
 
+MAX_LEAVE_LINE = 4096
+
+
+def serve_leaves() -> int:
+    """`python -m spotctl.elastic.rdzv --leave-server`: the leave above, for an agent that
+    runs as root. The rendezvous state in the store is a pickle anyone who reaches the
+    store can write, so root never loads it: the agent starts this server as the training
+    user (torch imported ahead, off the critical path) and sends one JSON line per leave,
+    {"host", "port", "run_id", "addr", "pid"}; the answer is one line, {"ok": bool} or
+    {"error": "..."}. Ends at end of input."""
+    import json
+    import sys
+
+    import torch.distributed.elastic.rendezvous.dynamic_rendezvous  # noqa: F401
+
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        try:
+            req = json.loads(line[:MAX_LEAVE_LINE])
+            ok = leave_rendezvous(str(req["host"]), int(req["port"]), str(req["run_id"]),
+                                  str(req["addr"]), int(req["pid"]))
+            ans: dict[str, object] = {"ok": bool(ok)}
+        except Exception as e:  # noqa: BLE001 - reported to the agent, which goes on
+            ans = {"error": f"{type(e).__name__}: {e}"[:500]}
+        print(json.dumps(ans), flush=True)
+    return 0
+
+
 class NodeLeaving(Exception):
     """This node has a preemption notice: its torchrun joins no new rendezvous round."""
 
@@ -226,3 +254,12 @@ def get_node_handler():  # type: ignore[no-untyped-def]
         return handler
 
     return create
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--leave-server"]:
+        print("usage: python -m spotctl.elastic.rdzv --leave-server", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(serve_leaves())
