@@ -108,7 +108,8 @@ def test_torchft_scenario(ft_rows: dict[str, Result], key: str) -> None:
     assert key in ft_rows, f"scenario {key} did not run: {sorted(ft_rows)}"
     r = ft_rows[key]
     # 11, 15, 16 may move the quorum on this loaded machine (a replica taken for gone, see
-    # above), and then only that: nothing lost, replayed, failed or restarted. Whether it moved is no pass/fail figure (an xfail(strict=False) test of it
+    # above), and then only that: nothing lost, replayed, failed or restarted. Whether it
+    # moved is no pass/fail figure (an xfail(strict=False) test of it
     # could never fail); scripts/chaos --engine torchft reports it. A scenario that raised
     # has no figures to weigh: _check reports its error
     if key == "16" and "error" not in r.detail:
