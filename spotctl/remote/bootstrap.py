@@ -797,15 +797,23 @@ class CloudNodes:
         return HeadInfo(
             url=f"http://{host}:{self.api_port}", store_host=host, store_port=self.store_port,
             instance_id=inst.id, tunnel={"address": t.address, "port": t.port, "user": t.user,
-                                         "key_file": t.key_path, "remote_port": self.api_port},
+                                         "key_file": t.key_path, "remote_port": self.api_port,
+                                         "remote_host": host},
             lighthouse=lighthouse,
         )  # fmt: skip
+
+    def head_listen(self, info: HeadInfo) -> str:
+        """Where the head binds its API, store and Lighthouse: the head VM's private
+        address, never every interface. The store and the Lighthouse have no
+        authentication: the security group / firewall admits the cluster's members only,
+        and the controller comes through an SSH forward to that address."""
+        return self.override.address if self.override else info.store_host
 
     def start_head(self, inst: Instance, info: HeadInfo) -> HostResult:
         """Run `spotctl head` on the head VM (idempotent), token uploaded 0600; ok once the
         coordinator answers /api/health at the URL the controller uses."""
         token = self.token()
-        listen = self.override.address if self.override else "0.0.0.0"
+        listen = self.head_listen(info)
         package, _ = self.package()
 
         def render(t: HostTarget) -> BootstrapFiles:

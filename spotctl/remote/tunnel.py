@@ -12,7 +12,7 @@ from typing import Any
 
 from spotctl.errors import BootstrapError
 
-_tunnels: dict[tuple[str, int, int], tuple[Any, int]] = {}
+_tunnels: dict[tuple[str, int, int, str], tuple[Any, int]] = {}
 _lock = threading.Lock()
 
 
@@ -42,11 +42,14 @@ def pump(chan: Any, sock: socket.socket) -> None:
 
 
 def local_url(tunnel: dict[str, Any], known_hosts: Path) -> str:
-    """Open (or reuse) a forward 127.0.0.1:<local> -> head 127.0.0.1:<remote_port> over SSH
-    and return the local URL. `tunnel` holds address, port, user, key_file, remote_port."""
+    """Open (or reuse) a forward 127.0.0.1:<local> -> head <remote_host>:<remote_port> over
+    SSH and return the local URL. `tunnel` holds address, port, user, key_file, remote_port
+    and remote_host (the address the head listens on, its VM's private one; 127.0.0.1 for
+    records written before it was kept)."""
     from spotctl.remote.ssh import HostTarget, connect
 
-    key = (str(tunnel["address"]), int(tunnel.get("port", 22)), int(tunnel["remote_port"]))
+    key = (str(tunnel["address"]), int(tunnel.get("port", 22)), int(tunnel["remote_port"]),
+           str(tunnel.get("remote_host") or "127.0.0.1"))
     with _lock:
         if key in _tunnels:
             return f"http://127.0.0.1:{_tunnels[key][1]}"
@@ -68,7 +71,7 @@ def local_url(tunnel: dict[str, Any], known_hosts: Path) -> str:
                 except OSError:
                     return
                 try:
-                    chan = transport.open_channel("direct-tcpip", ("127.0.0.1", key[2]), peer)
+                    chan = transport.open_channel("direct-tcpip", (key[3], key[2]), peer)
                 except Exception:
                     sock.close()
                     continue

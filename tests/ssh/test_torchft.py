@@ -60,6 +60,9 @@ def test_cloud_head_and_agents_get_the_lighthouse_on_torchft_only(
     # the nodes' side of the head (its private address), where the store is
     assert head.lighthouse == f"http://10.0.0.5:{LIGHTHOUSE_PORT}"
     assert head.store_host == "10.0.0.5" and head.tunnel["remote_port"] == 7470
+    # the head (API, store, Lighthouse) binds that private address, not every interface,
+    # and the controller's SSH forward goes to it
+    assert ft.head_listen(head) == "10.0.0.5" and head.tunnel["remote_host"] == "10.0.0.5"
     cfg = ft.agent_config(_vm("i-w1", "worker", "10.0.0.7"), head)
     assert (cfg.engine, cfg.lighthouse) == ("torchft", head.lighthouse)
 
