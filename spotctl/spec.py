@@ -32,6 +32,37 @@ _ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _HOST_RE = re.compile(r"[A-Za-z0-9_\[][A-Za-z0-9._:\[\]-]{0,252}")
 _USER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
 MAX_GPUS = 10_000  # the most GPUs any spec may ask for (the head's bound on a world size)
+MAX_STEPS = 10**12  # train.max_steps (a trillion steps: beyond any run, inside a float's ints)
+MAX_TEXT = 4096  # any string in a spec (a path, an argument...); env values excepted
+MAX_ZONE = 64  # a zone's name (clouds' are under 30 characters)
+MAX_ZONES = 256
+
+
+def _check_zones(v: list[str]) -> list[str]:
+    if len(v) > MAX_ZONES:
+        raise ValueError(f"at most {MAX_ZONES} zones (got {len(v)})")
+    for i, z in enumerate(v):
+        if not z or len(z) > MAX_ZONE:
+            raise ValueError(f"zone {i}: a zone name is 1 to {MAX_ZONE} characters "
+                             f"(got {len(z)})")
+    return v
+
+
+def _check_ssh_cidr(v: str, where: str) -> str:
+    """An address or CIDR, never one that opens SSH to every address of the internet."""
+    import ipaddress
+
+    if not v:
+        return v
+    try:
+        net = ipaddress.ip_network(v, strict=False)
+    except ValueError:
+        raise ValueError(f"{v[:60]!r} is not an IP address or CIDR") from None
+    if net.prefixlen == 0:
+        raise ValueError(
+            f"{v!r} opens SSH to the whole internet; refused. Leave it empty (the address "
+            f"spotctl runs from) or name your network, e.g. {where} = \"203.0.113.0/24\"")
+    return v
 
 
 def _no_control(v: Any, where: str) -> None:
@@ -88,6 +119,9 @@ class _Strict(BaseModel):
     def _printable(cls, v: Any, info: Any) -> Any:
         if info.field_name != "env":
             _no_control(v, info.field_name)
+            for x in v if isinstance(v, list) else [v]:
+                if isinstance(x, str) and len(x) > MAX_TEXT:
+                    raise ValueError(f"at most {MAX_TEXT} characters (got {len(x)})")
         return v
 
 
@@ -101,7 +135,7 @@ class TrainSpec(_Strict):
     shared_mount: str = ""
     checkpoint_every: int = Field(default=20, ge=1, le=1_000_000)
     keep_last: int = Field(default=3, ge=1, le=1000)
-    max_steps: int = Field(default=0, ge=0)
+    max_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
     # Per-node interpreter; empty means the controller's own (local and ssh providers).
     python: str = ""
     env: dict[str, str] = Field(default_factory=dict)
@@ -150,6 +184,11 @@ class LocalSpec(_Strict):
     # which a test can cut to partition a node
     netns: bool = False
 
+    @field_validator("zones")
+    @classmethod
+    def _zones(cls, v: list[str]) -> list[str]:
+        return _check_zones(v)
+
     @field_validator("capacity")
     @classmethod
     def _sorted(cls, v: list[CapacityStep]) -> list[CapacityStep]:
@@ -187,8 +226,18 @@ class AwsSpec(_Strict):
     bucket: str = ""
     head_instance_type: str = "t3.small"
     ssh_user: str = "ubuntu"
-    # CIDR allowed to reach SSH; empty means the caller's own address.
+    # CIDR allowed to reach SSH; empty means the caller's own address. Never 0.0.0.0/0.
     ssh_cidr: str = ""
+
+    @field_validator("zones")
+    @classmethod
+    def _zones(cls, v: list[str]) -> list[str]:
+        return _check_zones(v)
+
+    @field_validator("ssh_cidr")
+    @classmethod
+    def _ssh_cidr(cls, v: str) -> str:
+        return _check_ssh_cidr(v, "ssh_cidr")
 
 
 class GcpSpec(_Strict):
@@ -216,6 +265,16 @@ class GcpSpec(_Strict):
     # empty = spotctl-<project>-<region>, created with uniform bucket-level access and
     # public access prevention on first `up`. A bucket named here must exist already.
     bucket: str = ""
+
+    @field_validator("zones")
+    @classmethod
+    def _zones(cls, v: list[str]) -> list[str]:
+        return _check_zones(v)
+
+    @field_validator("ssh_cidr")
+    @classmethod
+    def _ssh_cidr(cls, v: str) -> str:
+        return _check_ssh_cidr(v, "ssh_cidr")
 
     @field_validator("bucket")
     @classmethod
@@ -381,6 +440,9 @@ def load_spec(
     except ValidationError as e:
         raise SpecError(_format_validation(e, source or "flags")) from None
     script = spec.resolved_script(base)
+    if script.suffix != ".py":
+        raise SpecError(f"train.script: {script} is not a Python file (.py); name the "
+                        f"training script that spotctl.elastic runs")
     if check_script and spec.provider in ("local", "ssh") and not script.is_file():
         raise SpecError(f"train.script: training script {script} not found")
     spec.train.script = str(script)

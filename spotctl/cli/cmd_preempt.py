@@ -8,6 +8,8 @@ import typer
 from spotctl.cli.common import NAME_HELP, console, open_store, print_json, resolve_name
 from spotctl.errors import SpecError
 
+MAX_IN_S = 3600  # a notice's lead time (clouds give 30 s to 2 min)
+
 
 def notice_line(node: str, style: str, deadline: float | None, now: float) -> str:
     """`notice sent to n2 (aws): hard stop in 120 s, at 14:03:05 (local time)`."""
@@ -24,7 +26,8 @@ def register(app: typer.Typer) -> None:
         node: str = typer.Argument(..., help="Node id."),
         name: str | None = typer.Option(None, "--name", help=NAME_HELP),
         style: str = typer.Option("aws", "--style", help="aws (2 min notice) | gcp (30 s)"),
-        in_s: float = typer.Option(None, "--in", min=1, help="Seconds until the hard stop."),
+        in_s: float = typer.Option(None, "--in", min=1, max=MAX_IN_S,
+                                   help="Seconds until the hard stop (1 to 3600)."),
         json_out: bool = typer.Option(False, "--json"),
     ) -> None:
         """Local clusters: send a preemption notice to a node, as the cloud would."""

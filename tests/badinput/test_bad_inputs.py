@@ -331,6 +331,25 @@ CASES += [
          files={"t.csv": "0,add,a\n100000000000000000000000,add,b\n"}),
 ]
 
+# Issue 31 (8): inputs that were accepted
+CASES += [
+    Case("max-steps-huge-int", up(), "train.max_steps",
+         toml=HEAD + '[train]\nscript = "train.py"\nmax_steps = ' + "1" + "0" * 29 + "\n"),
+    Case("max-steps-huge-flag", up("--max-steps", "1" + "0" * 29), "train.max_steps"),
+    Case("zone-200k-chars", up(), "local.zones",
+         toml=OK + '[local]\nzones = ["' + "a" * 200_000 + '"]\n'),
+    Case("aws-zone-200k-chars", up(), "aws.zones",
+         toml=OK + '[aws]\nzones = ["' + "a" * 200_000 + '"]\n'),
+    Case("arg-200k-chars", up(), "train.args",
+         toml=HEAD + '[train]\nscript = "train.py"\nargs = ["' + "a" * 200_000 + '"]\n'),
+    Case("aws-ssh-cidr-open-to-all", up(), "aws.ssh_cidr",
+         toml=OK + '[aws]\nssh_cidr = "0.0.0.0/0"\n'),
+    Case("gcp-ssh-cidr-open-to-all-v6", up(), "gcp.ssh_cidr", toml=OK + '[gcp]\nssh_cidr = "::/0"\n'),
+    Case("gcp-ssh-cidr-not-a-cidr", up(), "gcp.ssh_cidr", toml=OK + '[gcp]\nssh_cidr = "anywhere"\n'),
+    Case("preempt-in-inf", ("preempt", "n1", "--name", "live", "--in", "inf"), "--in",
+         existing_cluster=True),
+]
+
 
 def _journal_cluster(home: Path, name: str) -> None:
     """A cluster that exists in the journal but runs nothing (as after `down`)."""

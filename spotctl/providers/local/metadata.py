@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import secrets
 import threading
 import time
@@ -36,6 +37,32 @@ FAULT_KINDS = ("5xx", "garbage", "timeout", "401")
 AWS_ACTIONS = ("terminate", "stop", "hibernate")
 DEFAULT_AWS_NOTICE_S = 120.0  # EC2's two-minute warning
 GCP_DEFAULT_WAIT_S = 30.0
+GCP_MAX_WAIT_S = 3600.0  # a longer (or nan, inf, negative) timeout_sec is a 400
+MAX_CONNECTIONS = 64  # concurrent (a node's agent holds 1-3); more are closed at once
+
+
+class _CappedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most MAX_CONNECTIONS at once (more are closed)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*a, **kw)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 class MetadataServer:
@@ -91,7 +118,7 @@ class MetadataServer:
         if self._httpd is not None:
             return self
         handler = type("_Handler", (_Handler,), {"meta": self})
-        self._httpd = ThreadingHTTPServer((self.host, self._requested_port), handler)
+        self._httpd = _CappedHTTPServer((self.host, self._requested_port), handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(
             # A short poll interval keeps stop() quick (shutdown waits for one tick).
@@ -326,6 +353,7 @@ class MetadataServer:
 class _Handler(BaseHTTPRequestHandler):
     meta: MetadataServer
     server_version = "spotctl-metadata/1"
+    timeout = 30.0  # a client silent this long mid-request gives its slot back
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (stdlib name)
         log.debug("metadata %s: " + format, self.address_string(), *args)
@@ -490,6 +518,9 @@ class _Handler(BaseHTTPRequestHandler):
             try:
                 timeout_s = float(query.get("timeout_sec", [GCP_DEFAULT_WAIT_S])[0])
             except ValueError:
+                timeout_s = math.nan
+            # nan made the wait loop spin (no comparison with it is ever true)
+            if not 0 <= timeout_s <= GCP_MAX_WAIT_S:
                 self._send(400, "Bad timeout_sec", headers=flavor)
                 return
             value, etag = meta._gcp_read(key, wait, last_etag, timeout_s)
