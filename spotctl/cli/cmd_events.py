@@ -35,8 +35,8 @@ def details(e: dict[str, Any]) -> str:
         return (f"world {g('from_world_size')} -> {g('to_world_size')}, {why}, "
                 f"{at}, lost {g('lost_steps')} steps, pause {_s(g('notice_to_resume_s'))}")
     if t == "regroup":  # torchft: a new quorum of the same replicas (no rescale)
-        return (f"world {g('world_size')}, same replicas, {g('reason')}, "
-                f"lost {g('lost_steps')} steps")
+        lost = "?" if g("lost_steps") is None else g("lost_steps")
+        return f"world {g('world_size')}, same replicas, {g('reason')}, lost {lost} steps"
     if t == "train-start":
         return f"world {g('world_size')}, from step {g('resume_step')}"
     if t == "notice":

@@ -50,9 +50,10 @@ class WorkerReport:
     startup: dict[str, Any] | None = None  # where this worker's start-up time went
     engine: str = "torchrun"
     # torchft: the replicas in its quorum, and the steps this process ran whose work was
-    # thrown away (not committed: run again), counted by the replica itself
+    # thrown away (not committed: run again), counted by the replica itself (None: not
+    # reported; the head's validation must pass both fields through)
     replicas: int = 0
-    failed_steps: int = 0
+    failed_steps: int | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> WorkerReport:
@@ -177,7 +178,7 @@ class Coordinator:
         if "drain_gen" in body:
             self.node_drain_gen[nid] = int(body["drain_gen"])
         for w in node.workers:
-            if w.failed_steps:
+            if w.failed_steps is not None:
                 self._failed_seen[(nid, w.pid, w.local_rank)] = int(w.failed_steps)
         for w in node.workers:
             self._observe_worker(w, now)
@@ -444,7 +445,8 @@ class Coordinator:
             # restarted Lighthouse from 1 again). Nobody stopped and nothing was rescaled:
             # journaled as a regroup, never as a rescale with a made-up pause, and a
             # pending notice stays pending for the quorum its node leaves
-            lost = self._failed_since_last_regroup()
+            # (unknown when no replica's report carries its count)
+            lost = self._failed_since_last_regroup() if self._failed_seen else None
             self.record("regroup", world_size=inc["world_size"], resume_step=inc["resume_step"],
                         reason="redo" if lost else "same-members", lost_steps=lost,
                         engine=self.engine)
@@ -477,8 +479,9 @@ class Coordinator:
             return
         # steps thrown away: on torchft the replicas count their own failed (redone) steps
         # (a quorum's resume step says nothing of it: a healed replica resumes at its
-        # peers' step); on torchrun, the steps past the checkpoint the group restored
-        lost = (self._failed_since_last_regroup() if ft
+        # peers' step); on torchrun, and from replicas whose reports carry no count (the
+        # head's validation dropped the field), the steps past the step the group resumed
+        lost = (self._failed_since_last_regroup() if ft and self._failed_seen
                 else max(0, inc["prev_max"] - inc["resume_step"]))
         rank0 = next((w for n in self.nodes.values() for w in n.workers
                       if w.rank == 0 and w.incarnation == inc["id"]), None)

@@ -291,8 +291,9 @@ def test_torchft_regroups_of_the_same_replicas_are_no_rescales_and_no_pause_is_n
         clk.t += 0.3
         step += 2
         # b still reports the old quorum two steps ahead of the new one's resume step
-        hb(c, "b", workers=[w(1, f"ft-q{i - 1}", step + 2, ws=2)])
-        hb(c, "a", workers=[w(0, f"ft-q{i}", step + 1, ws=2, resume=step, first=clk.t - 0.2)])
+        hb(c, "b", workers=[w(1, f"ft-q{i - 1}", step + 2, ws=2, failed_steps=0)])
+        hb(c, "a", workers=[w(0, f"ft-q{i}", step + 1, ws=2, resume=step, first=clk.t - 0.2,
+                              failed_steps=0)])
     assert not [e for e in c.events if e["type"] == "rescale"]
     regroups = [e for e in c.events if e["type"] == "regroup"]
     assert len(regroups) == 100 and all(
@@ -349,3 +350,17 @@ def test_a_pause_that_cannot_be_measured_is_null_never_negative():
     ev = [e for e in c.events if e["type"] == "rescale"][-1]
     assert (ev["reason"], ev["notice_to_resume_s"], ev["cause_seen"]) == (
         "restart", None, False), ev
+
+
+def test_torchft_lost_steps_without_the_replicas_counts_are_unknown_or_the_resume_gap():
+    # a head whose reports carry no failed-step counts: a regroup's loss is unknown (null),
+    # a rescale falls back to the steps past the one the new quorum resumed at
+    clk, c = training(["a", "b"], "ft-q1", 10, engine="torchft")
+    clk.t += 1
+    hb(c, "a", workers=[w(0, "ft-q2", 12, ws=2, resume=11, first=clk.t)])
+    assert (c.events[-1]["type"], c.events[-1]["lost_steps"]) == ("regroup", None)
+    clk.t += 1
+    hb(c, "a", workers=[w(0, "ft-q2", 14, ws=2)])
+    hb(c, "a", workers=[w(0, "ft-q3", 14, ws=1, resume=13, first=clk.t)])
+    ev = [e for e in c.events if e["type"] == "rescale"][-1]
+    assert (ev["reason"], ev["lost_steps"]) == ("failure", 1), ev
