@@ -404,11 +404,57 @@ def _git_files(root: Path) -> list[str] | None:
     return sorted({p for p in r.stdout.decode(errors="surrogateescape").split("\0") if p})
 
 
+# Never shipped to a node: where credentials live. A project holding one of these (not
+# ignored) is refused, naming it.
+CREDENTIALS = (".ssh", ".aws", ".gnupg", ".docker", ".kube", ".azure", ".netrc", ".pgpass",
+               ".git-credentials", ".config/gcloud", ".config/gh", ".pypirc")
+# system directories a training script has no business living in
+_SYSTEM_DIRS = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/boot", "/dev", "/proc", "/sys")
+
+
+def check_project_root(root: Path) -> None:
+    """Refuse to ship a directory that is not a project: the file system's root, a home
+    directory, a system directory, or one that holds spotctl's own state (the cluster
+    secrets). One line naming it."""
+    from spotctl.state import home as state_home
+
+    root = root.resolve()
+    homes = {Path.home().resolve()}
+    if os.environ.get("HOME"):
+        homes.add(Path(os.environ["HOME"]).resolve())
+    fix = ("put the training script in a project directory of its own (everything in that "
+           "directory is copied to every node)")
+    if root == Path(root.anchor):
+        raise BootstrapError(f"project directory {root} is the file system's root: {fix}")
+    if root in homes:
+        raise BootstrapError(f"project directory {root} is your home directory: {fix}")
+    if any(root == Path(d) or Path(d) in root.parents for d in _SYSTEM_DIRS):
+        raise BootstrapError(f"project directory {root} is a system directory: {fix}")
+    state = state_home().resolve()
+    if state == root or root in state.parents:
+        raise BootstrapError(f"project directory {root} holds spotctl's state ({state}), "
+                             f"with the cluster secrets: {fix}")
+
+
+def _credential(rel: str) -> str | None:
+    """The credential path `rel` is or lies under, if any."""
+    parts = rel.split("/")
+    for c in CREDENTIALS:
+        cp = c.split("/")
+        for i in range(len(parts) - len(cp) + 1):
+            if parts[i : i + len(cp)] == cp:
+                return "/".join(parts[: i + len(cp)])
+    return None
+
+
 def project_files(root: Path, max_bytes: int = MAX_PROJECT_BYTES) -> Project:
-    """The project directory's files to upload (see the module docstring)."""
+    """The project directory's files to upload (see the module docstring). Refused with one
+    line: a directory that is no project (check_project_root) or one holding credentials
+    that are not ignored."""
     root = root.resolve()
     if not root.is_dir():
         raise BootstrapError(f"project directory {root} does not exist")
+    check_project_root(root)
     spotctlignore = _patterns(root / ".spotctlignore")
     listed = _git_files(root)
     if listed is None:
@@ -432,6 +478,12 @@ def project_files(root: Path, max_bytes: int = MAX_PROJECT_BYTES) -> Project:
     for rel in listed:
         if _ignored(rel, [*ALWAYS_IGNORED, *spotctlignore]):
             continue
+        cred = _credential(rel)
+        if cred is not None:
+            raise BootstrapError(
+                f"project directory {root} holds credentials ({cred}), which would be copied "
+                f"to every node: move the training script to a directory of its own, or add "
+                f"{cred} to .spotctlignore")
         p = root / rel
         if p.is_symlink() or not p.is_file():
             continue  # links could point anywhere on the controller: not shipped
