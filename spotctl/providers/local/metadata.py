@@ -46,23 +46,33 @@ class _CappedHTTPServer(ThreadingHTTPServer):
 
     def __init__(self, *a: Any, **kw: Any) -> None:
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        # the slot each open connection holds, released once into the semaphore it came
+        # from (even when `slots` was replaced meanwhile, as a test does)
+        self._held: dict[Any, threading.BoundedSemaphore] = {}
         super().__init__(*a, **kw)
 
+    def _release(self, request: Any) -> None:
+        slots = self._held.pop(request, None)  # atomic: only one caller gets it
+        if slots is not None:
+            slots.release()
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
+        slots = self.slots
+        if not slots.acquire(blocking=False):
             self.shutdown_request(request)
             return
+        self._held[request] = slots
         try:
             super().process_request(request, client_address)
         except Exception:
-            self.slots.release()
+            self._release(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            self._release(request)
 
 
 class MetadataServer:
