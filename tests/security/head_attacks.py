@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spotctl.head.auth import node_token
 from spotctl.head.client import HeadClient, HeadUnavailable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,20 +87,26 @@ def real_head(tmp: Path, tree: Path | None = None) -> Iterator[Head]:
 
 @dataclass
 class Probe:
-    """A real controller asking for `status` every `every` seconds, timed."""
+    """A real controller asking for `status` every `every` seconds, timed (or, with
+    `node`, that node's agent sending its heartbeat with its own token)."""
 
     head: Head
     every: float = 0.5
+    node: str = ""
     latencies: list[float] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
-        client = self.head.client(timeout_s=10.0)
+        if self.node:
+            client = HeadClient(self.head.url, node_token(self.head.token, self.node), 10.0)
+            body = {"node_id": self.node, "agent_state": "waiting", "workers": []}
+        else:
+            client = self.head.client(timeout_s=10.0)
         while not self._stop.is_set():
             t0 = time.monotonic()
             try:
-                client.status()
+                client.heartbeat(body) if self.node else client.status()
                 self.latencies.append(time.monotonic() - t0)
             except HeadUnavailable as e:
                 self.failures.append(str(e)[:120])
@@ -117,9 +124,10 @@ class Probe:
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
-        return {"status_ok": len(lat), "status_failed": len(self.failures),
-                "status_median_s": round(lat[len(lat) // 2], 3) if lat else None,
-                "status_max_s": round(lat[-1], 3) if lat else None}
+        what = "heartbeat" if self.node else "status"
+        return {f"{what}_ok": len(lat), f"{what}_failed": len(self.failures),
+                f"{what}_median_s": round(lat[len(lat) // 2], 3) if lat else None,
+                f"{what}_max_s": round(lat[-1], 3) if lat else None}
 
 
 @dataclass
@@ -212,14 +220,15 @@ def run_slowloris(head: Head, n: int = 300, duration_s: float = 16.0) -> dict[st
     rss0 = head.rss_mb()
     peak = [rss0]
     loris = Slowloris(head.port, n)
-    with Probe(head).running() as probe:
+    with Probe(head).running() as probe, Probe(head, node="n1").running() as agent:
         loris.run(duration_s, tick=lambda: peak.append(head.rss_mb()))
         held = loris.held()
     out = {"attack": f"slowloris {n} conns, 1 B/{loris.every:g} s, {duration_s:g} s",
            "connections_held_at_end": held, "attacker_connects": loris.connects,
            "oldest_open_s": round(loris.oldest_s(), 1),
            "longest_closed_s": round(max(loris.lifetimes, default=0.0), 1),
-           "rss_before_mb": round(rss0), "rss_peak_mb": round(max(peak)), **probe.summary()}
+           "rss_before_mb": round(rss0), "rss_peak_mb": round(max(peak)), **probe.summary(),
+           **agent.summary()}
     loris.close()
     return out
 

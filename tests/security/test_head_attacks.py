@@ -108,12 +108,15 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
 @pytest.mark.slow
 def test_a_slowloris_does_not_lock_the_controller_out(real: Head) -> None:
     """300 connections trickling a request (more than the head's 256 slots, all from
-    loopback, the address every local client shares): the controller's `status` is
-    served throughout. Before: 256 held for good, every `status` refused."""
+    loopback, the address every local client shares): the controller's `status` and a
+    node's heartbeats are served throughout. Before: 256 held for good, `status` and
+    heartbeats refused."""
     got = run_slowloris(real, n=300, duration_s=8.0)
     assert got["status_failed"] == 0, got
     assert got["status_ok"] >= 3, got
     assert got["status_max_s"] < 5.0, got  # generous: ms when this machine is idle
+    # and a node's agent (its own token, from the same loopback) keeps reporting
+    assert got["heartbeat_failed"] == 0 and got["heartbeat_ok"] >= 3, got
     # the attacker holds at most one address's share of the slots at any time
     assert got["connections_held_at_end"] <= head_server.PER_ADDRESS, got
 
