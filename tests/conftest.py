@@ -790,18 +790,20 @@ class SshdFactory:
         self.started: list[Sshd] = []
         self.n = 0
 
-    def start(self, port: int | None = None, host_key: Path | None = None) -> Sshd:
+    def start(self, port: int | None = None, host_key: Path | None = None,
+              config: str = "") -> Sshd:
+        """`config`: more sshd_config lines (e.g. "GatewayPorts yes\n")."""
         # A port picked here was free a moment ago; another test (or xdist worker) may
         # take it before sshd binds it: then pick another. A port given is used as is.
         for attempt in range(5):
             try:
-                return self._start(port or free_port(), host_key)
+                return self._start(port or free_port(), host_key, config)
             except PortTaken:
                 if port is not None or attempt == 4:
                     raise
         raise AssertionError("unreachable")
 
-    def _start(self, port: int, host_key: Path | None) -> Sshd:
+    def _start(self, port: int, host_key: Path | None, config: str = "") -> Sshd:
         self.n += 1
         d = self.base / f"sshd{self.n}"
         d.mkdir(mode=0o700)
@@ -822,7 +824,7 @@ class SshdFactory:
             f"PidFile {d / 'sshd.pid'}\nAuthorizedKeysFile {auth}\n"
             "PasswordAuthentication no\nKbdInteractiveAuthentication no\n"
             "PubkeyAuthentication yes\nPermitRootLogin yes\nStrictModes no\nUsePAM no\n"
-            f"Subsystem sftp {sftp}\nLogLevel VERBOSE\nMaxStartups 50\n"
+            f"Subsystem sftp {sftp}\nLogLevel VERBOSE\nMaxStartups 50\n{config}"
         )
         # sshd insists on its privilege separation directory.
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)

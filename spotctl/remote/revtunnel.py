@@ -159,6 +159,54 @@ def stop_all(base: Path) -> None:
 # ---- the tunnel process ------------------------------------------------------------------
 
 
+_LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 (/proc/net)
+
+
+def _exposed(listing: str, ports: list[int]) -> list[str]:
+    """From the host's /proc/net/tcp{,6}: the forwarded ports that listen on anything but
+    loopback (sshd's GatewayPorts=yes binds remote forwards on every interface)."""
+    bad = []
+    for line in listing.splitlines()[:100_000]:
+        f = line.split()
+        if len(f) < 4 or f[3] != "0A" or ":" not in f[1]:
+            continue  # a header, or not a listening socket
+        addr, _, port_hex = f[1].partition(":")
+        try:
+            port = int(port_hex, 16)
+        except ValueError:
+            continue
+        if port in ports and addr.upper() not in _LOOPBACK:
+            bad.append(f"{port} on {'every interface' if set(addr) == {'0'} else addr}")
+    return bad
+
+
+def _check_loopback(transport: Any, ports: list[int]) -> None:
+    """The forwards must be bound to the host's loopback only: the store and the Lighthouse
+    have no authentication. Refuse (one line) when the host's sshd bound them elsewhere."""
+    chan = transport.open_session(timeout=15)
+    chan.settimeout(15)
+    chan.exec_command("cat /proc/net/tcp /proc/net/tcp6 2>/dev/null")
+    out = b""
+    try:
+        while len(out) < (8 << 20):
+            chunk = chan.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        chan.close()
+    if not out:
+        print("revtunnel: cannot read the host's listening sockets (/proc/net/tcp); the "
+              "forwards' bind address is not verified", flush=True)
+        return
+    bad = _exposed(out.decode(errors="replace"), ports)
+    if bad:
+        raise BootstrapError(
+            f"the host's sshd binds reverse forwards beyond loopback (port {', '.join(bad)}: "
+            f"GatewayPorts yes), which would open the head's store and Lighthouse to its "
+            f"network; set GatewayPorts no (or clientspecified) in its sshd_config")
+
+
 def _serve(spec: TunnelSpec, spec_path: Path, state_path: Path) -> None:
     from spotctl.remote.ssh import HostTarget, connect
 
@@ -193,6 +241,11 @@ def _serve(spec: TunnelSpec, spec_path: Path, state_path: Path) -> None:
                                                         handler))  # fmt: skip
         to_local[lighthouse] = spec.local_lighthouse
         spec.remote_lighthouse = lighthouse
+    try:
+        _check_loopback(transport, list(to_local))
+    except Exception:
+        conn.close()  # the forwards go with the session
+        raise
     tmp = state_path.with_name(state_path.name + ".tmp")
     tmp.write_text(json.dumps({"pid": os.getpid(), "api": api, "store": store,
                                "lighthouse": lighthouse}))  # fmt: skip
