@@ -677,10 +677,12 @@ class FtRun(Run):
         self._report(force=True)
         if self.rank == 0:
             log.info("left the quorum after step %d", self.step)
+        # heartbeats stop first: the Lighthouse waits (its long join timeout) for a replica
+        # that still heartbeats, so the survivors would wait out a save in flight here
         try:
-            self.ckpt.close()
-        finally:
             self.manager.shutdown(wait=False)
+        finally:
+            self.ckpt.close()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
