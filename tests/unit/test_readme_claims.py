@@ -19,7 +19,8 @@ INTERNAL = {"SPOTCTL_NODE_TAG", "SPOTCTL_ZYGOTE", "SPOTCTL_COMPLETE",
             # the agent's contract with its torchrun (tests/unit/test_rdzv_gate.py plays it)
             "SPOTCTL_RDZV_GATE"}
 # Tuning knobs a test sets, documented in their own README section rather than as seams.
-KNOBS = {"SPOTCTL_FT_JOIN_TIMEOUT_MS", "SPOTCTL_FT_START_REPLICAS", "SPOTCTL_CHECKPOINT_STORAGE_OPTIONS",
+KNOBS = {"SPOTCTL_FT_JOIN_TIMEOUT_MS", "SPOTCTL_FT_HEARTBEAT_TIMEOUT_MS", "SPOTCTL_FT_START_REPLICAS",
+         "SPOTCTL_CHECKPOINT_STORAGE_OPTIONS",
          "SPOTCTL_UP_STEP_WAIT_S", "SPOTCTL_FT_MIN_REPLICAS"}
 
 
