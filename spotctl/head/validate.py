@@ -99,6 +99,16 @@ def worker(v: Any, i: int, max_world: int = MAX_GPUS) -> dict[str, Any]:
         else _int(v["drain_step"], f"{w}.drain_step", 0, MAX_STEP),
         "pid": _int(v.get("pid") or 0, f"{w}.pid", 0, 1 << 31),
     }
+    if v.get("engine") is not None:
+        if v["engine"] not in ("torchrun", "torchft"):
+            raise BadInput(f"{w}.engine must be torchrun or torchft")
+        out["engine"] = v["engine"]
+    # torchft: the replicas in the step's quorum, and the steps this process ran whose work
+    # was thrown away (the coordinator's lost steps come from these counts)
+    if v.get("replicas") is not None:
+        out["replicas"] = _int(v["replicas"], f"{w}.replicas", 0, max_world)
+    if v.get("failed_steps") is not None:
+        out["failed_steps"] = _int(v["failed_steps"], f"{w}.failed_steps", 0, MAX_STEP)
     st = v.get("startup")
     if st is not None:
         if not isinstance(st, dict) or len(st) > MAX_STARTUP_KEYS:

@@ -173,3 +173,14 @@ def test_one_nodes_events_cannot_evict_the_others(head: HeadServer,
     assert [e for e in window if e.get("message") == "ctl"]
     assert len([e for e in window if e.get("node") == "n1"]) <= 10
     assert len([e for e in journal(head) if e["type"] == "rebalance-recommendation"]) == 150
+
+
+def test_a_torchft_replicas_own_counts_reach_the_coordinator(head: HeadServer) -> None:
+    """The replicas' own counts of redone steps (failed_steps) and their quorum size are
+    what the head's lost steps come from on torchft: kept when in bounds, 400 otherwise."""
+    ft = {"engine": "torchft", "replicas": 1, "failed_steps": 2}
+    assert beat(head, "n1", worker(10, **ft))[0] == 200
+    seen = head.coord.nodes["n1"].workers[0]
+    assert (seen.engine, seen.replicas, seen.failed_steps) == ("torchft", 1, 2)
+    for bad in ({"failed_steps": -1}, {"replicas": 1 << 20}, {"engine": "mpi"}):
+        assert beat(head, "n1", worker(11, **{**ft, **bad}))[0] == 400, bad
