@@ -205,6 +205,17 @@ def node_venv(node_dir: str, package: NodePackage, base_python: str) -> str:
     return f"{str(PurePosixPath(node_dir).parent.parent).rstrip('/')}/venvs/{deps}"
 
 
+def start_together(cfg: AgentConfig, n: int) -> AgentConfig:
+    """Nodes bootstrapped together start together: on torchft their replicas' first quorum
+    waits (bounded) for `n` of them, instead of one training and the others healing in
+    (spotctl.elastic.ft; a cluster that already has a quorum is not waited for)."""
+    if cfg.engine != "torchft" or n < 2:
+        return cfg
+    env = dict(cfg.env)
+    env.setdefault("SPOTCTL_FT_START_REPLICAS", str(n))
+    return dataclasses.replace(cfg, env=env)
+
+
 def render_bootstrap(
     target: HostTarget,
     config: AgentConfig,
@@ -932,9 +943,11 @@ class CloudNodes:
                 progress(r, len(failed) + n, total)
 
         package, project = self.package()
+        n = len(instances)
         return list(failed) + bootstrap_agents(
             instances, {i.id: self.target(i) for i in instances},
-            lambda i: self.agent_config(i, head), self.token(), self.known_hosts,
+            lambda i: start_together(self.agent_config(i, head), n), self.token(),
+            self.known_hosts,
             python=self.python, probe_url=controller_url(head, self.known_hosts),
             parallel=self.parallel, progress=each, wait_s=self.wait_s,
             heartbeat_timeout_s=self.heartbeat_timeout_s, package=package, project=project,

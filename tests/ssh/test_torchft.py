@@ -73,6 +73,21 @@ def test_cloud_head_and_agents_get_the_lighthouse_on_torchft_only(
     assert (cfg.engine, cfg.lighthouse) == ("torchrun", "")
 
 
+def test_nodes_bootstrapped_together_start_together_on_torchft(spotctl_home: Path) -> None:
+    """Their replicas' first quorum waits for the nodes launched with them (the agent's
+    env for the workers), on torchft only, and not for a lone replacement."""
+    from spotctl.remote.bootstrap import start_together
+
+    ft = _nodes(spotctl_home, "torchft")
+    head = ft.head_info(_vm("i-head", "head", "10.0.0.5"))
+    cfg = ft.agent_config(_vm("i-w1", "worker", "10.0.0.7"), head)
+    assert start_together(cfg, 4).env["SPOTCTL_FT_START_REPLICAS"] == "4"
+    assert "SPOTCTL_FT_START_REPLICAS" not in start_together(cfg, 1).env
+    plain = _nodes(spotctl_home, "torchrun")
+    cfg = plain.agent_config(_vm("i-w1", "worker", "10.0.0.7"), head)
+    assert "SPOTCTL_FT_START_REPLICAS" not in start_together(cfg, 4).env
+
+
 def test_lighthouse_port_from_options_or_the_test_seam(
     spotctl_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

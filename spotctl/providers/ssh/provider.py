@@ -48,6 +48,7 @@ from spotctl.remote.bootstrap import (
     bootstrap_hosts,
     release_hosts,
     render_bootstrap,
+    start_together,
 )
 from spotctl.remote.package import (
     NodePackage,
@@ -348,7 +349,9 @@ class SshProvider:
         if agent_config_for is None:
             head = self.head_info()
             via = self._tunnels(instances, head)
-            agent_config_for = lambda i: self.agent_config(i, via.get(i.id, head))  # noqa: E731
+            n = len(instances)
+            agent_config_for = lambda i: start_together(  # noqa: E731
+                self.agent_config(i, via.get(i.id, head)), n)
         by_id = {i.id: i for i in instances}
         package, project = self._package()
         python = self.spec.train.python or (self.base_python if package else sys.executable)
