@@ -348,6 +348,11 @@ CASES += [
     Case("gcp-ssh-cidr-not-a-cidr", up(), "gcp.ssh_cidr", toml=OK + '[gcp]\nssh_cidr = "anywhere"\n'),
     Case("preempt-in-inf", ("preempt", "n1", "--name", "live", "--in", "inf"), "--in",
          existing_cluster=True),
+    # a training script that is not Python (it used to crash-loop while `up` exited 0)
+    Case("script-etc-passwd", up(), "train.script",
+         toml=HEAD + '[train]\nscript = "/etc/passwd"\n'),
+    Case("script-not-python", up(), "not a Python file",
+         toml=HEAD + '[train]\nscript = "run.sh"\n', files={"run.sh": "echo hi\n"}),
 ]
 
 
