@@ -12,10 +12,6 @@ import base64
 import os
 import pickle
 import pwd
-import stat
-import sys
-import tempfile
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -45,41 +41,8 @@ class Payload:
         return (os.system, (f"id -u >> {self.path}",))
 
 
-@pytest.fixture
-def base() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="spotctl-pickle-"))
-    os.chmod(d, 0o711)
-    try:
-        yield d
-    finally:
-        import shutil
-
-        shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def reachable() -> Iterator[None]:
-    """The worker user runs the agent's interpreter (o+x on the directories above it for
-    the test, as in test_worker_isolation)."""
-    import spotctl
-
-    changed: dict[Path, int] = {}
-    for target in (Path(os.path.realpath(sys.executable)), Path(sys.prefix),
-                   Path(spotctl.__file__).parent):
-        for d in list(target.parents)[::-1]:
-            mode = d.stat().st_mode
-            if d not in changed and not mode & stat.S_IXOTH:
-                changed[d] = stat.S_IMODE(mode)
-                os.chmod(d, stat.S_IMODE(mode) | stat.S_IXOTH)
-    try:
-        yield
-    finally:
-        for d, mode in changed.items():
-            os.chmod(d, mode)
-
-
 def test_a_pickle_written_to_the_store_never_runs_as_root(
-        base: Path, tmp_path: Path, reachable: None) -> None:
+        base: Path, tmp_path: Path, interpreter_reachable: None) -> None:
     from spotctl.agent.supervisor import Agent
 
     nobody = pwd.getpwnam(WORKER_USER)
