@@ -189,11 +189,12 @@ class Agent:
                 return srv
             assert self.worker is not None
             env = self.worker.env(worker_env(os.environ, self.head.token))
+            err_log = open(self.workdir / "leave.log", "ab")  # never read by the agent
             srv = subprocess.Popen(
                 [self.cfg.python or sys.executable, "-m", "spotctl.elastic.rdzv",
                  "--leave-server"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL, cwd=str(self.workdir),
-                **self.worker.popen_kwargs())
+                stderr=err_log, cwd=str(self.workdir), **self.worker.popen_kwargs())
+            err_log.close()
             self._leaver = srv
             return srv
 
@@ -206,36 +207,27 @@ class Agent:
 
             return leave_rendezvous(cfg.store_host, cfg.store_port, cfg.cluster,
                                     cfg.local_addr, pid)
+        from spotctl.elastic.rdzv import LEAVE_ANSWERS
+
         srv = self._leave_server()
         assert srv.stdin is not None and srv.stdout is not None
         req = {"host": cfg.store_host, "port": cfg.store_port, "run_id": cfg.cluster,
                "addr": cfg.local_addr, "pid": pid}
         srv.stdin.write((json.dumps(req) + "\n").encode())
         srv.stdin.flush()
-        fd = srv.stdout.fileno()
-        buf = b""
+        # one word back, compared, never parsed (the server runs as the training user)
+        fd, buf = srv.stdout.fileno(), b""
         end = time.monotonic() + 30  # interpreter start-up if it was not ready yet
-        while time.monotonic() < end and len(buf) <= 4096:
+        while b"\n" not in buf and len(buf) < 16 and time.monotonic() < end:
             r, _, _ = select.select([fd], [], [], max(0.0, end - time.monotonic()))
-            if not r:
-                break
-            chunk = os.read(fd, 4096)
+            chunk = os.read(fd, 16 - len(buf)) if r else b""
             if not chunk:
                 break
             buf += chunk
-            lines = buf.split(b"\n")
-            for line in lines[:-1]:
-                try:
-                    ans = json.loads(line)
-                except ValueError:
-                    raise RuntimeError("leave server: unreadable answer") from None
-                if not isinstance(ans, dict) or "ready" in ans:
-                    continue
-                if "error" in ans:
-                    raise RuntimeError(f"leave server: {str(ans['error'])[:200]}")
-                return ans.get("ok") is True
-            buf = lines[-1]
-        raise RuntimeError("leave server: no answer")
+        answer = buf.split(b"\n", 1)[0]
+        if answer not in LEAVE_ANSWERS[:2]:
+            raise RuntimeError(f"leave server: no answer (see {self.workdir / 'leave.log'})")
+        return answer == LEAVE_ANSWERS[0]
 
     # -- notices
     def on_notice(self, notice: Any) -> None:

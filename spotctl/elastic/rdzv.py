@@ -64,28 +64,33 @@ def leave_rendezvous(
 MAX_LEAVE_LINE = 4096
 
 
+LEAVE_ANSWERS = (b"left", b"listed", b"error")
+
+
 def serve_leaves() -> int:
     """`python -m spotctl.elastic.rdzv --leave-server`: the leave above, for an agent that
     runs as root. The rendezvous state in the store is a pickle anyone who reaches the
     store can write, so root never loads it: the agent starts this server as the training
     user (torch imported ahead, off the critical path) and sends one JSON line per leave,
-    {"host", "port", "run_id", "addr", "pid"}; the answer is one line, {"ok": bool} or
-    {"error": "..."}. Ends at end of input."""
+    {"host", "port", "run_id", "addr", "pid"}. The answer is one word of LEAVE_ANSWERS on a
+    line (the agent compares it, parsing nothing the training user wrote); an error's
+    detail goes to stderr, the server's log. Ends at end of input."""
     import json
     import sys
 
     import torch.distributed.elastic.rendezvous.dynamic_rendezvous  # noqa: F401
 
-    print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         try:
             req = json.loads(line[:MAX_LEAVE_LINE])
             ok = leave_rendezvous(str(req["host"]), int(req["port"]), str(req["run_id"]),
                                   str(req["addr"]), int(req["pid"]))
-            ans: dict[str, object] = {"ok": bool(ok)}
-        except Exception as e:  # noqa: BLE001 - reported to the agent, which goes on
-            ans = {"error": f"{type(e).__name__}: {e}"[:500]}
-        print(json.dumps(ans), flush=True)
+            ans = LEAVE_ANSWERS[0] if ok else LEAVE_ANSWERS[1]
+        except Exception as e:  # noqa: BLE001 - logged here; the agent goes on
+            print(f"leave failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            ans = LEAVE_ANSWERS[2]
+        sys.stdout.buffer.write(ans + b"\n")
+        sys.stdout.flush()
     return 0
 
 
