@@ -25,13 +25,14 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from spotctl.elastic.rdzv import listening_socket
 from spotctl.head import validate
+from spotctl.head.admission import AdmittingHTTPServer
 from spotctl.head.auth import Principal, identify
 from spotctl.head.coordinator import Coordinator
 from spotctl.spec import MAX_GPUS
@@ -234,7 +235,7 @@ class _Conn:
     evicted: bool = False
 
 
-class _BoundedHTTPServer(ThreadingHTTPServer):
+class _BoundedHTTPServer(AdmittingHTTPServer):
     """A thread per connection, at most `max_connections` at once, and the newest comer
     always gets a chance: when the slots are full (or one address holds PER_ADDRESS of the
     connections that have not authenticated yet) the oldest unauthenticated connection of
@@ -316,21 +317,6 @@ class _BoundedHTTPServer(ThreadingHTTPServer):
         return {"open": len(cs), "trusted": sum(1 for c in cs if c.trusted),
                 "evicted": sum(1 for c in cs if c.evicted), "evictions": self.evictions}
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._admit(request, client_address):
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except Exception:
-            self._release(request)
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._release(request)
 
 
 class HeadServer:

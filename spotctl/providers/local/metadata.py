@@ -30,6 +30,7 @@ from spotctl.agent.monitors import (
     GCP_PREEMPT_GRACE_S,
     format_iso_utc,
 )
+from spotctl.head.admission import AdmittingHTTPServer
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ GCP_MAX_WAIT_S = 3600.0  # a longer (or nan, inf, negative) timeout_sec is a 400
 MAX_CONNECTIONS = 64  # concurrent (a node's agent holds 1-3); more are closed at once
 
 
-class _CappedHTTPServer(ThreadingHTTPServer):
+class _CappedHTTPServer(AdmittingHTTPServer):
     """A thread per connection, at most MAX_CONNECTIONS at once (more are closed)."""
 
     def __init__(self, *a: Any, **kw: Any) -> None:
@@ -56,23 +57,12 @@ class _CappedHTTPServer(ThreadingHTTPServer):
         if slots is not None:
             slots.release()
 
-    def process_request(self, request: Any, client_address: Any) -> None:
+    def _admit(self, request: Any, client_address: Any) -> bool:
         slots = self.slots
         if not slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
+            return False
         self._held[request] = slots
-        try:
-            super().process_request(request, client_address)
-        except Exception:
-            self._release(request)
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._release(request)
+        return True
 
 
 class MetadataServer:
