@@ -125,6 +125,20 @@ class _Strict(BaseModel):
         return v
 
 
+class _Zoned(_Strict):
+    """A provider section with zones (and, on clouds, an SSH CIDR): checked alike."""
+
+    @field_validator("zones", check_fields=False)
+    @classmethod
+    def _zones(cls, v: list[str]) -> list[str]:
+        return _check_zones(v)
+
+    @field_validator("ssh_cidr", check_fields=False)
+    @classmethod
+    def _ssh_cidr(cls, v: str) -> str:
+        return _check_ssh_cidr(v, "ssh_cidr")
+
+
 class TrainSpec(_Strict):
     script: str = "train.py"
     args: list[str] = Field(default_factory=list)
@@ -174,7 +188,7 @@ class CapacityStep(_Strict):
     nodes: int = Field(ge=0, le=10_000)
 
 
-class LocalSpec(_Strict):
+class LocalSpec(_Zoned):
     gpus_per_node: int = Field(default=1, ge=1, le=64)
     zones: list[str] = Field(default_factory=lambda: ["local-a", "local-b"])
     price_per_node: float = Field(default=0.0, ge=0, le=1e6)
@@ -184,10 +198,6 @@ class LocalSpec(_Strict):
     # which a test can cut to partition a node
     netns: bool = False
 
-    @field_validator("zones")
-    @classmethod
-    def _zones(cls, v: list[str]) -> list[str]:
-        return _check_zones(v)
 
     @field_validator("capacity")
     @classmethod
@@ -198,7 +208,7 @@ class LocalSpec(_Strict):
         return v
 
 
-class AwsSpec(_Strict):
+class AwsSpec(_Zoned):
     region: str = "us-east-1"
     zones: list[str] = Field(default_factory=list)
     instance_types: list[str] = Field(default_factory=list)
@@ -229,18 +239,8 @@ class AwsSpec(_Strict):
     # CIDR allowed to reach SSH; empty means the caller's own address. Never 0.0.0.0/0.
     ssh_cidr: str = ""
 
-    @field_validator("zones")
-    @classmethod
-    def _zones(cls, v: list[str]) -> list[str]:
-        return _check_zones(v)
 
-    @field_validator("ssh_cidr")
-    @classmethod
-    def _ssh_cidr(cls, v: str) -> str:
-        return _check_ssh_cidr(v, "ssh_cidr")
-
-
-class GcpSpec(_Strict):
+class GcpSpec(_Zoned):
     project: str = ""
     region: str = "us-central1"
     zones: list[str] = Field(default_factory=list)
@@ -266,15 +266,6 @@ class GcpSpec(_Strict):
     # public access prevention on first `up`. A bucket named here must exist already.
     bucket: str = ""
 
-    @field_validator("zones")
-    @classmethod
-    def _zones(cls, v: list[str]) -> list[str]:
-        return _check_zones(v)
-
-    @field_validator("ssh_cidr")
-    @classmethod
-    def _ssh_cidr(cls, v: str) -> str:
-        return _check_ssh_cidr(v, "ssh_cidr")
 
     @field_validator("bucket")
     @classmethod
