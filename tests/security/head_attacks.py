@@ -162,31 +162,29 @@ class Slowloris:
             while len(self.opened) < self.n and time.monotonic() < end:
                 self._open()
             for s in list(self.opened):
-                try:
-                    readable, _, _ = select.select([s], [], [], 0)
-                    if readable and s.recv(4096) == b"":
+                if self._still_open(s):
+                    try:
+                        s.send(b"X")
+                    except OSError:
                         self._closed(s)
-                        continue
-                    s.send(b"X")
-                except OSError:
-                    self._closed(s)
             if tick:
                 tick()
             time.sleep(self.every)
 
     def held(self) -> int:
         """How many of the attacker's connections the head still holds open."""
-        alive = 0
-        for s in list(self.opened):
-            try:
-                readable, _, _ = select.select([s], [], [], 0)
-                if readable and s.recv(4096) == b"":
-                    self._closed(s)
-                    continue
-                alive += 1
-            except OSError:
-                self._closed(s)
-        return alive
+        return sum(self._still_open(s) for s in list(self.opened))
+
+    def _still_open(self, s: socket.socket) -> bool:
+        """False (and counted closed) once the head has closed `s`."""
+        try:
+            readable, _, _ = select.select([s], [], [], 0)
+            if not (readable and s.recv(4096) == b""):
+                return True
+        except OSError:
+            pass
+        self._closed(s)
+        return False
 
     def oldest_s(self) -> float:
         now = time.monotonic()
