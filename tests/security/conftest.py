@@ -1,5 +1,6 @@
-"""Fixtures of the security tests that run a root agent whose workers run as another
-user (tests/security/test_worker_isolation.py, test_store_pickle.py)."""
+"""Shared by the security tests: a HeadServer served in this process (the head API's
+tests), and the fixtures of the tests that run a root agent whose workers run as another
+user (test_worker_isolation.py, test_store_pickle.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,28 @@ import shutil
 import stat
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from spotctl.head.server import HeadServer
+
+
+@contextmanager
+def serve_head(d: Path, secret: str, **kw: Any) -> Iterator[HeadServer]:
+    """A real HeadServer (no store) on a loopback port, served by a thread until the end."""
+    srv = HeadServer(d, secret, with_store=False, **kw)
+    t = threading.Thread(target=srv.serve, daemon=True)
+    t.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        t.join(5)
 
 
 @pytest.fixture

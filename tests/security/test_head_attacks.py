@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import secrets
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 from spotctl.head import server as head_server
 from spotctl.head.client import HeadClient
 from spotctl.head.server import HeadServer
+from tests.security.conftest import serve_head
 from tests.security.head_attacks import Head, real_head, run_header_flood, run_slowloris
 
 SECRET = secrets.token_urlsafe(32)
@@ -26,12 +26,8 @@ AUTH = b"Authorization: Bearer " + SECRET.encode() + b"\r\n"
 
 @pytest.fixture
 def head(tmp_path: Path) -> Iterator[HeadServer]:
-    srv = HeadServer(tmp_path, SECRET, with_store=False)
-    t = threading.Thread(target=srv.serve, daemon=True)
-    t.start()
-    yield srv
-    srv.stop()
-    t.join(5)
+    with serve_head(tmp_path, SECRET) as srv:
+        yield srv
 
 
 def _reply(head: HeadServer, data: bytes) -> bytes:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +22,7 @@ import pytest
 from spotctl.head import server as head_server
 from spotctl.head.auth import node_token
 from spotctl.head.server import HeadServer
+from tests.security.conftest import serve_head
 
 SECRET = secrets.token_urlsafe(32)
 CTL = f"Bearer {SECRET}"
@@ -32,19 +32,10 @@ def _node(nid: str) -> str:
     return f"Bearer {node_token(SECRET, nid)}"
 
 
-def _start(d: Path, **kw: Any) -> tuple[HeadServer, threading.Thread]:
-    srv = HeadServer(d, SECRET, with_store=False, **kw)
-    t = threading.Thread(target=srv.serve, daemon=True)
-    t.start()
-    return srv, t
-
-
 @pytest.fixture
 def head(tmp_path: Path) -> Iterator[HeadServer]:
-    srv, t = _start(tmp_path)
-    yield srv
-    srv.stop()
-    t.join(5)
+    with serve_head(tmp_path, SECRET) as srv:
+        yield srv
 
 
 def call(head: HeadServer, method: str, path: str, auth: str,
@@ -98,13 +89,9 @@ def test_a_falsified_world_and_step_are_400_and_change_nothing(head: HeadServer)
 
 
 def test_world_is_bounded_by_the_specs_maximum(tmp_path: Path) -> None:
-    srv, t = _start(tmp_path, max_world=4)
-    try:
+    with serve_head(tmp_path, SECRET, max_world=4) as srv:
         assert beat(srv, "n1", worker(1, world=5))[0] == 400
         assert beat(srv, "n1", worker(1, world=4))[0] == 200
-    finally:
-        srv.stop()
-        t.join(5)
 
 
 def test_world_is_bounded_by_the_nodes_the_head_knows(head: HeadServer) -> None:
@@ -123,18 +110,12 @@ def test_steps_may_go_down_and_grow_at_a_training_rate(head: HeadServer) -> None
 
 
 def test_a_restarted_head_keeps_bounding_steps(tmp_path: Path) -> None:
-    srv, t = _start(tmp_path)
-    assert beat(srv, "n1", worker(100))[0] == 200
-    srv.stop()
-    t.join(5)
-    srv, t = _start(tmp_path)
-    try:
+    with serve_head(tmp_path, SECRET) as srv:
+        assert beat(srv, "n1", worker(100))[0] == 200
+    with serve_head(tmp_path, SECRET) as srv:  # the same directory: a restarted head
         assert beat(srv, "n1", worker(1 << 62))[0] == 400
         assert beat(srv, "n1", worker(1 << 40))[0] == 400
         assert beat(srv, "n1", worker(120))[0] == 200
-    finally:
-        srv.stop()
-        t.join(5)
 
 
 def test_a_startup_without_started_at_is_400_and_the_real_rescale_is_kept(

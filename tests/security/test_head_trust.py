@@ -24,6 +24,7 @@ from spotctl.head.auth import node_token
 from spotctl.head.client import HeadClient
 from spotctl.head.server import HeadServer
 from tests.conftest import last_char_changed
+from tests.security.conftest import serve_head
 
 SECRET = secrets.token_urlsafe(32)
 CTL = f"Bearer {SECRET}"
@@ -35,12 +36,8 @@ def _bearer(nid: str) -> str:
 
 @pytest.fixture
 def head(tmp_path: Path) -> Iterator[HeadServer]:
-    srv = HeadServer(tmp_path, SECRET, with_store=False)
-    t = threading.Thread(target=srv.serve, daemon=True)
-    t.start()
-    yield srv
-    srv.stop()
-    t.join(5)
+    with serve_head(tmp_path, SECRET) as srv:
+        yield srv
 
 
 def call(head: HeadServer, method: str, path: str, auth: str | None,
