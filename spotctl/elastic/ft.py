@@ -162,49 +162,45 @@ def _bound_manager_server(host: str) -> Any:
     return make
 
 
-_SCHED_GATES: dict[int, Any] = {}
-_SCHED_CLASSES: dict[type, type] = {}
+_GATES: dict[int, Any] = {}  # id(gated object) -> its FtRun
+_GATED_CLASSES: dict[tuple[type, str], type] = {}
 
 
-def _gate_scheduler(sched: Any, run: FtRun) -> None:
-    """An LR scheduler steps only with a committed step. Done by a subclass (an attribute
-    on the instance would land in its state_dict, which holds the instance's __dict__)."""
-    base = type(sched)
-    if base not in _SCHED_CLASSES:
-        def step(self: Any, *a: Any, **kw: Any) -> Any:
-            r = _SCHED_GATES.get(id(self))
-            if r is not None and r._decision is False:
-                return None  # the optimizer step was not applied: neither is its schedule
-            return base.step(self, *a, **kw)
+def _gate(obj: Any, run: FtRun, name: str, gated: Any) -> None:
+    """Route obj.<name>(...) through gated(obj, run, original, ...). Done by swapping in a
+    subclass (an attribute on the instance would land in a state_dict that holds the
+    instance's __dict__, as an LR scheduler's does)."""
+    base = type(obj)
+    if (base, name) not in _GATED_CLASSES:
+        orig = getattr(base, name)
 
-        _SCHED_CLASSES[base] = type(base.__name__, (base,), {"step": step})
-    sched.__class__ = _SCHED_CLASSES[base]
-    _SCHED_GATES[id(sched)] = run
+        def method(self: Any, *a: Any, **kw: Any) -> Any:
+            r = _GATES.get(id(self))
+            return orig(self, *a, **kw) if r is None else gated(self, r, orig, *a, **kw)
 
-
-_SCALER_GATES: dict[int, Any] = {}
-_SCALER_CLASSES: dict[type, type] = {}
+        _GATED_CLASSES[(base, name)] = type(base.__name__, (base,), {name: method})
+    obj.__class__ = _GATED_CLASSES[(base, name)]
+    _GATES[id(obj)] = run
 
 
-def _gate_scaler(scaler: Any, run: FtRun) -> None:
+def _scheduler_step(sched: Any, run: FtRun, orig: Any, *a: Any, **kw: Any) -> Any:
+    """An LR scheduler steps only with a committed step."""
+    if run._decision is False:
+        return None  # the optimizer step was not applied: neither is its schedule
+    return orig(sched, *a, **kw)
+
+
+def _scaler_update(scaler: Any, run: FtRun, orig: Any, *a: Any, **kw: Any) -> Any:
     """A GradScaler's update() follows the commit vote: a step nobody applies leaves the
     scale as it was (an overflow found in the globally averaged gradients, seen alike by
     every replica, updates it as in plain training). update() takes the vote when the
     scaler skipped optimizer.step() for an inf."""
-    base = type(scaler)
-    if base not in _SCALER_CLASSES:
-        def update(self: Any, *a: Any, **kw: Any) -> Any:
-            if not _SCALER_GATES[id(self)]._commit():
-                from torch.amp.grad_scaler import _refresh_per_optimizer_state
+    if not run._commit():
+        from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
-                self._per_optimizer_states = collections.defaultdict(
-                    _refresh_per_optimizer_state)
-                return None
-            return base.update(self, *a, **kw)
-
-        _SCALER_CLASSES[base] = type(base.__name__, (base,), {"update": update})
-    scaler.__class__ = _SCALER_CLASSES[base]
-    _SCALER_GATES[id(scaler)] = run
+        scaler._per_optimizer_states = collections.defaultdict(_refresh_per_optimizer_state)
+        return None
+    return orig(scaler, *a, **kw)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -371,9 +367,9 @@ class FtRun(Run):
         for o in self.optimizers:
             o.step = self._gated(o.step)  # type: ignore[method-assign]
         for s in self.schedulers:
-            _gate_scheduler(s, self)
+            _gate(s, self, "step", _scheduler_step)
         if self.scaler is not None:
-            _gate_scaler(self.scaler, self)
+            _gate(self.scaler, self, "update", _scaler_update)
         t_proc = _process_start_time()
         self.startup = {
             "imports": 0.0,
