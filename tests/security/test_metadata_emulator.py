@@ -48,7 +48,10 @@ def test_connections_are_capped(server: MetadataServer, monkeypatch: pytest.Monk
     assert server._httpd is not None
     monkeypatch.setattr(server._httpd, "slots", threading.BoundedSemaphore(4), raising=False)
     idle = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(4)]
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10  # until the server has admitted all four (a thread each)
+    while len(server._httpd._held) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(server._httpd._held) == 4
     extra = socket.create_connection(("127.0.0.1", server.port), timeout=5)
     assert extra.recv(10) == b""  # closed by the server
     extra.close()
