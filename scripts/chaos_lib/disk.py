@@ -30,24 +30,22 @@ def _mount_tmpfs(path: Path, size: str) -> str | None:
 
 
 def _fill(path: Path) -> int:
-    """Write a filler file until the file system is full; returns bytes written."""
+    """Write a filler file until the file system is full; returns bytes written.
+    Unbuffered: a buffered file's close() would flush what the full disk refused and
+    raise ENOSPC out of the harness itself."""
     n = 0
-    with open(path / "filler", "wb") as f:
+    for name, chunk in (("filler", 65536), ("filler2", 512)):  # then the last few bytes
+        fd = os.open(path / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-                n += 65536
+                w = os.write(fd, b"\0" * chunk)
+                if not w:
+                    break
+                n += w
         except OSError:
             pass
-    # a few bytes may remain: take them too
-    try:
-        with open(path / "filler2", "wb") as f:
-            while True:
-                f.write(b"\0" * 512)
-                f.flush()
-    except OSError:
-        pass
+        finally:
+            os.close(fd)
     return n
 
 
