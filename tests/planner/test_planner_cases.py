@@ -130,6 +130,15 @@ CASES = [
         launches=[("r1-b", 1)],
     ),
     Case(
+        # price outranks band: a worse band never buys a dearer offer (and the band is
+        # what breaks the tie above, so this case pins the order of the two keys)
+        "cheaper $/GPU-h with a worse band beats dearer with a better band",
+        spec("2..2"),
+        [offer("r1-b", 1.2, band=0), offer("r1-a", 1.0, band=4)],
+        types=["launch"],
+        launches=[("r1-a", 2)],
+    ),
+    Case(
         "no launch at the maximum",
         spec("1..2"),
         [offer("r1-a", 1.0)],
