@@ -102,3 +102,33 @@ def test_a_refused_multi_instance_launch_halves_instead_of_backing_off() -> None
     assert zone_cooldowns([*errs, one], 900, NOW).blocked == {"r1-a": NOW - 0.5 + 60}
     cd = zone_cooldowns([*errs, one, ev(NOW - 0.1, "launch")], 900, NOW)
     assert cd.caps == {} and cd.blocked == {}
+
+
+def test_errors_older_than_the_cooldown_no_longer_count() -> None:
+    """The window is `cooldown_s` after the last bad event: the journal's clock (`now`) is
+    handed in, so expiry is tested by moving `now`, never by sleeping."""
+    old = [ev(NOW - 5000, "capacity-error"), ev(NOW - 4900, "capacity-error"),
+           ev(NOW - 4800, "capacity-error"), ev(NOW - 4700, "preempted", "r1-b")]
+    # inside the window they count: three in a row back off 60 -> 120 -> 240 s
+    then = NOW - 4790
+    cd = zone_cooldowns(old, 900, then)
+    assert cd.failures == {"r1-a": 3} and cd.blocked == {"r1-a": NOW - 4800 + 240}
+    # 900 s after the last of them, nothing is left: no cooling, no back-off, no count
+    cd = zone_cooldowns(old, 900, NOW)
+    assert (cd.blocked, cd.cooling, cd.failures, cd.caps) == ({}, {}, {}, {})
+    # exactly at the end of the window it has run out (cooling means "until", not "through")
+    cd = zone_cooldowns(old, 900, NOW - 4800 + 900)
+    assert "r1-a" not in cd.cooling and cd.failures == {}
+    # a new error after the window starts the back-off afresh at a minute, not at 480 s
+    cd = zone_cooldowns([*old, ev(NOW - 1, "capacity-error")], 900, NOW)
+    assert cd.failures == {"r1-a": 1} and cd.blocked == {"r1-a": NOW - 1 + 60}
+    assert cd.cooling == {"r1-a": NOW - 1 + 900}
+
+
+def test_an_expired_multi_instance_cap_is_forgotten() -> None:
+    # a refusal of 2 long ago capped the zone at 1; a refusal of 8 now caps it at 4, not 0
+    errs = [{"ts": NOW - 5000, "type": "capacity-error", "zone": "r1-a", "count": 2},
+            {"ts": NOW - 1, "type": "capacity-error", "zone": "r1-a", "count": 8}]
+    assert zone_cooldowns(errs[:1], 900, NOW - 4999).caps == {"r1-a": 1}
+    assert zone_cooldowns(errs[:1], 900, NOW).caps == {}
+    assert zone_cooldowns(errs, 900, NOW).caps == {"r1-a": 4}
