@@ -47,8 +47,11 @@ def test_cluster_prefix_profile_and_down_keeps_checkpoints(
     policy = doc["PolicyDocument"]
     policy = json.loads(policy) if isinstance(policy, str) else policy
     resources = [st["Resource"] for st in policy["Statement"]]
-    assert resources == [f"arn:aws:s3:::{bucket}/{name}/*", f"arn:aws:s3:::{bucket}"]
-    assert policy["Statement"][1]["Condition"]["StringLike"]["s3:prefix"] == [f"{name}/*"]
+    assert resources == [f"arn:aws:s3:::{bucket}/{name}/*"] + [f"arn:aws:s3:::{bucket}"] * 2
+    # the bucket itself: its location (s3fs's existence probe) and a listing of the prefix
+    assert [st["Action"] for st in policy["Statement"][1:]] == ["s3:GetBucketLocation",
+                                                               "s3:ListBucket"]
+    assert policy["Statement"][2]["Condition"]["StringLike"]["s3:prefix"] == [f"{name}/*"]
     trust = iam.get_role(RoleName=f"spotctl-{name}-node")["Role"]["AssumeRolePolicyDocument"]
     assert "ec2.amazonaws.com" in json.dumps(trust)
     # A checkpoint written by a node survives `down`; the identity does not.

@@ -119,7 +119,13 @@ class AwsStorage(ClusterCheckpoints, AwsApi):
     # ---- node identity ----------------------------------------------------------------
 
     def node_policy(self) -> dict[str, Any]:
-        """The workers' only permission: read and write the cluster's prefix."""
+        """The workers' only permission: read and write the cluster's prefix.
+
+        s3fs's makedirs (spotctl's own, and DCP's writer before every save) first asks
+        whether the bucket exists: HeadBucket, which needs s3:ListBucket without a prefix
+        (not granted: it would list every cluster's keys), then GetBucketLocation. When
+        both are refused it calls CreateBucket, and the save fails with AccessDenied; so
+        GetBucketLocation on this bucket is granted, and nothing on any other bucket."""
         bucket = self.bucket_name()
         return {
             "Version": "2012-10-17",
@@ -128,6 +134,11 @@ class AwsStorage(ClusterCheckpoints, AwsApi):
                     "Effect": "Allow",
                     "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
                     "Resource": f"arn:aws:s3:::{bucket}/{self.prefix}*",
+                },
+                {
+                    "Effect": "Allow",
+                    "Action": "s3:GetBucketLocation",
+                    "Resource": f"arn:aws:s3:::{bucket}",
                 },
                 {
                     "Effect": "Allow",
