@@ -163,6 +163,9 @@ class TrainSpec(_Strict):
     # unprivileged user (created if missing) and cannot read the node's credential;
     # "" = they run as the agent's user. Local nodes always run as you.
     run_as: str = Field(default="spotctl-train", pattern=r"^([a-z_][a-z0-9_-]{0,31})?$")
+    # On a GPU instance type, how long a node's agent waits for the NVIDIA driver to answer
+    # and torch to see the type's GPUs before it gives up and the node is replaced.
+    gpu_wait_s: float = Field(default=300.0, ge=0, le=3600)
 
     @field_validator("env")
     @classmethod

@@ -48,12 +48,19 @@ class AgentConfig:
     # as, when the agent runs as root: they then cannot read the node token. "" = the
     # agent's own user. Ignored (with a warning) when the agent is not root.
     run_as: str = ""
+    # GPUs this node's instance type has: workers start only once nvidia-smi lists them
+    # and torch sees them (spotctl.agent.gpugate), waiting at most gpu_wait_s (the driver
+    # may still be installing at first boot). 0 = a CPU node: no gate.
+    expect_gpus: int = 0
+    gpu_wait_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.metadata not in METADATA_STYLES:
             raise ValueError(f"metadata must be one of {METADATA_STYLES}, got {self.metadata!r}")
         if self.nproc_per_node < 1:
             raise ValueError("nproc_per_node must be >= 1")
+        if self.expect_gpus < 0 or not 0 <= self.gpu_wait_s <= 3600:
+            raise ValueError("expect_gpus must be >= 0 and gpu_wait_s within [0, 3600]")
         if self.engine not in ("torchrun", "torchft"):
             raise ValueError(f"engine must be torchrun or torchft, got {self.engine!r}")
         if self.engine == "torchft" and not self.lighthouse:

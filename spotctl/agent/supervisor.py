@@ -2,7 +2,10 @@
 the drain cycle on its node.
 
 States (the agent's, reported to the head as agent_state):
-  waiting  -> registered, not yet told to start (a join waits for the group to checkpoint)
+  waiting  -> registered, not yet told to start (a join waits for the group to checkpoint);
+              on a GPU type, torchrun starts only once the GPU gate opens
+  failed   -> the GPU gate gave up (no driver, too few GPUs, CPU-only torch): nothing
+              starts; reported to the head, and the controller replaces the node
   running  -> torchrun is up
   leaving  -> a notice came: its workers drained, torchrun is being stopped
   left     -> out of the rendezvous; waits to be terminated
@@ -27,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from spotctl.agent import runas
+from spotctl.agent import gpugate, runas
 from spotctl.agent.config import AgentConfig
 from spotctl.head.client import HeadClient, HeadUnavailable
 
@@ -133,6 +136,9 @@ class Agent:
         self._leaver: subprocess.Popen[bytes] | None = None
         self._leaver_lock = threading.Lock()
         self._warm = threading.Thread(target=self._import_torch, daemon=True)
+        # None while the GPU gate is probing; set once (see spotctl.agent.gpugate)
+        self.gpu_gate: gpugate.GateResult | None = None
+        self._gate_reported = False
 
     def _prepare_worker_dirs(self, w: runas.WorkerUser) -> bool:
         """Workers run as `w`: they write only their status dir (and a local checkpoint
@@ -228,6 +234,48 @@ class Agent:
         if answer not in LEAVE_ANSWERS[:2]:
             raise RuntimeError(f"leave server: no answer (see {self.workdir / 'leave.log'})")
         return answer == LEAVE_ANSWERS[0]
+
+    # -- the GPU gate
+    def _run_gpu_gate(self) -> None:
+        cfg = self.cfg
+        env = worker_env(os.environ, self.head.token)
+        env.update(cfg.env)
+        if self.worker is not None:
+            self.worker.env(env)
+        try:
+            res = gpugate.wait_for_gpus(
+                cfg.expect_gpus, cfg.python or sys.executable, env, cfg.gpu_wait_s,
+                stop=self._stop.is_set,
+                popen=self.worker.popen_kwargs() if self.worker else None)
+        except Exception as e:  # the gate must end closed, never hang the agent
+            res = gpugate.GateResult(False, f"GPU check failed: {e}", None, None, 0.0)
+        if res.ok and cfg.expect_gpus:
+            log.info("GPU gate open: nvidia-smi lists %s, torch sees %s GPU(s) (%.0fs)",
+                     res.driver_gpus, res.torch_gpus, res.waited_s)
+        self.gpu_gate = res
+
+    def _gpus_ready(self) -> bool:
+        """Whether workers may start; a closed gate turns the node `failed` and tells the
+        head why (retried every tick until the head has it)."""
+        res = self.gpu_gate
+        if res is None:
+            if self.notice is not None:
+                self.state = "left"  # preempted while the driver came up: nothing to drain
+            return False
+        if res.ok:
+            return True
+        if self.state != "failed":
+            self.state = "failed"
+            log.error("GPU gate: %s; not starting workers (%d GPU(s) expected)",
+                      res.reason, self.cfg.expect_gpus)
+        if not self._gate_reported:
+            try:
+                self.head.event("gpu-gate-failed", node=self.cfg.node_id,
+                                reason=res.reason[:1000])
+                self._gate_reported = True
+            except HeadUnavailable as e:
+                log.warning("could not report the GPU gate: %s", e)
+        return False
 
     # -- notices
     def on_notice(self, notice: Any) -> None:
@@ -446,6 +494,9 @@ class Agent:
     def step(self) -> None:
         workers = self._live_workers(self.read_workers())
         reply = self._heartbeat(workers)
+        if self.state in ("waiting", "failed") and self.torchrun is None \
+                and not self._gpus_ready():
+            return
         tr = self.torchrun
         if tr is not None and tr.poll() is not None and self.state in ("running", "waiting"):
             code = tr.returncode
@@ -529,6 +580,7 @@ class Agent:
             self._heartbeat()
 
     def run(self) -> int:
+        threading.Thread(target=self._run_gpu_gate, name="gpu-gate", daemon=True).start()
         self._warm.start()
         self._zygote_socket()  # warm up while we register
         self._start_monitors()

@@ -139,6 +139,9 @@ def observe(store: Store, spec: ClusterSpec, provider: Any,
         h = head_nodes.get(i.id, {})
         hs = h.get("state", "")
         state = "draining" if hs in ("leaving", "left") else i.state
+        if hs == "failed":
+            # its agent refused to train (GPU gate: no driver, too few GPUs): replace it
+            state = "lost"
         # No false recoveries: one silent reply never makes a node lost; N silent
         # observations spanning T seconds do (or the provider saying it is gone).
         age = h.get("heartbeat_age_s")
@@ -419,7 +422,8 @@ def wait_for_nodes(store: Store, name: str, timeout_s: float,
         try:
             st = head_client(store, name).status()
             hn = st["nodes"]
-            expected -= {k for k, v in hn.items() if v["state"] in ("leaving", "left")}
+            expected -= {k for k, v in hn.items()
+                         if v["state"] in ("leaving", "left", "failed")}
             seen = sum(1 for k in expected if k in hn and hn[k]["state"] in ("running", "waiting")
                        and heartbeat_fresh(hn[k]))
         except HeadUnavailable:

@@ -14,14 +14,16 @@ MAX_STR = 256
 MAX_STEP = 1 << 53  # steps, checkpoints: JSON-exact integers (the head bounds their rate)
 MAX_WORKERS = 64  # per node (GPUs per VM are far fewer)
 MAX_STARTUP_KEYS = 32
-AGENT_STATES = ("waiting", "running", "leaving", "left", "finished")
+AGENT_STATES = ("waiting", "running", "leaving", "left", "finished", "failed")
 PHASES = ("init", "train", "draining", "drained", "drain-failed", "done")
 # Event types a client may post, with their fields (type checked). Anything else: 400.
 EVENT_FIELDS: dict[str, dict[str, type]] = {
     "rebalance-recommendation": {"node": str},
+    "gpu-gate-failed": {"node": str, "reason": str},
     "note": {"message": str, "node": str},
 }
-NODE_EVENTS = ("rebalance-recommendation",)  # the types a node may post (about itself)
+# the types a node may post (about itself)
+NODE_EVENTS = ("rebalance-recommendation", "gpu-gate-failed")
 
 
 class BadInput(ValueError):

@@ -917,6 +917,9 @@ class CloudNodes:
             metadata=self.metadata, metadata_url=self.node_metadata_url(inst.id),
             run_as=tr.run_as, engine=tr.engine,
             lighthouse=head.lighthouse if tr.engine == "torchft" else "",
+            # a cloud GPU type: no worker starts before its GPUs answer. Under the test
+            # seam the "instances" are processes on this CPU machine: no gate there.
+            expect_gpus=0 if self.override else max(0, inst.gpus), gpu_wait_s=tr.gpu_wait_s,
         )  # fmt: skip
 
     def node_metadata_url(self, node_id: str) -> str:
