@@ -90,3 +90,16 @@ def test_shipped_files_rebuild_from_the_public_snapshots(tmp_path: Path) -> None
     dupes = len(kept) - len({(r["InstanceType"], r["Region"], r["AvailabilityZone"]) for r in kept})
     assert dupes == 5
     assert len(catalog_aws.catalog()) == len(kept) - dupes
+
+
+def test_default_types_are_only_those_the_deep_learning_ami_supports() -> None:
+    """The catalog still prices p3/p3dn (V100), but the default worker image's driver
+    dropped them: `up` must not look at them unless asked with an image that runs them."""
+    every = catalog_aws.instance_types("us-east-1")
+    assert any(t.startswith(("p3.", "p3dn.")) for t in every)
+    defaults = catalog_aws.default_instance_types("us-east-1")
+    assert not any(t.startswith(("p3.", "p3dn.")) for t in defaults)
+    assert {"g4dn.xlarge", "g5.xlarge", "g6e.xlarge", "p4d.24xlarge", "p5.48xlarge"} <= set(
+        defaults)
+    assert {t.split(".")[0] for t in catalog_aws.default_instance_types()} <= set(
+        catalog_aws.DLAMI_FAMILIES)

@@ -79,6 +79,12 @@ def test_default_types_come_from_the_catalog_and_skip_retired_ones(
     assert not any(t.startswith("p3.") for t in types)  # moto (like AWS) retired p3
 
 
+def test_a_named_p3_with_the_default_image_is_a_spec_error(make_provider: MakeProvider) -> None:
+    with pytest.raises(SpecError, match=r"aws.instance_types: p3.2xlarge cannot run the "
+                                        r"default Deep Learning AMI"):
+        make_provider(ami="", instance_types=["g5.xlarge", "p3.2xlarge"]).offers()
+
+
 def test_unknown_named_instance_type_is_a_spec_error(make_provider: MakeProvider) -> None:
     with pytest.raises(SpecError, match=r"aws.instance_types: .*nope\.xlarge"):
         make_provider(instance_types=["g5.xlarge", "nope.xlarge"]).offers()

@@ -44,6 +44,11 @@ CATALOG_COLUMNS = (
 # Families left out of the shipped catalog: nodes run CUDA PyTorch on x86_64 images, so
 # AMD GPUs (g4ad) and Graviton hosts (g5g) cannot run them as they are.
 EXCLUDED_FAMILIES = ("g4ad", "g5g")
+# Families the default worker image supports: the Deep Learning AMI that
+# aws.ami_ssm_parameter names (OSS NVIDIA driver, PyTorch, Ubuntu 22.04) lists G4dn, G5, G6,
+# Gr6, G6e, P4d, P4de, P5, P5e and P5en; its driver has dropped P3 and P3dn (V100). The
+# catalog keeps their prices (the simulator uses them); default offers leave them out.
+DLAMI_FAMILIES = ("g4dn", "g5", "g6", "gr6", "g6e", "p4d", "p4de", "p5", "p5e", "p5en")
 # Spot Advisor interruption-frequency buckets, index = band.
 BAND_LABELS = ("<5%", "5-10%", "10-15%", "15-20%", ">20%")
 
@@ -103,6 +108,12 @@ def regions() -> list[str]:
 def instance_types(region: str | None = None) -> list[str]:
     """GPU instance types the catalog knows, in one region or in any."""
     return sorted({r.instance_type for r in catalog() if region is None or r.region == region})
+
+
+def default_instance_types(region: str | None = None) -> list[str]:
+    """The types `up` looks at when aws.instance_types is empty: the catalog's GPU types
+    the default Deep Learning AMI runs on."""
+    return [t for t in instance_types(region) if t.split(".")[0] in DLAMI_FAMILIES]
 
 
 def catalog_row(instance_type: str, region: str | None = None) -> CatalogRow | None:

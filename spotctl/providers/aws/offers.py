@@ -24,8 +24,21 @@ class AwsOffers(AwsApi):
 
     def _wanted_types(self) -> list[str]:
         if self.spec.instance_types:
-            return list(dict.fromkeys(self.spec.instance_types))
-        types = catalog_aws.instance_types(self.region)
+            named = list(dict.fromkeys(self.spec.instance_types))
+            default_image = not self.spec.ami and self.spec.ami_ssm_parameter == \
+                type(self.spec).model_fields["ami_ssm_parameter"].default
+            gpu_families = {t.split(".")[0] for t in catalog_aws.instance_types()}
+            bad = [t for t in named if t.split(".")[0] in gpu_families
+                   and t.split(".")[0] not in catalog_aws.DLAMI_FAMILIES]
+            if default_image and bad:
+                raise SpecError(
+                    f"aws.instance_types: {', '.join(bad)} cannot run the default Deep "
+                    "Learning AMI (it supports "
+                    f"{', '.join(catalog_aws.DLAMI_FAMILIES)}); pick one of those or set "
+                    "aws.ami to an image with a driver for it"
+                )
+            return named
+        types = catalog_aws.default_instance_types(self.region)
         if not types:
             raise SpecError(
                 f"aws.region: the shipped catalog has no GPU types for {self.region!r} "
