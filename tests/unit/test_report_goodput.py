@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,12 +32,13 @@ def _journal(tmp_path: Path, samples: list[tuple[float, int, int]]) -> Store:
     s.upsert_cluster("g", "local", {"name": "g"}, "down")
     s.upsert_node(_node("a", 0, 400, 2))
     s.upsert_node(_node("b", 0, 200, 2))
-    for ts, typ, data in [
+    journal: list[tuple[float, str, dict[str, Any]]] = [
         (0, "train-start", {"world_size": 4, "resume_step": 0}),
         (200, "rescale", {"from_world_size": 4, "to_world_size": 2, "reason": "notice",
                           "lost_steps": 0, "notice_to_resume_s": 20.0}),
         (400, "down", {"leaks": []}),
-    ]:
+    ]
+    for ts, typ, data in journal:
         s.add_event("g", typ, data, ts=T0 + ts)
     if samples:
         head = s.cluster_dir("g").head_dir
