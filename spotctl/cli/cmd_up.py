@@ -61,9 +61,13 @@ def register(app: typer.Typer) -> None:
                           f"at ${o.spot_price:.4f}/h each: {a.reason}")
             return
         from spotctl.cli.up_progress import Reporter, first_step_wait_s, watch
+        from spotctl.control.address import fill_ssh_cidr
 
         first_step_wait_s()  # a bad SPOTCTL_UP_STEP_WAIT_S stops `up` before it launches
         con = console(stderr=True)
+        filled = fill_ssh_cidr(spec)  # an unset [aws]/[gcp] ssh_cidr: this machine's address
+        if filled:
+            con.print(f"up: {filled}", highlight=False, markup=False, soft_wrap=True)
         live = con.is_terminal and not json_out
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                       console=con, transient=True, disable=not live) as prog:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from spotctl.control.address import Lookup, public_address, ssh_cidr_line
 from spotctl.errors import SpecError
 from spotctl.providers import ProviderContext, get_provider
-from spotctl.providers.checks import Check
+from spotctl.providers.checks import Check, run_check
 from spotctl.spec import ClusterSpec
 
 CHECK_CLUSTER = "check"
@@ -19,9 +20,11 @@ CLOUDS = ("aws", "gcp")
 
 
 def check_account(
-    provider: str, spec: ClusterSpec, options: dict[str, Any] | None = None
+    provider: str, spec: ClusterSpec, options: dict[str, Any] | None = None,
+    lookup: Lookup = public_address,
 ) -> list[Check]:
-    """The provider's checks, in order. Raises SpecError for a provider without any."""
+    """The provider's checks, in order, then who may SSH to the nodes (`ssh_cidr`, or the
+    address `up` would fill it with). Raises SpecError for a provider without any."""
     if provider not in CLOUDS:
         raise SpecError(f"--provider: check knows {' and '.join(CLOUDS)}, not {provider!r}")
     from spotctl.state import Store
@@ -37,7 +40,7 @@ def check_account(
         checks: list[Check] = get_provider(provider, ctx).checks()  # type: ignore[attr-defined]
     finally:
         store.close()
-    return checks
+    return [*checks, run_check("ssh_cidr", lambda: ssh_cidr_line(spec, lookup)[1])]
 
 
 def blocking_failures(checks: list[Check]) -> list[Check]:

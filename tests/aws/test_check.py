@@ -72,13 +72,17 @@ def test_cli_prints_one_line_each_and_exits_nonzero_when_blocked(
     (tmp_path / "spotctl.toml").write_text(
         f'[aws]\nregion = "{REGION}"\nami = "{ami}"\ninstance_types = ["g5.xlarge"]\n'
     )
-    env = dict(os.environ, SPOTCTL_HOME=str(tmp_path / "home"), NO_COLOR="1", COLUMNS="200")
+    # ssh_cidr unset: the address `up` would fill it with (never a lookup beyond loopback)
+    env = dict(os.environ, SPOTCTL_HOME=str(tmp_path / "home"), NO_COLOR="1", COLUMNS="200",
+               SPOTCTL_CONTROLLER_ADDRESS="192.0.2.7")  # fmt: skip
     run = [sys.executable, "-m", "spotctl.cli.app", "check", "--provider", "aws"]
     ok = subprocess.run(run, cwd=tmp_path, env=env, text=True, capture_output=True, timeout=120)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     lines = ok.stdout.strip().splitlines()
-    assert [ln.split()[0] for ln in lines] == ["ok", "ok", "warn", "ok", "ok", "ok", "ok"]
+    assert [ln.split()[0] for ln in lines] == ["ok", "ok", "warn", "ok", "ok", "ok", "ok", "ok"]
     assert lines[0].split()[1] == "credentials"
+    assert lines[-1].split()[:2] == ["ok", "ssh_cidr"]
+    assert "this machine's public address 192.0.2.7/32" in lines[-1]
     (tmp_path / "spotctl.toml").write_text(
         f'[aws]\nregion = "{REGION}"\ninstance_types = ["g5.xlarge"]\n'
         'ami_ssm_parameter = "/spotctl-test/missing"\n'

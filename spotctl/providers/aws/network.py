@@ -44,9 +44,9 @@ class AwsNetwork(AwsApi):
     def _ssh_cidr(self) -> str:
         """Who may reach SSH: aws.ssh_cidr, else the caller's address from the CLI.
 
-        spotctl never guesses the caller's public address itself (that would call a
-        third-party service); without one of the two it refuses rather than open SSH to
-        the world.
+        The provider never looks the caller's address up itself: `up` fills an unset
+        ssh_cidr first and says so (spotctl/control/address.py); without one of the two
+        it refuses rather than open SSH to the world.
         """
         raw = self.spec.ssh_cidr or str(self.ctx.options.get("ssh_cidr") or "")
         if not raw:
