@@ -1,4 +1,5 @@
-"""README claims that no other test would catch if they were false."""
+"""Claims of the README and the docs pages (docs/) that no other test would catch if they
+were false."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from tests.unit.test_coordinator import Clock, hb, w
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
+# every page a user reads: the README and the docs site's pages
+DOCS = "\n".join([README, *(p.read_text() for p in sorted((REPO / "docs").rglob("*.md")))])
+DESIGN = (REPO / "docs" / "design.md").read_text()  # the contributors' page: the test seams
+OPERATING = (REPO / "docs" / "operating.md").read_text()  # the exit codes
 # Set by spotctl for its own child processes; tests read them to find or drive those.
 INTERNAL = {"SPOTCTL_NODE_TAG", "SPOTCTL_ZYGOTE", "SPOTCTL_COMPLETE",
             # the agent's contract with its workers (tests/elastic/ft_harness.py plays it)
@@ -18,10 +23,12 @@ INTERNAL = {"SPOTCTL_NODE_TAG", "SPOTCTL_ZYGOTE", "SPOTCTL_COMPLETE",
             "SPOTCTL_ENGINE", "SPOTCTL_FT_REPLICA_ID", "SPOTCTL_NODE_ID", "SPOTCTL_STATUS_DIR",
             # the agent's contract with its torchrun (tests/unit/test_rdzv_gate.py plays it)
             "SPOTCTL_RDZV_GATE"}
-# Tuning knobs a test sets, documented in their own README section rather than as seams.
+# Tuning knobs a test sets, documented with the concepts they tune rather than as seams.
 KNOBS = {"SPOTCTL_FT_JOIN_TIMEOUT_MS", "SPOTCTL_FT_HEARTBEAT_TIMEOUT_MS", "SPOTCTL_FT_START_REPLICAS",
          "SPOTCTL_CHECKPOINT_STORAGE_OPTIONS",
-         "SPOTCTL_UP_STEP_WAIT_S", "SPOTCTL_FT_MIN_REPLICAS"}
+         "SPOTCTL_UP_STEP_WAIT_S", "SPOTCTL_FT_MIN_REPLICAS",
+         # the controller's address for an unset ssh_cidr (docs/getting-started/aws.md)
+         "SPOTCTL_CONTROLLER_ADDRESS"}
 
 
 def _names(paths: list[Path]) -> set[str]:
@@ -31,22 +38,23 @@ def _names(paths: list[Path]) -> set[str]:
     return out
 
 
-def test_readme_lists_every_test_seam_and_each_is_read_by_the_code() -> None:
-    m = re.search(r"Test seams, for tests only:(.*?)\.\n", README, re.S)
-    assert m, "README: the 'Test seams, for tests only:' sentence is gone"
+def test_docs_list_every_test_seam_and_each_is_read_by_the_code() -> None:
+    m = re.search(r"Test seams, for tests only:(.*?)\.\n", DESIGN, re.S)
+    assert m, "docs/design.md: the 'Test seams, for tests only:' sentence is gone"
     listed = set(re.findall(r"`(SPOTCTL_[A-Z_]+|AWS_[A-Z_]+)", m.group(1)))
     code = _names(list((REPO / "spotctl").rglob("*.py")) + [REPO / "templates" / "train.py"])
     # every seam the tests set on spotctl is in the list...
     used = _names(list((REPO / "tests").rglob("*.py"))) & code
     assert used - INTERNAL - KNOBS <= listed, sorted(used - INTERNAL - KNOBS - listed)
-    assert all(k in README for k in KNOBS)
+    assert all(k in DOCS for k in KNOBS), sorted(k for k in KNOBS if k not in DOCS)
     # ...and every listed one is still read somewhere
     assert {x for x in listed if x.startswith("SPOTCTL_")} <= code, sorted(listed - code)
 
 
 def test_a_node_silent_for_4_s_by_default_is_declared_unresponsive() -> None:
-    """README: 'a node that goes silent for 4 s is declared unresponsive and its peers'
-    workers are killed' - with the head's own default, not a value the test picks."""
+    """docs/concepts.md: 'a node that goes silent for 4 s is declared unresponsive and its
+    peers' workers are killed' - with the head's own default, not a value the test picks."""
+    assert re.search(r"silent for 4 s is declared\s+unresponsive", DOCS)
     import tempfile
 
     from spotctl.head.server import HeadServer
@@ -71,8 +79,8 @@ def test_a_node_silent_for_4_s_by_default_is_declared_unresponsive() -> None:
 
 @pytest.mark.slow  # builds the wheel
 def test_prices_ship_in_the_built_wheel(tmp_path: Path) -> None:
-    """README: 'Prices ship with the package (spotctl/data/...)'. Build the wheel as users
-    get it, unpack it away from the checkout, and price offers from it alone."""
+    """docs/design.md: 'Prices ship with the package (spotctl/data/...)'. Build the wheel
+    as users get it, unpack it away from the checkout, and price offers from it alone."""
     import subprocess
     import sys
     import zipfile
@@ -102,11 +110,11 @@ def test_prices_ship_in_the_built_wheel(tmp_path: Path) -> None:
     assert n_aws > 10 and priced == n_aws and n_gcp > 10, (n_aws, priced, n_gcp)
 
 
-def test_readme_exit_codes_are_the_error_classes_codes() -> None:
+def test_documented_exit_codes_are_the_error_classes_codes() -> None:
     from spotctl import errors
 
-    m = re.search(r"an exit code that says its kind:(.*?)\.\n", README, re.S)
-    assert m, "README: the exit-code sentence is gone"
+    m = re.search(r"an exit code that says its kind:(.*?)\.\n", OPERATING, re.S)
+    assert m, "docs/operating.md: the exit-code sentence is gone"
     listed = {int(code): what for code, what in re.findall(r"(\d) ([^,]+)", m.group(1))}
     classes = [c for c in vars(errors).values()
                if isinstance(c, type) and issubclass(c, errors.SpotctlError)]
