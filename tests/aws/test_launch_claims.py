@@ -1,4 +1,4 @@
-"""README's AWS claims, each exercised against moto through the fault proxy: one
+"""The AWS claims (docs/getting-started/aws.md), each exercised against moto through the fault proxy: one
 all-or-nothing run_instances per planned offer, failover to the next instance type,
 backoff on throttling, IMDSv2 with hop limit 1 on the head too."""
 

@@ -42,12 +42,12 @@ def test_notice_join_gcp_kill_cycle(local_cluster):
     assert (r["from_world_size"], r["to_world_size"], r["reason"]) == (3, 2, "notice")
     assert r["lost_steps"] == 0 and r["checkpoint_step"] == r["resume_step"]
     assert r["notice_to_resume_s"] > 0
-    # README: each rescale event carries the new workers' start-up and when they were forked
+    # docs/operating.md: each rescale event carries the new workers' start-up and when they were forked
     ws = r["worker_start"]
     assert {"imports", "process_group", "restore", "first_step", "started_at"} <= set(ws), r
     assert 0 < r["worker_spawned_after_s"] < r["notice_to_resume_s"], r
     assert all(ws[k] >= 0 for k in ("imports", "process_group", "restore", "first_step")), r
-    # README: the leaving node is out of the rendezvous (or silent for 4 s: counted out)
+    # docs/concepts.md: the leaving node is out of the rendezvous (or silent for 4 s: counted out)
     # before the survivors are released, and the survivors' workers then exit non-zero
     # (torchrun restarts them into the new round)
     evs = c.events()

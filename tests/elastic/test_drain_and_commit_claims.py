@@ -1,4 +1,4 @@
-"""Two README claims (How it works) checked on real 2-rank gloo groups:
+"""Two claims of docs/concepts.md (the checkpoint-then-rescale cycle) checked on real 2-rank gloo groups:
 
 - "all ranks agree on the drain with one tiny all-reduce per step": a spy wrapped around
   torch.distributed's collectives (the real collective still runs) counts what

@@ -1,4 +1,4 @@
-"""README: `templates/gcp-roles.txt` lists the permissions spotctl needs. Run a whole
+"""docs/getting-started/gcp.md: `templates/gcp-roles.txt` lists the permissions spotctl needs. Run a whole
 provider lifecycle (down with a purge) against the fake Compute, Storage and IAM server, map every REST call it made to the
 IAM permissions Compute checks for it, and compare with the list both ways."""
 

@@ -1,7 +1,7 @@
 """Issue 31 (4, 5): the head API survives hostile clients without a token.
 
 The slow tests attack a real `spotctl head` process on loopback (tests/security/
-head_attacks.py, which also prints the benchmark figures in the README) while a real
+head_attacks.py, which also prints the figures on docs/benchmarks.md) while a real
 controller client asks for `status`; the fast ones check the caps on an in-process head."""
 
 from __future__ import annotations
