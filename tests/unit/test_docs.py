@@ -115,3 +115,13 @@ def test_the_readme_and_every_page_show_commands() -> None:
     visible = {n for n, c in groups.items() if not c.hidden}
     # every user-facing command appears in some example
     assert visible <= set(shown), sorted(visible - set(shown))
+
+
+def test_readme_links_point_at_files_that_exist() -> None:
+    """mkdocs --strict checks the pages' links; the README is outside the site."""
+    readme = (REPO / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    local = [x for x in links if "://" not in x]
+    assert len(local) >= 10, local
+    missing = [x for x in local if not (REPO / x).exists()]
+    assert not missing, missing
