@@ -7,6 +7,7 @@ provider decides what to look at (spotctl/providers/aws/check.py, gcp/check.py).
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from spotctl.control.address import Lookup, public_address, ssh_cidr_line
@@ -40,7 +41,33 @@ def check_account(
         checks: list[Check] = get_provider(provider, ctx).checks()  # type: ignore[attr-defined]
     finally:
         store.close()
-    return [*checks, run_check("ssh_cidr", lambda: ssh_cidr_line(spec, lookup)[1])]
+    return [*checks, run_check("storage extra", lambda: storage_extra(provider, spec)),
+            run_check("ssh_cidr", lambda: ssh_cidr_line(spec, lookup)[1])]
+
+
+DEFAULT_SCHEME = {"aws": "s3", "gcp": "gs"}
+
+
+def storage_extra(provider: str, spec: ClusterSpec) -> str:
+    """The fsspec backend for the checkpoint dir is importable: train.checkpoint_dir's
+    scheme, else the cloud's default (a prefix in the cluster's bucket). `up` ships the
+    controller's copy to the nodes (spotctl/remote/package.py), so it must be here."""
+    root = spec.train.checkpoint_dir
+    scheme = root.split("://", 1)[0] if "://" in root else ("" if root else
+                                                             DEFAULT_SCHEME[provider])
+    from spotctl.remote.package import SCHEME_PACKAGES
+
+    where = root or f"{scheme}:// (the default on {provider})"
+    if not SCHEME_PACKAGES.get(scheme):
+        return f"checkpoints in {where}: no object-store backend needed"
+    module = SCHEME_PACKAGES[scheme][0]
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise SpecError(f"checkpoints in {where} need {module}, which is not installed here "
+                        "(nodes get what the controller has): pip install 'spotctl[storage]'"
+                        ) from None
+    return f"checkpoints in {where}: {module} installed"
 
 
 def blocking_failures(checks: list[Check]) -> list[Check]:

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import boto3
 import pytest
 
 from spotctl.providers.aws.provider import AwsProvider
 
-from .conftest import REGION
+from .conftest import REGION, FaultProxy, Rule
 from .fake_quotas import FakeQuotas
 
 pytestmark = pytest.mark.aws
@@ -40,16 +42,21 @@ def test_zero_spot_quota_blocks_with_the_quota_codes(
                       options={"service_quotas_endpoint_url": quotas.url})  # fmt: skip
     checks = {c.name: c for c in p.checks()}
     assert list(checks) == ["credentials", "region", "spot GPU quota", "network",
-                            "image (workers)", "image (head)", "checkpoint bucket"]  # fmt: skip
+                            "image (workers)", "image (head)", "launch (dry run)",
+                            "checkpoint bucket"]  # fmt: skip
     assert checks["checkpoint bucket"].ok
     assert checks["credentials"].ok and "account 123456789012" in checks["credentials"].detail
     assert checks["region"].ok and checks["network"].ok and checks["image (workers)"].ok
+    assert checks["launch (dry run)"].ok and "g5.xlarge" in checks["launch (dry run)"].detail
     q = checks["spot GPU quota"]
     assert not q.ok and q.blocking
-    assert "L-3819A6DF): 0 vCPUs, g5.xlarge needs 4" in q.detail
-    assert "L-7212CCBC): 0 vCPUs, p4d.24xlarge needs 96" in q.detail
+    # (vCPUs in use: whatever spot instances other tests left in this session's moto)
+    assert re.search(r"L-3819A6DF\): 0 vCPUs, \d+ in use, gpus.min 1 needs 4 \(1 x g5.xlarge\)",
+                     q.detail)  # fmt: skip
+    assert re.search(r"L-7212CCBC\): 0 vCPUs, \d+ in use, gpus.min 1 needs 96 "
+                     r"\(1 x p4d.24xlarge\)", q.detail)  # fmt: skip
     assert "\n" not in q.detail
-    quotas.values["L-3819A6DF"] = 64.0
+    quotas.values["L-3819A6DF"] = 100_000.0
     assert {c.name: c for c in p.checks()}["spot GPU quota"].ok
 
 
@@ -79,7 +86,8 @@ def test_cli_prints_one_line_each_and_exits_nonzero_when_blocked(
     ok = subprocess.run(run, cwd=tmp_path, env=env, text=True, capture_output=True, timeout=120)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     lines = ok.stdout.strip().splitlines()
-    assert [ln.split()[0] for ln in lines] == ["ok", "ok", "warn", "ok", "ok", "ok", "ok", "ok"]
+    assert [ln.split()[0] for ln in lines] == ["ok", "ok", "warn", "ok", "ok", "ok", "ok", "ok",
+                                               "ok", "ok"]
     assert lines[0].split()[1] == "credentials"
     assert lines[-1].split()[:2] == ["ok", "ssh_cidr"]
     assert "this machine's public address 192.0.2.7/32" in lines[-1]
@@ -94,3 +102,56 @@ def test_cli_prints_one_line_each_and_exits_nonzero_when_blocked(
     assert doc["ok"] is False
     failed = [c["name"] for c in doc["checks"] if not c["ok"] and c["blocking"]]
     assert failed == ["image (workers)", "image (head)"]  # neither SSM parameter exists
+
+
+def test_quota_is_for_gpus_min_minus_the_spot_vcpus_running(
+    make_provider: MakeProvider, quotas: FakeQuotas
+) -> None:
+    # a region of its own: the spot instances running there are the ones this test starts
+    region = "eu-north-1"
+    ec2 = boto3.client("ec2", region_name=region)
+    ami = ec2.describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    p = make_provider(region=region, ami=ami, instance_types=["g5.xlarge", "g5.12xlarge"],
+                      options={"service_quotas_endpoint_url": quotas.url})  # fmt: skip
+    p.ctx.spec.gpus = "8..16"
+    quotas.values["L-3819A6DF"] = 36.0
+    q = _by_name(p)["spot GPU quota"]
+    # 8 GPUs: 8 x g5.xlarge (32 vCPUs) beat 2 x g5.12xlarge (96); 36 is enough for one
+    # instance and for 8, so far
+    assert q.ok, q.detail
+    assert "36 vCPUs, 0 in use, gpus.min 8 needs 32 (8 x g5.xlarge)" in q.detail
+    ec2.run_instances(ImageId=ami, InstanceType="g5.xlarge", MinCount=2, MaxCount=2,
+                      InstanceMarketOptions={"MarketType": "spot"})  # fmt: skip
+    ec2.run_instances(ImageId=ami, InstanceType="g5.xlarge", MinCount=1, MaxCount=1)  # on-demand
+    q = _by_name(p)["spot GPU quota"]
+    assert not q.ok and q.blocking
+    assert "36 vCPUs, 8 in use, gpus.min 8 needs 32 (8 x g5.xlarge)" in q.detail
+    assert "Service Quotas console" in q.detail
+
+
+def test_a_new_account_gets_every_missing_precondition_at_once(
+    make_provider: MakeProvider, quotas: FakeQuotas, fault_proxy: FaultProxy,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """PendingVerification on launches, spot quota 0, the storage extra missing: each its
+    own failed line with its fix, in one run."""
+    from spotctl.control.check import blocking_failures, check_account
+
+    fault_proxy.rules.append(Rule("RunInstances", "PendingVerification", status=400))
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # not installed
+    p = make_provider(instance_types=["g5.xlarge"], ssh_cidr="",
+                      options={"service_quotas_endpoint_url": quotas.url,
+                               "endpoint_url": fault_proxy.url})  # fmt: skip
+    checks = check_account("aws", p.ctx.spec, dict(p.ctx.options),
+                           lookup=lambda: ("192.0.2.7", "a test"))  # fmt: skip
+    failed = {c.name: c.detail for c in blocking_failures(checks)}
+    assert list(failed) == ["spot GPU quota", "launch (dry run)", "storage extra"]
+    assert "ask for more in the Service Quotas console" in failed["spot GPU quota"]
+    assert failed["launch (dry run)"].startswith(
+        "AWS is still verifying this new account (PendingVerification)")
+    assert "pip install 'spotctl[storage]'" in failed["storage extra"]
+    ssh = next(c for c in checks if c.name == "ssh_cidr")
+    assert ssh.ok and "192.0.2.7/32" in ssh.detail
+    # the dry run was a dry run: nothing launched
+    runs = fault_proxy.calls("RunInstances")
+    assert runs and all("DryRun=true" in b for b in runs)

@@ -73,6 +73,8 @@ AUTH_CODES = frozenset(
         "RequestExpired",
         "OptInRequired",
         "Blocked",
+        # a new account that AWS has not finished verifying: every launch is refused
+        "PendingVerification",
     }
 )
 # Account limits: the same launch fails the same way in every zone, so they stop the walk.
@@ -232,6 +234,9 @@ class AwsApi:
                         f" (spot vCPU quota: ask for more in Service Quotas, ec2 {g} for G/VT, "
                         f"{p} for P; `spotctl check --provider aws` shows it)"
                     )
+                if code == "PendingVerification":
+                    msg += (" (AWS is still verifying this new account, usually for minutes, "
+                            "at most 4 hours; `spotctl check --provider aws` shows when it is done)")
                 raise _coded((kind or ProviderError)(msg), code) from None
             except (NoCredentialsError, PartialCredentialsError) as e:
                 raise AuthError(

@@ -2,8 +2,10 @@
 
 This module owns `spotctl check --provider aws`: one line each for credentials (STS), the
 region (its zones), the spot GPU vCPU quotas that spot launches count against (Service
-Quotas codes L-3819A6DF for G/VT and L-7212CCBC for P; new accounts have 0), the VPC and
-subnets the cluster would use, the worker and head images, and the checkpoint bucket. A failing line that would
+Quotas codes L-3819A6DF for G/VT and L-7212CCBC for P; new accounts have 0) minus the
+spot vCPUs already running, against what the cluster's gpus.min takes, the VPC and
+subnets the cluster would use, the worker and head images, a dry-run launch (IAM, and a
+new account's PendingVerification), and the checkpoint bucket. A failing line that would
 stop `up` is blocking; a quota that cannot be read is a warning.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from spotctl.errors import ProviderError, SpecError
+from spotctl.errors import AuthError, ProviderError, SpecError
 from spotctl.providers.aws.api import SPOT_QUOTA_CODES, error_code
 from spotctl.providers.aws.launch import AwsLaunch
 from spotctl.providers.aws.offers import AwsOffers
@@ -28,8 +30,12 @@ class AwsChecks(AwsOffers, AwsLaunch):
         out.append(run_check("region", self._check_region))
         out.append(self._check_spot_quota())
         out.append(run_check("network", self._check_network))
-        out.append(run_check("image (workers)", lambda: self._check_image("worker")))
+        image = run_check("image (workers)", lambda: self._check_image("worker"))
+        out.append(image)
         out.append(run_check("image (head)", lambda: self._check_image("head")))
+        out.append(run_check("launch (dry run)", self._check_launch) if image.ok else
+                   Check("launch (dry run)", False, "not tried without a worker image",
+                         blocking=False))  # fmt: skip
         out.append(run_check("checkpoint bucket", self._check_bucket))
         return out
 
@@ -61,27 +67,56 @@ class AwsChecks(AwsOffers, AwsLaunch):
             raise SpecError(f"aws.region: {self.region} has no available zone for this account")
         return f"{self.region}: {len(zones)} zones"
 
-    def _check_spot_quota(self) -> Check:
-        """Enough spot vCPU quota for at least one instance of a wanted GPU family."""
-        name = "spot GPU quota"
-        try:
-            types = self._describe_types(self._wanted_types(), strict=False)
-        except (ProviderError, SpecError) as e:
-            return Check(name, False, " ".join(str(e).split()))
-        need: dict[str, tuple[int, str]] = {}  # family -> (fewest vCPUs, that type)
+    def _quota_need(self, types: dict[str, dict[str, Any]]) -> dict[str, tuple[int, str, int]]:
+        """Per quota family: (vCPUs that gpus.min GPUs take on its wanted type needing
+        the fewest, that type, how many instances)."""
+        want = max(1, self.ctx.spec.gpus.min)
+        need: dict[str, tuple[int, str, int]] = {}
         for t, info in types.items():
             fam = t[0]
-            if fam in SPOT_QUOTA_CODES:
-                vcpus = int((info.get("VCpuInfo") or {}).get("DefaultVCpus", 0))
-                if fam not in need or vcpus < need[fam][0]:
-                    need[fam] = (vcpus, t)
+            gpus = sum(int(g.get("Count", 0)) for g in (info.get("GpuInfo") or {}).get("Gpus") or [])
+            if fam not in SPOT_QUOTA_CODES or gpus <= 0:
+                continue
+            count = -(-want // gpus)
+            vcpus = count * int((info.get("VCpuInfo") or {}).get("DefaultVCpus", 0))
+            if fam not in need or vcpus < need[fam][0]:
+                need[fam] = (vcpus, t, count)
+        return need
+
+    def _spot_vcpus_in_use(self) -> dict[str, int]:
+        """vCPUs of this region's pending and running spot instances, per quota family:
+        what the spot quota already counts (other clusters and other tools included)."""
+        raw = self._describe(
+            [{"Name": "instance-state-name", "Values": ["pending", "running"]}],
+            f"count spot instances in {self.region}",
+        )
+        spot = [i for i in raw if i.get("InstanceLifecycle") == "spot"
+                and str(i.get("InstanceType", ""))[:1] in SPOT_QUOTA_CODES]  # fmt: skip
+        types = self._describe_types(sorted({str(i["InstanceType"]) for i in spot}), strict=False)
+        used: dict[str, int] = {}
+        for i in spot:
+            t = str(i["InstanceType"])
+            vcpus = int((types.get(t, {}).get("VCpuInfo") or {}).get("DefaultVCpus", 0))
+            used[t[0]] = used.get(t[0], 0) + vcpus
+        return used
+
+    def _check_spot_quota(self) -> Check:
+        """Enough spot vCPU quota left (the limit minus the spot vCPUs running now) for the
+        cluster's minimum GPUs (gpus.min) on at least one wanted GPU family."""
+        name = "spot GPU quota"
+        try:
+            need = self._quota_need(self._describe_types(self._wanted_types(), strict=False))
+            used = self._spot_vcpus_in_use() if need else {}
+        except (ProviderError, SpecError) as e:
+            return Check(name, False, " ".join(str(e).split()))
         if not need:
             return Check(name, True, "no G or P instance types wanted", blocking=False)
         quotas = self._client(
             "service-quotas", str(self.ctx.options.get("service_quotas_endpoint_url") or "")
         )
+        want = max(1, self.ctx.spec.gpus.min)
         parts, enough, unknown = [], False, False
-        for fam, (vcpus, itype) in sorted(need.items()):
+        for fam, (vcpus, itype, count) in sorted(need.items()):
             code, title = SPOT_QUOTA_CODES[fam]
             try:
                 q = self._call(
@@ -97,8 +132,10 @@ class AwsChecks(AwsOffers, AwsLaunch):
                 unknown = True
                 parts.append(f"{title} ({code}): unreadable ({error_code(e)})")
                 continue
-            enough = enough or value >= vcpus
-            parts.append(f"{title} ({code}): {value:g} vCPUs, {itype} needs {vcpus}")
+            free = value - used.get(fam, 0)
+            enough = enough or free >= vcpus
+            parts.append(f"{title} ({code}): {value:g} vCPUs, {used.get(fam, 0)} in use, "
+                         f"gpus.min {want} needs {vcpus} ({count} x {itype})")  # fmt: skip
         detail = "; ".join(parts)
         if enough:
             return Check(name, True, detail)
@@ -109,6 +146,44 @@ class AwsChecks(AwsOffers, AwsLaunch):
             False,
             detail + " -- ask for more in the Service Quotas console (EC2, these codes)",
         )
+
+    def _check_launch(self) -> str:
+        """RunInstances with DryRun: the identity may launch the spot type, and the account
+        may launch at all (a new one is refused with PendingVerification for a while)."""
+        types = self._describe_types(self._wanted_types(), strict=False)
+        need = self._quota_need(types)
+        itype = min(need.values())[1] if need else next(iter(types), "")
+        if not itype:
+            raise SpecError("aws.instance_types: none of the wanted types exists in "
+                            f"{self.region}")  # fmt: skip
+        try:
+            self._call(
+                f"dry-run launch of {itype}",
+                self.ec2.run_instances,
+                DryRun=True,
+                ImageId=self._ami("worker"),
+                InstanceType=itype,
+                MinCount=1,
+                MaxCount=1,
+                InstanceMarketOptions={"MarketType": "spot"},
+            )
+        except ProviderError as e:
+            code = error_code(e)
+            if code == "DryRunOperation":
+                return f"a spot {itype} would be allowed"
+            if code == "PendingVerification":
+                raise AuthError(
+                    "AWS is still verifying this new account (PendingVerification): no "
+                    "instance can start until it is done, usually within minutes, at most 4 "
+                    "hours; wait, or open a case with AWS Support if it takes longer"
+                ) from None
+            if code == "UnauthorizedOperation":
+                raise AuthError(
+                    f"this identity may not launch {itype} (UnauthorizedOperation): attach "
+                    "the policy in templates/aws-iam-policy.json to it"
+                ) from None
+            raise
+        return f"a spot {itype} would be allowed"
 
     def _check_network(self) -> str:
         vpc, default = self._vpc()
