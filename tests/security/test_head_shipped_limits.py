@@ -1,4 +1,4 @@
-"""The head's documented limits (README, "Who trusts whom": bodies at 1 MiB, connections
+"""The head's documented limits (docs/security.md: bodies at 1 MiB, connections
 at 256, the in-memory event list at 10,000 with 1,000 per node, nodes at 1,024, 50
 requests a second per node credential) are the ones a head built with no overrides
 enforces. The other head tests swap in small values to stay quick; these keep the real
