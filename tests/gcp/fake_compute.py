@@ -3,7 +3,8 @@
 It implements exactly the calls spotctl uses: instances insert / get / list / delete /
 aggregatedList, zone and global operations get / wait, firewalls insert / list / delete,
 images get / getFromFamily (a small table of public images with their minimum disk size),
-regions get (quotas from `region_quotas`), networks get (`networks`); and on the same
+regions get (quotas from `region_quotas`), projects get (`project_quotas`; usage of
+either from `quota_usage`), networks get (`networks`); and on the same
 endpoint Cloud Storage (JSON API) and IAM service accounts (fake_storage.py, `.storage`).
 Inserts are refused as GCP refuses them: an unknown image, a boot disk smaller than the
 image, pd-standard (GCP's default disk type) or a non-Hyperdisk disk on families that do
@@ -25,6 +26,8 @@ Fault injection:
   when empty) finish with an operation error `code` (UNSUPPORTED_OPERATION,
   RESOURCE_OPERATION_RATE_EXCEEDED, ...) and create nothing.
 - `pending_polls = N`: new operations come back PENDING and turn DONE on the N-th poll.
+- `compute_api_disabled = True`: every Compute call answers 403 SERVICE_DISABLED, as in
+  a new project whose Compute Engine API is not enabled.
 
 Filters supported: `labels.K = "V"`, `(labels.K = "V") AND (labels.K2 = "V2")`,
 `name eq "REGEX"` (full match). Anything else is a 400, as the real API would do for
@@ -70,6 +73,7 @@ ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
         ("POST", "globalOperations.wait", P + r"/global/operations/(?P<op>[^/]+)/wait"),
         ("GET", "images.getFromFamily", P + r"/global/images/family/(?P<name>[^/]+)"),
         ("GET", "images.get", P + r"/global/images/(?P<name>[^/]+)"),
+        ("GET", "projects.get", P),
         ("GET", "regions.get", P + r"/regions/(?P<region>[^/]+)"),
         ("GET", "networks.get", P + r"/global/networks/(?P<name>[^/]+)"),
         ("POST", "firewalls.insert", P + r"/global/firewalls"),
@@ -107,6 +111,24 @@ class ApiError(Exception):
                 "errors": [{"message": self.message, "domain": self.domain, "reason": self.reason}],
             }
         }
+
+
+def _service_disabled(project: str) -> dict[str, Any]:
+    """The body Compute answers with in a project where its API is not enabled."""
+    msg = (f"Compute Engine API has not been used in project {project} before or it is "
+           "disabled. Enable it by visiting https://console.developers.google.com/apis/api/"
+           f"compute.googleapis.com/overview?project={project} then retry. If you enabled "
+           "this API recently, wait a few minutes for the action to propagate to our "
+           "systems and retry.")
+    return {"error": {
+        "code": 403, "message": msg, "status": "PERMISSION_DENIED",
+        "errors": [{"message": msg, "domain": "usageLimits", "reason": "accessNotConfigured",
+                    "extendedHelp": "https://console.developers.google.com"}],
+        "details": [{"@type": "type.googleapis.com/google.rpc.ErrorInfo",
+                     "reason": "SERVICE_DISABLED", "domain": "googleapis.com",
+                     "metadata": {"service": "compute.googleapis.com",
+                                  "consumer": f"projects/{project}"}}],
+    }}  # fmt: skip
 
 
 @dataclass
@@ -179,6 +201,14 @@ class FakeCompute:
             "PREEMPTIBLE_NVIDIA_L4_GPUS": 0.0,
         }
         self.networks: set[str] = {"default"}
+        # projects.get: project-wide quotas, as a new project has them (GPUS_ALL_REGIONS 0)
+        self.project_quotas: dict[str, float] = {"GPUS_ALL_REGIONS": 0.0,
+                                                 "CPUS_ALL_REGIONS": 32.0}
+        # usage of any quota metric (region or project), 0 when not listed
+        self.quota_usage: dict[str, float] = {}
+        # a new project before `gcloud services enable compute.googleapis.com`: every
+        # Compute call is refused with the real SERVICE_DISABLED answer
+        self.compute_api_disabled = False
         # (zone, name) -> {key type: base64}: what a VM's guest agent published in hostkeys/
         self.guest_host_keys: dict[tuple[str, str], dict[str, str]] = {}
         # External (in-use) addresses allowed per region; a region not listed is unlimited.
@@ -308,6 +338,8 @@ class FakeCompute:
         key, match = found
         with self._lock:
             self.requests.append(Recorded(method, key, url.path, query, body))
+            if self.compute_api_disabled:
+                return 403, _service_disabled(match.group("project"))
             try:
                 self._inject(key)
                 handler = getattr(self, "_" + key.replace(".", "_"))
@@ -578,7 +610,18 @@ class FakeCompute:
             "status": "UP",
             "zones": [f"{self._base(project)}/zones/{region}-{z}" for z in "abcf"],
             "quotas": [
-                {"metric": m, "limit": v, "usage": 0.0} for m, v in self.region_quotas.items()
+                {"metric": m, "limit": v, "usage": self.quota_usage.get(m, 0.0)}
+                for m, v in self.region_quotas.items()
+            ],
+        }
+
+    def _projects_get(self, project: str, **_: Any) -> dict[str, Any]:
+        return {
+            "kind": "compute#project",
+            "name": project,
+            "quotas": [
+                {"metric": m, "limit": v, "usage": self.quota_usage.get(m, 0.0)}
+                for m, v in self.project_quotas.items()
             ],
         }
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from spotctl.providers.gcp.provider import GcpProvider
@@ -23,12 +25,64 @@ def test_new_project_without_spot_gpu_quota_is_blocked_with_the_metric(fake, spo
     assert checks["credentials"].ok and PROJECT in checks["credentials"].detail
     assert checks["region"].ok and "4 zones" in checks["region"].detail
     q = checks["spot GPU quota"]
-    assert not q.ok and q.blocking and "PREEMPTIBLE_NVIDIA_T4_GPUS 0 (1 needed)" in q.detail
+    assert not q.ok and q.blocking
+    assert "PREEMPTIBLE_NVIDIA_T4_GPUS 0, 0 in use (1 needed for gpus.min 1)" in q.detail
     assert checks["network"].ok
     assert checks["image (workers)"].ok and "disk >= 50 GB" in checks["image (workers)"].detail
     assert checks["image (head)"].ok and "debian-12" in checks["image (head)"].detail
     fake.region_quotas["PREEMPTIBLE_NVIDIA_T4_GPUS"] = 8
+    fake.project_quotas["GPUS_ALL_REGIONS"] = 8
     assert {c.name: c for c in p.checks()}["spot GPU quota"].ok
+
+
+def test_gpu_quota_is_for_gpus_min_minus_usage_in_the_region_and_project_wide(
+    fake, spotctl_home
+):
+    p = GcpProvider(make_ctx(fake, spotctl_home, gpu="T4"))
+    p.ctx.spec.gpus = "4..8"
+    fake.region_quotas["PREEMPTIBLE_NVIDIA_T4_GPUS"] = 6
+    # a new project: GPUS_ALL_REGIONS 0 stops every GPU VM, whatever the region allows
+    q = _checks(p)["spot GPU quota"]
+    assert not q.ok and q.blocking
+    assert "PREEMPTIBLE_NVIDIA_T4_GPUS 6, 0 in use (4 needed for gpus.min 4)" in q.detail
+    assert "GPUS_ALL_REGIONS 0, 0 in use (project-wide, 4 needed)" in q.detail
+    assert q.detail.endswith("request more in IAM & Admin > Quotas: GPUS_ALL_REGIONS (global)")
+    fake.project_quotas["GPUS_ALL_REGIONS"] = 4
+    assert _checks(p)["spot GPU quota"].ok
+    # what other VMs use counts against both limits
+    fake.quota_usage["PREEMPTIBLE_NVIDIA_T4_GPUS"] = 3
+    q = _checks(p)["spot GPU quota"]
+    assert not q.ok and "PREEMPTIBLE_NVIDIA_T4_GPUS 6, 3 in use" in q.detail
+    assert q.detail.endswith("Quotas: the Spot GPU quota of us-central1")
+    fake.quota_usage["PREEMPTIBLE_NVIDIA_T4_GPUS"] = 0
+    fake.quota_usage["GPUS_ALL_REGIONS"] = 1
+    assert not _checks(p)["spot GPU quota"].ok
+
+
+def test_a_disabled_compute_api_is_named_with_the_command_not_as_missing_roles(
+    fake, spotctl_home, monkeypatch
+):
+    from spotctl.control.check import blocking_failures, check_account
+
+    fake.compute_api_disabled = True
+    monkeypatch.setitem(sys.modules, "gcsfs", None)  # not installed
+    ctx = make_ctx(fake, spotctl_home, ssh_cidr="")
+    checks = check_account("gcp", ctx.spec, dict(ctx.options),
+                           lookup=lambda: ("192.0.2.8", "a test"))  # fmt: skip
+    failed = {c.name: c.detail for c in blocking_failures(checks)}
+    assert list(failed) == ["credentials", "storage extra"]
+    assert failed["credentials"] == (
+        f"gcp: project {PROJECT}: the Compute Engine API is disabled (enable it: gcloud "
+        f"services enable compute.googleapis.com --project {PROJECT})")
+    assert "roles" not in failed["credentials"]
+    assert "gs:// (the default on gcp) need gcsfs" in failed["storage extra"]
+    assert [c.name for c in checks][-1] == "ssh_cidr" and checks[-1].ok
+    # launches say the same, not "permission denied ... roles"
+    from spotctl.errors import AuthError
+
+    with pytest.raises(AuthError, match="Compute Engine API is disabled .*gcloud services "
+                                        "enable compute.googleapis.com"):
+        GcpProvider(make_ctx(fake, spotctl_home)).list("demo")
 
 
 def test_missing_network_image_and_region_each_fail_their_line(fake, spotctl_home):

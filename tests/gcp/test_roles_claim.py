@@ -37,6 +37,7 @@ PERMISSIONS: dict[str, set[str]] = {
     "images.get": {"compute.images.get"},
     "images.getFromFamily": {"compute.images.getFromFamily"},
     "regions.get": {"compute.regions.get"},
+    "projects.get": {"compute.projects.get"},
     "networks.get": {"compute.networks.get"},
     "firewalls.insert": {"compute.firewalls.create", "compute.networks.updatePolicy"},
     "firewalls.list": {"compute.firewalls.list"},

@@ -56,6 +56,8 @@ UNSUPPORTED_CODES = frozenset({"UNSUPPORTED_OPERATION"})
 RATE_CODES = frozenset({"RESOURCE_OPERATION_RATE_EXCEEDED", "RATE_LIMIT_EXCEEDED"})
 QUOTA_CODES = frozenset({"QUOTA_EXCEEDED", "quotaExceeded"})
 THROTTLE_REASONS = frozenset({"rateLimitExceeded", "userRateLimitExceeded"})
+# 403 reasons of a project whose Compute Engine API is not enabled (a new project)
+API_DISABLED_REASONS = frozenset({"accessNotConfigured", "SERVICE_DISABLED"})
 GONE_CODES = frozenset({"RESOURCE_NOT_FOUND", "notFound"})
 EXISTS_CODES = frozenset({"RESOURCE_ALREADY_EXISTS", "alreadyExists"})
 
@@ -119,6 +121,7 @@ class _Clients:
     images: Any = None
     regions: Any = None
     networks: Any = None
+    projects: Any = None
 
 
 def _api_error_parts(exc: Exception) -> tuple[int | None, set[str], str]:
@@ -171,6 +174,10 @@ def classify(exc: Exception, what: str) -> ProviderError:
         return TransientError(f"gcp: {what}: throttled ({code}): {msg}")
     if code == 401:
         return AuthError(f"gcp: {what}: not authenticated: {msg}")
+    if code == 403 and (reasons & API_DISABLED_REASONS):
+        # a new project: no role is missing, the Compute Engine API is not enabled yet
+        return AuthError(f"gcp: {what}: the Compute Engine API is disabled in this project "
+                         "(enable it: gcloud services enable compute.googleapis.com)")
     if code == 403:
         return AuthError(
             f"gcp: {what}: permission denied: {msg} (roles spotctl needs: templates/gcp-roles.txt)"
@@ -306,6 +313,7 @@ class GcpApi:
             images=compute_v1.ImagesClient(**kw),
             regions=compute_v1.RegionsClient(**kw),
             networks=compute_v1.NetworksClient(**kw),
+            projects=compute_v1.ProjectsClient(**kw),
         )
 
     @property

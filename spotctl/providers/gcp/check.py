@@ -1,9 +1,11 @@
 """GCP provider, pre-flight checks: what a new project lacks before `up` spends anything.
 
 This module owns `spotctl check --provider gcp`: one line each for credentials and the
-project, the region, the Spot (preemptible) GPU quota of the region for the GPUs the spec
-wants (PREEMPTIBLE_NVIDIA_*_GPUS; GCP falls back to the regular GPU quota where a project
-has no preemptible one), the network the firewall rules go on, the worker and head
+project (a disabled Compute Engine API, as on a new project, named with the command that
+enables it), the region, the Spot (preemptible) GPU quota of the region for the GPUs the
+spec wants (PREEMPTIBLE_NVIDIA_*_GPUS; GCP falls back to the regular GPU quota where a
+project has no preemptible one) and the project-wide GPUS_ALL_REGIONS, each as its limit
+minus usage against the cluster's gpus.min, the network the firewall rules go on, the worker and head
 images (and their minimum disk sizes), and the checkpoint bucket (reachable, to be
 created, or blocked).
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from spotctl.errors import SpecError
+from spotctl.errors import AuthError, ProviderError, SpecError
 from spotctl.providers.checks import Check, run_check
 from spotctl.providers.gcp.launch import GcpLaunch
 from spotctl.providers.gcp.storage import check_bucket_name
@@ -69,9 +71,27 @@ class GcpChecks(GcpLaunch):
         return f"{where} (bucket created on first up: uniform access, no public access)"
 
     def _check_credentials(self) -> str:
+        """Credentials, and a first Compute call: a new project's disabled API shows here."""
         self._clients_or_init()
         how = f"test endpoint {self.endpoint}" if self.endpoint else "application default"
+        try:
+            self._project_quotas()
+        except AuthError as e:
+            if "API is disabled" in str(e):
+                raise AuthError(f"gcp: project {self.project}: the Compute Engine API is "
+                                "disabled (enable it: gcloud services enable "
+                                f"compute.googleapis.com --project {self.project})") from None
+            raise
         return f"project {self.project} ({how} credentials)"
+
+    def _project_quotas(self) -> dict[str, tuple[float, float]]:
+        """Project-wide quotas: metric -> (limit, usage)."""
+        proj = self._call(
+            f"read project {self.project}",
+            partial(self.clients.projects.get, project=self.project, retry=None),
+        )
+        return {str(q.metric): (float(q.limit), float(q.usage))
+                for q in getattr(proj, "quotas", [])}  # fmt: skip
 
     def _region(self) -> object:
         region = self._call(
@@ -89,36 +109,53 @@ class GcpChecks(GcpLaunch):
         return f"{self.region}: {getattr(region, 'status', '?')}, {len(zones)} zones"
 
     def _check_gpu_quota(self) -> Check:
+        """Enough GPUs left (limit minus usage) for the cluster's gpus.min, in the region's
+        Spot quota of a wanted GPU and in the project-wide GPUS_ALL_REGIONS (0 on a new
+        project); each VM brings its whole shape's GPUs."""
         name = "spot GPU quota"
         try:
             region = self._region()
             offers = self.offers()
-        except SpecError as e:
+            project = self._project_quotas()
+        except (SpecError, ProviderError) as e:
             return Check(name, False, " ".join(str(e).split()))
         if not offers:
             return Check(name, False, f"no GPU offer in {self.region} matches the spec")
-        limits = {str(q.metric): float(q.limit) for q in getattr(region, "quotas", [])}
-        need: dict[str, int] = {}  # GPU -> fewest GPUs per VM among the wanted shapes
+        quotas = {str(q.metric): (float(q.limit), float(getattr(q, "usage", 0.0)))
+                  for q in getattr(region, "quotas", [])}  # fmt: skip
+        want = max(1, self.ctx.spec.gpus.min)
+        need: dict[str, int] = {}  # GPU -> fewest GPUs (whole VMs) that make gpus.min
         for o in offers:
-            need[o.gpu_name] = min(o.gpus, need.get(o.gpu_name, o.gpus))
-        parts, enough = [], False
+            if o.gpus > 0:
+                n = -(-want // o.gpus) * o.gpus
+                need[o.gpu_name] = min(n, need.get(o.gpu_name, n))
+        all_limit, all_used = project.get("GPUS_ALL_REGIONS", (0.0, 0.0))
+        all_free = all_limit - all_used
+        parts, region_ok = [], False
         for gpu, gpus in sorted(need.items()):
             metric = GPU_QUOTA_METRICS.get(gpu, "")
             if not metric:
                 continue
             spot = f"PREEMPTIBLE_{metric}"
-            used = spot if spot in limits else metric
-            limit = limits.get(used, 0.0)
-            enough = enough or limit >= gpus
-            parts.append(f"{used} {limit:g} ({gpus} needed)")
-        detail = "; ".join(parts) or "no quota metric known for " + ", ".join(sorted(need))
-        if enough:
-            return Check(name, True, detail)
-        return Check(
-            name,
-            False,
-            detail + f" -- request more in IAM & Admin > Quotas for {self.region}",
-        )
+            used = spot if spot in quotas else metric
+            limit, usage = quotas.get(used, (0.0, 0.0))
+            ok = limit - usage >= gpus and all_free >= gpus
+            region_ok = region_ok or limit - usage >= gpus
+            parts.append(f"{used} {limit:g}, {usage:g} in use ({gpus} needed for gpus.min "
+                         f"{want})")  # fmt: skip
+            if ok:
+                return Check(name, True, "; ".join(parts) + f"; GPUS_ALL_REGIONS {all_limit:g}"
+                             f", {all_used:g} in use")  # fmt: skip
+        fewest = min(need.values(), default=want)
+        parts.append(f"GPUS_ALL_REGIONS {all_limit:g}, {all_used:g} in use (project-wide, "
+                     f"{fewest} needed)")  # fmt: skip
+        fixes = []
+        if not region_ok:
+            fixes.append(f"the Spot GPU quota of {self.region}")
+        if all_free < fewest:
+            fixes.append("GPUS_ALL_REGIONS (global)")
+        return Check(name, False, "; ".join(parts) + " -- request more in IAM & Admin > "
+                     f"Quotas: {' and '.join(fixes) or 'one GPU in both'}")  # fmt: skip
 
     def _check_network(self) -> str:
         net = self._call(
