@@ -152,6 +152,12 @@ class TrainSpec(_Strict):
     max_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
     # Per-node interpreter; empty means the controller's own (local and ssh providers).
     python: str = ""
+    # Where a node image keeps its own torch environment (AWS Deep Learning AMI, GCP Deep
+    # Learning VM): when spotctl ships itself to a node, these interpreters are asked
+    # first, and one with torch (and a Python the shipped wheels fit) builds the venv.
+    torch_envs: list[str] = Field(
+        default_factory=lambda: ["/opt/pytorch/bin/python3", "/opt/conda/bin/python3"],
+        max_length=16)
     env: dict[str, str] = Field(default_factory=dict)
     # The distributed engine. torchft (the default): each node is a replica group under its
     # own torchrun, joined by the head's torchft Lighthouse; notices are graceful leaves,

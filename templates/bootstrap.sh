@@ -13,7 +13,9 @@
 # its 0600 file and the agent reads it from there).
 #
 # Install (spotctl.remote.package): with a package uploaded to $DIR/pkg, a venv made from
-# the image's python ($BASE) reuses the image's torch when it has one (system site-packages)
+# the image's python ($BASE, chosen by the controller's probe: spotctl.remote.interp; a
+# python without ensurepip gets a venv --without-pip and pip from the uploaded pip wheel)
+# reuses the image's torch when it has one (system site-packages)
 # and gets spotctl's own wheel and its exactly pinned dependencies from the uploaded
 # wheelhouse (pip --no-index; pip's configured index only for a pinned wheel that does not
 # fit this machine). Nothing is installed by an unpinned name. Without a package, $PY must
@@ -65,6 +67,27 @@ pip_q() {
     "$PY" -m pip install --quiet --disable-pip-version-check "$@" >>"$DIR/bootstrap.log" 2>&1
 }
 
+make_venv() {  # make_venv [--system-site-packages]
+    if has "$BASE" ensurepip; then
+        "$BASE" -m venv "$@" "$VENV" >>"$DIR/bootstrap.log" 2>&1 \
+            || { echo "spotctl: $BASE -m venv failed (see $DIR/bootstrap.log)"; exit 3; }
+        return 0
+    fi
+    # No ensurepip (Debian/Ubuntu without python3-venv): a venv without pip, then pip
+    # from the uploaded pip wheel, run from the wheel itself (nothing from an index).
+    pipwhl="$PKG/$(cat "$PKG/pip-wheel" 2>/dev/null || true)"
+    if [ ! -f "$pipwhl" ]; then
+        echo "spotctl: $BASE has no ensurepip (python3-venv) and no pip wheel was uploaded"
+        exit 3
+    fi
+    "$BASE" -m venv --without-pip "$@" "$VENV" >>"$DIR/bootstrap.log" 2>&1 \
+        || { echo "spotctl: $BASE -m venv --without-pip failed (see $DIR/bootstrap.log)"; exit 3; }
+    "$VENV/bin/python" "$pipwhl/pip" install --quiet --disable-pip-version-check --no-index \
+        "$pipwhl" >>"$DIR/bootstrap.log" 2>&1 \
+        || { echo "spotctl: installing pip from $pipwhl failed (see $DIR/bootstrap.log)"; exit 3; }
+    echo "spotctl: $BASE has no ensurepip: venv made without it, pip from its wheel"
+}
+
 install_deps() {
     if [ -z "$VENV" ]; then
         if has "$PY" spotctl torch; then
@@ -92,8 +115,7 @@ install_deps() {
     if [ ! -x "$VENV/bin/python" ]; then
         if has "$BASE" torch; then
             # the image's (CUDA) torch, seen through the system site-packages
-            "$BASE" -m venv --system-site-packages "$VENV" >>"$DIR/bootstrap.log" 2>&1 \
-                || { echo "spotctl: $BASE -m venv failed (see $DIR/bootstrap.log)"; exit 3; }
+            make_venv --system-site-packages
             # a base that is itself a venv (e.g. an image's /opt/pytorch): its packages too
             base_sites=$("$BASE" -c 'import site, sys
 if sys.prefix != sys.base_prefix: print("\n".join(site.getsitepackages()))')
@@ -102,8 +124,7 @@ if sys.prefix != sys.base_prefix: print("\n".join(site.getsitepackages()))')
                 printf '%s\n' "$base_sites" >"$purelib/_spotctl_base.pth"
             fi
         else
-            "$BASE" -m venv "$VENV" >>"$DIR/bootstrap.log" 2>&1 \
-                || { echo "spotctl: $BASE -m venv failed (see $DIR/bootstrap.log)"; exit 3; }
+            make_venv
         fi
     fi
     if ! has "$PY" torch; then

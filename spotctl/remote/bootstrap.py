@@ -40,6 +40,7 @@ from spotctl.remote.ssh import HostTarget, RemoteResult, connect, run
 if TYPE_CHECKING:
     from fabric import Connection
 
+    from spotctl.remote.interp import NodePython
     from spotctl.state import NodeRow, Store
 
 __all__ = [
@@ -245,6 +246,8 @@ def render_bootstrap(
         raise BootstrapError(f"{target.label}: remote_dir must be absolute, got {d!r}")
     if not token or "\n" in token.strip():
         raise BootstrapError("cluster token is empty or not one line")
+    if package is not None and target.python:
+        python = target.python  # what the node's probe chose (spotctl.remote.interp)
     if package is not None and not venv:
         venv = node_venv(d, package, python)
     py = f"{venv.rstrip('/')}/bin/python" if venv else python
@@ -310,6 +313,21 @@ def render_bootstrap(
     return BootstrapFiles(remote_dir=d, files=files)
 
 
+# Asks a node (over its open connection) which interpreter its venv is made from.
+PythonChooser = Callable[["Connection", HostTarget], "NodePython"]
+
+
+def python_chooser(package: NodePackage | None, torch_envs: Sequence[str],
+                   base: str) -> PythonChooser | None:
+    """The probe step for a bootstrap that ships `package`: the image's torch environments,
+    then `base` (spotctl.remote.interp). None without a package (nothing is installed)."""
+    if package is None:
+        return None
+    from spotctl.remote import interp
+
+    return interp.python_chooser(package, interp.candidates_for(torch_envs, base))
+
+
 @dataclass
 class _Opts:
     wait_s: float
@@ -317,6 +335,8 @@ class _Opts:
     command_timeout_s: float
     heartbeat_timeout_s: float
     probe: HeartbeatProbe | None
+    # asks the node which interpreter to build its venv from (None: the caller's)
+    choose_python: PythonChooser | None = None
 
 
 def bootstrap_hosts(
@@ -331,14 +351,17 @@ def bootstrap_hosts(
     command_timeout_s: float = 1800.0,
     probe: HeartbeatProbe | None = None,
     heartbeat_timeout_s: float = 120.0,
+    choose_python: PythonChooser | None = None,
 ) -> list[HostResult]:
     """Bootstrap every host; results in the order of `hosts`.
 
     `wait_s` bounds the wait for SSH per host (a booting VM); `command_timeout_s` bounds
     the install; with a `probe`, a host is ok only once its agent heartbeats at the head
-    within `heartbeat_timeout_s`.
+    within `heartbeat_timeout_s`. With `choose_python`, each node is asked first which of
+    its interpreters to build the venv from (render then sees it as `target.python`).
     """
-    opts = _Opts(wait_s, attempt_timeout_s, command_timeout_s, heartbeat_timeout_s, probe)
+    opts = _Opts(wait_s, attempt_timeout_s, command_timeout_s, heartbeat_timeout_s, probe,
+                 choose_python)
     results: dict[int, HostResult] = {}
     if not hosts:
         return []
@@ -516,6 +539,12 @@ def _bootstrap(
     )
     try:
         target = _resolve_dir(conn, target)
+        if opts.choose_python is not None:
+            chosen = opts.choose_python(conn, target)
+            log.info("%s: venv from %s (%s%s%s)", target.label, chosen.path, chosen.py,
+                     f", torch {chosen.torch}" if chosen.torch_ok() else "",
+                     "" if chosen.ensurepip else ", no ensurepip: pip from its wheel")
+            target = dataclasses.replace(target, python=chosen.path)
         files = render(target)
         sums = _remote_sums(conn, target, files)
         uploaded: list[str] = []
@@ -775,6 +804,13 @@ class CloudNodes:
     def token(self) -> str:
         return self.ctx.cluster_dir.token(create=True)
 
+    def choose_python(self, package: NodePackage | None) -> PythonChooser | None:
+        """Each VM is asked for its interpreters first; `[train] python` set names the
+        only one, else the image's torch environments come before python3."""
+        if self.ctx.spec.train.python:
+            return python_chooser(package, (), self.python)
+        return python_chooser(package, self.ctx.spec.train.torch_envs, self.python)
+
     def target(self, inst: Instance, node_id: str = "") -> HostTarget:
         node_id = node_id or inst.id
         remote_dir = f"{self.remote_root.rstrip('/')}/{self.ctx.cluster}/{node_id}"
@@ -829,7 +865,8 @@ class CloudNodes:
 
         def render(t: HostTarget) -> BootstrapFiles:
             d = t.remote_dir
-            py = node_venv(d, package, self.python) + "/bin/python" if package else self.python
+            base = t.python or self.python  # the interpreter the probe chose there
+            py = node_venv(d, package, base) + "/bin/python" if package else self.python
             cfg = AgentConfig(
                 cluster=self.ctx.cluster, node_id=HEAD_NODE_ID, head_url=info.url,
                 store_host=info.store_host, store_port=info.store_port, token_file="",
@@ -848,7 +885,8 @@ class CloudNodes:
 
         target = self.target(inst, HEAD_NODE_ID)
         (res,) = bootstrap_hosts([target], render, self.known_hosts, 1, None,
-                                 wait_s=self.wait_s)  # fmt: skip
+                                 wait_s=self.wait_s,
+                                 choose_python=self.choose_python(package))  # fmt: skip
         if not res.ok:
             return res
         url = controller_url(info, self.known_hosts)
@@ -954,6 +992,7 @@ class CloudNodes:
             python=self.python, probe_url=controller_url(head, self.known_hosts),
             parallel=self.parallel, progress=each, wait_s=self.wait_s,
             heartbeat_timeout_s=self.heartbeat_timeout_s, package=package, project=project,
+            choose_python=self.choose_python(package),
         )  # fmt: skip
 
     def release(self, instances: Sequence[Instance]) -> list[HostResult]:
@@ -989,6 +1028,7 @@ def bootstrap_agents(
     heartbeat_timeout_s: float = 120.0,
     package: NodePackage | None = None,
     project: Project | None = None,
+    choose_python: PythonChooser | None = None,
 ) -> list[HostResult]:
     """Make instances nodes: render each one's agent config (the training script uploaded
     next to it when it is a local file, or the whole `project`), bootstrap (installing from
@@ -1012,4 +1052,5 @@ def bootstrap_agents(
     return bootstrap_hosts(
         [targets[i.id] for i in instances], render, known_hosts, parallel, progress,
         wait_s=wait_s, probe=probe, heartbeat_timeout_s=heartbeat_timeout_s,
+        choose_python=choose_python,
     )  # fmt: skip

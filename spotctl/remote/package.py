@@ -83,6 +83,49 @@ class NodePackage:
     spotctl_wheel: str  # its file name in `wheels`
     key: str  # content hash of all of the above: the node reinstalls when it changes
     torch_spec: str = TORCH_SPEC
+    # pip's own wheel (in `wheels`): a node whose python has no ensurepip gets a venv
+    # without pip and installs pip from this file ("" = not shipped)
+    pip_wheel: str = ""
+    _requires_python: dict[str, str] = field(default_factory=dict, repr=False)
+
+    def requires_python(self, wheel: str) -> str:
+        """A shipped wheel's Requires-Python ("" = any), from its METADATA."""
+        if wheel not in self._requires_python:
+            spec = ""
+            with zipfile.ZipFile(io.BytesIO(self.wheels[wheel])) as z:
+                meta = next((n for n in z.namelist()
+                             if n.count("/") == 1 and n.endswith(".dist-info/METADATA")), "")
+                if meta:
+                    for line in z.read(meta).decode("utf-8", "replace").splitlines():
+                        if not line.strip():
+                            break  # end of the headers
+                        if line.lower().startswith("requires-python:"):
+                            spec = line.split(":", 1)[1].strip()
+            self._requires_python[wheel] = spec
+        return self._requires_python[wheel]
+
+    def fit(self, version: tuple[int, ...], machine: str = "") -> tuple[str, list[str]]:
+        """Whether a node's Python (and machine) can install these wheels: (why it cannot,
+        "" when it can; the wheels whose tags do not fit, which pip then fetches, at the
+        same pinned version, from the node's own package index)."""
+        try:
+            from packaging.specifiers import SpecifierSet
+        except ImportError:  # pip vendors it; spotctl itself does not depend on it
+            from pip._vendor.packaging.specifiers import (  # type: ignore[no-redef,assignment]
+                SpecifierSet,
+            )
+        full = ".".join(str(x) for x in (*version, 0, 0)[:3])
+        need: dict[str, list[str]] = {}
+        soft: list[str] = []
+        for name in sorted(self.wheels):
+            spec = self.requires_python(name)
+            if spec and not SpecifierSet(spec).contains(full, prereleases=True):
+                need.setdefault(spec.replace(" ", ""), []).append(_pin(name))
+            elif not _tags_fit(name, version, machine):
+                soft.append(name)
+        hard = "; ".join(f"{', '.join(pins)} require Python {spec}"
+                         for spec, pins in sorted(need.items()))
+        return (f"the shipped pins {hard}" if hard else ""), soft
 
     @property
     def size(self) -> int:
@@ -94,6 +137,8 @@ class NodePackage:
         out[f"{prefix}/requirements.txt"] = self.requirements.encode()
         out[f"{prefix}/spotctl-wheel"] = (self.spotctl_wheel + "\n").encode()
         out[f"{prefix}/key"] = (self.key + "\n").encode()
+        if self.pip_wheel:
+            out[f"{prefix}/pip-wheel"] = (self.pip_wheel + "\n").encode()
         return out
 
     def summary(self) -> str:
@@ -113,6 +158,33 @@ class Project:
 
     def summary(self) -> str:
         return f"project {self.root}: {len(self.files)} files, {_human(self.size)}"
+
+
+def _pin(wheel: str) -> str:
+    name, version = wheel.split("-")[:2]
+    return f"{name}=={version}"
+
+
+def _tags_fit(wheel: str, version: tuple[int, ...], machine: str) -> bool:
+    """Whether a wheel's file-name tags fit this Python (and machine, when known)."""
+    parts = wheel[: -len(".whl")].split("-")
+    pys, abis, plats = (x.split(".") for x in parts[-3:])
+    if machine and "any" not in plats and not any(p.endswith(machine) for p in plats):
+        return False
+    ver = tuple(version[:2])
+    for p in pys:
+        m = re.fullmatch(r"(cp|py)(\d)(\d*)", p)
+        if not m:
+            continue
+        want = (int(m.group(2)), int(m.group(3) or 0))
+        if not m.group(3):
+            if ver[0] == want[0]:
+                return True
+        elif "abi3" in abis and ver[0] == want[0] and ver >= want:
+            return True
+        elif ver == want:
+            return True
+    return False
 
 
 def _human(n: float) -> str:
@@ -339,11 +411,18 @@ def node_package(
             wheels[w.name] = w.read_bytes()
             pins.append(f"{dist.metadata['Name']}=={dist.version}")
         requirements = "\n".join(pins) + "\n"
+        pip_name = ""
+        try:  # pip itself, for a node whose python lacks ensurepip (no python3-venv)
+            pip_whl = _repack(md.distribution("pip"), cache)
+            wheels[pip_whl.name] = pip_whl.read_bytes()
+            pip_name = pip_whl.name
+        except md.PackageNotFoundError:
+            pass
         h = hashlib.sha256()
         for n in sorted(wheels):
             h.update(n.encode() + b"\0" + _sha256(wheels[n]).encode())
         h.update(requirements.encode() + TORCH_SPEC.encode())
-        pkg = NodePackage(wheels, requirements, own.name, h.hexdigest())
+        pkg = NodePackage(wheels, requirements, own.name, h.hexdigest(), pip_wheel=pip_name)
         _memo[memo_key] = pkg
         return pkg
 

@@ -44,6 +44,9 @@ class HostTarget:
     # The node's directory on the host. Relative paths are taken from the remote $HOME;
     # bootstrap resolves them before rendering, so render() always sees an absolute one.
     remote_dir: str = ""
+    # The node's own interpreter its venv is made from, as the bootstrap's probe chose it
+    # (spotctl.remote.interp); "" = the one the caller renders with.
+    python: str = ""
 
     @property
     def label(self) -> str:

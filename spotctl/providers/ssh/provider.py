@@ -46,6 +46,7 @@ from spotctl.remote.bootstrap import (
     HostProgress,
     HostResult,
     bootstrap_hosts,
+    python_chooser,
     release_hosts,
     render_bootstrap,
     start_together,
@@ -380,6 +381,8 @@ class SshProvider:
             [self._target(i) for i in instances], render, self.cdir.known_hosts,
             self.parallel, progress, wait_s=self.wait_s, probe=probe,
             heartbeat_timeout_s=self.heartbeat_timeout_s,
+            # each host is asked first: its torch environments, then base_python
+            choose_python=python_chooser(package, self.spec.train.torch_envs, python),
         )  # fmt: skip
 
     def _notice_hosts(self) -> dict[str, str]:

@@ -1,0 +1,148 @@
+"""Which interpreter a node's venv is made from, decided by asking the node first.
+
+Before anything is installed, one SSH command asks each candidate interpreter on the node
+(first the image's torch environments, `[train] torch_envs`: the Deep Learning AMI's
+/opt/pytorch, the Deep Learning VM's /opt/conda; then the base python) for its version,
+whether it has `ensurepip` (Debian and Ubuntu ship python3 without it unless python3-venv
+is installed), its torch version (read from the installed metadata, never imported) and
+the machine. The pick:
+
+- a candidate whose Python the shipped wheels cannot serve (a pin's Requires-Python
+  excludes it: the pins are this controller's installed versions) is never used;
+- among the rest, one with a torch of at least MIN_TORCH first (its venv sees that torch
+  through the system site-packages: no multi-GB download), one with an older torch last
+  (its venv would see that one too); then one whose Python takes every shipped wheel as
+  it is (no package index needed); then the candidates' order;
+- none usable: the bootstrap stops with one line naming each interpreter's Python and
+  what the shipped wheels need, before anything is installed on the node.
+
+A missing `ensurepip` is no reason to skip an interpreter: the bootstrap then makes the
+venv `--without-pip` and installs pip from the uploaded pip wheel (no index needed).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from spotctl.errors import BootstrapError
+from spotctl.remote.package import NodePackage
+from spotctl.remote.ssh import HostTarget, run
+
+if TYPE_CHECKING:
+    from fabric import Connection
+
+# An image torch older than this is not reused (the node gets the pinned torch instead).
+MIN_TORCH = (2, 6)
+
+_PROBE = r"""
+import sys, json, platform, importlib.util as u
+try:
+    from importlib import metadata as md
+    tv = md.version("torch") if u.find_spec("torch") else ""
+except Exception:
+    tv = ""
+print("spotctl-python " + json.dumps({"path": sys.argv[1], "executable": sys.executable,
+    "version": list(sys.version_info[:3]), "ensurepip": bool(u.find_spec("ensurepip")),
+    "venv": bool(u.find_spec("venv")), "torch": tv, "machine": platform.machine()}))
+"""
+
+
+@dataclass(frozen=True)
+class NodePython:
+    """One interpreter found on a node."""
+
+    path: str  # as the candidate list names it (what the bootstrap runs)
+    version: tuple[int, int, int]
+    ensurepip: bool  # False: the venv is made --without-pip, pip comes from its wheel
+    venv: bool  # the venv module itself
+    torch: str  # installed torch version, "" = none
+    machine: str  # platform.machine(), e.g. x86_64
+
+    @property
+    def py(self) -> str:
+        return f"Python {self.version[0]}.{self.version[1]}"
+
+    def torch_ok(self) -> bool:
+        m = re.match(r"(\d+)\.(\d+)", self.torch)
+        return m is not None and (int(m.group(1)), int(m.group(2))) >= MIN_TORCH
+
+
+def probe_command(candidates: Sequence[str]) -> str:
+    """One shell command: each candidate that exists prints one `spotctl-python` line."""
+    code = shlex.quote(_PROBE)
+    parts = []
+    for c in candidates:
+        q = shlex.quote(c)
+        parts.append(f'if command -v {q} >/dev/null 2>&1; then {q} -c {code} {q} '
+                     '2>/dev/null || true; fi')
+    return "; ".join(parts) or "true"
+
+
+def parse_probe(stdout: str) -> list[NodePython]:
+    out = []
+    for line in stdout.splitlines():
+        if not line.startswith("spotctl-python "):
+            continue
+        try:
+            d = json.loads(line.split(" ", 1)[1])
+            v = [int(x) for x in d["version"]][:3]
+            out.append(NodePython(str(d["path"]), (v[0], v[1], v[2]), bool(d["ensurepip"]),
+                                  bool(d["venv"]), str(d.get("torch") or ""),
+                                  str(d.get("machine") or "")))
+        except (ValueError, KeyError, TypeError, IndexError):
+            continue
+    return out
+
+
+def choose(found: Sequence[NodePython], candidates: Sequence[str], package: NodePackage,
+           label: str) -> NodePython:
+    """The interpreter to build the node's venv from (see the module docstring), or a
+    BootstrapError that names every interpreter's Python and what the wheels need."""
+    if not found:
+        raise BootstrapError(
+            f"{label}: no Python interpreter on the node ({', '.join(candidates)} not found); "
+            "the image needs python3")
+    order = {c: i for i, c in enumerate(candidates)}
+    usable: list[tuple[tuple[bool, bool, bool, int], NodePython]] = []
+    refused: list[str] = []
+    for p in found:
+        if not p.venv:
+            refused.append(f"{p.path} ({p.py}) has no venv module")
+            continue
+        hard, soft = package.fit(p.version[:2], p.machine)
+        if hard:
+            refused.append(f"{p.path} is {p.py}; {hard}")
+            continue
+        # an older torch would be seen by the venv (and then used): such an
+        # environment comes after any without torch
+        old_torch = bool(p.torch) and not p.torch_ok()
+        usable.append(((not p.torch_ok(), old_torch, bool(soft),
+                        order.get(p.path, len(order))), p))
+    if not usable:
+        raise BootstrapError(
+            f"{label}: no interpreter on the node can install this controller's wheels: "
+            + "; ".join(refused)
+            + ". Run spotctl from a Python that the node has, or name one that fits in "
+              "train.torch_envs (or ssh.base_python)")
+    return min(usable, key=lambda x: x[0])[1]
+
+
+def python_chooser(package: NodePackage, candidates: Sequence[str]
+                   ) -> Callable[[Connection, HostTarget], NodePython]:
+    """The bootstrap's probe step: ask the node, pick (or raise)."""
+
+    def pick(conn: Connection, target: HostTarget) -> NodePython:
+        r = run(conn, probe_command(candidates), 120)
+        return choose(parse_probe(r.stdout), candidates, package, target.label)
+
+    return pick
+
+
+def candidates_for(torch_envs: Sequence[str], base: str) -> list[str]:
+    """The image's torch environments first, then the base interpreter (deduplicated)."""
+    return list(dict.fromkeys([*torch_envs, base]))

@@ -1,0 +1,228 @@
+"""Clean room with node images as they are: the node's python3 is not the controller's
+(Python 3.10, as on Ubuntu 22.04), no interpreter on it has `ensurepip` (no python3-venv),
+and torch lives in a separate environment of the image (as the Deep Learning AMI keeps it
+in /opt/pytorch), here on another installation of the controller's Python.
+
+The interpreters are copies of this machine's pyenv builds without their `ensurepip`
+package (and without tests or site-packages), their library path made relative so that a
+throwaway account can run them. The host is that account behind a real sshd on loopback.
+
+- probed first, the node's 3.10 is refused (the shipped pins need >= 3.11) and its torch
+  environment chosen; the venv is made without pip, pip comes from the uploaded wheel,
+  torch is the environment's (nothing downloaded), and training runs;
+- with only the 3.10 on the node, `up` stops before installing anything, with one line
+  naming that Python and the pins that need a newer one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import REPO
+from .test_cleanroom import (
+    HOME,
+    USER,
+    _as_user,
+    _ensure_user,
+    _procs,
+    _sshd_for_user,
+    _torch_closure,
+)
+
+pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(300)]
+
+SPOTCTL = [sys.executable, "-m", "spotctl.cli.app"]
+ROOT = Path("/opt/spotctl-cleanroom")
+PYENV = Path(os.environ.get("PYENV_ROOT", "/root/.pyenv")) / "versions"
+OLD = ROOT / "py310"  # the node's python3: not the controller's Python, no ensurepip
+SAME = ROOT / "py311"  # the image's torch environment is made from this one (no ensurepip)
+TORCH_ENV = ROOT / "torch-env"
+
+
+def _pyenv(major_minor: str) -> Path | None:
+    found = sorted(PYENV.glob(f"{major_minor}.*")) if PYENV.is_dir() else []
+    return found[-1] if found else None
+
+
+def _copy_python(src: Path, dst: Path, ver: str) -> Path:
+    """`src`'s interpreter without ensurepip, runnable by any user."""
+    exe = dst / "bin" / "python3"
+    if exe.exists():
+        return exe
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "bin").mkdir(parents=True)
+    skip = shutil.ignore_patterns("test", "ensurepip", "site-packages", "idlelib", "tkinter",
+                                  "turtledemo", "lib2to3", "__pycache__", "config-*")
+    shutil.copytree(src / "lib", tmp / "lib", ignore=skip, symlinks=True)
+    (tmp / "lib" / f"python{ver}" / "site-packages").mkdir()
+    data = (src / "bin" / f"python{ver}").read_bytes()
+    old = str(src / "lib").encode()  # pyenv's RUNPATH: under /root, closed to others
+    new = b"$ORIGIN/../lib"
+    assert data.count(old) == 1 and len(new) <= len(old)
+    (tmp / "bin" / f"python{ver}").write_bytes(data.replace(old, new.ljust(len(old), b"\0")))
+    (tmp / "bin" / f"python{ver}").chmod(0o755)
+    (tmp / "bin" / "python3").symlink_to(f"python{ver}")
+    subprocess.run(["chmod", "-R", "go+rX", str(tmp)], check=True)
+    tmp.rename(dst)
+    return exe
+
+
+def _torch_env(base: Path) -> Path:
+    """A venv of `base` (made without pip: there is no ensurepip) holding torch and its
+    dependencies, linked from this project's venv, and nothing of spotctl's."""
+    py = TORCH_ENV / "bin" / "python3"
+    if not py.exists():
+        subprocess.run([str(base), "-m", "venv", "--without-pip", str(TORCH_ENV)], check=True)
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                "['purelib'])"], capture_output=True, text=True,
+                               check=True).stdout.strip())  # fmt: skip
+    for old in site.iterdir():
+        if old.is_symlink():
+            old.unlink()
+    for d in _torch_closure():
+        root = Path(str(d.locate_file("")))
+        for top in {f.parts[0] for f in d.files or [] if not f.as_posix().startswith("..")}:
+            src, dst = root / top, site / top
+            if src.exists() and not dst.exists():
+                dst.symlink_to(src)
+    subprocess.run(["chmod", "-R", "go+rX", str(TORCH_ENV)], check=True)
+    return py
+
+
+@pytest.fixture
+def node_pythons() -> tuple[str, str]:
+    """(the node's python3: 3.10, no ensurepip; the image's torch environment)."""
+    if os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("runuser"):
+        pytest.skip("needs root with useradd and runuser to make a throwaway host account")
+    old, same = _pyenv("3.10"), _pyenv(f"{sys.version_info[0]}.{sys.version_info[1]}")
+    if old is None or same is None or sys.version_info[:2] == (3, 10):
+        pytest.skip(f"needs pyenv's Python 3.10 and {sys.version_info[0]}."
+                    f"{sys.version_info[1]} under {PYENV}")
+    ROOT.mkdir(parents=True, exist_ok=True)
+    os.chmod(ROOT, 0o755)
+    py310 = _copy_python(old, OLD, "3.10")
+    same_py = _copy_python(same, SAME, f"{sys.version_info[0]}.{sys.version_info[1]}")
+    torch_py = _torch_env(same_py)
+    _ensure_user()
+    shutil.rmtree(HOME / ".spotctl", ignore_errors=True)
+    for p in (py310, torch_py):
+        assert _as_user(str(p), "-c", "import ensurepip").returncode != 0  # like python3 on
+        assert _as_user(str(p), "-m", "venv", str(HOME / "v")).returncode != 0  # Ubuntu
+    assert _as_user(str(py310), "-c", "import sys; assert sys.version_info[:2] == (3, 10)"
+                    ).returncode == 0
+    assert _as_user(str(torch_py), "-c", "import torch").returncode == 0
+    assert _as_user(str(torch_py), "-c", "import spotctl").returncode != 0
+    shutil.rmtree(HOME / "v", ignore_errors=True)
+    return str(py310), str(torch_py)
+
+
+def _project(tmp_path: Path, port: int, key: Path, base: str, envs: list[str]) -> Path:
+    project = tmp_path / "project"
+    project.mkdir()
+    shutil.copy(REPO / "templates" / "train.py", project / "train.py")
+    ckpt = HOME / "ckpt"
+    (project / "spotctl.toml").write_text(
+        'name = "pyclean"\nprovider = "ssh"\ngpus = "1"\n\n'
+        '[train]\nscript = "train.py"\nengine = "torchrun"\ncheckpoint_every = 5\n'
+        f'checkpoint_dir = "{ckpt}"\nrun_as = ""\ntorch_envs = {json.dumps(envs)}\n'
+        'env = { TRAIN_STEP_SLEEP_S = "0.05" }\n\n'
+        f'[ssh]\nbase_python = "{base}"\n\n'
+        f'[[ssh.hosts]]\naddress = "127.0.0.1"\nport = {port}\nuser = "{USER}"\n'
+        f'key = "{key}"\n'
+    )
+    return project
+
+
+def _cli(project: Path, env: dict[str, str], *args: str,
+         timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*SPOTCTL, *args], cwd=project, env=env, text=True,
+                          capture_output=True, timeout=timeout)  # fmt: skip
+
+
+def _cleanup(project: Path, env: dict[str, str], factory: Any, home: Path) -> None:
+    if (home / "state.db").exists():
+        _cli(project, env, "down", "--name", "pyclean", "--yes")
+    for pid in _procs(str(HOME / ".spotctl")) + _procs(str(home)):
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    factory.stop_all()
+    shutil.rmtree(factory.base, ignore_errors=True)
+
+
+def test_node_python_is_probed_and_its_torch_environment_used(
+    node_pythons: tuple[str, str], client_key: Path, tmp_path: Path
+) -> None:
+    py310, torch_py = node_pythons
+    factory, s = _sshd_for_user(client_key)
+    project = _project(tmp_path, s.port, client_key, py310, [torch_py])
+    home = tmp_path / "home"
+    env = dict(os.environ, SPOTCTL_HOME=str(home), NO_COLOR="1")
+    env.pop("SPOTCTL_SSH_REMOTE_ROOT", None)
+    ndir = HOME / ".spotctl" / "pyclean" / f"ssh-127-0-0-1-{s.port}"
+
+    def debug() -> str:
+        logs = [ndir / "bootstrap.log", ndir / "agent.log", ndir / "work" / "torchrun.log"]
+        return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-2500:]}"
+                         for p in logs if p.exists())  # fmt: skip
+
+    try:
+        up = _cli(project, env, "up", "--wait", "120")
+        assert up.returncode == 0, f"{up.stdout}\n{up.stderr}\n{debug()}"
+        deadline = time.monotonic() + 120
+        step = 0
+        while step < 6:
+            assert time.monotonic() < deadline, f"no progress\n{debug()}"
+            time.sleep(1)
+            st = json.loads(_cli(project, env, "status", "--name", "pyclean", "--json").stdout)
+            step = st.get("step") or 0
+
+        cfg = json.loads(_as_user("cat", str(ndir / "agent.json")).stdout)
+        vpy = cfg["python"]
+        venv = str(Path(vpy).parent.parent)
+        r = _as_user(vpy, "-c", "import sys, spotctl, torch, pip; print(sys.version_info[1]); "
+                     "print(spotctl.__file__); print(torch.__file__); print(pip.__file__)")
+        assert r.returncode == 0, r.stderr
+        minor, spotctl_file, torch_file, pip_file = r.stdout.split()
+        assert int(minor) == sys.version_info[1]  # the torch environment's Python, not 3.10
+        assert spotctl_file.startswith(venv) and pip_file.startswith(venv)
+        assert torch_file.startswith(str(TORCH_ENV)) or "/.venv/" in torch_file, torch_file
+        assert not torch_file.startswith(venv)  # the image's torch: nothing downloaded
+        log = (ndir / "bootstrap.log").read_text()
+        assert "Downloading" not in log, log[-2000:]
+    finally:
+        _cleanup(project, env, factory, home)
+
+
+def test_a_node_python_the_wheels_cannot_serve_stops_up_before_installing(
+    node_pythons: tuple[str, str], client_key: Path, tmp_path: Path
+) -> None:
+    py310, _ = node_pythons
+    factory, s = _sshd_for_user(client_key)
+    project = _project(tmp_path, s.port, client_key, py310, [])
+    home = tmp_path / "home"
+    env = dict(os.environ, SPOTCTL_HOME=str(home), NO_COLOR="1")
+    env.pop("SPOTCTL_SSH_REMOTE_ROOT", None)
+    try:
+        up = _cli(project, env, "up", "--wait", "5")
+        assert up.returncode != 0
+        out = " ".join((up.stdout + up.stderr).split())  # as one line, whatever the width
+        assert f"{py310} is Python 3.10" in out, out
+        assert "require Python >=3.11" in out and "typer==" in out, out
+        assert "Traceback" not in out
+        assert not (HOME / ".spotctl" / "venvs").exists()  # nothing installed
+        assert not any((HOME / ".spotctl").rglob("agent.json"))
+    finally:
+        _cleanup(project, env, factory, home)
+

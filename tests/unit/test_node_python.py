@@ -1,0 +1,99 @@
+"""Which node interpreter a venv is made from (spotctl.remote.interp) and whether the
+shipped wheels fit a node's Python (NodePackage.fit), on wheels built here with the
+metadata fields that decide it (Requires-Python, file-name tags)."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+
+import pytest
+
+from spotctl.errors import BootstrapError
+from spotctl.remote.interp import NodePython, choose, parse_probe, probe_command
+from spotctl.remote.package import NodePackage
+
+
+def _wheel(name: str, version: str, tag: str, requires_python: str = "") -> tuple[str, bytes]:
+    buf = io.BytesIO()
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    if requires_python:
+        meta += f"Requires-Python: {requires_python}\n"
+    meta += "\nA description that mentions Requires-Python: >=9.9 (not a header)\n"
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr(f"{name}-{version}.dist-info/METADATA", meta)
+    return f"{name}-{version}-{tag}.whl", buf.getvalue()
+
+
+def _package(*wheels: tuple[str, bytes]) -> NodePackage:
+    return NodePackage(dict(wheels), "", wheels[0][0], "k")
+
+
+PKG = _package(
+    _wheel("spotctl", "0.1.0", "py3-none-any", ">=3.10"),
+    _wheel("typer", "0.29.2", "py3-none-any", ">=3.11"),
+    _wheel("platformdirs", "4.14.9", "py3-none-any", ">=3.11"),
+    _wheel("pydantic_core", "2.50.5", "cp311-cp311-manylinux_2_17_x86_64", ">=3.10"),
+    _wheel("cryptography", "50.0.2", "cp311-abi3-manylinux_2_28_x86_64",
+           ">=3.9, !=3.9.0, !=3.9.1"),
+)
+
+
+def _py(path: str, minor: int, torch: str = "", ensurepip: bool = True,
+        machine: str = "x86_64") -> NodePython:
+    return NodePython(path, (3, minor, 4), ensurepip, True, torch, machine)
+
+
+def test_requires_python_decides_what_a_node_cannot_install() -> None:
+    hard, soft = PKG.fit((3, 10, 12), "x86_64")
+    assert hard == ("the shipped pins platformdirs==4.14.9, typer==0.29.2 require "
+                    "Python >=3.11")
+    hard, soft = PKG.fit((3, 11, 7), "x86_64")
+    assert (hard, soft) == ("", [])
+    # 3.12: every pin allows it; the cp311 build must come from the node's index
+    hard, soft = PKG.fit((3, 12, 1), "x86_64")
+    assert hard == "" and soft == ["pydantic_core-2.50.5-cp311-cp311-manylinux_2_17_x86_64.whl"]
+    # another machine: no compiled wheel fits
+    assert len(PKG.fit((3, 11, 7), "aarch64")[1]) == 2
+
+
+def test_the_torch_environment_wins_over_the_base_python() -> None:
+    cands = ["/opt/pytorch/bin/python3", "python3"]
+    found = [_py("/opt/pytorch/bin/python3", 11, torch="2.7.1+cu128", ensurepip=False),
+             _py("python3", 11)]
+    assert choose(found, cands, PKG, "n1").path == "/opt/pytorch/bin/python3"
+    # an old torch is not reused: the base python gets the pinned torch
+    found[0] = _py("/opt/pytorch/bin/python3", 11, torch="1.13.1")
+    assert choose(found, cands, PKG, "n1").path == "python3"
+
+
+def test_a_python_the_pins_exclude_is_passed_over_for_one_they_fit() -> None:
+    cands = ["/opt/conda/bin/python3", "python3"]
+    found = [_py("/opt/conda/bin/python3", 10, torch="2.7.0"), _py("python3", 11)]
+    assert choose(found, cands, PKG, "n1").path == "python3"
+    # among fitting ones without torch: the one that needs no package index first
+    found = [_py("/opt/conda/bin/python3", 12), _py("python3", 11)]
+    assert choose(found, cands, PKG, "n1").path == "python3"
+
+
+def test_no_usable_interpreter_is_one_line_naming_each_python() -> None:
+    with pytest.raises(BootstrapError) as e:
+        choose([_py("python3", 10)], ["python3"], PKG, "n1 (u@h:22)")
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith("n1 (u@h:22): no interpreter on the node can install")
+    assert "python3 is Python 3.10; the shipped pins platformdirs==4.14.9, typer==0.29.2 " \
+           "require Python >=3.11" in msg
+    with pytest.raises(BootstrapError, match="no Python interpreter on the node"):
+        choose([], ["python3"], PKG, "n1")
+
+
+def test_the_probe_runs_each_candidate_and_reads_its_answer() -> None:
+    import subprocess
+    import sys
+
+    cmd = probe_command([sys.executable, "/nonexistent/python3"])
+    out = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=60).stdout
+    (me,) = parse_probe(out + "noise\nspotctl-python {not json}\n")
+    assert me.path == sys.executable and me.version[:2] == sys.version_info[:2]
+    assert me.torch and me.torch_ok()  # this venv's torch, read from its metadata
