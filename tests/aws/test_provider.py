@@ -197,6 +197,30 @@ def test_ssh_cidr_from_caller_option_or_a_clear_error(
         make_provider(ssh_cidr="my-laptop").prepare()
 
 
+def test_the_ssh_rule_follows_a_changed_address(make_provider: MakeProvider, ec2: Any) -> None:
+    """`up` refills an unset ssh_cidr with the controller's address on every run: the
+    existing group's SSH rule moves to the new one, the old is revoked."""
+
+    def ssh_sources() -> list[str]:
+        group = ec2.describe_security_groups(
+            Filters=[{"Name": f"tag:{TAG_CLUSTER}", "Values": [name]}]
+        )["SecurityGroups"][0]
+        return sorted(x.get("CidrIp") or x["CidrIpv6"] for r in group["IpPermissions"]
+                      if r.get("FromPort") == 22
+                      for x in r.get("IpRanges", []) + r.get("Ipv6Ranges", []))  # fmt: skip
+
+    p = make_provider(ssh_cidr="203.0.113.9/32")
+    name = p.ctx.cluster
+    p.prepare()
+    make_provider(name=name, ssh_cidr="198.51.100.3/32").prepare()
+    assert ssh_sources() == ["198.51.100.3/32"]
+    make_provider(name=name, ssh_cidr="2001:db8::7/128").prepare()
+    assert ssh_sources() == ["2001:db8::7/128"]
+    # no address known (a command that does not fill it): the rule is left as it is
+    make_provider(name=name, ssh_cidr="").prepare()
+    assert ssh_sources() == ["2001:db8::7/128"]
+
+
 def test_list_excludes_terminated_and_terminate_ignores_gone_and_foreign_ids(
     make_provider: MakeProvider, ec2: Any
 ) -> None:

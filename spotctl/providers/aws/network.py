@@ -139,7 +139,10 @@ class AwsNetwork(AwsApi):
     def _ensure_group(self) -> str:
         groups = self._find_groups()
         if groups:
-            return str(groups[0]["GroupId"])
+            gid = str(groups[0]["GroupId"])
+            if self.spec.ssh_cidr or self.ctx.options.get("ssh_cidr"):
+                self._follow_ssh_cidr(gid, groups[0], self._ssh_cidr())
+            return gid
         cidr = self._ssh_cidr()
         vpc, _ = self._vpc()
         gid = str(
@@ -165,12 +168,7 @@ class AwsNetwork(AwsApi):
             self.ec2.authorize_security_group_ingress,
             GroupId=gid,
             IpPermissions=[
-                {
-                    "IpProtocol": "tcp",
-                    "FromPort": 22,
-                    "ToPort": 22,
-                    "IpRanges": [{"CidrIp": cidr, "Description": "spotctl controller"}],
-                },
+                _ssh_permission(cidr),
                 {
                     "IpProtocol": "-1",
                     "UserIdGroupPairs": [{"GroupId": gid, "Description": "cluster members"}],
@@ -178,6 +176,29 @@ class AwsNetwork(AwsApi):
             ],
         )
         return gid
+
+    def _follow_ssh_cidr(self, gid: str, group: dict[str, Any], cidr: str) -> None:
+        """The existing group's SSH rule to `cidr` only: the controller's address (which
+        `up` fills ssh_cidr with when unset) moves, and a stale one is revoked."""
+        have: set[str] = set()
+        for perm in group.get("IpPermissions", []):
+            if (perm.get("IpProtocol"), perm.get("FromPort"), perm.get("ToPort")) == ("tcp", 22, 22):
+                have.update(r["CidrIp"] for r in perm.get("IpRanges", []))
+                have.update(r["CidrIpv6"] for r in perm.get("Ipv6Ranges", []))
+        if cidr not in have:
+            self._call(
+                f"open SSH from {cidr} on {self._group_name}",
+                self.ec2.authorize_security_group_ingress,
+                GroupId=gid,
+                IpPermissions=[_ssh_permission(cidr)],
+            )
+        for old in sorted(have - {cidr}):
+            self._call(
+                f"close SSH from {old} on {self._group_name}",
+                self.ec2.revoke_security_group_ingress,
+                GroupId=gid,
+                IpPermissions=[_ssh_permission(old)],
+            )
 
     def _ensure_key(self) -> str:
         pairs = self._call(
@@ -220,3 +241,13 @@ class AwsNetwork(AwsApi):
         """Security group and key pair of the cluster (idempotent, found by tag/name)."""
         if self._prepared is None:
             self._prepared = (self._ensure_group(), self._ensure_key())
+
+
+def _ssh_permission(cidr: str) -> dict[str, Any]:
+    """The ingress rule for SSH from one CIDR (IPv4 or IPv6)."""
+    if ":" in cidr:
+        ranges: dict[str, Any] = {"Ipv6Ranges": [{"CidrIpv6": cidr,
+                                                  "Description": "spotctl controller"}]}
+    else:
+        ranges = {"IpRanges": [{"CidrIp": cidr, "Description": "spotctl controller"}]}
+    return {"IpProtocol": "tcp", "FromPort": 22, "ToPort": 22, **ranges}
