@@ -74,7 +74,9 @@ def register(app: typer.Typer) -> None:
             task = prog.add_task("reconciling", total=None)
             phases = Reporter(json_out, (lambda line: prog.update(task, description=line))
                               if live else None, lambda line: prog.console.print(f"up: {line}"))
-            res = reconcile.reconcile(store, spec, progress=phases.reconcile)
+            # the SSH rule follows this machine's ssh_cidr (aws; gcp reconciles its rules)
+            res = reconcile.reconcile(store, spec, progress=phases.reconcile,
+                                      options={"follow_ssh_cidr": True})
             seen, want, training = watch(store, spec.name, wait, phases, spec.gpus.min)
         out = res.to_json()
         out["nodes_reporting"] = seen

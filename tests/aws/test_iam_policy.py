@@ -55,7 +55,8 @@ def test_policy_matches_the_calls_of_a_whole_lifecycle(
     p.ensure_head()
     # the controller's address moved: the next `up` moves the SSH rule (revoking the old)
     make_provider(name=p.ctx.cluster, instance_types=["g5.xlarge"], ssh_cidr="192.0.2.99/32",
-                  options={"endpoint_url": fault_proxy.url}).prepare()  # fmt: skip
+                  options={"endpoint_url": fault_proxy.url, "follow_ssh_cidr": True}
+                  ).prepare()  # fmt: skip
     p.terminate([inst.id])
     assert p.cleanup() == []
     p.checks()  # `spotctl check --provider aws`

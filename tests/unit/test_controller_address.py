@@ -110,10 +110,10 @@ def test_up_fills_it_before_reconciling_and_says_so(
 ) -> None:
     from spotctl.control import reconcile
 
-    seen: list[str] = []
+    seen: list[Any] = []
 
     def stop(store: Any, spec: ClusterSpec, **kw: Any) -> Any:
-        seen.append(spec.aws.ssh_cidr)
+        seen.append((spec.aws.ssh_cidr, kw.get("options")))
         raise SpotctlError("stopped by the test")
 
     monkeypatch.setattr(reconcile, "reconcile", stop)
@@ -123,7 +123,8 @@ def test_up_fills_it_before_reconciling_and_says_so(
     (tmp_path / "spotctl.toml").write_text('name = "c"\nprovider = "aws"\n[aws]\n'
                                            'region = "us-east-1"\n')  # fmt: skip
     res = run_cli("up")
-    assert seen == ["192.0.2.9/32"]
+    # and the existing SSH rule follows it (spotctl/providers/aws/network.py)
+    assert seen == [("192.0.2.9/32", {"follow_ssh_cidr": True})]
     assert ("up: aws.ssh_cidr not set: SSH allowed from this machine's public address "
             "192.0.2.9/32 (from $SPOTCTL_CONTROLLER_ADDRESS)") in res.stderr
     assert res.exit_code != 0 and "stopped by the test" in str(res.exception)

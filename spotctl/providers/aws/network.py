@@ -140,7 +140,10 @@ class AwsNetwork(AwsApi):
         groups = self._find_groups()
         if groups:
             gid = str(groups[0]["GroupId"])
-            if self.spec.ssh_cidr or self.ctx.options.get("ssh_cidr"):
+            # only `up`, run by the controller, moves it: a reconcile elsewhere (a head's
+            # rebalance with the spec it was given) would move it back to an old address
+            follow = self.ctx.options.get(FOLLOW_SSH_CIDR)
+            if follow and (self.spec.ssh_cidr or self.ctx.options.get("ssh_cidr")):
                 self._follow_ssh_cidr(gid, groups[0], self._ssh_cidr())
             return gid
         cidr = self._ssh_cidr()
@@ -241,6 +244,10 @@ class AwsNetwork(AwsApi):
         """Security group and key pair of the cluster (idempotent, found by tag/name)."""
         if self._prepared is None:
             self._prepared = (self._ensure_group(), self._ensure_key())
+
+
+# ctx.options key `up` sets: an existing group's SSH rule is moved to ssh_cidr
+FOLLOW_SSH_CIDR = "follow_ssh_cidr"
 
 
 def _ssh_permission(cidr: str) -> dict[str, Any]:
