@@ -8,7 +8,7 @@ from collections.abc import Callable
 from importlib import import_module
 from typing import Any
 
-NAMES = ("recovery", "lost", "join", "checkpoint", "control", "quorum")
+NAMES = ("recovery", "lost", "join", "checkpoint", "control", "quorum", "overhead")
 
 
 def get(name: str) -> Callable[..., Any]:
