@@ -28,6 +28,7 @@ SPEC_FILE = "spotctl.toml"
 _NAME_RE = re.compile(r"[a-z][a-z0-9-]{0,38}[a-z0-9]|[a-z]")  # fullmatch: no trailing \n
 _URI_RE = re.compile(r"[a-z][a-z0-9+.-]*://", re.ASCII)  # match: an object-store URI
 _ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+_WORKER_USER_RE = re.compile(r"[a-z_][a-z0-9_-]{0,31}")  # a portable user name (useradd's)
 # a host name or an IP address; never starts with '-' (ssh would read it as an option)
 _HOST_RE = re.compile(r"[A-Za-z0-9_\[][A-Za-z0-9._:\[\]-]{0,252}")
 _USER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
@@ -168,7 +169,7 @@ class TrainSpec(_Strict):
     # On cloud nodes, where the bootstrap has root, training workers run as this
     # unprivileged user (created if missing) and cannot read the node's credential;
     # "" = they run as the agent's user. Local nodes always run as you.
-    run_as: str = Field(default="spotctl-train", pattern=r"^([a-z_][a-z0-9_-]{0,31})?$")
+    run_as: str = "spotctl-train"
     # On a GPU instance type, how long a node's agent waits for the NVIDIA driver to answer
     # and torch to see the type's GPUs before it gives up and the node is replaced.
     gpu_wait_s: float = Field(default=300.0, ge=0, le=3600)
@@ -182,6 +183,18 @@ class TrainSpec(_Strict):
                                  "(letters, digits and '_', not starting with a digit)")
             if "\0" in x:
                 raise ValueError(f"{k}: a value must not contain NUL")
+        return v
+
+    @field_validator("run_as")
+    @classmethod
+    def _run_as(cls, v: str) -> str:
+        if v and not _WORKER_USER_RE.fullmatch(v):
+            raise ValueError(f"{v[:40]!r} is not a user name (lowercase letters, digits, '_' "
+                             "and '-', starting with a letter or '_', at most 32 characters)")
+        if v == "root":
+            # refused here, not first by the agent on every node (it refuses any uid 0)
+            raise ValueError("'root' would let the workers read the node's credential; name "
+                             "an unprivileged user, or \"\" to run them as the agent's user")
         return v
 
 

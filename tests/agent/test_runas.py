@@ -1,7 +1,7 @@
 """Who training workers may run as (`[train] run_as`, spotctl.agent.runas): a bad user is
-refused with one clear line, at the spec on the controller (names that are no user name)
-and by the agent on the node (root, a user that does not exist, any uid-0 alias), never
-accepted and run with whatever privileges that name turns out to have."""
+refused with one clear line, at the spec on the controller (root, and names that are no
+user name) and by the agent on the node (root, a user that does not exist, any uid-0
+alias), never accepted and run with whatever privileges that name turns out to have."""
 
 from __future__ import annotations
 
@@ -28,6 +28,14 @@ def test_the_spec_refuses_a_name_that_is_no_user_name(name: str) -> None:
         load_spec(overrides={"name": "c", "train.run_as": name}, check_script=False)
     msg = str(e.value)
     assert "train.run_as" in msg and "\n" not in msg, msg
+    if name.isprintable():
+        assert f"{name[:40]!r} is not a user name" in msg, msg
+
+
+def test_the_spec_refuses_root() -> None:
+    with pytest.raises(SpecError, match=r"train\.run_as: 'root' would let the workers read "
+                                        "the node's credential; name an unprivileged user"):
+        load_spec(overrides={"name": "c", "train.run_as": "root"}, check_script=False)
 
 
 def test_the_spec_takes_an_ordinary_user_or_none() -> None:
