@@ -48,6 +48,11 @@ SAME = ROOT / "py311"  # the image's torch environment is made from this one (no
 TORCH_ENV = ROOT / "torch-env"
 
 
+def _as_node(*argv: str) -> subprocess.CompletedProcess[str]:
+    """As the host account, with nothing of this process's import path."""
+    return _as_user("env", "-u", "PYTHONPATH", *argv)
+
+
 def _pyenv(major_minor: str) -> Path | None:
     found = sorted(PYENV.glob(f"{major_minor}.*")) if PYENV.is_dir() else []
     return found[-1] if found else None
@@ -116,12 +121,12 @@ def node_pythons() -> tuple[str, str]:
     _ensure_user()
     shutil.rmtree(HOME / ".spotctl", ignore_errors=True)
     for p in (py310, torch_py):
-        assert _as_user(str(p), "-c", "import ensurepip").returncode != 0  # like python3 on
-        assert _as_user(str(p), "-m", "venv", str(HOME / "v")).returncode != 0  # Ubuntu
-    assert _as_user(str(py310), "-c", "import sys; assert sys.version_info[:2] == (3, 10)"
+        assert _as_node(str(p), "-c", "import ensurepip").returncode != 0  # like python3 on
+        assert _as_node(str(p), "-m", "venv", str(HOME / "v")).returncode != 0  # Ubuntu
+    assert _as_node(str(py310), "-c", "import sys; assert sys.version_info[:2] == (3, 10)"
                     ).returncode == 0
-    assert _as_user(str(torch_py), "-c", "import torch").returncode == 0
-    assert _as_user(str(torch_py), "-c", "import spotctl").returncode != 0
+    assert _as_node(str(torch_py), "-c", "import torch").returncode == 0
+    assert _as_node(str(torch_py), "-c", "import spotctl").returncode != 0
     shutil.rmtree(HOME / "v", ignore_errors=True)
     return str(py310), str(torch_py)
 
@@ -188,10 +193,10 @@ def test_node_python_is_probed_and_its_torch_environment_used(
             st = json.loads(_cli(project, env, "status", "--name", "pyclean", "--json").stdout)
             step = st.get("step") or 0
 
-        cfg = json.loads(_as_user("cat", str(ndir / "agent.json")).stdout)
+        cfg = json.loads(_as_node("cat", str(ndir / "agent.json")).stdout)
         vpy = cfg["python"]
         venv = str(Path(vpy).parent.parent)
-        r = _as_user(vpy, "-c", "import sys, spotctl, torch, pip; print(sys.version_info[1]); "
+        r = _as_node(vpy, "-c", "import sys, spotctl, torch, pip; print(sys.version_info[1]); "
                      "print(spotctl.__file__); print(torch.__file__); print(pip.__file__)")
         assert r.returncode == 0, r.stderr
         minor, spotctl_file, torch_file, pip_file = r.stdout.split()
