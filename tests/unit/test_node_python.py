@@ -97,3 +97,11 @@ def test_the_probe_runs_each_candidate_and_reads_its_answer() -> None:
     (me,) = parse_probe(out + "noise\nspotctl-python {not json}\n")
     assert me.path == sys.executable and me.version[:2] == sys.version_info[:2]
     assert me.torch and me.torch_ok()  # this venv's torch, read from its metadata
+
+
+
+def test_candidates_are_the_torch_envs_then_the_base_python() -> None:
+    from spotctl.remote.interp import candidates_for
+
+    assert candidates_for(["/opt/pytorch/bin/python3", "python3"], "python3") == [
+        "/opt/pytorch/bin/python3", "python3"]
