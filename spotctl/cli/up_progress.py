@@ -80,11 +80,12 @@ NODE_PHASES = ("booting", "joining", "training")
 
 def node_phase(h: dict[str, Any] | None) -> str | None:
     """booting: no heartbeat at the head yet; joining: at the head, not in a step yet;
-    training: in the job. None: leaving or gone."""
+    training: in the job. None: leaving, gone, or failed (its GPU gate closed: it will
+    never train and is replaced)."""
     if not h:
         return "booting"
     st = h.get("state")
-    if st in ("leaving", "left"):
+    if st in ("leaving", "left", "failed"):
         return None
     if st == "finished":  # the job already ran to its last step
         return "training"

@@ -172,6 +172,8 @@ def test_a_heartbeat_of_age_zero_is_fresh() -> None:
     assert heartbeat_fresh(node) and up_progress.node_phase(node) == "training"
     assert up_progress.node_phase({**node, "heartbeat_age_s": 5.0}) == "joining"
     assert up_progress.node_phase({**node, "heartbeat_age_s": None}) == "joining"
+    # a node whose GPU gate closed never trains: `up` does not wait for it
+    assert up_progress.node_phase({**node, "state": "failed"}) is None
     assert not heartbeat_fresh({"state": "running"}) and not heartbeat_fresh(None)
 
 
