@@ -233,3 +233,26 @@ def test_the_controller_replaces_a_node_whose_gate_failed(
     assert [(n.id, n.state) for n in obs.nodes] == [("n1", "lost")]
     p = plan(spec, obs, (), {}, time.time())
     assert [(a.type, a.node_ids) for a in p.actions] == [("terminate", ("n1",))]
+
+
+def test_a_cloud_gpu_worker_expects_its_types_gpus(spotctl_home: Path) -> None:
+    """The agent config the cloud bootstrap renders: the instance type's GPU count and the
+    spec's wait; under the test seam (nodes are processes on this CPU machine) no gate."""
+    from spotctl.providers import ProviderContext
+    from spotctl.providers.base import HeadInfo
+    from spotctl.remote.bootstrap import CloudNodes
+
+    spec = ClusterSpec.model_validate({
+        "name": "g", "provider": "aws", "train": {"gpu_wait_s": 600},
+        "aws": {"region": "us-east-1", "ssh_cidr": "198.51.100.7/32"}})
+    vm = Instance(id="i-1", cluster="g", role="worker", zone="us-east-1a",
+                  instance_type="g5.12xlarge", gpus=4, state="running", request_id="r",
+                  address="10.0.0.7")
+    head = HeadInfo(url="http://10.0.0.5:7470", store_host="10.0.0.5", store_port=29400,
+                    lighthouse="http://10.0.0.5:29510")
+    for options, want in (({}, 4), ({"ssh_override": "127.0.0.1:2222"}, 0)):
+        ctx = ProviderContext("g", spec, Store(spotctl_home).cluster_dir("g").ensure(), options)
+        nodes = CloudNodes(ctx, metadata="aws", metadata_url="http://169.254.169.254",
+                           api_port=7470, store_port=29400)
+        cfg = nodes.agent_config(vm, head)
+        assert (cfg.expect_gpus, cfg.gpu_wait_s) == (want, 600.0)
