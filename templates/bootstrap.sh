@@ -68,13 +68,12 @@ pip_q() {
 }
 
 make_venv() {  # make_venv [--system-site-packages]
-    if has "$BASE" ensurepip; then
-        "$BASE" -m venv "$@" "$VENV" >>"$DIR/bootstrap.log" 2>&1 \
-            || { echo "spotctl: $BASE -m venv failed (see $DIR/bootstrap.log)"; exit 3; }
+    if has "$BASE" ensurepip && "$BASE" -m venv "$@" "$VENV" >>"$DIR/bootstrap.log" 2>&1; then
         return 0
     fi
-    # No ensurepip (Debian/Ubuntu without python3-venv): a venv without pip, then pip
-    # from the uploaded pip wheel, run from the wheel itself (nothing from an index).
+    rm -rf "$VENV"
+    # No working ensurepip (Debian/Ubuntu without python3-venv): a venv without pip, then
+    # pip from the uploaded pip wheel, run from the wheel itself (nothing from an index).
     pipwhl="$PKG/$(cat "$PKG/pip-wheel" 2>/dev/null || true)"
     if [ ! -f "$pipwhl" ]; then
         echo "spotctl: $BASE has no ensurepip (python3-venv) and no pip wheel was uploaded"
