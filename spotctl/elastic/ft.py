@@ -455,13 +455,38 @@ class FtRun(Run):
         if self.world > 1:  # the replica's own ranks first, as DDP's default hook does
             buf.div_(self.world)
             dist.all_reduce(buf)
-        self._cross_replica_mean(buf)
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        fut.set_result(buf)
-        return fut
+        return self._cross_replica_future(buf)
 
     def _fsdp_hook(self, reduced: torch.Tensor) -> None:
         self._cross_replica_mean(reduced)
+
+    def _cross_replica_future(self, t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """Start averaging `t` across replicas and return a future of it, not waited here:
+        DDP waits for every bucket's at the end of backward, so the reduction of one bucket
+        overlaps the backward of the next. On an error the future completes with `t` as it
+        is and the Manager has the error (the step's vote fails, everyone runs it again).
+        On CUDA the collective is waited for as torchft's own DDP hook does (the wait orders
+        streams; the host goes on)."""
+        from torchft.work import _DummyWork
+
+        work = self.manager.allreduce(t)
+        self._grads_synced = True
+        if isinstance(work, _DummyWork):  # skipped: this step has failed already
+            return work.get_future()  # type: ignore[return-value]
+        inner = getattr(work, "_work", None)  # the process group's own work
+        if t.device.type == "cuda" or inner is None:
+            work.wait()
+            fut = work.get_future()
+            return getattr(fut, "_fut", None) or fut  # type: ignore[return-value]
+        # torchft's Work builds its averaging chain only once the collective is done (its
+        # callbacks read a loop variable), so the chain here is our own: sum, then divide
+        n = self.manager.num_participants()
+
+        def average(f: torch.futures.Future[Any]) -> torch.Tensor:
+            f.value()  # raises the collective's error, for wrap_future to report
+            return t.div_(n)
+
+        return self.manager.wrap_future(inner.get_future().then(average), t)
 
     def _cross_replica_mean(self, t: torch.Tensor) -> None:
         """Average `t` in place over the quorum's participating replicas. On an error the
