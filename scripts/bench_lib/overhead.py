@@ -28,11 +28,11 @@ WARMUP = 10
 
 
 def gaps(log: Path, warmup: int = WARMUP) -> list[float]:
-    """Step-to-step gaps of a "unix_time step" log, leaving out the first `warmup` steps."""
+    """Step-to-step gaps of a "unix_time step ..." log, leaving out the first `warmup` steps."""
     pts = []
     for line in log.read_text().splitlines() if log.exists() else []:
         parts = line.split()
-        if len(parts) == 2:
+        if len(parts) >= 2:
             pts.append((float(parts[0]), int(parts[1])))
     pts = [p for p in pts if p[1] > warmup]
     return [b[0] - a[0] for a, b in zip(pts, pts[1:], strict=False) if b[1] == a[1] + 1]
@@ -71,9 +71,8 @@ def on_spotctl(work: Path, ranks: int, steps: int, width: int, engine: str) -> l
         c.cli("up", "--wait", "180", timeout=300)
         deadline = time.monotonic() + 1800
         while time.monotonic() < deadline:
-            done = [g for g in c.steps.read_text().splitlines()
-                    if g.endswith(f" {steps}")] if c.steps.exists() else []
-            if done:
+            lines = c.steps.read_text().splitlines() if c.steps.exists() else []
+            if any(x.split()[1:2] == [str(steps)] for x in lines):
                 break
             time.sleep(1)
         else:

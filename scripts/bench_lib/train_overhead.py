@@ -5,7 +5,7 @@ no spotctl. OVERHEAD_MODE=spotctl: the same loop through spotctl.elastic (either
 Both train the same compute-bound MLP (OVERHEAD_LAYERS layers of width OVERHEAD_WIDTH,
 AdamW, gradient clipping, the global loss reduced across ranks for logging) on the same
 global batch, for OVERHEAD_STEPS steps, nothing failing. The first rank appends
-"unix_time step" after every step to BENCH_STEP_LOG; the benchmark takes the gaps.
+"unix_time step world samples" after every step to BENCH_STEP_LOG; the benchmark takes the gaps.
 """
 
 import os
@@ -66,7 +66,7 @@ def plain():
         dist.all_reduce(total)
         total.item()
         if log:
-            log.write(f"{time.time():.4f} {step + 1}\n")
+            log.write(f"{time.time():.4f} {step + 1} {world} {per * world}\n")
             log.flush()
     dist.destroy_process_group()
 
@@ -93,7 +93,7 @@ def elastic_run():
         if log is None and run.is_main:  # (on torchft known once the first quorum is)
             log = open(LOG, "a")
         if log:
-            log.write(f"{time.time():.4f} {run.step}\n")
+            log.write(f"{time.time():.4f} {run.step} {run.dp_world} {run.step_samples}\n")
             log.flush()
     run.finish()
 
