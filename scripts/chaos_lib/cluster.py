@@ -125,6 +125,18 @@ class Cluster:
             raise AssertionError(f"events: {type(e).__name__}: {e}") from e
         return json.loads(json.dumps(rows, default=str))  # type: ignore[no-any-return]
 
+    def node_events(self, type_: str, node: str, skip: int = 0,
+                    timeout: float = 15) -> list[dict[str, Any]]:
+        """`node`'s events of `type_` after the first `skip` of that type, waiting up to
+        `timeout` s for one (the head's liveness window is 4 s: on torchft the quorum can
+        re-form before the head has called a silent node unresponsive)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = [e for e in self.events(type_)[skip:] if e.get("node") == node]
+            if got or time.monotonic() > deadline:
+                return got
+            time.sleep(0.5)
+
     def wait_for(
         self, what: str, pred: Callable[[dict[str, Any]], bool], timeout: float = 150
     ) -> dict[str, Any]:

@@ -186,7 +186,7 @@ def network_cut(root: Path, engine: str = "torchrun") -> Result:
             st = c.training(2, past=st["step"] + 2, timeout=60)  # the survivors' counts settled
             res.steps_replayed += _replayed_on_torchft(c, failed0, ["n1", "n2"])
         res.committed_steps_lost = max(0, committed - int(r["resume_step"]))
-        unresp = [e for e in c.events("node-unresponsive") if e.get("node") == "n3"]
+        unresp = c.node_events("node-unresponsive", "n3")
         res.survived = bool(unresp) and st["world_size"] == 2
         res.notes = (f"n3's link down; unresponsive after {unresp[0]['silent_s'] if unresp else '?'}"
                      f" s; survivors re-formed at world 2 from step {r['resume_step']}")

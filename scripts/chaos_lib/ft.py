@@ -286,11 +286,7 @@ def sigstop(c: Cluster) -> Result:
     node = local._victim(c)
     n_unresp = len(c.events("node-unresponsive"))
     _cycle(c, res, lambda: c.signal_node(node, signal.SIGSTOP), WORLD - 1, {node})
-    deadline = time.monotonic() + 15  # the head's liveness window is 4 s
-    unresp: list[dict[str, Any]] = []
-    while time.monotonic() < deadline and not unresp:
-        unresp = [e for e in c.events("node-unresponsive")[n_unresp:] if e.get("node") == node]
-        time.sleep(0.5)
+    unresp = c.node_events("node-unresponsive", node, skip=n_unresp)
     res.detail["unresponsive_events"] = len(unresp)
     c.cli("kill", node, "--name", c.name)
     local._gone(c, [node], res)

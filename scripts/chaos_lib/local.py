@@ -223,7 +223,7 @@ def sigstop(c: Cluster) -> Result:
     res = Result("5 SIGSTOP a node")
     node = _victim(c)
     _cycle(c, res, lambda: c.signal_node(node, signal.SIGSTOP), WORLD - 1)
-    unresp = [e for e in c.events("node-unresponsive") if e.get("node") == node]
+    unresp = c.node_events("node-unresponsive", node)
     res.detail["unresponsive_events"] = len(unresp)
     if not unresp:
         res.survived = False
