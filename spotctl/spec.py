@@ -377,6 +377,15 @@ class ClusterSpec(_Strict):
     def _provider_fields(self) -> ClusterSpec:
         if self.provider == "ssh" and not self.ssh.hosts:
             raise ValueError("provider 'ssh' needs at least one [[ssh.hosts]] entry")
+        sizes = sorted({h.gpus for h in self.ssh.hosts}) if self.provider == "ssh" else []
+        if self.train.engine == "torchft" and len(sizes) > 1:
+            # each node is one replica group, and the global batch is split by replica
+            # rank times the group's size: groups of unequal size would train wrong data
+            raise ValueError(
+                "engine 'torchft' needs the same gpus on every ssh host (each node is one "
+                f"replica group; these hosts have {', '.join(map(str, sizes))}): make them "
+                "equal, or set [train] engine = \"torchrun\""
+            )
         return self
 
     @property

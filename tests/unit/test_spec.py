@@ -67,3 +67,20 @@ def test_missing_script_and_file(tmp_path):
         load_spec(p)
     with pytest.raises(SpecError, match="not found"):
         load_spec(tmp_path / "nope.toml")
+
+
+def test_torchft_refuses_ssh_hosts_of_unequal_gpus(tmp_path):
+    """Each node is one torchft replica group and the global batch is split by replica
+    rank times the group's size: hosts of 1 and 2 GPUs would train the wrong data. The
+    torchrun engine takes them (its rendezvous numbers every rank)."""
+    hosts = ('[[ssh.hosts]]\naddress = "10.0.0.1"\ngpus = 1\n'
+             '[[ssh.hosts]]\naddress = "10.0.0.2"\ngpus = 2\n')
+    p = _write(tmp_path, f'provider = "ssh"\n{hosts}')
+    with pytest.raises(SpecError) as e:
+        load_spec(p)
+    msg = str(e.value)
+    assert "\n" not in msg and "same gpus on every ssh host" in msg and "1, 2" in msg, msg
+    p = _write(tmp_path, f'provider = "ssh"\n[train]\nengine = "torchrun"\n{hosts}')
+    assert [h.gpus for h in load_spec(p).ssh.hosts] == [1, 2]
+    same = hosts.replace("gpus = 2", "gpus = 1")
+    assert load_spec(_write(tmp_path, f'provider = "ssh"\n{same}')).train.engine == "torchft"
