@@ -465,7 +465,53 @@ def plan(
     cooling: Mapping[str, float] | None = None,
 ) -> Plan:
     """Decide what to do toward [min, max] GPUs. `blocked` maps zone -> end of its launch
-    back-off; `cooling` maps zone -> end of its cool-down (ranked last until then)."""
+    back-off; `cooling` maps zone -> end of its cool-down (ranked last until then).
+
+    On the torchft engine every node is one replica group, and the groups must be of one
+    size (the global batch is split by replica rank times the group's size): the plan
+    uses nodes of one GPU count only. That of the nodes running (the most-held one, if a
+    cluster mixes them), else the count whose plan reaches the most GPUs, then costs
+    least."""
+    if spec.train.engine != "torchft":
+        return _plan(spec, observed, offers, blocked, now, cooling)
+    held: dict[int, int] = {}
+    for n in observed.live:
+        if n.gpus > 0:
+            held[n.gpus] = held.get(n.gpus, 0) + n.gpus
+    sizes = sorted({o.gpus for o in offers if o.gpus > 0})
+    if held:
+        size = max(held, key=lambda g: (held[g], -g))
+        out = _plan(spec, observed, [o for o in offers if o.gpus == size], blocked, now,
+                    cooling)
+        if any(g != size for g in sizes):
+            out.notes.append(f"torchft: {size}-GPU nodes only, the size of those running "
+                             "(every replica group the same size)")
+        return out
+    if len(sizes) <= 1:
+        return _plan(spec, observed, offers, blocked, now, cooling)
+    hi = spec.gpus.max
+    best: tuple[tuple[int, float, int], Plan] | None = None
+    for size in sizes:
+        p = _plan(spec, observed, [o for o in offers if o.gpus == size], blocked, now,
+                  cooling)
+        key = (-min(p.gpus_after, hi), p.usd_per_hour_after, size)
+        if best is None or key < best[0]:
+            best = (key, p)
+    assert best is not None
+    out = best[1]
+    out.notes.append(f"torchft: {best[0][2]}-GPU nodes only (every replica group the same "
+                     "size)")
+    return out
+
+
+def _plan(
+    spec: ClusterSpec,
+    observed: Observed,
+    offers: Sequence[Offer],
+    blocked: Mapping[str, float],
+    now: float,
+    cooling: Mapping[str, float] | None = None,
+) -> Plan:
     lo, hi = spec.gpus.min, spec.gpus.max
     cap = spec.budget.max_usd_per_hour or math.inf
     have, cost = observed.gpus, observed.cost_per_hour

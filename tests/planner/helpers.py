@@ -9,13 +9,17 @@ from spotctl.providers.base import Offer
 from spotctl.spec import ClusterSpec
 
 
-def spec(gpus: str = "4..8", budget: float = 0.0, saving: float = 30.0) -> ClusterSpec:
+def spec(gpus: str = "4..8", budget: float = 0.0, saving: float = 30.0,
+         engine: str = "torchrun") -> ClusterSpec:
+    """A spec for planner tests: the torchrun engine by default, whose nodes may differ
+    in size (the torchft engine's plans keep one node size: tests that say so)."""
     return ClusterSpec.model_validate(
         {
             "name": "t",
             "gpus": gpus,
             "budget": {"max_usd_per_hour": budget},
             "rebalance": {"replace_saving_pct": saving},
+            "train": {"engine": engine},
         }
     )
 

@@ -302,3 +302,49 @@ def _replaces_for_threshold(
         f"{s.gpus.min}..{have + 1}", s.budget.max_usd_per_hour + (1 if cap < math.inf else 0), pct
     )
     assert not plan(s2, pending, offers, blocked, NOW).actions
+
+
+# --- the torchft engine: every node one replica group, every group the same size -------
+
+
+def _torchft(s: ClusterSpec) -> ClusterSpec:
+    return s.model_copy(update={"train": s.train.model_copy(update={"engine": "torchft"})})
+
+
+@settings(**COMMON)
+@given(specs(), observeds(), offer_lists(), blockeds())
+def test_torchft_plans_launch_one_node_size(
+    s: ClusterSpec, obs: Observed, offers: list[Offer], blocked
+) -> None:
+    """Every launch a torchft plan implies (launch, replace, a move's) has one GPU count:
+    with nodes running, theirs (the most-held count when they mix, ties to the smaller)."""
+    p = plan(_torchft(s), obs, offers, blocked, NOW)
+    sizes = {a.offer.gpus for act in p.actions for a in launched(act) if a.offer is not None}
+    assert len(sizes) <= 1, p.to_json()
+    held: Counter[int] = Counter()
+    for n in obs.live:
+        if n.gpus > 0:
+            held[n.gpus] += n.gpus
+    if held and sizes:
+        top = max(held.values())
+        assert sizes == {min(g for g in held if held[g] == top)}, (dict(held), p.to_json())
+
+
+@settings(**COMMON)
+@given(specs(), offer_lists(), blockeds())
+def test_torchft_new_cluster_gets_the_most_gpus_one_size_allows(
+    s: ClusterSpec, offers: list[Offer], blocked
+) -> None:
+    """A new torchft cluster reaches the minimum whenever offers of one size in one
+    region can, and then as many GPUs (up to the maximum) as the best such size allows."""
+    s = _torchft(s)
+    lo, hi = s.gpus.min, s.gpus.max
+    cap = s.budget.max_usd_per_hour or math.inf
+    p = plan(s, Observed(), offers, blocked, NOW)
+    end = end_state(Observed(), p)
+    best = max((max_gpus([o for o in usable(offers, blocked, r) if o.gpus == g], hi, cap)
+                for r in {o.region for o in offers} for g in SIZES), default=0)
+    if best >= lo:
+        assert end.gpus == best, p.to_json()
+    else:
+        assert end.gpus == 0, p.to_json()
