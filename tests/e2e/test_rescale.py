@@ -107,24 +107,28 @@ def test_notice_join_gcp_kill_cycle_on_torchft(local_cluster):
     c.cli("up", "--wait", "120")
     _started(c, c.steps_advance(world=3, by=10, timeout=180))
 
-    def hot(action, reason: str, survivors: list[str], sizes: tuple[int, int]):
-        """Run `action`; its rescale lost nothing and the survivors' workers went on."""
-        before = _worker_pids(c, survivors)
+    def hot(action, reason: str, survivors: list[str], sizes: tuple[int, int],
+            leaver: str | None = None):
+        """Run `action`; its rescale lost nothing and the survivors' workers went on. A
+        leaver's own records say it left gracefully (not only what the head inferred)."""
+        before = _worker_pids(c, survivors + ([leaver] if leaver else []))
         r = c.rescale_from(action, reason)
         assert (r["from_world_size"], r["to_world_size"], r["reason"]) == (*sizes, reason)
         assert r["engine"] == "torchft" and r["lost_steps"] == 0, r
         c.steps_advance(world=sizes[1], by=10)
+        if leaver:
+            _left_gracefully(c, leaver, before.pop(leaver))
         assert _worker_pids(c, survivors) == before, "a survivor's worker restarted"
         return r
 
     # 1. AWS-style notice: n1's replica commits the step in flight and leaves the quorum
     hot(lambda: c.cli("preempt", "n1", "--name", "rescft", "--style", "aws"), "notice",
-        ["n2", "n3"], (3, 2))
+        ["n2", "n3"], (3, 2), leaver="n1")
     # 2. join: `up` adds n4, whose replica heals from a live peer while the others train
     hot(lambda: c.cli("up", "--wait", "120"), "join", ["n2", "n3"], (2, 3))
     # 3. GCP-style notice (30 s to hard stop): n2 leaves well inside the window
     hot(lambda: c.cli("preempt", "n2", "--name", "rescft", "--style", "gcp"), "notice",
-        ["n3", "n4"], (3, 2))
+        ["n3", "n4"], (3, 2), leaver="n2")
     notice = [e for e in c.events("notice") if e["node"] == "n2"][-1]
     left = [e for e in c.events("leave") if e["node"] == "n2" and e["ts"] >= notice["ts"]]
     assert left and left[0]["ts"] - notice["ts"] < 30.0, (notice, left)
@@ -149,6 +153,22 @@ def _started(c, st) -> None:
     keys = {"id", "state", "zone", "instance_type", "gpus", "step", "heartbeat_age_s"}
     assert all(keys <= n.keys() and n["state"] == "running" for n in st["nodes"]), st
     assert len(c.processes()) > 6  # head + 3 x (vm, agent, torchrun, worker)
+
+
+def _left_gracefully(c, node: str, pid: int) -> None:
+    """The leaver's own records: the worker that trained before the notice (same pid)
+    reported itself drained at the step it committed last, and its sample trace stops at
+    that step, which the survivors' traces go on from."""
+    import json
+
+    rep = json.loads((c.cluster_dir / "nodes" / node / "status" / "worker-0.json").read_text())
+    assert rep["pid"] == pid and rep["phase"] == "drained", rep
+    left_at = rep["drain_step"]
+    assert left_at == rep["step"] and left_at > 0, rep
+    recs, _ = _records(c.trace_dir)
+    mine = (c.trace_dir / f"{pid}.txt").read_text().splitlines()
+    assert mine and max(int(x.split()[2]) for x in mine) == left_at, (left_at, mine[-1:])
+    assert any(step == left_at + 1 for _, step in recs), f"no step after {left_at} traced"
 
 
 def _worker_pids(c, nodes: list[str]) -> dict[str, int]:
