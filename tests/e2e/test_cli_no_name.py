@@ -54,6 +54,11 @@ def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any,
         time.sleep(0.5)
     rescales = noticed()
     assert rescales and (rescales[0]["from_world_size"], rescales[0]["to_world_size"]) == (2, 1)
+    # n2's own record, not only the head's inference: its worker drained (a graceful leave
+    # at a committed step), and the survivor went on from exactly that step
+    rep = json.loads((c.cluster_dir / "nodes" / "n2" / "status" / "worker-0.json").read_text())
+    assert rep["phase"] == "drained" and rep["drain_step"] == rep["step"] > 0, rep
+    assert rescales[0]["resume_step"] == rep["drain_step"], (rescales[0], rep)
     time.sleep(4)  # a couple of samples at the new size
 
     ev = c.cli("events").stdout
