@@ -242,10 +242,11 @@ class AwsSpec(_Zoned):
         "/aws/service/deeplearning/ami/x86_64/"
         "oss-nvidia-driver-gpu-pytorch-2.7-ubuntu-22.04/latest/ami-id"
     )
-    # The head's small CPU image: head_ami, else this SSM parameter (Canonical's Ubuntu).
+    # The head's small CPU image: head_ami, else this SSM parameter (Canonical's Ubuntu
+    # 24.04, Python 3.12: 22.04's 3.10 is older than spotctl's pinned packages allow).
     head_ami: str = ""
     head_ami_ssm_parameter: str = (
-        "/aws/service/canonical/ubuntu/server/22.04/stable/current/amd64/hvm/ebs-gp2/ami-id"
+        "/aws/service/canonical/ubuntu/server/24.04/stable/current/amd64/hvm/ebs-gp3/ami-id"
     )
     # Workers' root volume GB; 0 = 100. Never below the image's own snapshot.
     root_volume_gb: int = Field(default=0, ge=0, le=16384)
