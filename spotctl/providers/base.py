@@ -178,3 +178,21 @@ class ClusterCheckpoints:
         if not self.ctx.spec.train.checkpoint_dir and self._nodes.override is None:
             self.ctx.spec.train.checkpoint_dir = self.checkpoint_uri()
         self._storage_ready = True
+
+
+class Teardown:
+    """What a provider's cleanup could not remove, one line each. Every step runs even
+    when one before it failed (an unexpected error deleting the VMs must not leave the
+    firewall, keys and identity behind): a step's error becomes a line, and the step's
+    `default` stands in for its result."""
+
+    def __init__(self) -> None:
+        self.leaks: list[str] = []
+
+    def step(self, what: str, fn: Any, default: Any = None) -> Any:
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - reported as a leak; the later steps still run
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            self.leaks.append(f"{what}: {first[:300]}")
+            return default

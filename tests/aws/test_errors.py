@@ -161,3 +161,32 @@ def test_unreachable_endpoint_is_transient(make_provider: MakeProvider) -> None:
     )
     with pytest.raises(TransientError, match="cannot reach EC2 after 2 tries"):
         p.offers()
+
+
+def test_cleanup_goes_on_after_an_error_and_names_what_is_left(
+    make_provider: MakeProvider, fault_proxy: FaultProxy, ec2: Any, moto_url: str
+) -> None:
+    """`down` after a partial failure: TerminateInstances refused (an identity without
+    ec2:TerminateInstances), yet the key pair and the workers' role and profile are still
+    removed, and what is left (the instances, their security group) is named, not hidden
+    behind the first error."""
+    import boto3
+
+    p = _via(make_provider, fault_proxy)
+    p.prepare()  # key pair, security group, the workers' role and profile
+    p.launch(_zones(p)[0], 1, "req-td")
+    fault_proxy.rules.append(Rule("TerminateInstances", "UnauthorizedOperation", 403))
+    leaks = p.cleanup()
+    assert any(x.startswith("terminate instances:") and "UnauthorizedOperation" in x
+               for x in leaks), leaks
+    [inst] = [i.id for i in p.list(p.ctx.cluster)]
+    assert any(inst in x and "still not terminated" in x for x in leaks), leaks
+    flt = [{"Name": "tag:spotctl:cluster", "Values": [p.ctx.cluster]}]
+    assert ec2.describe_key_pairs(Filters=flt)["KeyPairs"] == []
+    iam = boto3.client("iam", region_name="us-east-1", endpoint_url=moto_url)
+    assert p.node_profile not in [r["RoleName"] for r in iam.list_roles()["Roles"]]
+    assert p.node_profile not in [x["InstanceProfileName"]
+                                  for x in iam.list_instance_profiles()["InstanceProfiles"]]
+    # once the refusal is gone, down finishes the job
+    fault_proxy.rules.clear()
+    assert p.cleanup() == []

@@ -15,7 +15,7 @@ from spotctl.errors import (
 from spotctl.providers.gcp.api import instance_name
 from spotctl.providers.gcp.provider import GcpProvider
 
-from .conftest import CIDR, PROJECT, make_ctx
+from .conftest import CIDR, GCP_NOTHING, PROJECT, gcp_leftovers, make_ctx
 
 pytestmark = pytest.mark.gcp
 
@@ -336,6 +336,24 @@ def test_cleanup_leaves_nothing(fake, provider):
     assert provider.cleanup() == []
     assert fake.instances == {} and fake.firewalls == {}
     assert provider.cleanup() == []  # twice is fine
+
+
+def test_cleanup_goes_on_after_an_error_and_names_what_is_left(fake, provider):
+    """`down` after a partial failure: deleting the VMs is refused (403), yet the firewall
+    rules and the workers' service account still go, and the VMs left are named instead
+    of the first error hiding everything after it."""
+    provider.prepare()
+    provider.launch(_offer(provider), 1, "c2")
+    fake.fail("instances.delete", 403, "forbidden", times=100)
+    leaks = provider.cleanup()
+    assert any(x.startswith("delete VMs:") for x in leaks), leaks
+    [vm] = [n for _, n in fake.instances]
+    assert any(vm in x for x in leaks if x.startswith("instance ")), leaks
+    left = gcp_leftovers(fake)
+    assert left["firewalls"] == [] and left["service_accounts"] == [], left
+    fake.faults.clear()
+    assert provider.cleanup() == []
+    assert gcp_leftovers(fake) == GCP_NOTHING
 
 
 def test_missing_project_is_a_spec_error(fake, spotctl_home, monkeypatch):

@@ -35,7 +35,7 @@ from typing import Any
 from spotctl.errors import ProviderError, TransientError
 from spotctl.providers.aws.api import HEAD_TOKEN_FILE, TAG_REQUEST, error_code
 from spotctl.providers.aws.check import AwsChecks
-from spotctl.providers.base import HeadInfo, Instance, ProviderContext
+from spotctl.providers.base import HeadInfo, Instance, ProviderContext, Teardown
 from spotctl.providers.hostkeys import parse_console_keys, pin_host_keys
 from spotctl.remote.bootstrap import HostProgress, HostResult
 
@@ -192,57 +192,65 @@ class AwsProvider(AwsChecks):
 
         Returns one line per thing that is still there afterwards (empty when clean).
         """
-        leaks: builtins.list[str] = []
-        insts = self.list(self.ctx.cluster)
+        td = Teardown()
+        insts = td.step("list the cluster's instances", lambda: self.list(self.ctx.cluster), [])
         if self._nodes.override is not None:
             # Test seam: the "instances" are processes behind one sshd; stop them as
             # terminating the VMs would.
-            leaks += [f"{r.node_id}: {r.reason}" for r in self._nodes.release(insts) if not r.ok]
+            td.leaks += [f"{r.node_id}: {r.reason}"
+                         for r in self._nodes.release(insts) if not r.ok]
         ids = [i.id for i in insts]
-        self.terminate(ids)
-        for left in self._wait_gone(ids):
-            leaks.append(f"instance {left} in {self.region} still not terminated")
-        for group in self._find_groups():
-            gid = str(group["GroupId"])
-            deadline = time.monotonic() + self._wait_timeout_s
-            while True:
-                try:
-                    self._call(
-                        f"delete security group {gid}", self.ec2.delete_security_group, GroupId=gid
-                    )
-                    break
-                except ProviderError as e:
-                    if error_code(e) == "InvalidGroup.NotFound":
-                        break
-                    # Network interfaces of just-terminated instances linger a little.
-                    if error_code(e) == "DependencyViolation" and time.monotonic() < deadline:
-                        time.sleep(self._poll_s)
-                        continue
-                    leaks.append(f"security group {gid} ({group.get('GroupName', '')}): {e}")
-                    break
-        pairs = self._call(
+        def terminate() -> bool:
+            self.terminate(ids)
+            return True
+
+        asked = td.step("terminate instances", terminate, False)
+        # (instances never asked to end are not waited for: they are reported as they are)
+        left = td.step("wait for the instances to end", lambda: self._wait_gone(ids), ids) \
+            if asked else ids
+        for i in left:
+            td.leaks.append(f"instance {i} in {self.region} still not terminated")
+        for group in td.step("find security groups", self._find_groups, []):
+            td.step(f"security group {group['GroupId']} ({group.get('GroupName', '')})",
+                    lambda g=group: self._delete_group(str(g["GroupId"])))
+        pairs = td.step(
             f"find key pairs of cluster {self.ctx.cluster}",
-            self.ec2.describe_key_pairs,
-            Filters=self._cluster_filter(),
+            lambda: self._call(f"find key pairs of cluster {self.ctx.cluster}",
+                               self.ec2.describe_key_pairs, Filters=self._cluster_filter()),
+            {},
         ).get("KeyPairs", [])
         for pair in pairs:
-            try:
-                self._call(
-                    f"delete key pair {pair['KeyName']}",
-                    self.ec2.delete_key_pair,
-                    KeyName=pair["KeyName"],
-                )
-            except ProviderError as e:
-                leaks.append(f"key pair {pair['KeyName']}: {e}")
+            td.step(f"key pair {pair['KeyName']}",
+                    lambda k=pair["KeyName"]: self._call(f"delete key pair {k}",
+                                                         self.ec2.delete_key_pair, KeyName=k))
         # The workers' role and profile go; the checkpoints stay unless purged.
-        leaks += self._delete_node_identity()
+        td.leaks += td.step("the workers' role", self._delete_node_identity, [])
         if self.ctx.options.get("purge"):
-            self.purge_checkpoints()
+            td.step("purge checkpoints", self.purge_checkpoints)
+        leaks = td.leaks
         self._prepared = None
         if not leaks:
             self.key_path.unlink(missing_ok=True)
             (self.ctx.path / HEAD_TOKEN_FILE).unlink(missing_ok=True)
         return leaks
+
+
+    def _delete_group(self, gid: str) -> None:
+        """Delete a security group; network interfaces of just-terminated instances linger
+        a little (DependencyViolation until the timeout); a group already gone is fine."""
+        deadline = time.monotonic() + self._wait_timeout_s
+        while True:
+            try:
+                self._call(f"delete security group {gid}", self.ec2.delete_security_group,
+                           GroupId=gid)
+                return
+            except ProviderError as e:
+                if error_code(e) == "InvalidGroup.NotFound":
+                    return
+                if error_code(e) == "DependencyViolation" and time.monotonic() < deadline:
+                    time.sleep(self._poll_s)
+                    continue
+                raise
 
 
 def create(ctx: ProviderContext) -> AwsProvider:

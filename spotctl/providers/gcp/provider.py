@@ -44,8 +44,8 @@ import time
 from collections.abc import Sequence
 from functools import partial
 
-from spotctl.errors import ProviderError, SpecError
-from spotctl.providers.base import HeadInfo, Instance, ProviderContext
+from spotctl.errors import SpecError
+from spotctl.providers.base import HeadInfo, Instance, ProviderContext, Teardown
 from spotctl.providers.gcp import catalog as catalog_gcp
 from spotctl.providers.gcp.api import (
     _STATES,
@@ -175,25 +175,28 @@ class GcpProvider(GcpChecks):
         account and its bucket bindings; the checkpoints stay unless purged
         (ctx.options["purge"]). Describe anything still there."""
         label = {LABEL_CLUSTER: label_value(self.cluster)}
-        leaks: builtins.list[str] = []
+        td = Teardown()
         if self._nodes.override is not None:
             # Test seam: the "VMs" are processes behind one sshd; stop them as deleting
             # the VMs would.
-            insts = self.list(self.cluster)
-            leaks += [f"{r.node_id}: {r.reason}" for r in self._nodes.release(insts) if not r.ok]
-        vms = self._raw_list(**label)
-        self._delete((_short(vm.zone), vm.name) for vm in vms)
-        self._delete_firewalls(firewall_names(self.cluster))
-        leaks += [
-            f"instance {_short(vm.zone)}/{vm.name} ({vm.status})" for vm in self._raw_list(**label)
-        ]
-        leaks += [f"firewall {fw.name}" for fw in self._list_firewalls()]
-        leaks += self._delete_node_identity()
+            insts = td.step("list the cluster's VMs", lambda: self.list(self.cluster), [])
+            td.leaks += [f"{r.node_id}: {r.reason}"
+                         for r in self._nodes.release(insts) if not r.ok]
+        vms = td.step("list the cluster's VMs", lambda: self._raw_list(**label), [])
+        td.step("delete VMs", lambda: self._delete((_short(vm.zone), vm.name) for vm in vms))
+        td.step("delete firewall rules",
+                lambda: self._delete_firewalls(firewall_names(self.cluster)))
+        td.leaks += [f"instance {_short(vm.zone)}/{vm.name} ({vm.status})"
+                     for vm in td.step("list VMs left", lambda: self._raw_list(**label), [])]
+        td.leaks += [f"firewall {fw.name}"
+                     for fw in td.step("list firewall rules left", self._list_firewalls, [])]
+        td.leaks += td.step("the workers' service account", self._delete_node_identity, [])
         if self.ctx.options.get("purge"):
-            try:
+            def purge() -> None:
                 self.purged = self.purge_checkpoints()  # reported by `down --purge`
-            except (ProviderError, SpecError) as e:
-                leaks.append(f"checkpoints under gs://{self.bucket_name()}/{self.prefix}: {e}")
+
+            td.step("purge checkpoints", purge)
+        leaks = td.leaks
         if not leaks:
             # nothing of the cluster is left that its key could reach
             key = self._key_path()
