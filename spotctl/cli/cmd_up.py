@@ -94,3 +94,8 @@ def register(app: typer.Typer) -> None:
         if want and seen < want:
             raise SpotctlError(f"only {seen} of {want} nodes reported within {wait:.0f}s "
                                "(see `spotctl logs --all`)")
+        if res.bootstrap_failed and not seen:
+            # every node's bootstrap failed: those nodes are gone already (they would only
+            # bill), and nothing reports
+            first = next(e for e in res.errors if e.startswith(res.bootstrap_failed[0]))
+            raise SpotctlError(f"no node came up: {first}")

@@ -52,6 +52,7 @@ class ReconcileResult:
     plan: Plan
     launched: list[Instance] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    bootstrap_failed: list[str] = field(default_factory=list)  # nodes, terminated since
     head: HeadInfo | None = None
     dry_run: bool = False
 
@@ -406,10 +407,24 @@ def _bootstrap(store: Store, spec: ClusterSpec, provider: Any, insts: list[Insta
     except SpotctlError as e:
         result.errors.append(str(e))
         return
+    failed = []
     for r in results or []:
         if not getattr(r, "ok", True):
             result.errors.append(f"{r.node_id}: {r.reason}")
             store.add_event(spec.name, "bootstrap-failed", {"node": r.node_id, "reason": r.reason})
+            failed.append(r.node_id)
+    result.bootstrap_failed += failed
+    if failed:
+        # a node whose bootstrap failed never runs an agent (nothing to drain) and would
+        # bill until `down`: it goes now, and the next plan replaces it
+        try:
+            provider.terminate(failed)
+        except SpotctlError as e:
+            result.errors.append(f"terminating node(s) whose bootstrap failed: {e}")
+            return
+        for nid in failed:
+            store.set_node_state(spec.name, nid, "terminated", ended=True)
+            store.add_event(spec.name, "terminate", {"node": nid, "reason": "bootstrap failed"})
 
 
 def wait_for_nodes(store: Store, name: str, timeout_s: float,
