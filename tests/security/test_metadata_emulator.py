@@ -5,6 +5,7 @@ ended), and every connection got a thread."""
 
 from __future__ import annotations
 
+import http.client
 import socket
 import threading
 import time
@@ -59,8 +60,13 @@ def test_connections_are_capped(server: MetadataServer, monkeypatch: pytest.Monk
         s.close()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        if _gcp(server, "") == 200:
-            break
+        # the closed connections' threads give their slots back once they notice: until
+        # then a new connection is itself closed at once (over the cap), which is fine
+        try:
+            if _gcp(server, "") == 200:
+                break
+        except (OSError, http.client.HTTPException):  # reset, refused (URLError)
+            pass
         time.sleep(0.1)
     else:
         pytest.fail("the server did not serve again once the connections closed")
