@@ -51,6 +51,24 @@ def _ensure_user() -> None:
     subprocess.run(["usermod", "-p", "*", USER], check=True)
 
 
+def link_torch(py: Path) -> None:
+    """Make `py`'s site-packages see this venv's torch and what it needs, by symlinks. An
+    image outlives this venv (a CI clone's, since deleted, or another checkout's): every
+    link is made again, to this venv's torch."""
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                "['purelib'])"], capture_output=True, text=True,
+                               check=True).stdout.strip())  # fmt: skip
+    for old in site.iterdir():
+        if old.is_symlink():
+            old.unlink()
+    for d in _torch_closure():
+        root = Path(str(d.locate_file("")))
+        for top in {f.parts[0] for f in d.files or [] if not f.as_posix().startswith("..")}:
+            src, dst = root / top, site / top
+            if src.exists() and not dst.exists():
+                dst.symlink_to(src)
+
+
 def _torch_closure() -> list[md.Distribution]:
     from packaging.requirements import Requirement
 
@@ -85,19 +103,7 @@ def _ensure_image() -> None:
     if not py.exists():
         IMAGE.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run([SYSTEM_PY, "-m", "venv", str(IMAGE)], check=True)
-    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
-    # the image outlives this venv (a CI clone's, since deleted, or another checkout's):
-    # every link is made again, to this venv's torch
-    for old in site.iterdir():
-        if old.is_symlink():
-            old.unlink()
-    for d in _torch_closure():
-        root = Path(str(d.locate_file("")))
-        for top in {f.parts[0] for f in d.files or [] if not f.as_posix().startswith("..")}:
-            src, dst = root / top, site / top
-            if src.exists() and not dst.exists():
-                dst.symlink_to(src)
+    link_torch(py)
     os.chmod(IMAGE.parent, 0o755)
 
 

@@ -35,7 +35,7 @@ from .test_cleanroom import (
     _ensure_user,
     _procs,
     _sshd_for_user,
-    _torch_closure,
+    link_torch,
 )
 
 pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -88,18 +88,7 @@ def _torch_env(base: Path) -> Path:
     py = TORCH_ENV / "bin" / "python3"
     if not py.exists():
         subprocess.run([str(base), "-m", "venv", "--without-pip", str(TORCH_ENV)], check=True)
-    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()"
-                                "['purelib'])"], capture_output=True, text=True,
-                               check=True).stdout.strip())  # fmt: skip
-    for old in site.iterdir():
-        if old.is_symlink():
-            old.unlink()
-    for d in _torch_closure():
-        root = Path(str(d.locate_file("")))
-        for top in {f.parts[0] for f in d.files or [] if not f.as_posix().startswith("..")}:
-            src, dst = root / top, site / top
-            if src.exists() and not dst.exists():
-                dst.symlink_to(src)
+    link_torch(py)
     subprocess.run(["chmod", "-R", "go+rX", str(TORCH_ENV)], check=True)
     return py
 
