@@ -78,6 +78,10 @@ def _cuda_initialized() -> bool:
 
 
 def serve(path: str) -> None:
+    # the agent that starts the zygote is the only one that asks it for workers: once the
+    # zygote is handed to another parent (the agent died), it ends instead of lingering,
+    # as soon as no worker it forked still runs (their launchers wait on it for status)
+    parent = os.getppid()
     # warm everything a worker imports; nothing here may start threads before fork
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
@@ -95,7 +99,7 @@ def serve(path: str) -> None:
     os.chmod(path, 0o600)
     srv.listen(16)
     children: dict[int, socket.socket] = {}
-    while True:
+    while os.getppid() == parent or children:
         r, _, _ = select.select([srv], [], [], 0.05)
         if r:
             conn, _ = srv.accept()
