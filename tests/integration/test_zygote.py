@@ -86,58 +86,53 @@ def test_without_a_zygote_the_script_runs_cold(tmp_path):
     assert p.returncode == 4 and out.strip() == "cold False"
 
 
-def test_zygote_ends_when_the_agent_that_started_it_is_gone(tmp_path):
-    """A zygote whose agent died (it is reparented) ends by itself: nobody would ask it
-    for a worker again, and it holds a warm torch heap (seen left behind by a killed
-    local node)."""
-    sock = tmp_path / "orphan.sock"
-    pidfile = tmp_path / "zygote.pid"
-    # the "agent": starts the zygote, writes its pid, waits until it serves, and exits
-    agent = ("import os, subprocess, sys, time; "
-             f"p = subprocess.Popen([sys.executable, '-m', 'spotctl.agent.zygote', {str(sock)!r}]); "
-             f"open({str(pidfile)!r}, 'w').write(str(p.pid)); "
-             f"t = time.monotonic() + 60\n"
-             f"while not os.path.exists({str(sock)!r}) and time.monotonic() < t: time.sleep(0.1)")
-    subprocess.run([PY, "-c", agent], check=True, timeout=90)
-    assert sock.exists(), "the zygote never served"
-    pid = int(pidfile.read_text())
-    deadline = time.monotonic() + 90  # it imports torch first, then sees its new parent
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
-    os.kill(pid, signal.SIGKILL)
-    pytest.fail("the orphaned zygote was still running after 90 s")
-
-
-def test_orphaned_zygote_still_reports_its_running_workers_then_ends(tmp_path):
-    """A zygote whose agent died while a worker it forked still runs keeps serving that
-    worker's launcher (which would otherwise report the worker dead) and ends after."""
-    sock = tmp_path / "busy.sock"
-    pidfile, rc = tmp_path / "zygote.pid", tmp_path / "rc"
-    script = _script(tmp_path, "time.sleep(3)\nsys.exit(7)\n")
-    launch = f"{PY} -m spotctl.agent.launch {script}; echo $? > {rc}"
+def _orphan_zygote(tmp_path: Path, then: str = "") -> int:
+    """Run a short-lived "agent": it starts a real zygote, waits until it serves, runs
+    `then` (Python), and exits, leaving the zygote reparented. Returns the zygote's pid."""
+    sock, pidfile = tmp_path / "z-orphan.sock", tmp_path / "zygote.pid"
     agent = ("import os, subprocess, sys, time; "
              f"p = subprocess.Popen([sys.executable, '-m', 'spotctl.agent.zygote', {str(sock)!r}]); "
              f"open({str(pidfile)!r}, 'w').write(str(p.pid)); "
              f"t = time.monotonic() + 60\n"
              f"while not os.path.exists({str(sock)!r}) and time.monotonic() < t: time.sleep(0.1)\n"
-             f"subprocess.Popen(['sh', '-c', {launch!r}], "
-             f"env=dict(os.environ, SPOTCTL_ZYGOTE={str(sock)!r}), start_new_session=True)\n"
-             "time.sleep(1)")  # the worker is forked; then the agent is gone
-    subprocess.run([PY, "-c", agent], check=True, timeout=90)
-    pid = int(pidfile.read_text())
-    deadline = time.monotonic() + 60
-    while not rc.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert rc.read_text().strip() == "7"  # the worker's own exit code, not "zygote died"
+             + then)
+    subprocess.run([PY, "-c", agent], check=True, timeout=90,
+                   env=dict(os.environ, SPOTCTL_ZYGOTE=str(sock)))
+    assert sock.exists(), "the zygote never served"
+    return int(pidfile.read_text())
+
+
+def _ends(pid: int, deadline: float) -> bool:
+    """Whether process `pid` is gone by `deadline` (SIGKILLed if not, for cleanup)."""
     while time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            return
+            return True
         time.sleep(0.2)
     os.kill(pid, signal.SIGKILL)
-    pytest.fail("the orphaned zygote did not end once its worker had")
+    return False
+
+
+def test_zygote_ends_when_the_agent_that_started_it_is_gone(tmp_path):
+    """A zygote whose agent died (it is reparented) ends by itself: nobody would ask it
+    for a worker again, and it holds a warm torch heap (seen left behind by a killed
+    local node)."""
+    pid = _orphan_zygote(tmp_path)
+    assert _ends(pid, time.monotonic() + 90), "the orphaned zygote was still running"
+
+
+def test_orphaned_zygote_still_reports_its_running_workers_then_ends(tmp_path):
+    """A zygote whose agent died while a worker it forked still runs keeps serving that
+    worker's launcher (which would otherwise report the worker dead) and ends after."""
+    rc = tmp_path / "rc"
+    script = _script(tmp_path, "time.sleep(3)\nsys.exit(7)\n")
+    launch = f"{PY} -m spotctl.agent.launch {script}; echo $? > {rc}"
+    # the worker is forked (its launcher in a session of its own); then the agent is gone
+    pid = _orphan_zygote(tmp_path, f"subprocess.Popen(['sh', '-c', {launch!r}], "
+                                   "start_new_session=True)\ntime.sleep(1)")
+    deadline = time.monotonic() + 60
+    while not rc.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert rc.read_text().strip() == "7"  # the worker's own exit code, not "zygote died"
+    assert _ends(pid, deadline), "the orphaned zygote did not end once its worker had"
