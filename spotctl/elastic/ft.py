@@ -467,13 +467,11 @@ class FtRun(Run):
         is and the Manager has the error (the step's vote fails, everyone runs it again).
         On CUDA the collective is waited for as torchft's own DDP hook does (the wait orders
         streams; the host goes on)."""
-        from torchft.work import _DummyWork
-
         work = self.manager.allreduce(t)
         self._grads_synced = True
-        if isinstance(work, _DummyWork):  # skipped: this step has failed already
-            return work.get_future()  # type: ignore[return-value]
-        inner = getattr(work, "_work", None)  # the process group's own work
+        # the process group's own work; none when torchft skipped the collective (this
+        # step failed already: its work is done, and waiting on it returns at once)
+        inner = getattr(work, "_work", None)
         if t.device.type == "cuda" or inner is None:
             work.wait()
             fut = work.get_future()
