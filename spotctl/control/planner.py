@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -472,35 +473,28 @@ def plan(
     uses nodes of one GPU count only. That of the nodes running (the most-held one, if a
     cluster mixes them), else the count whose plan reaches the most GPUs, then costs
     least."""
-    if spec.train.engine != "torchft":
-        return _plan(spec, observed, offers, blocked, now, cooling)
-    held: dict[int, int] = {}
+    held: Counter[int] = Counter()
     for n in observed.live:
         if n.gpus > 0:
-            held[n.gpus] = held.get(n.gpus, 0) + n.gpus
+            held[n.gpus] += n.gpus
     sizes = sorted({o.gpus for o in offers if o.gpus > 0})
+    if spec.train.engine != "torchft" or (not held and len(sizes) <= 1):
+        return _plan(spec, observed, offers, blocked, now, cooling)
+
+    def one_size(g: int) -> Plan:
+        return _plan(spec, observed, [o for o in offers if o.gpus == g], blocked, now, cooling)
+
     if held:
         size = max(held, key=lambda g: (held[g], -g))
-        out = _plan(spec, observed, [o for o in offers if o.gpus == size], blocked, now,
-                    cooling)
-        if any(g != size for g in sizes):
-            out.notes.append(f"torchft: {size}-GPU nodes only, the size of those running "
-                             "(every replica group the same size)")
-        return out
-    if len(sizes) <= 1:
-        return _plan(spec, observed, offers, blocked, now, cooling)
-    hi = spec.gpus.max
-    best: tuple[tuple[int, float, int], Plan] | None = None
-    for size in sizes:
-        p = _plan(spec, observed, [o for o in offers if o.gpus == size], blocked, now,
-                  cooling)
-        key = (-min(p.gpus_after, hi), p.usd_per_hour_after, size)
-        if best is None or key < best[0]:
-            best = (key, p)
-    assert best is not None
-    out = best[1]
-    out.notes.append(f"torchft: {best[0][2]}-GPU nodes only (every replica group the same "
-                     "size)")
+        out, why = one_size(size), ", the size of those running"
+    else:
+        plans = {g: one_size(g) for g in sizes}
+        size = min(plans, key=lambda g: (-min(plans[g].gpus_after, spec.gpus.max),
+                                         plans[g].usd_per_hour_after, g))
+        out, why = plans[size], ""
+    if any(g != size for g in sizes):
+        out.notes.append(f"torchft: {size}-GPU nodes only{why} (every replica group the same "
+                         "size)")
     return out
 
 
