@@ -72,8 +72,10 @@ def torch_gpus(python: str, env: Mapping[str, str], **popen: Any) -> tuple[int |
         return None, f"torch did not report its GPUs within {PROBE_TIMEOUT_S:.0f}s"
     except OSError as e:
         return None, f"{python} could not run: {e}"
+    # a root agent reads this from a process run as the training user: a GPU count has at
+    # most 4 decimal digits (int() of thousands of digits would raise in the agent)
     last = (r.stdout.strip().splitlines() or [""])[-1].strip()
-    if r.returncode != 0 or not last.isdigit():
+    if r.returncode != 0 or not (last.isascii() and last.isdigit() and len(last) <= 4):
         err = (r.stderr.strip().splitlines() or [""])[-1].strip()[:200]
         return None, f"torch could not count GPUs ({python} exited {r.returncode}: {err})"
     return int(last), ""

@@ -256,3 +256,14 @@ def test_a_cloud_gpu_worker_expects_its_types_gpus(spotctl_home: Path) -> None:
                            api_port=7470, store_port=29400)
         cfg = nodes.agent_config(vm, head)
         assert (cfg.expect_gpus, cfg.gpu_wait_s) == (want, 600.0)
+
+
+def test_a_probe_answer_that_is_no_gpu_count_closes_the_gate(tmp_path: Path) -> None:
+    """The probe runs as the training user and a root agent reads it: thousands of digits
+    (int() refuses over 4,300) or non-ASCII digits are no count, and the agent goes on."""
+    fake_nvidia_smi(tmp_path / "bin", ["NVIDIA A10G"])
+    for i, answer in enumerate(["9" * 5000, "\u0661"]):  # the second: ARABIC-INDIC ONE
+        py = _exe(tmp_path / f"odd-python-{i}", f'printf "%s\\n" "{answer}"\n')
+        res = gate(env_with(tmp_path / "bin"), 1, python=str(py))
+        assert not res.ok and res.torch_gpus is None, res
+        assert "torch could not count GPUs" in res.reason, res.reason
