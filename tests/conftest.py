@@ -972,3 +972,12 @@ def metadata_server() -> Iterator[Callable[..., Any]]:
     yield start
     for srv in started:
         srv.stop()
+
+
+@pytest.fixture
+def refusing_address() -> Iterator[str]:
+    """host:port on loopback where every connection is refused: a socket bound (and held,
+    so no one else gets the port) but never listening."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield f"127.0.0.1:{s.getsockname()[1]}"

@@ -196,3 +196,23 @@ class Teardown:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
             self.leaks.append(f"{what}: {first[:300]}")
             return default
+
+
+def start_new_head(start: Any, head_id: str, terminate: Any, created: bool) -> HeadInfo:
+    """`start()` makes the head VM a head (over SSH). A VM this `up` just created whose
+    start fails is terminated at once, so a failed `up` leaves no head billing until
+    `down`; a head that was already running is left as it is (the cluster may still use
+    it). The error names what became of the VM."""
+    from spotctl.errors import BootstrapError
+
+    try:
+        info: HeadInfo = start()
+        return info
+    except BootstrapError as e:
+        if not created:
+            raise
+        td = Teardown()
+        td.step(f"terminate head {head_id}", lambda: terminate([head_id]))
+        fate = (f"the head VM {head_id} was terminated" if not td.leaks else
+                f"{td.leaks[0]}; `spotctl down` removes it")
+        raise BootstrapError(f"{e}; {fate}") from e

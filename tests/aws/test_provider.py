@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import stat
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -304,3 +305,27 @@ def test_terminate_many_unknown_ids_in_chunks(make_provider: MakeProvider) -> No
     assert [i.id for i in p.list(p.ctx.cluster)] == [keep.id]
     p.terminate([f"i-{n:017x}" for n in range(150)] + [keep.id])
     assert p.list(p.ctx.cluster) == []
+
+
+def test_a_new_head_whose_start_fails_is_terminated(
+    make_provider: MakeProvider, ec2: Any, tmp_path: Path, refusing_address: str
+) -> None:
+    """The head VM is reached over SSH to start `spotctl head`; here nothing listens at
+    that address (a closed loopback port). The VM `up` just created must not stay up
+    billing until `down`: it is terminated and the error says so."""
+    from spotctl.errors import BootstrapError
+
+    key = tmp_path / "key"
+    key.write_text("not a key\n")
+    p = make_provider(instance_types=TYPES, options={
+        "head_process": True, "ssh_override": refusing_address,
+        "ssh_override_key": str(key), "ssh_wait_s": 1.0,
+    })  # fmt: skip
+    with pytest.raises(BootstrapError, match=r"head .*was terminated") as err:
+        p.ensure_head()
+    (raw,) = [i for r in ec2.describe_instances(Filters=[
+        {"Name": f"tag:{TAG_CLUSTER}", "Values": [p.ctx.cluster]}])["Reservations"]
+        for i in r["Instances"]]  # fmt: skip
+    assert _tags(raw)[TAG_ROLE] == "head"
+    assert raw["State"]["Name"] in ("shutting-down", "terminated"), raw["State"]
+    assert raw["InstanceId"] in str(err.value)

@@ -444,3 +444,21 @@ def test_host_keys_from_guest_attributes_are_pinned_before_the_first_ssh(fake, p
     assert lines == ["other ssh-ed25519 KEEP", f"{inst.public_address} ssh-ed25519 {blob.decode()}"]
     assert (kh.stat().st_mode & 0o777) == 0o600
     assert not pin_host_keys(kh, "h", [("ssh-ed25519", "not-base64!")])  # refused, not written
+
+
+def test_a_new_head_whose_start_fails_is_deleted(fake, spotctl_home, tmp_path, refusing_address):
+    """Nothing answers SSH at the head VM's address: the VM this `up` just created is
+    deleted at once (not left billing until `down`), and the error says so."""
+    from spotctl.errors import BootstrapError
+    from spotctl.providers import get_provider
+
+    key = tmp_path / "key"
+    key.write_text("not a key\n")
+    ctx = make_ctx(fake, spotctl_home)
+    ctx.options.update(head_process=True, ssh_override=refusing_address,
+                       ssh_override_key=str(key), ssh_wait_s=1.0)  # fmt: skip
+    p = get_provider("gcp", ctx)
+    with pytest.raises(BootstrapError, match=r"head VM demo-head was terminated"):
+        p.ensure_head()
+    assert [c.body for c in fake.calls("instances.insert")][0]["labels"]["spotctl-role"] == "head"
+    assert fake.instances == {}

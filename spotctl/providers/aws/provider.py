@@ -35,7 +35,7 @@ from typing import Any
 from spotctl.errors import ProviderError, TransientError
 from spotctl.providers.aws.api import HEAD_TOKEN_FILE, TAG_REQUEST, error_code
 from spotctl.providers.aws.check import AwsChecks
-from spotctl.providers.base import HeadInfo, Instance, ProviderContext, Teardown
+from spotctl.providers.base import HeadInfo, Instance, ProviderContext, Teardown, start_new_head
 from spotctl.providers.hostkeys import parse_console_keys, pin_host_keys
 from spotctl.remote.bootstrap import HostProgress, HostResult
 
@@ -118,7 +118,10 @@ class AwsProvider(AwsChecks):
             head_id = started[0].id
         inst = self._to_instance(self._wait_running(head_id))
         self._pin_host_keys(inst)
-        self._head = self._nodes.head(inst, self._head_process, "aws")
+        self._head = start_new_head(
+            lambda: self._nodes.head(inst, self._head_process, "aws"), head_id,
+            self.terminate, created=not live,
+        )
         return self._head
 
     def bootstrap(

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from functools import partial
 
 from spotctl.errors import SpecError
-from spotctl.providers.base import HeadInfo, Instance, ProviderContext, Teardown
+from spotctl.providers.base import HeadInfo, Instance, ProviderContext, Teardown, start_new_head
 from spotctl.providers.gcp import catalog as catalog_gcp
 from spotctl.providers.gcp.api import (
     _STATES,
@@ -110,7 +110,10 @@ class GcpProvider(GcpChecks):
             vm = live[0]
         head = self._to_instance(vm)
         self._pin_host_keys(head)
-        self._head = self._nodes.head(head, self._head_process, "gcp")
+        self._head = start_new_head(
+            lambda: self._nodes.head(head, self._head_process, "gcp"), head.id,
+            self.terminate, created=not live,
+        )
         return self._head
 
     def bootstrap(
