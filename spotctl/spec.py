@@ -11,7 +11,15 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from spotctl.errors import SpecError
 
@@ -343,6 +351,21 @@ class RebalanceSpec(_Strict):
     lost_after_s: float = Field(default=60.0, ge=0, le=1e7)
 
 
+class PlacementSpec(_Strict):
+    """Where a cluster's nodes go. One zone and one GPU model by default: all-reduce
+    between zones is slow and billed, and a mixed-GPU job runs at its slowest GPU's pace.
+    On ssh hosts there are no zones (each host is its own) and this section is unused."""
+
+    # true: nodes may go to every zone of the region (more capacity, slower all-reduce)
+    spread_zones: StrictBool = False
+    # true: nodes of different GPU models may join one cluster
+    mix_gpus: StrictBool = False
+    # false: a plain network interface on every node, even where the instance family
+    # offers a fast one (EFA and a cluster placement group on AWS, gVNIC and compact
+    # placement on GCP)
+    fast_network: StrictBool = True
+
+
 class ClusterSpec(_Strict):
     name: str = "spotctl"
     provider: Literal["local", "aws", "gcp", "ssh"] = "local"
@@ -354,6 +377,7 @@ class ClusterSpec(_Strict):
     gcp: GcpSpec = Field(default_factory=GcpSpec)
     ssh: SshSpec = Field(default_factory=SshSpec)
     rebalance: RebalanceSpec = Field(default_factory=RebalanceSpec)
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
 
     @field_validator("gpus", mode="before")
     @classmethod

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -367,13 +367,15 @@ def _launch_actions(fill: _Fill, have: int, lo: int, hi: int, label: str = "") -
     return out
 
 
-def _home_region(observed: Observed) -> str:
-    """The region the job lives in: most live GPUs; else where it last ran."""
-    weight: dict[str, int] = {}
+def _home(observed: Observed, by_zone: bool) -> tuple[str, str]:
+    """Where the job lives, (place, region): the place (zone when `by_zone`, else region)
+    with the most live GPUs; else where it last ran. ("", "") for a new cluster."""
+    weight: dict[tuple[str, str], int] = {}
     for n in observed.live or observed.nodes:
-        weight[n.region] = weight.get(n.region, 0) + n.gpus
+        k = (n.zone if by_zone else n.region, n.region)
+        weight[k] = weight.get(k, 0) + n.gpus
     if not weight:
-        return ""
+        return "", ""
     return min(weight, key=lambda r: (-weight[r], r))
 
 
@@ -468,33 +470,68 @@ def plan(
     """Decide what to do toward [min, max] GPUs. `blocked` maps zone -> end of its launch
     back-off; `cooling` maps zone -> end of its cool-down (ranked last until then).
 
-    On the torchft engine every node is one replica group, and the groups must be of one
-    size (the global batch is split by replica rank times the group's size): the plan
-    uses nodes of one GPU count only. That of the nodes running (the most-held one, if a
-    cluster mixes them), else the count whose plan reaches the most GPUs, then costs
-    least."""
-    held: Counter[int] = Counter()
+    A cluster runs one GPU model (`gpu_name`) unless `[placement] mix_gpus` says
+    otherwise: a data-parallel step waits for its slowest replica. On the torchft engine
+    every node is one replica group, and the groups must be of one size (the global batch
+    is split by replica rank times the group's size): the plan uses nodes of one GPU count
+    only. Either choice is that of the nodes running (the most-held one, if a cluster
+    mixes them), else the one whose plan reaches the most GPUs, then costs least."""
+    by_zone = spec.provider != "ssh" and not spec.placement.spread_zones
+
+    def sized(offs: Sequence[Offer]) -> Plan:
+        def one(g: int) -> Plan:
+            return _plan(spec, observed, [o for o in offs if o.gpus == g], blocked, now,
+                         cooling, by_zone)
+
+        if spec.train.engine != "torchft":
+            return _plan(spec, observed, offs, blocked, now, cooling, by_zone)
+        return _one_kind(spec, observed, offs, lambda o: o.gpus, lambda n: n.gpus, one,
+                         lambda g, run: f"torchft: {g}-GPU nodes only"
+                         f"{', the size of those running' if run else ''} (every replica "
+                         "group the same size)")
+
+    if spec.placement.mix_gpus:
+        return sized(offers)
+    # A node's GPU model, from the offers of its instance type ("" when none is offered
+    # now: such a node does not decide the cluster's model).
+    model = {o.instance_type: o.gpu_name for o in sorted(offers, key=_total_rank)}
+    return _one_kind(
+        spec, observed, offers, lambda o: o.gpu_name,
+        lambda n: model.get(n.instance_type, ""),
+        lambda m: sized([o for o in offers if o.gpu_name == m]),
+        lambda m, run: f"{m} nodes only{', the model of those running' if run else ''} "
+        "(one GPU model per cluster; [placement] mix_gpus = true mixes them)")
+
+
+def _one_kind(
+    spec: ClusterSpec,
+    observed: Observed,
+    offers: Sequence[Offer],
+    of_offer: Callable[[Offer], Any],
+    of_node: Callable[[ObservedNode], Any],
+    plan_for: Callable[[Any], Plan],
+    note: Callable[[Any, bool], str],
+) -> Plan:
+    """The plan that keeps to one kind of node (`of_offer`/`of_node` say which kind):
+    that of the nodes running, else the kind whose plan reaches the most GPUs, then
+    costs least."""
+    held: Counter[Any] = Counter()
     for n in observed.live:
-        if n.gpus > 0:
-            held[n.gpus] += n.gpus
-    sizes = sorted({o.gpus for o in offers if o.gpus > 0})
-    if spec.train.engine != "torchft" or (not held and len(sizes) <= 1):
-        return _plan(spec, observed, offers, blocked, now, cooling)
-
-    def one_size(g: int) -> Plan:
-        return _plan(spec, observed, [o for o in offers if o.gpus == g], blocked, now, cooling)
-
+        if n.gpus > 0 and of_node(n) != "":
+            held[of_node(n)] += n.gpus
+    kinds = sorted({of_offer(o) for o in offers if o.gpus > 0})
     if held:
-        size = max(held, key=lambda g: (held[g], -g))
-        out, why = one_size(size), ", the size of those running"
+        kind = min(held, key=lambda k: (-held[k], k))
+        out = plan_for(kind)
+    elif len(kinds) <= 1:
+        return plan_for(kinds[0] if kinds else None)
     else:
-        plans = {g: one_size(g) for g in sizes}
-        size = min(plans, key=lambda g: (-min(plans[g].gpus_after, spec.gpus.max),
-                                         plans[g].usd_per_hour_after, g))
-        out, why = plans[size], ""
-    if any(g != size for g in sizes):
-        out.notes.append(f"torchft: {size}-GPU nodes only{why} (every replica group the same "
-                         "size)")
+        plans = {k: plan_for(k) for k in kinds}
+        kind = min(plans, key=lambda k: (-min(plans[k].gpus_after, spec.gpus.max),
+                                         plans[k].usd_per_hour_after, k))
+        out = plans[kind]
+    if any(k != kind for k in kinds):
+        out.notes.append(note(kind, bool(held)))
     return out
 
 
@@ -505,13 +542,22 @@ def _plan(
     blocked: Mapping[str, float],
     now: float,
     cooling: Mapping[str, float] | None = None,
+    by_zone: bool = False,
 ) -> Plan:
+    """One place for the job: one zone when `by_zone` (a new cluster picks the zone; a
+    cluster grows and is repaired in its own), else one region whose zones it mixes.
+    Leaving the place is a move through a committed checkpoint, as between regions."""
     lo, hi = spec.gpus.min, spec.gpus.max
     cap = spec.budget.max_usd_per_hour or math.inf
     have, cost = observed.gpus, observed.cost_per_hour
-    home = _home_region(observed)
+    home, home_region = _home(observed, by_zone)
+    word = "zone" if by_zone else "region"
+
+    def place(o: Offer | ObservedNode) -> str:
+        return o.zone if by_zone else o.region
+
     out = Plan(
-        region=home,
+        region=home_region,
         gpus_before=have,
         gpus_after=have,
         usd_per_hour_before=cost,
@@ -524,9 +570,9 @@ def _plan(
         out.actions.append(
             Action("terminate", f"{len(lost)} node(s) declared lost: release them", node_ids=lost)
         )
-    strays = sorted({n.region for n in observed.live} - {home})
+    strays = sorted({place(n) for n in observed.live} - {home})
     if strays:
-        out.notes.append(f"live nodes outside region {home} ({', '.join(strays)}) left alone")
+        out.notes.append(f"live nodes outside {word} {home} ({', '.join(strays)}) left alone")
 
     # 2. Shed above the maximum or the budget, one drain at a time, never below minimum.
     if have > hi or (cost > cap + EPS and have > lo):
@@ -547,7 +593,7 @@ def _plan(
     regions: dict[str, list[Offer]] = {}  # warm offers per region, best first
     cooled: dict[str, list[Offer]] = {}  # cooling ones, tried after every warm one
     for o in usable:
-        (cooled if o.zone in cool_zones else regions).setdefault(o.region, []).append(o)
+        (cooled if o.zone in cool_zones else regions).setdefault(place(o), []).append(o)
     for r in cooled:
         regions.setdefault(r, [])
     budget_left = max(cap - cost, 0.0)
@@ -565,12 +611,14 @@ def _plan(
         else:
             # The home region (if any) cannot hold the minimum: pick the region that can,
             # starting from scratch there (old nodes leave, so the whole budget is free).
-            best: tuple[tuple[int, float, str], str, _Fill] | None = None
+            best: tuple[tuple[int, bool, float, str], str, _Fill] | None = None
             for r in sorted(regions):
                 if r == home:
                     continue
                 f = _fill_last(regions[r], cooled.get(r, []), hi, cap)
-                key = (-f.gpus, f.cost, r)
+                # a cooling zone only when no other zone reaches as many GPUs (one place
+                # per region holds both, so a region is never "cooling" as a whole)
+                key = (-f.gpus, by_zone and r in cool_zones, f.cost, r)
                 if f.gpus >= lo and (best is None or key < best[0]):
                     best = (key, r, f)
             if best is None:
@@ -584,12 +632,13 @@ def _plan(
                 out.notes.append(f"cannot reach minimum {lo} GPUs in any region")
             else:
                 _, target, f = best
+                target_region = f.picks[0][0].region
                 if not home:
-                    out.region = target
+                    out.region = target_region
                     out.actions += _launch_actions(f, 0, lo, hi)
                 elif draining and observed.live:
                     out.notes.append(
-                        f"region {home} cannot hold {lo} GPUs; move to {target} "
+                        f"{word} {home} cannot hold {lo} GPUs; move to {target} "
                         "waits for the drain in progress"
                     )
                 else:
@@ -599,18 +648,18 @@ def _plan(
                     out.actions.append(
                         Action(
                             "move",
-                            f"region {home} can hold only {have + fill.gpus} of minimum {lo} "
+                            f"{word} {home} can hold only {have + fill.gpus} of minimum {lo} "
                             f"GPUs; {target} ({prov}) holds {f.gpus} for {_money(f.cost)}: "
                             "commit a checkpoint, drain the old nodes, resume there",
                             node_ids=old,
                             drain=bool(old),
                             launches=sub,
-                            region=target,
+                            region=target_region,
                             provider=prov,
-                            from_region=home,
+                            from_region=home_region,
                         )
                     )
-                    out.region = target
+                    out.region = target_region
                     out.gpus_after, out.usd_per_hour_after = f.gpus, f.cost
                     return out
         late = sorted(
@@ -625,6 +674,23 @@ def _plan(
         if lo <= reach < hi:
             limit = f"budget {_money(cap)} or " if cap < math.inf else ""
             out.notes.append(f"{reach}/{hi} GPUs after this plan: {limit}offers allow no more")
+        if by_zone and home and reach < hi:
+            # say so only when another zone of the region could give more now
+            spent = math.fsum(a.usd_per_hour_added for a in out.launches)
+            near = [o for o in usable if o.region == home_region and o.zone != home]
+            extra = _fill(near, hi - reach, max(budget_left - spent, 0.0))
+            others = sorted({o.zone for o, _ in extra.picks})
+            if others:
+                why = (
+                    "launches held back after a capacity error"
+                    if blocked.get(home, -math.inf) > now
+                    else "no more capacity offered there"
+                )
+                out.notes.append(
+                    f"zone {home} is out of capacity ({why}): waiting there, not spreading "
+                    f"to {', '.join(others)} (one zone per cluster; [placement] "
+                    "spread_zones = true spreads)"
+                )
 
     # 5. Replace a node by a much cheaper offer, only when the cluster is otherwise settled.
     pending = any(n.state == "pending" for n in observed.live)

@@ -10,9 +10,11 @@ from spotctl.spec import ClusterSpec
 
 
 def spec(gpus: str = "4..8", budget: float = 0.0, saving: float = 30.0,
-         engine: str = "torchrun") -> ClusterSpec:
+         engine: str = "torchrun", spread: bool = True) -> ClusterSpec:
     """A spec for planner tests: the torchrun engine by default, whose nodes may differ
-    in size (the torchft engine's plans keep one node size: tests that say so)."""
+    in size (the torchft engine's plans keep one node size: tests that say so), and
+    zones spread over (`[placement] spread_zones`; the default spec's one-zone planning
+    is tested with spread=False)."""
     return ClusterSpec.model_validate(
         {
             "name": "t",
@@ -20,6 +22,7 @@ def spec(gpus: str = "4..8", budget: float = 0.0, saving: float = 30.0,
             "budget": {"max_usd_per_hour": budget},
             "rebalance": {"replace_saving_pct": saving},
             "train": {"engine": engine},
+            "placement": {"spread_zones": spread},
         }
     )
 
@@ -32,6 +35,7 @@ def offer(
     available: int | None = None,
     provider: str = "aws",
     itype: str = "",
+    gpu: str = "A10G",
 ) -> Offer:
     region = zone.rsplit("-", 1)[0]
     return Offer(
@@ -40,7 +44,7 @@ def offer(
         zone=zone,
         instance_type=itype or f"g{gpus}",
         gpus=gpus,
-        gpu_name="A10G",
+        gpu_name=gpu,
         spot_price=price,
         on_demand_price=price * 3,
         interruption_band=band,
@@ -49,13 +53,14 @@ def offer(
 
 
 def node(
-    id: str, zone: str = "r1-a", gpus: int = 1, price: float = 1.0, state: str = "running"
+    id: str, zone: str = "r1-a", gpus: int = 1, price: float = 1.0, state: str = "running",
+    itype: str = "",
 ) -> ObservedNode:
     return ObservedNode(
         id=id,
         zone=zone,
         region=zone.rsplit("-", 1)[0],
-        instance_type=f"g{gpus}",
+        instance_type=itype or f"g{gpus}",
         gpus=gpus,
         price=price,
         state=state,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from spotctl.control.planner import Observed, Plan, plan
+from spotctl.control.planner import Observed, ObservedNode, Plan, plan
 from spotctl.providers.base import Offer
 from spotctl.spec import ClusterSpec
 
@@ -29,7 +29,13 @@ def specs(draw: st.DrawFn) -> ClusterSpec:
     hi = draw(st.integers(lo, 24))
     budget = draw(st.one_of(st.just(0.0), st.floats(0.5, 60, allow_nan=False)))
     saving = draw(st.sampled_from([0.0, 10.0, 30.0, 60.0]))
-    return spec(f"{lo}..{hi}", budget, saving)
+    # both placements: one zone (the default spec's) and zones spread over the region
+    return spec(f"{lo}..{hi}", budget, saving, spread=draw(st.booleans()))
+
+
+def place(s: ClusterSpec, o: Offer | ObservedNode) -> str:
+    """Where a spec keeps its job: one zone, or one region when it spreads."""
+    return o.region if s.placement.spread_zones else o.zone
 
 
 @st.composite
@@ -98,8 +104,12 @@ def max_gpus(offers: list[Offer], room: int, budget: float) -> int:
     return max(best)
 
 
-def usable(offers: list[Offer], blocked: dict[str, float], region: str) -> list[Offer]:
-    return [o for o in offers if o.region == region and not is_blocked(blocked, o.zone)]
+def usable(
+    offers: list[Offer], blocked: dict[str, float], region: str, s: ClusterSpec | None = None
+) -> list[Offer]:
+    """Offers launchable in `region`, or in the place `region` names under spec `s`."""
+    return [o for o in offers if (o.region if s is None else place(s, o)) == region
+            and not is_blocked(blocked, o.zone)]
 
 
 # 200 examples each: the branch counters below show every branch is reached well within
@@ -144,6 +154,14 @@ def test_planner_invariants(s: ClusterSpec, obs: Observed, offers: list[Offer], 
     live_regions = {n.region for n in obs.live}
     if end.launch_regions and live_regions and not any(a.type == "move" for a in p.actions):
         assert end.launch_regions == live_regions
+    if not s.placement.spread_zones:
+        # One zone: every launch in one zone, the home zone (most live GPUs) unless moving.
+        assert len(set(end.launch_zones)) <= 1, p.to_json()
+        weight: Counter[str] = Counter()
+        for n in obs.live:
+            weight[n.zone] += n.gpus
+        if end.launch_zones and weight and not any(a.type == "move" for a in p.actions):
+            assert set(end.launch_zones) == {min(weight, key=lambda z: (-weight[z], z))}
     # Lost nodes are released without a drain.
     lost = {n.id for n in obs.nodes if n.state == "lost"}
     assert lost <= end.removed
@@ -183,13 +201,14 @@ def _restores_minimum(
     assume(not (have > hi or (cost > cap and have > lo)))  # shedding: see the invariants
     p = plan(s, obs, offers, blocked, NOW)
     end = end_state(obs, p)
-    # Home: the region with the most live GPUs, else where the job last ran (ties: name).
+    # Home: the place (zone, or region when spreading) with the most live GPUs, else
+    # where the job last ran (ties: name).
     weight: dict[str, int] = {}
     for n in obs.live or obs.nodes:
-        weight[n.region] = weight.get(n.region, 0) + n.gpus
+        weight[place(s, n)] = weight.get(place(s, n), 0) + n.gpus
     home = {min(weight, key=lambda r: (-weight[r], r))} if weight else set()
     home_best = max(
-        (max_gpus(usable(offers, blocked, r), hi - have, max(cap - cost, 0.0)) for r in home),
+        (max_gpus(usable(offers, blocked, r, s), hi - have, max(cap - cost, 0.0)) for r in home),
         default=0,
     )
     if have < hi and home and have + home_best >= lo:
@@ -201,12 +220,13 @@ def _restores_minimum(
         return
     elsewhere = [
         r
-        for r in sorted({o.region for o in offers} - home)
-        if max_gpus(usable(offers, blocked, r), hi, cap) >= lo
+        for r in sorted({place(s, o) for o in offers} - home)
+        if max_gpus(usable(offers, blocked, r, s), hi, cap) >= lo
     ]
     if have < lo and elsewhere and not (obs.draining and obs.live):
         assert end.gpus >= lo, p.to_json()
-        assert end.launch_regions and end.launch_regions <= set(elsewhere)
+        went = end.launch_regions if s.placement.spread_zones else set(end.launch_zones)
+        assert went and went <= set(elsewhere)
         if home:
             assert [a.type for a in p.actions if a.type != "terminate"] == ["move"]
         reached["move"] += 1
@@ -336,14 +356,15 @@ def test_torchft_new_cluster_gets_the_most_gpus_one_size_allows(
     s: ClusterSpec, offers: list[Offer], blocked
 ) -> None:
     """A new torchft cluster reaches the minimum whenever offers of one size in one
-    region can, and then as many GPUs (up to the maximum) as the best such size allows."""
+    place (zone, or region when spreading) can, and then as many GPUs (up to the
+    maximum) as the best such size allows."""
     s = _torchft(s)
     lo, hi = s.gpus.min, s.gpus.max
     cap = s.budget.max_usd_per_hour or math.inf
     p = plan(s, Observed(), offers, blocked, NOW)
     end = end_state(Observed(), p)
-    best = max((max_gpus([o for o in usable(offers, blocked, r) if o.gpus == g], hi, cap)
-                for r in {o.region for o in offers} for g in SIZES), default=0)
+    best = max((max_gpus([o for o in usable(offers, blocked, r, s) if o.gpus == g], hi, cap)
+                for r in {place(s, o) for o in offers} for g in SIZES), default=0)
     if best >= lo:
         assert end.gpus == best, p.to_json()
     else:
