@@ -1,0 +1,598 @@
+"""The figures of docs/benchmarks.md and the README, rendered from the committed results.
+
+`docs/figures/bench-results.json` holds the measured rows the docs show (`scripts/bench
+NAME... --save` replaces the rows of that run, keyed by benchmark and metric) and, under
+`runs`, the command, date and machine of each run. `docs/figures/goodput.json` holds the
+simulator's goodput table (`scripts/docs-figures --sim` recomputes it). Each figure table
+in the docs sits between `<!-- figures:NAME -->` and `<!-- /figures -->`; the prose
+around the tables is written by hand. `scripts/docs-figures` checks the docs against
+what this module renders; `--write` rewrites them."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import platform
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "docs" / "figures" / "bench-results.json"
+GOODPUT = REPO / "docs" / "figures" / "goodput.json"
+DOCS = ("docs/benchmarks.md", "README.md")
+TEST = "tests/unit/test_docs_figures.py"
+
+ABOUT = (
+    "The measured rows shown in docs/benchmarks.md and the README. `scripts/bench NAME... "
+    "--save` replaces the rows of the same benchmark and metric and records its run; "
+    "`scripts/docs-figures --write` renders the docs from this file."
+)
+GOODPUT_ABOUT = (
+    "The simulator's goodput table (deterministic), one entry per engine: the command that "
+    "prints it, the SimModel overrides, and per trace goodput against the oracle and each "
+    "cause's share. `scripts/docs-figures --sim` recomputes it."
+)
+
+_MARK_NAME = re.compile(r"<!-- figures:([a-z0-9-]+) -->")
+_MARK = re.compile(r"<!-- figures:([a-z0-9-]+) -->\n(.*?)<!-- /figures -->", re.S)
+
+
+class FiguresError(Exception):
+    """The results file or a doc's markers are not what the generator can render."""
+
+
+# ---------------------------------------------------------------- the results file
+
+
+def machine() -> dict[str, Any]:
+    """This machine as a run record gives it: cores, load average (1, 5, 15 min), torch,
+    Python, platform, whether CUDA was there."""
+    try:
+        import torch
+
+        tv: str | None = torch.__version__
+        cuda: bool | None = bool(torch.cuda.is_available())
+    except ImportError:
+        tv, cuda = None, None
+    return {
+        "cores": os.cpu_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "torch": tv,
+        "cuda": cuda,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def read_results(path: Path = RESULTS) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {"about": ABOUT, "runs": {}, "rows": []}
+    except ValueError as e:
+        raise FiguresError(f"{path}: not JSON ({e})") from None
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("runs"), dict)
+        or not isinstance(data.get("rows"), list)
+    ):
+        raise FiguresError(f"{path}: expected an object with 'runs' (object) and 'rows' (list)")
+    for r in data["rows"]:
+        for k in ("run", "baseline_run"):
+            if (k == "run" or k in r) and r.get(k) not in data["runs"]:
+                raise FiguresError(
+                    f"{path}: row {r.get('benchmark')!r} / {r.get('metric')!r} names run "
+                    f"{r.get(k)!r}, which is not under 'runs'"
+                )
+    return data
+
+
+def save(
+    rows: Sequence[dict[str, Any]],
+    command: str,
+    *,
+    started: dict[str, Any],
+    elapsed_s: float,
+    path: Path = RESULTS,
+    now: float | None = None,
+) -> str:
+    """Record one `scripts/bench` run in the results file: its rows (Row.to_json()) replace
+    the rows of the same benchmark and metric; failed and skipped rows are left out. Runs
+    no row refers to any more are dropped. Returns the run's id."""
+    data = read_results(path)
+    t = time.gmtime(now if now is not None else time.time())
+    finished = time.strftime("%Y-%m-%dT%H:%M:%SZ", t)
+    run_id = f"{finished} {command}"
+    end = machine()
+    mach = {**end, "load_average": {"start": started["load_average"], "end": end["load_average"]}}
+    keep = [dict(r, run=run_id) for r in rows if r.get("spotctl") is not None]
+    keys = {(r["benchmark"], r["metric"]) for r in keep}
+    old = [r for r in data["rows"] if (r["benchmark"], r["metric"]) not in keys]
+    data["rows"] = old + keep
+    data["runs"][run_id] = {
+        "command": command,
+        "finished_at": finished,
+        "elapsed_s": round(elapsed_s, 1),
+        "machine": mach,
+        "source": "measured",
+    }
+    used = {r[k] for r in data["rows"] for k in ("run", "baseline_run") if k in r}
+    data["runs"] = {k: v for k, v in data["runs"].items() if k in used}
+    data["about"] = ABOUT
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    return run_id
+
+
+# ---------------------------------------------------------------- numbers
+
+
+def num(x: float) -> str:
+    """A figure as the docs print it: 3 significant digits, thousands with commas."""
+    if x == 0:
+        return "0"
+    if abs(x) >= 100:
+        return f"{x:,.0f}"
+    return f"{x:.3g}"
+
+
+@dataclass(frozen=True)
+class Fig:
+    median: float
+    min: float | None
+    max: float | None
+    n: int | None
+
+    @classmethod
+    def of(cls, d: dict[str, Any] | None, where: str) -> Fig:
+        if d is None:
+            raise FiguresError(f"{where}: no value")
+        return cls(float(d["median"]), d.get("min"), d.get("max"), d.get("n"))
+
+    @property
+    def ranged(self) -> bool:
+        return self.min is not None and self.max is not None and self.min != self.max
+
+    def text(self, unit: str = "", noun: str | None = None) -> str:
+        """'0.05 s (0.04..0.08, 4 joins)': median, range when known, count when named."""
+        extra = [f"{num(self.min)}..{num(self.max)}"] if self.ranged else []  # type: ignore[arg-type]
+        if noun and self.n:
+            extra.append(f"{self.n} {noun}{'' if self.n == 1 else 's'}")
+        u = f" {unit}" if unit else ""
+        return num(self.median) + u + (f" ({', '.join(extra)})" if extra else "")
+
+
+class Results:
+    """Rows looked up by benchmark and metric; each lookup remembers its run."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.runs: dict[str, Any] = data["runs"]
+        self.rows = {(r["benchmark"], r["metric"]): r for r in data["rows"]}
+        self.used: list[str] = []
+
+    def row(self, benchmark: str, metric: str, side: str = "run") -> dict[str, Any]:
+        r = self.rows.get((benchmark, metric))
+        if r is None:
+            raise FiguresError(f"results file: no row {benchmark!r} / {metric!r}")
+        run = r.get(side, r["run"])
+        if run not in self.used:
+            self.used.append(run)
+        return r
+
+    def ours(self, benchmark: str, metric: str) -> Fig:
+        return Fig.of(self.row(benchmark, metric)["spotctl"], f"{benchmark} / {metric}")
+
+    def base(self, benchmark: str, metric: str) -> Fig:
+        r = self.row(benchmark, metric, "baseline_run")
+        return Fig.of(r["baseline"], f"{benchmark} / {metric} baseline")
+
+    def load(self, benchmark: str, metric: str) -> str:
+        return load_text(self.runs[self.row(benchmark, metric)["run"]]["machine"])
+
+
+def load_text(m: dict[str, Any]) -> str:
+    la = m.get("load_average")
+    if isinstance(la, str):
+        return la
+    if isinstance(la, dict):
+        ones = [v[0] for v in la.values() if v]
+        lo, hi = min(ones), max(ones)
+        return f"{lo:.0f}" if round(lo) == round(hi) else f"{lo:.0f}-{hi:.0f}"
+    return "?"
+
+
+def _table(head: Sequence[str], lines: Sequence[Sequence[str]]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(cells) + " |" for cells in lines]
+    out = [x.replace("|  |", "| |").replace("|  |", "| |") for x in out]
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------- the tables
+
+FT_DOWN, FT_UP, TR_DOWN, TR_UP = "(4->3)", "(3->4)", "(4->3 nodes)", "(3->4 nodes)"
+
+
+def t_recovery_ft(r: Results) -> str:
+    n = r.ours("recovery", f"torchft: pause at a notice {FT_DOWN}")
+    nb = r.base("recovery", f"torchft: pause at a notice {FT_DOWN}")
+    k = r.ours("recovery", f"torchft: pause after a hard kill {FT_DOWN}")
+    kb = r.base("recovery", f"torchft: pause after a hard kill {FT_DOWN}")
+    j = r.ours("join", f"torchft: training pause at a join {FT_UP}")
+    jb = r.base("join", f"torchft: training pause at a join {FT_UP}")
+    lost = r.ours("lost", "torchft: steps lost per notice")
+    return _table(
+        ["event", "spotctl, torchft engine", "bare torchft", "steps lost"],
+        [
+            ["notice", n.text("s", "notice"), nb.text("s") + " (a kill)", num(lost.median)],
+            ["join", j.text("s", "join"), jb.text("s"), "0"],
+            ["SIGKILL", k.text("s", "kill"), kb.text("s"), "the step in flight"],
+        ],
+    )
+
+
+def _pair(a: Fig, b: Fig, each: str) -> str:
+    s = f"{num(a.median)} / {num(b.median)}"
+    return s + (f" ({each})" if a.n == 1 and b.n == 1 else "")
+
+
+def t_recovery_torchrun(r: Results) -> str:
+    rn, rk = (
+        f"notice -> first step at new size {TR_DOWN}",
+        f"hard kill -> first step at new size {TR_DOWN}",
+    )
+    ln = [f"steps lost per notice, checkpoint every {e}" for e in (10, 30)]
+    lk = [f"steps lost per hard kill, checkpoint every {e}" for e in (10, 30)]
+    jp, jl = f"training pause {TR_UP}", f"steps lost per join {TR_UP}"
+    return _table(
+        ["benchmark", "metric", "spotctl", "plain torchrun", "unit"],
+        [
+            ["recovery", "notice -> survivors' first step, local 4->3 nodes",
+             r.ours("recovery", rn).text(), r.base("recovery", rn).text(), "s"],
+            ["recovery", "hard kill -> survivors' first step, 4->3",
+             r.ours("recovery", rk).text(), r.base("recovery", rk).text(), "s"],
+            ["lost", "steps lost per notice, checkpoint every 10 / 30",
+             _pair(r.ours("lost", ln[0]), r.ours("lost", ln[1]), "one notice each"),
+             _pair(r.base("lost", ln[0]), r.base("lost", ln[1]), "one kill each"), "steps"],
+            ["lost", "steps lost per hard kill, checkpoint every 10 / 30",
+             _pair(r.ours("lost", lk[0]), r.ours("lost", lk[1]), "one kill each"),
+             _pair(r.base("lost", lk[0]), r.base("lost", lk[1]), "one kill each"), "steps"],
+            ["join", "training pause, 3->4", r.ours("join", jp).text(), r.base("join", jp).text(),
+             "s"],
+            ["join", "steps lost per join", r.ours("join", jl).text("", "join"),
+             r.base("join", jl).text(), "steps"],
+        ],
+    )  # fmt: skip
+
+
+def t_quorum(r: Results) -> str:
+    w = r.ours("quorum", "torchft: next_step() waiting for its quorum")
+    st = "torchft: step time, sync quorum vs bare torchft's async"
+    return _table(
+        ["metric", "spotctl, torchft engine", "bare torchft"],
+        [
+            ["`next_step()` wait for the quorum", w.text("ms"), ""],
+            ["whole step", r.ours("quorum", st).text("ms"), r.base("quorum", st).text("ms")],
+        ],
+    )
+
+
+def t_overhead(r: Results) -> str:
+    lines = [["plain DDP under torchrun", r.base("overhead", "torchrun: step time vs plain DDP")
+              .text("s"), ""]]  # fmt: skip
+    for e in ("torchrun", "torchft"):
+        lines.append(
+            [
+                f"{e} engine",
+                r.ours("overhead", f"{e}: step time vs plain DDP").text("s"),
+                r.ours("overhead", f"{e}: speed as a fraction of plain DDP's").text(),
+            ]
+        )
+    return _table(["", "step time", "plain DDP's step time / this one"], lines)
+
+
+CKPT_LOOP = (("132 MB", "process"), ("132 MB", "thread"), ("36 MB", "process"), ("36 MB", "thread"))
+
+
+def t_checkpoint_loop(r: Results) -> str:
+    lines = []
+    for size, mode in CKPT_LOOP:
+        m = f"training loop: blocking per periodic save, {mode} mode ({size})"
+        a, s = r.ours("checkpoint", m), r.base("checkpoint", m)
+        share = f"{a.median / s.median * 100:.2g} %"
+        lines.append([size, mode, a.text("s"), s.text("s"), share, r.load("checkpoint", m)])
+    return _table(
+        ["state", "mode", "async blocking", "sync save", "share (of the medians)", "load average"],
+        lines,
+    )
+
+
+def t_checkpoint_disk(r: Results) -> str:
+    rows = [
+        ("blocking time per save, 128 MB, async vs sync", "blocking time per save (128 MB)", "s"),
+        ("save throughput vs disk write+fsync", "save throughput", "MB/s"),
+        ("load throughput vs sequential read (page cache)", "load throughput", "MB/s"),
+    ]
+    return _table(
+        ["metric", "spotctl", "baseline", "unit"],
+        [
+            [t, r.ours("checkpoint", m).text(), r.base("checkpoint", m).text(), u]
+            for t, m, u in rows
+        ],
+    )
+
+
+def t_control(r: Results) -> str:
+    up, pl, st = (
+        "up: launch 64 nodes (moto)",
+        "planner: 1,000 nodes x 500 offers",
+        "status render: 64 nodes",
+    )
+    return _table(
+        ["metric", "spotctl", "baseline", "unit"],
+        [
+            ["`up` launch path, 64 nodes vs 64 serial run_instances", r.ours("control", up).text(),
+             r.base("control", up).text(), "s"],
+            ["planner, 1,000 nodes x 500 offers", r.ours("control", pl).text(), "-", "ms"],
+            ["`status` render, 64 nodes (rich table vs json.dumps)", r.ours("control", st).text(),
+             r.base("control", st).text(), "ms"],
+        ],
+    )  # fmt: skip
+
+
+def t_bootstrap(r: Results) -> str:
+    ssh, held, inst = ("bootstrap: 64 nodes over SSH", "bootstrap: 64 nodes vs 8 slots held",
+                       "bootstrap: 64 nodes, 10 s installs")  # fmt: skip
+    return _table(
+        ["bootstrap, 64 nodes", "spotctl (32 SSH slots, heartbeats awaited outside)",
+         "8 slots held to heartbeat", "one at a time"],
+        [
+            ["deps present, all hosts on this machine's 2 cores", r.ours("control", ssh).text(),
+             r.base("control", held).text(), r.base("control", ssh).text()],
+            ["each host's install takes 10 s on its own side", r.ours("control", inst).text(),
+             r.base("control", inst).text(), "-"],
+        ],
+    )  # fmt: skip
+
+
+LABELS = {
+    "aws-16node-08-27-2023_us-west-2a_v100_1": "aws-16node us-west-2a",
+    "aws-1node-04-22-2023-first48h_us-east-1c_v100_1": "aws-1node us-east-1c (48 h)",
+    "aws-4node-08-03-2023_us-west-2c_v100_1": "aws-4node us-west-2c",
+    "g4dn-trace": "g4dn (bamboo)",
+    "p3-trace": "p3 (bamboo)",
+}
+SYNTH = (("poisson", "Poisson"), ("bursty", "bursty"))
+SHARES = ("provisioning", "rescale_pauses", "checkpoints", "reconcile_waits", "lost_steps")
+
+
+def share(x: float) -> str:
+    return "0" if x == 0 else f"{x:.3f}"
+
+
+def goodput_of(g: dict[str, Any], engine: str, trace: str) -> float:
+    for row in g[engine]["rows"]:
+        if row["trace"] == trace:
+            return float(row["goodput_vs_oracle"])
+    raise FiguresError(f"goodput file: no {engine} row for trace {trace!r}")
+
+
+def t_goodput(g: dict[str, Any]) -> str:
+    ft = {x["trace"]: x for x in g["torchft"]["rows"]}
+    tr = {x["trace"]: x for x in g["torchrun"]["rows"]}
+    lines = []
+    for name, x in ft.items():
+        if name not in LABELS:
+            continue
+        lines.append(
+            [LABELS[name], str(x["nodes"]), f"{x['goodput_vs_oracle']:.3f}",
+             f"{tr[name]['goodput_vs_oracle']:.3f}"]
+            + [share(x["gap_share"][k]) for k in SHARES]
+            + [share(tr[name]["gap_share"]["lost_steps"])]
+        )  # fmt: skip
+    for prefix, label in SYNTH:
+        names = sorted(n for n in ft if n.startswith(prefix + "-"))
+        if not names:
+            continue
+        seeds = "/".join(n.rsplit("seed", 1)[1] for n in names)
+
+        def mean(d: dict[str, Any], k: str, names: list[str] = names) -> float:
+            return sum(d[n]["gap_share"][k] for n in names) / len(names)
+
+        lines.append(
+            [f"{label}, {ft[names[0]]['nodes']} nodes, seeds {seeds}", str(ft[names[0]]["nodes"]),
+             " / ".join(f"{ft[n]['goodput_vs_oracle']:.3f}" for n in names),
+             " / ".join(f"{tr[n]['goodput_vs_oracle']:.3f}" for n in names)]
+            + [share(mean(ft, k)) for k in SHARES]
+            + [share(mean(tr, "lost_steps"))]
+        )  # fmt: skip
+    head = ["trace", "nodes", "torchft", "torchrun", "torchft: provisioning", "pauses",
+            "checkpoints", "waits", "lost", "torchrun: lost"]  # fmt: skip
+    return _table(head, lines)
+
+
+def t_readme(r: Results, g: dict[str, Any]) -> str:
+    fn = f"torchft: pause at a notice {FT_DOWN}"
+    tn = f"notice -> first step at new size {TR_DOWN}"
+    ln = "steps lost per notice, checkpoint every 10"
+    lost_ft = r.ours("lost", "torchft: steps lost per notice")
+    plain = r.base("overhead", "torchrun: step time vs plain DDP")
+    return _table(
+        ["", "spotctl", "baseline"],
+        [
+            ["pause at a notice, torchft engine",
+             f"{num(r.ours('recovery', fn).median)} s, {num(lost_ft.median)} steps lost",
+             f"bare torchft: {num(r.base('recovery', fn).median)} s (a kill)"],
+            ["pause at a join, torchft engine",
+             f"{num(r.ours('join', f'torchft: training pause at a join {FT_UP}').median)} s",
+             f"bare torchft: {num(r.base('join', f'torchft: training pause at a join {FT_UP}').median)} s"],
+            ["notice -> survivors' first step, torchrun engine, 4 -> 3 nodes",
+             f"{num(r.ours('recovery', tn).median)} s, {num(r.ours('lost', ln).median)} steps lost",
+             f"plain torchrun: {num(r.base('recovery', tn).median)} s, "
+             f"{num(r.base('lost', ln).median)} steps lost (checkpoint every 10)"],
+            ["quorum wait per step (torchft)",
+             f"{num(r.ours('quorum', 'torchft: next_step() waiting for its quorum').median)} ms", ""],
+            ["step time with nothing failing, 2 ranks, MLP 6x2048",
+             f"torchrun engine {num(r.ours('overhead', 'torchrun: step time vs plain DDP').median)} s, "
+             f"torchft engine {num(r.ours('overhead', 'torchft: step time vs plain DDP').median)} s",
+             f"plain DDP: {num(plain.median)} s"],
+            ["goodput on the p3 spot trace (simulated)",
+             f"torchft {goodput_of(g, 'torchft', 'p3-trace'):.3f}, "
+             f"torchrun {goodput_of(g, 'torchrun', 'p3-trace'):.3f}", ""],
+        ],
+    )  # fmt: skip
+
+
+# which tests check each table besides the generator's own (docs = results file)
+SLOW_CHECKS = {
+    "recovery-ft": "`tests/elastic/test_ft_quorum.py` (slow): notice pause < 1 s, kill and join < 2 s",
+    "goodput": "`tests/unit/test_docs_figures.py` reruns the simulator (the 16-node trace: "
+    "`tests/sim/test_goodput_figures.py`, slow)",
+}
+TITLES = {
+    "recovery-ft": "Rescale pauses: torchft engine",
+    "recovery-torchrun": "Rescale pauses: torchrun engine",
+    "quorum": "The quorum's price",
+    "overhead": "Steady-state overhead",
+    "checkpoint-loop": "Checkpoints in a training loop",
+    "checkpoint-disk": "The Checkpointer against the disk",
+    "control": "Control plane",
+    "bootstrap": "SSH bootstrap of 64 nodes",
+    "goodput": "Goodput on spot traces",
+}
+BENCH_TABLES: dict[str, Callable[[Results], str]] = {
+    "recovery-ft": t_recovery_ft,
+    "recovery-torchrun": t_recovery_torchrun,
+    "quorum": t_quorum,
+    "overhead": t_overhead,
+    "checkpoint-loop": t_checkpoint_loop,
+    "checkpoint-disk": t_checkpoint_disk,
+    "control": t_control,
+    "bootstrap": t_bootstrap,
+}
+
+
+def _when(run: dict[str, Any]) -> str:
+    m = run.get("machine", {})
+    cores = m.get("cores")
+    if run.get("finished_at"):
+        parts = [str(run["finished_at"])[:10]]
+    else:  # transcribed: when the figures were published ("<commit> <date>")
+        parts = [f"published {str(run.get('published', '?')).split()[-1]}"]
+    parts.append(f"{cores} cores" if cores else "cores not recorded")
+    parts.append(f"load {load_text(m)}")
+    if m.get("torch"):
+        parts.append(f"torch {m['torch']}")
+    if run.get("source") != "measured":
+        parts.append("transcribed")
+    return ", ".join(parts)
+
+
+def t_index(runs: dict[str, dict[str, Any]], used: dict[str, list[str]], g: dict[str, Any]) -> str:
+    lines = []
+    for name, title in TITLES.items():
+        if name == "goodput":
+            sims = "<br>".join(f"`{g[e]['command']}`" for e in ("torchft", "torchrun"))
+            lines.append([title, sims, "deterministic", SLOW_CHECKS[name]])
+            continue
+        ids = used.get(name, [])
+        cmds = "<br>".join(f"`{runs[i]['command']}`" for i in ids)
+        when = "<br>".join(_when(runs[i]) for i in ids)
+        check = f"`{TEST}` (the table = the results file)"
+        if name in SLOW_CHECKS:
+            check += "; " + SLOW_CHECKS[name]
+        lines.append([title, cmds, when, check])
+    return _table(["figures", "command", "run (date, machine)", "checked by"], lines)
+
+
+def render_tables(results: dict[str, Any], goodput: dict[str, Any]) -> dict[str, str]:
+    """Every figure table by marker name."""
+    out: dict[str, str] = {}
+    used: dict[str, list[str]] = {}
+    for name, fn in BENCH_TABLES.items():
+        r = Results(results)
+        out[name] = fn(r)
+        used[name] = r.used
+    out["goodput"] = t_goodput(goodput)
+    out["readme"] = t_readme(Results(results), goodput)
+    out["index"] = t_index(results["runs"], used, goodput)
+    return out
+
+
+def render_doc(text: str, tables: dict[str, str], where: str) -> str:
+    """`text` with every marked table replaced by its rendering."""
+
+    def sub(m: re.Match[str]) -> str:
+        name = m.group(1)
+        if name not in tables:
+            raise FiguresError(
+                f"{where}: unknown figures marker {name!r} (known: {', '.join(tables)})"
+            )
+        return f"<!-- figures:{name} -->\n{tables[name]}<!-- /figures -->"
+
+    return _MARK.sub(sub, text)
+
+
+def read_goodput(path: Path = GOODPUT) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise FiguresError(f"{path}: {err}") from None
+    for e in ("torchft", "torchrun"):
+        if not isinstance(data.get(e), dict) or not isinstance(data[e].get("rows"), list):
+            raise FiguresError(f"{path}: expected '{e}' with 'rows'")
+    return data
+
+
+def rendered(repo: Path = REPO) -> dict[str, tuple[str, str]]:
+    """Each doc's path -> (its text now, its text as rendered from the results files)."""
+    tables = render_tables(
+        read_results(repo / RESULTS.relative_to(REPO)),
+        read_goodput(repo / GOODPUT.relative_to(REPO)),
+    )
+    out = {}
+    seen: list[str] = []
+    for doc in DOCS:
+        text = (repo / doc).read_text()
+        seen += _MARK_NAME.findall(text)
+        out[doc] = (text, render_doc(text, tables, doc))
+    missing = [n for n in tables if n not in seen]
+    twice = sorted({n for n in seen if seen.count(n) > 1})
+    if missing or twice:
+        raise FiguresError(
+            f"figures markers: {', '.join(missing)} missing"
+            if missing
+            else f"figures markers: {', '.join(twice)} more than once"
+        )
+    return out
+
+
+def diff(repo: Path = REPO) -> str:
+    """A unified diff of the docs against their rendering; empty when they agree."""
+    chunks: list[str] = []
+    for doc, (now, want) in rendered(repo).items():
+        if now != want:
+            chunks += difflib.unified_diff(
+                now.splitlines(keepends=True),
+                want.splitlines(keepends=True),
+                doc,
+                doc + " (rendered)",
+            )
+    return "".join(chunks)
+
+
+def simulate_goodput(
+    settings: dict[str, Any], only: Sequence[str] | None = None
+) -> dict[str, list[dict[str, Any]]]:
+    """Rerun the simulator for each engine of the goodput file with its overrides."""
+    from spotctl.simulate.goodput import goodput_rows, model_for
+
+    return {
+        e: goodput_rows(model_for(e, settings[e].get("overrides") or {}), only=only, digits=6)
+        for e in ("torchft", "torchrun")
+    }

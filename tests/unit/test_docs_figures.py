@@ -1,0 +1,123 @@
+"""Every figure table of docs/benchmarks.md and the README is what scripts/docs-figures
+renders from the committed results (docs/figures/*.json), and the simulator's goodput
+figures are what the simulator computes today. Editing a number by hand, or changing the
+results without regenerating, fails here."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_lib import figures  # noqa: E402
+
+SLOW_TRACE = "aws-16node-08-27-2023_us-west-2a_v100_1"  # ~8 s a run: the slow set has it
+
+
+def _tree(tmp_path: Path) -> Path:
+    """A copy of the docs and results that a test may change."""
+    for rel in (*figures.DOCS, "docs/figures/bench-results.json", "docs/figures/goodput.json"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / rel, tmp_path / rel)
+    return tmp_path
+
+
+def test_docs_are_rendered_from_the_results_files() -> None:
+    d = figures.diff()
+    assert d == "", (
+        "the docs differ from docs/figures/*.json; run scripts/docs-figures --write\n" + d
+    )
+
+
+def test_a_number_edited_by_hand_is_caught(tmp_path: Path) -> None:
+    t = _tree(tmp_path)
+    readme = t / "README.md"
+    text = readme.read_text()
+    assert "| pause at a join, torchft engine | 0.05 s |" in text
+    readme.write_text(text.replace("| pause at a join, torchft engine | 0.05 s |",
+                                   "| pause at a join, torchft engine | 0.04 s |"))  # fmt: skip
+    assert "0.04 s" in figures.diff(t)
+    # and a changed result without regenerating the docs
+    shutil.copy(REPO / "README.md", readme)
+    res = json.loads((t / "docs/figures/bench-results.json").read_text())
+    for r in res["rows"]:
+        if r["metric"] == "torchft: training pause at a join (3->4)":
+            r["spotctl"]["median"] = 0.07
+    (t / "docs/figures/bench-results.json").write_text(json.dumps(res))
+    assert "0.07 s" in figures.diff(t)
+
+
+def test_a_table_without_its_markers_is_refused(tmp_path: Path) -> None:
+    t = _tree(tmp_path)
+    p = t / "docs/benchmarks.md"
+    p.write_text(p.read_text().replace("<!-- figures:quorum -->\n", "", 1))
+    with pytest.raises(figures.FiguresError, match="quorum missing"):
+        figures.diff(t)
+
+
+def test_saved_rows_replace_their_metric_and_record_the_run(tmp_path: Path) -> None:
+    t = _tree(tmp_path)
+    path = t / "docs/figures/bench-results.json"
+    row = {
+        "benchmark": "recovery",
+        "metric": "torchft: pause at a notice (4->3)",
+        "spotctl": {"median": 0.31, "min": 0.2, "max": 0.4, "n": 3},
+        "baseline": {"median": 0.22, "min": 0.2, "max": 0.25, "n": 3},
+        "unit": "s",
+        "note": "",
+    }
+    failed = {"benchmark": "quorum", "metric": "(failed)", "spotctl": None, "baseline": None,
+              "unit": "", "note": "error: x"}  # fmt: skip
+    started = {"load_average": [1.0, 1.0, 1.0]}
+    run = figures.save([row, failed], "scripts/bench recovery --save", started=started,
+                       elapsed_s=12.34, path=path, now=0)  # fmt: skip
+    data = figures.read_results(path)
+    mine = [r for r in data["rows"] if r["metric"] == row["metric"]]
+    assert len(mine) == 1 and mine[0]["spotctl"]["median"] == 0.31 and mine[0]["run"] == run
+    assert not any(r["metric"] == "(failed)" for r in data["rows"])
+    rec = data["runs"][run]
+    assert rec["command"] == "scripts/bench recovery --save" and rec["source"] == "measured"
+    assert rec["finished_at"] == "1970-01-01T00:00:00Z" and rec["elapsed_s"] == 12.3
+    m = rec["machine"]
+    assert m["cores"] and m["torch"] and m["load_average"]["start"] == [1.0, 1.0, 1.0]
+    # the rest is kept; the docs now differ in exactly the new figures
+    assert len(data["rows"]) == len(figures.read_results()["rows"])
+    d = figures.diff(t)
+    assert "0.31 s (0.2..0.4, 3 notices)" in d and "bare torchft: 0.22 s (a kill)" in d
+    assert "scripts/bench recovery --save" in d and "1970-01-01" in d
+
+
+def _goodput() -> dict[str, object]:
+    return figures.read_goodput()
+
+
+def test_readme_goodput_on_p3_is_the_simulators() -> None:
+    g = _goodput()
+    sim = figures.simulate_goodput(g, only=["p3-trace"])  # type: ignore[arg-type]
+    ft, tr = (sim[e][0]["goodput_vs_oracle"] for e in ("torchft", "torchrun"))
+    readme = (REPO / "README.md").read_text()
+    assert (
+        f"| goodput on the p3 spot trace (simulated) | torchft {ft:.3f}, torchrun {tr:.3f} |"
+        in readme
+    )
+    assert (
+        f"| p3 (bamboo) | 32 | {ft:.3f} | {tr:.3f} |" in (REPO / "docs/benchmarks.md").read_text()
+    )
+
+
+def test_goodput_file_is_what_the_simulator_computes() -> None:
+    g = _goodput()
+    names = [r["trace"] for r in g["torchft"]["rows"] if r["trace"] != SLOW_TRACE]  # type: ignore[index]
+    assert len(names) == 8, names
+    sim = figures.simulate_goodput(g, only=names)  # type: ignore[arg-type]
+    for e in ("torchft", "torchrun"):
+        want = [r for r in g[e]["rows"] if r["trace"] in names]  # type: ignore[index]
+        assert sim[e] == want, (
+            f"{e}: docs/figures/goodput.json is stale: scripts/docs-figures --sim"
+        )
