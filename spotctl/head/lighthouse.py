@@ -1,9 +1,11 @@
 """torchft's Lighthouse on the head: the quorum server of the torchft engine.
 
-It runs inside the head process (so the head's supervisor restarts it with the store),
-bound to the head's address only, like the rendezvous store: it has no authentication and
-is reachable only from the cluster's nodes. Started only for clusters whose spec says
-`[train] engine = "torchft"` (the head is told with --lighthouse-port).
+It runs inside the head process (so the head's supervisor restarts it with the store).
+torchft's server itself binds loopback (an ephemeral port); the head's address (like the
+rendezvous store: no authentication, reachable only from the cluster's nodes) is served by
+spotctl.head.grpc_filter, which passes only the LighthouseService methods the Managers
+call and the status page, never the dashboard's kill route. Started only for clusters
+whose spec says `[train] engine = "torchft"` (the head is told with --lighthouse-port).
 
 Timing (milliseconds; SPOTCTL_FT_* environment variables override). The quorum holds
 still: it changes only when membership really changes.
@@ -57,22 +59,31 @@ class LighthouseTiming:
 
 
 class Lighthouse:
-    """A running torchft LighthouseServer bound to host:port (port 0 = any free one)."""
+    """A running torchft LighthouseServer on loopback, served on host:port (port 0 = any
+    free one) through the filter that passes only its gRPC methods and status page."""
 
     def __init__(self, host: str, port: int = 0, timing: LighthouseTiming | None = None):
         # torchft's Rust side logs every quorum request at info level otherwise
         os.environ.setdefault("RUST_LOG", "warn")
+        import hpack  # noqa: F401 - the filter's decoder; missing, the head says so at start
         from torchft.coordination import LighthouseServer
+
+        from spotctl.head.grpc_filter import GrpcFilter
 
         t = timing or LighthouseTiming.from_env()
         self.host = host
-        bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._server: Any = LighthouseServer(
-            bind=bind, min_replicas=t.min_replicas, join_timeout_ms=t.join_timeout_ms,
+            bind="127.0.0.1:0", min_replicas=t.min_replicas, join_timeout_ms=t.join_timeout_ms,
             quorum_tick_ms=t.quorum_tick_ms, heartbeat_timeout_ms=t.heartbeat_timeout_ms,
         )
-        # its own address() names the machine's hostname; peers must use the bound address
-        self.port = int(str(self._server.address()).rsplit(":", 1)[1].strip("/"))
+        # its own address() names the machine's hostname; the filter uses the bound address
+        self.inner_port = int(str(self._server.address()).rsplit(":", 1)[1].strip("/"))
+        try:
+            self._filter = GrpcFilter(host, port, ("127.0.0.1", self.inner_port))
+        except BaseException:
+            self._server.shutdown()
+            raise
+        self.port = self._filter.port
         self.timing = t
 
     @property
@@ -80,7 +91,19 @@ class Lighthouse:
         h = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{h}:{self.port}"
 
+    @property
+    def inner_address(self) -> str:
+        """torchft's own server, unfiltered, on loopback (the filter's cost is measured
+        against it)."""
+        return f"http://127.0.0.1:{self.inner_port}"
+
+    @property
+    def refused(self) -> int:
+        """Connections the filter closed for what they sent."""
+        return self._filter.refused
+
     def stop(self) -> None:
+        self._filter.stop()
         self._server.shutdown()
 
 
@@ -91,8 +114,8 @@ def start_lighthouse(host: str, port: int) -> Lighthouse | None:
     try:
         lh = Lighthouse(host, port)
     except ImportError:
-        log.error("the spec asks for the torchft engine but torchft is not installed on the "
-                  "head (pip install 'spotctl[train]')")
+        log.error("the spec asks for the torchft engine but torchft or hpack is not installed "
+                  "on the head (pip install 'spotctl[train]')")
         return None
     log.info("torchft lighthouse on %s (%s)", lh.address, lh.timing)
     return lh

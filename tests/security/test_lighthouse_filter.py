@@ -1,0 +1,141 @@
+"""The filter in front of the head's Lighthouse (spotctl.head.grpc_filter): torchft's own
+client gets its quorum through it, spotctl's start-up check reads the status page, and
+nothing else of the Lighthouse's HTTP side passes, whatever the encoding (HTTP/1.1, HTTP/2
+with HPACK's static and dynamic tables, Huffman strings, CONTINUATION frames, padding).
+The whole attack on a running cluster is tests/security/test_torchft_attacks.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import urllib.request
+from datetime import timedelta
+
+import pytest
+
+pytest.importorskip("hpack")
+from hpack import Encoder  # noqa: E402
+
+from spotctl.head.grpc_filter import (  # noqa: E402
+    LIGHTHOUSE_METHODS,
+    H2RequestFilter,
+    Refused,
+    http1_request,
+)
+from tests.security.torchft_attacks import _frame, grpc_call, http1, kill_request  # noqa: E402
+
+HAVE_FT = importlib.util.find_spec("torchft") is not None
+QUORUM = "/torchft.LighthouseService/Quorum"
+KILL = "/replica/r1/kill"
+
+
+def _req(path: str, method: str = "POST") -> list[tuple[str, str]]:
+    return [(":method", method), (":scheme", "http"), (":path", path),
+            (":authority", "10.0.0.5:29510"), ("content-type", "application/grpc"),
+            ("te", "trailers")]
+
+
+def _data(sid: int) -> bytes:
+    return _frame(0x0, 0x1, sid, b"\x00\x00\x00\x00\x00")
+
+
+def test_allowed_requests_pass_byte_for_byte_in_any_split() -> None:
+    enc = Encoder()
+    # the same request twice: the second refers to the dynamic table the first filled
+    wire = (_frame(0x4, 0, 0, b"") + _frame(0x1, 0x4, 1, enc.encode(_req(QUORUM))) + _data(1)
+            + _frame(0x1, 0x4, 3, enc.encode(_req(QUORUM))) + _data(3)
+            + _frame(0x1, 0x5, 1, enc.encode([("x-trailer", "1")])))  # trailers of stream 1
+    whole = H2RequestFilter(LIGHTHOUSE_METHODS)
+    assert whole.feed(wire) == wire and whole.requests == 2
+    one = H2RequestFilter(LIGHTHOUSE_METHODS)
+    assert b"".join(one.feed(wire[i:i + 1]) for i in range(len(wire))) == wire
+
+
+def _refused_at(frames: list[bytes]) -> bytes:
+    """What passed before the filter refused (it must refuse)."""
+    f = H2RequestFilter(LIGHTHOUSE_METHODS)
+    passed = b""
+    for fr in frames:
+        try:
+            passed += f.feed(fr)
+        except Refused:
+            return passed
+    raise AssertionError("the filter passed every frame")
+
+
+def test_the_kill_route_never_reaches_the_lighthouse_however_encoded() -> None:
+    enc = Encoder()
+    ok = _frame(0x1, 0x4, 1, enc.encode(_req(QUORUM)))
+    # plain, after an allowed request (dynamic table in use), Huffman-free, as a GET
+    assert _refused_at([ok, _data(1), _frame(0x1, 0x4, 3, enc.encode(_req(KILL)))]) == ok + _data(1)
+    assert _refused_at([_frame(0x1, 0x4, 1, Encoder().encode(_req(KILL), huffman=False))]) == b""
+    assert _refused_at([_frame(0x1, 0x4, 1, Encoder().encode(_req(QUORUM, "GET")))]) == b""
+    assert _refused_at([_frame(0x1, 0x4, 1, Encoder().encode(_req("/")))]) == b""
+    assert _refused_at([_frame(0x1, 0x4, 1, Encoder().encode(_req(QUORUM + "?x")))]) == b""
+    assert _refused_at([_frame(0x1, 0x4, 1, Encoder().encode(
+        _req("/torchft.ManagerService/Kill")))]) == b""
+    # the path in a CONTINUATION frame: nothing of the block passes
+    block = Encoder().encode(_req(KILL))
+    assert _refused_at([_frame(0x1, 0, 1, block[:4]), _frame(0x9, 0x4, 1, block[4:])]) == b""
+    # padded and with a priority field
+    padded = bytes([3]) + b"\0\0\0\x00\x10" + Encoder().encode(_req(KILL)) + b"\0\0\0"
+    assert _refused_at([_frame(0x1, 0x4 | 0x8 | 0x20, 1, padded)]) == b""
+    # two paths, one allowed; a pseudo-header smuggled into trailers
+    assert _refused_at([_frame(0x1, 0x4, 1, Encoder().encode(
+        [*_req(QUORUM), (":path", KILL)]))]) == b""
+    enc2 = Encoder()
+    first = _frame(0x1, 0x4, 1, enc2.encode(_req(QUORUM)))
+    assert _refused_at([first, _frame(0x1, 0x5, 1, enc2.encode([(":path", KILL)]))]) == first
+    # framing: a DATA frame inside a header block, a stray CONTINUATION, a PUSH_PROMISE,
+    # an undecodable block
+    assert _refused_at([_frame(0x1, 0, 1, block[:4]), _data(1)]) == b""
+    assert _refused_at([_frame(0x9, 0x4, 1, block)]) == b""
+    assert _refused_at([_frame(0x5, 0x4, 1, b"\0\0\0\x02" + block)]) == b""
+    assert _refused_at([_frame(0x1, 0x4, 1, b"\xff\xff\xff\xff")]) == b""
+
+
+def test_http1_passes_only_a_get_of_the_status_page() -> None:
+    assert http1_request(b"GET /status HTTP/1.1\r\nHost: h\r\nConnection: keep-alive",
+                         ["/status"]) == (
+        b"GET /status HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
+    for head in (b"POST /replica/r1/kill HTTP/1.1\r\nHost: h", b"GET / HTTP/1.1",
+                 b"GET /status?x HTTP/1.1", b"GET /replica/r1/kill HTTP/1.1",
+                 b"GET /status HTTP/1.1\r\nContent-Length: 5",
+                 b"GET /status HTTP/1.1\r\nTransfer-Encoding: chunked",
+                 b"GET /status HTTP/1.1\r\nUpgrade: h2c",
+                 b"GET /status HTTP/1.1\r\nHost : h", b"GET  /status HTTP/1.1"):
+        with pytest.raises(Refused):
+            http1_request(head, ["/status"])
+
+
+@pytest.mark.skipif(not HAVE_FT, reason="torchft is not installed (the 'ft' extra)")
+def test_torchfts_client_gets_its_quorum_through_the_filter_and_nothing_else_passes() -> None:
+    from torchft.coordination import LighthouseClient
+
+    from spotctl.head.lighthouse import Lighthouse
+
+    lh = Lighthouse("127.0.0.1")
+    try:
+        client = LighthouseClient(lh.address, connect_timeout=timedelta(seconds=10))
+        client.heartbeat("r1")
+        q = client.quorum("r1", timeout=timedelta(seconds=10), address="http://127.0.0.1:9",
+                          store_address="127.0.0.1:9", step=3, world_size=1)
+        assert [m.replica_id for m in q.participants] == ["r1"]
+        with urllib.request.urlopen(f"{lh.address}/status", timeout=10) as r:
+            assert b"<b>r1</b>" in r.read()
+        assert lh.refused == 0
+
+        assert http1(lh.address, "POST", KILL).status == "403"
+        assert http1(lh.address, "GET", "/").status == "403"
+        assert grpc_call(lh.address, KILL).closed
+        assert grpc_call(lh.address, "/torchft.ManagerService/Kill", kill_request()).closed
+        with socket.create_connection(("127.0.0.1", lh.port), timeout=10) as s:
+            s.sendall(b"\x16\x03\x01\x00\x05hello\r\n\r\n")  # neither protocol
+            assert s.recv(100).startswith(b"HTTP/1.1 403")
+        # torchft's own server (loopback) serves the dashboard the filter keeps out
+        assert http1(lh.inner_address, "GET", "/").status == "200"
+        # and the client still gets its quorum on the same Lighthouse
+        assert client.quorum("r1", timeout=timedelta(seconds=10), address="http://127.0.0.1:9",
+                             store_address="127.0.0.1:9", step=4, world_size=1).quorum_id >= 1
+    finally:
+        lh.stop()

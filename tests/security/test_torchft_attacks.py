@@ -1,0 +1,116 @@
+"""torchft's listeners on a real local cluster (engine torchft, 2 nodes), attacked by a
+client with no token and no torchft client, judged by the workers' own step logs (pid
+and step of every committed step), not by the head's view:
+
+- the head's Lighthouse port: torchft 0.2.0 serves its dashboard there, and its
+  `POST /replica/<id>/kill` (over HTTP/1.1 or HTTP/2) made the Lighthouse call that
+  replica's Manager `Kill` RPC, which exits the worker. The head's filter
+  (spotctl.head.grpc_filter) passes only the Lighthouse's gRPC methods and its status
+  page: every replica keeps its worker and trains on in the same quorum.
+- a replica's Manager: torchft has no way not to serve its `Kill` RPC, and the Manager
+  binds the node's cluster address; a cluster member can call it (the documented limit,
+  docs/security.md). What it gets: that one replica's worker exits; the other replica
+  trains on without a restart (the hot path)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import wait_until
+from tests.security.torchft_attacks import (
+    grpc_call,
+    http1,
+    kill_request,
+    lighthouse_members,
+)
+
+if importlib.util.find_spec("torchft") is None:
+    pytest.skip("torchft is not installed (the 'ft' extra)", allow_module_level=True)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+REPO = Path(__file__).resolve().parents[2]
+NODES = ("n1", "n2")
+
+
+def _steps(logs: Path, node: str) -> list[dict[str, Any]]:
+    p = logs / f"{node}.jsonl"
+    out = []
+    for line in (p.read_text().splitlines() if p.exists() else []):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def _last(logs: Path, node: str) -> int:
+    s = _steps(logs, node)
+    return s[-1]["step"] if s else 0
+
+
+def test_torchft_kill_routes(local_cluster: Any) -> None:
+    c = local_cluster("ftk")
+    shutil.copy(REPO / "tests" / "elastic" / "ft_train.py", c.project / "train.py")
+    logs = c.tmp / "steps"
+    logs.mkdir()
+    c.write_spec("2", checkpoint_every=25, engine="torchft",
+                 train_env={"FT_STEP_LOG": f"{logs}/{{node}}.jsonl", "FT_STEP_DELAY": "0.05"})
+    c.cli("up", "--wait", "120")
+    wait_until(lambda: all(any(s["replicas"] == 2 for s in _steps(logs, n)) for n in NODES),
+               240, "2 replicas in one quorum", 0.5, c.debug)
+    lighthouse = json.loads((c.cluster_dir / "head" / "head.json").read_text())["lighthouse"]
+    assert lighthouse
+
+    def members() -> dict[str, str] | None:
+        with urllib.request.urlopen(f"{lighthouse}/status", timeout=10) as r:
+            m = lighthouse_members(r.read().decode())
+        return m if len(m) == 2 else None
+
+    # the status page stays readable: it names every replica and its Manager's address
+    found = wait_until(members, 60, "both replicas on the Lighthouse's status page", 0.5)
+    assert found is not None
+    pids = {n: _steps(logs, n)[-1]["pid"] for n in NODES}
+    marks = {n: _last(logs, n) for n in NODES}
+
+    # (a) the dashboard's kill route on the head's Lighthouse port, both protocols
+    answers = []
+    for rid in found:
+        answers.append(http1(lighthouse, "POST", f"/replica/{rid}/kill"))
+        answers.append(grpc_call(lighthouse, f"/replica/{rid}/kill"))
+    wait_until(lambda: all(_last(logs, n) >= marks[n] + 30 for n in NODES), 180,
+               "both replicas 30 steps past the kill requests", 0.5, c.debug)
+    for n in NODES:
+        after = [s for s in _steps(logs, n) if s["step"] > marks[n]]
+        steps = [s["step"] for s in after]
+        assert steps == list(range(marks[n] + 1, marks[n] + 1 + len(steps))), (n, steps)
+        assert {s["pid"] for s in after} == {pids[n]}, f"{n}'s worker was restarted"
+        assert {s["replicas"] for s in after} == {2}, f"{n} left the quorum"
+    assert [a.status for a in answers[0::2]] == ["403", "403"], answers
+    assert all(a.closed for a in answers[1::2]), answers
+
+    # (b) the documented limit: a Manager's Kill RPC, from anyone who reaches the node
+    victim_id, victim_addr = sorted(found.items())[0]
+    victim = next(n for n in NODES if victim_id.startswith(n))
+    other = next(n for n in NODES if n != victim)
+    grpc_call(victim_addr, "/torchft.ManagerService/Kill", kill_request())
+    wait_until(lambda: _proc_gone(pids[victim]), 30, f"{victim}'s worker to exit", 0.2, c.debug)
+    o0 = _last(logs, other)
+    wait_until(lambda: _last(logs, other) >= o0 + 20, 180, f"{other} 20 steps past the kill",
+               0.5, c.debug)
+    assert {s["pid"] for s in _steps(logs, other)} == {pids[other]}, \
+        f"{other}'s worker was restarted by another replica's kill"
+    c.cli("down", "--name", "ftk", "--yes")
+
+
+def _proc_gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
