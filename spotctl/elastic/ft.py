@@ -203,6 +203,48 @@ def _scaler_update(scaler: Any, run: FtRun, orig: Any, *a: Any, **kw: Any) -> An
     return orig(scaler, *a, **kw)
 
 
+def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    out = []
+    for t in tree_leaves(tree):
+        if isinstance(t, torch.Tensor):
+            out.append(t._local_tensor if hasattr(t, "_local_tensor") else t)
+    return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().data_ptr())
+
+
+def _create_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Give an optimizer that has never stepped its state tensors (Adam's moments, ...)
+    without changing anything it trains: one step of the optimizer's own class with zero
+    gradients and a learning rate of 0 (as DCP does before loading into an optimizer).
+    The step bypasses the commit gate and any scheduler's wrapper. Left as it is when it
+    has state, or gradients (mid-step)."""
+    if opt.state:
+        return
+    params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    if not params or any(p.grad is not None for p in params):
+        return
+    lrs = [g.get("lr") for g in opt.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for g in opt.param_groups:
+            if "lr" in g:
+                g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+        with torch.no_grad():
+            type(opt).step(opt)
+    finally:
+        for g, lr in zip(opt.param_groups, lrs, strict=True):
+            if lr is not None:
+                g["lr"] = lr
+        for p in params:
+            p.grad = None
+
+
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(model, DDP) else model
 
@@ -338,9 +380,14 @@ class FtRun(Run):
         else:
             raise SystemExit(f"spotctl.elastic: SPOTCTL_FT_PG must be nccl or gloo, not {backend!r}")
         self._ft_device = self.device if backend == "nccl" else torch.device("cpu")
-        # live recovery over the same group: tensors go through it on its device
+        # live recovery over the same group: tensors go through it on its device, received
+        # in place into this replica's own state (_heal_target), not into new host memory
+        # that is then copied to the device
+        self.healed_in_place: tuple[int, int] | None = None
+        self._heal_storages: set[int] | None = None
         transport = PGTransport(self._ft_pg, timeout=timedelta(seconds=FT_TIMEOUT_S),
-                                device=self.device if backend == "nccl" else torch.device("cpu"))
+                                device=self.device if backend == "nccl" else torch.device("cpu"),
+                                state_dict=self._heal_target)
         self.manager = Manager(
             pg=self._ft_pg,
             load_state_dict=self._load_live,
@@ -508,7 +555,22 @@ class FtRun(Run):
                     "dataset_size": self.dataset_size},
         }
 
+    def _heal_target(self) -> dict[str, Any]:
+        """What a heal receives into: the live state, with each optimizer's state made
+        first if it has none yet (a joiner's), so that the optimizer's tensors are received
+        in place too, on their device."""
+        for o in self.optimizers:
+            _create_optimizer_state(o)
+        st = self._live_state()
+        self._heal_storages = {_storage(t) for t in _tensor_leaves(st)}
+        # the shape torchft sends (Manager._manager_state_dict): ours under "default"
+        return {"user": {"default": st}, "torchft": {}}
+
     def _load_live(self, st: dict[str, Any]) -> None:
+        if self._heal_storages is not None:  # how much of the heal landed in place
+            got = _tensor_leaves(st)
+            self.healed_in_place = (sum(_storage(t) in self._heal_storages for t in got), len(got))
+            self._heal_storages = None
         pos = st["pos"]
         self._check_meta(pos, int(pos["step"]))
         _unwrap(self.model).load_state_dict(st["model"])

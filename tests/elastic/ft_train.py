@@ -95,7 +95,8 @@ def main() -> None:
                 "replicas": getattr(run, "replicas", 1), "pid": os.getpid(),
                 "quorum_s": getattr(run, "quorum_s", None),
                 "lr": sched.get_last_lr()[0], "wrapper": type(run.model).__name__,
-                "loaders": getattr(loader, "restarts", None), **user_log,
+                "loaders": getattr(loader, "restarts", None),
+                "healed": getattr(run, "healed_in_place", None), **user_log,
             }) + "\n")
         if delay:
             time.sleep(delay)

@@ -68,6 +68,10 @@ def test_notice_kill_join_keep_the_trajectory(tmp_path: Path,
     # the joiner did not start from scratch: it recovered a live peer's state
     r3 = [s["step"] for s in logs["r3"]]
     assert r3[0] > t_kill_step and r3 == list(range(r3[0], M + 1))
+    # ... received in place: every tensor of that state (the model's, AdamW's moments made
+    # before the heal, the RNG states) landed in the joiner's own tensors, none in new memory
+    in_place, tensors = logs["r3"][0]["healed"]
+    assert tensors > 6 and in_place == tensors, logs["r3"][0]["healed"]
     assert any(s["replicas"] == 2 for s in logs["r2"] if s["step"] > r3[0])
     # the loss after every step equals the uninterrupted run's (float tolerance), and the
     # learning-rate schedule stepped only with committed steps

@@ -84,6 +84,9 @@ def test_two_process_replica_groups_survive_a_leave_and_a_join(
         # two groups trained together again
         g2 = [s["step"] for s in logs[("g2", k)]]
         assert g2[0] > left_at and g2 == list(range(g2[0], M + 1)), (k, g2)
+        # ... received in place into each worker's own tensors (FSDP2: its shards)
+        in_place, tensors = logs[("g2", k)][0]["healed"]
+        assert tensors > 6 and in_place == tensors, (k, logs[("g2", k)][0]["healed"])
         assert any(s["replicas"] == 2 for s in logs[("g2", k)])
         assert any(s["replicas"] == 1 for s in logs[("g1", k)] if s["step"] > left_at)
     # the loss after every step equals the uninterrupted run's (float tolerance), and the
