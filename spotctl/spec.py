@@ -149,15 +149,21 @@ class _Zoned(_Strict):
 
 
 class TrainSpec(_Strict):
+    # The training script (a .py file importing spotctl.elastic), relative to the spec's
+    # folder; the local and ssh providers check it exists before anything starts.
     script: str = "train.py"
-    args: list[str] = Field(default_factory=list)
+    args: list[str] = Field(default_factory=list)  # the script's command-line arguments
     # Where every node reads and writes checkpoints: a path (local: the cluster directory),
     # an object-store URI (s3://bucket/prefix, gs://bucket/prefix), or on clouds a path
     # under `shared_mount`, a filesystem the spec declares mounted on every node.
     checkpoint_dir: str = ""
+    # A filesystem mounted at this path on every node (clouds, ssh hosts): checkpoint_dir
+    # may then be a path under it.
     shared_mount: str = ""
-    checkpoint_every: int = Field(default=20, ge=1, le=1_000_000)
-    keep_last: int = Field(default=3, ge=1, le=1000)
+    checkpoint_every: int = Field(default=20, ge=1, le=1_000_000)  # steps between saves
+    keep_last: int = Field(default=3, ge=1, le=1000)  # committed checkpoints kept
+    # The job ends after this many steps (the script sees it as SPOTCTL_MAX_STEPS);
+    # 0 = it runs until stopped.
     max_steps: int = Field(default=0, ge=0, le=MAX_STEPS)
     # Per-node interpreter; empty means the controller's own (local and ssh providers).
     python: str = ""
@@ -167,7 +173,7 @@ class TrainSpec(_Strict):
     torch_envs: list[str] = Field(
         default_factory=lambda: ["/opt/pytorch/bin/python3", "/opt/conda/bin/python3"],
         max_length=16)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(default_factory=dict)  # extra environment of the workers
     # The distributed engine. torchft (the default): each node is a replica group under its
     # own torchrun, joined by the head's torchft Lighthouse; notices are graceful leaves,
     # joiners recover from a live peer, survivors never restart (torchft is in the 'train'
@@ -214,15 +220,20 @@ class BudgetSpec(_Strict):
 class CapacityStep(_Strict):
     """From `at_s` seconds after the cluster was created, at most `nodes` local nodes exist."""
 
-    at_s: float = Field(ge=0, le=1e9)
-    nodes: int = Field(ge=0, le=10_000)
+    at_s: float = Field(ge=0, le=1e9)  # seconds after the cluster was created
+    nodes: int = Field(ge=0, le=10_000)  # the most local nodes that may exist from then on
 
 
 class LocalSpec(_Zoned):
+    # "GPU slots" per local node: its number of training processes (they run on CPU).
     gpus_per_node: int = Field(default=1, ge=1, le=64)
+    # The emulated zones that nodes are spread over.
     zones: list[str] = Field(default_factory=lambda: ["local-a", "local-b"])
+    # Emulated spot and on-demand $/h of a node, for the cost figures and the planner.
     price_per_node: float = Field(default=0.0, ge=0, le=1e6)
-    on_demand_price_per_node: float = Field(default=0.0, ge=0, le=1e6)
+    on_demand_price_per_node: float = Field(default=0.0, ge=0, le=1e6)  # 0 = unknown
+    # Emulated capacity over time, e.g. [{ at_s = 0, nodes = 3 }, { at_s = 60, nodes = 2 }]:
+    # from at_s seconds after the cluster was created, at most that many nodes exist.
     capacity: list[CapacityStep] = Field(default_factory=list)
     # each node in its own network namespace on a bridge (root + iproute2): real links,
     # which a test can cut to partition a node
@@ -239,13 +250,15 @@ class LocalSpec(_Zoned):
 
 
 class AwsSpec(_Zoned):
-    region: str = "us-east-1"
-    zones: list[str] = Field(default_factory=list)
+    region: str = "us-east-1"  # the region the cluster lives in
+    zones: list[str] = Field(default_factory=list)  # zones to consider; empty = all of the region's
+    # Instance types to consider; empty = the GPU types the Deep Learning AMI runs on.
     instance_types: list[str] = Field(default_factory=list)
-    gpu: str = ""
+    gpu: str = ""  # only instance types with this GPU model (e.g. "A10G"); empty = any
     # Workers' image: aws.ami, else the AMI that this public SSM parameter names (AWS's
     # Deep Learning AMI: NVIDIA driver, CUDA PyTorch). A pinned aws.ami is the head's too.
     ami: str = ""
+    # The public SSM parameter naming the workers' AMI when aws.ami is empty.
     ami_ssm_parameter: str = (
         "/aws/service/deeplearning/ami/x86_64/"
         "oss-nvidia-driver-gpu-pytorch-2.7-ubuntu-22.04/latest/ami-id"
@@ -253,6 +266,7 @@ class AwsSpec(_Zoned):
     # The head's small CPU image: head_ami, else this SSM parameter (Canonical's Ubuntu
     # 24.04, Python 3.12: 22.04's 3.10 is older than spotctl's pinned packages allow).
     head_ami: str = ""
+    # The public SSM parameter naming the head's AMI when head_ami is empty.
     head_ami_ssm_parameter: str = (
         "/aws/service/canonical/ubuntu/server/24.04/stable/current/amd64/hvm/ebs-gp3/ami-id"
     )
@@ -265,32 +279,34 @@ class AwsSpec(_Zoned):
     # Checkpoints: s3://<bucket>/<cluster>/checkpoints is the default train.checkpoint_dir;
     # empty = spotctl-<account>-<region>, created private on first `up`.
     bucket: str = ""
-    head_instance_type: str = "t3.small"
-    ssh_user: str = "ubuntu"
+    head_instance_type: str = "t3.small"  # the head's on-demand CPU instance type
+    ssh_user: str = "ubuntu"  # the images' login user that bootstrap connects as
     # CIDR allowed to reach SSH; empty means the caller's own address. Never 0.0.0.0/0.
     ssh_cidr: str = ""
 
 
 class GcpSpec(_Zoned):
-    project: str = ""
-    region: str = "us-central1"
-    zones: list[str] = Field(default_factory=list)
+    project: str = ""  # the GCP project; empty = GOOGLE_CLOUD_PROJECT, else the credentials'
+    region: str = "us-central1"  # the region the cluster lives in
+    zones: list[str] = Field(default_factory=list)  # zones to consider; empty = all of the region's
+    # Machine types to consider; empty = every GPU machine type of the catalog.
     machine_types: list[str] = Field(default_factory=list)
-    gpu: str = ""
+    gpu: str = ""  # only machine types with this GPU model (e.g. "nvidia-l4"); empty = any
     # Workers: a Deep Learning VM image family (NVIDIA driver installed at first boot via
     # the install-nvidia-driver metadata, CUDA PyTorch). The head is a small CPU image.
     image: str = (
         "projects/deeplearning-platform-release/global/images/family/"
         "pytorch-2-4-cu124-debian-11-py310"
     )
-    head_image: str = "projects/debian-cloud/global/images/family/debian-12"
-    head_machine_type: str = "e2-small"
+    head_image: str = "projects/debian-cloud/global/images/family/debian-12"  # the head's
+    head_machine_type: str = "e2-small"  # the head's on-demand CPU machine type
     # Boot disk GB of workers; 0 = 100, and never below the image's own minimum.
     disk_gb: int = Field(default=0, ge=0, le=65536)
     # Boot disk type; empty = the one the machine family takes (pd-balanced, or
     # hyperdisk-balanced on families without persistent disks).
     disk_type: str = ""
-    ssh_user: str = "spotctl"
+    ssh_user: str = "spotctl"  # the user bootstrap connects as (its key in the metadata)
+    # CIDR allowed to reach SSH; empty means the caller's own address. Never 0.0.0.0/0.
     ssh_cidr: str = ""
     # Checkpoints: gs://<bucket>/<cluster>/checkpoints is the default train.checkpoint_dir;
     # empty = spotctl-<project>-<region>, created with uniform bucket-level access and
@@ -314,11 +330,15 @@ class GcpSpec(_Zoned):
 
 
 class SshHost(_Strict):
-    address: str
-    port: int = Field(default=22, ge=1, le=65535)
-    user: str = "root"
+    """One host of your own, reached over SSH."""
+
+    address: str  # a host name or IP address
+    port: int = Field(default=22, ge=1, le=65535)  # its SSH port
+    user: str = "root"  # the user to log in as
+    # A private key file (relative to the spec's folder); empty = your SSH agent's keys
+    # and the default ones in ~/.ssh.
     key: str = ""
-    gpus: int = Field(default=1, ge=1, le=64)
+    gpus: int = Field(default=1, ge=1, le=64)  # training processes on this host
     # A file whose appearance means the host is about to be taken away.
     notice_file: str = ""
 
@@ -338,16 +358,20 @@ class SshHost(_Strict):
 
 
 class SshSpec(_Strict):
-    hosts: list[SshHost] = Field(default_factory=list)
+    hosts: list[SshHost] = Field(default_factory=list)  # the hosts (provider "ssh" needs one)
     # The hosts' interpreter that each node's venv is made from (its torch is reused);
     # used when [train] python is empty, which makes spotctl ship itself to the hosts.
     base_python: str = "python3"
 
 
 class RebalanceSpec(_Strict):
+    # A zone that preempted a node or refused a launch is tried last for this long.
     cooldown_s: float = Field(default=900.0, ge=0, le=1e7)
+    # A running node is replaced by cheaper capacity only for at least this $/h saving.
     replace_saving_pct: float = Field(default=30.0, ge=0, le=100)
+    # A node is lost after this many observations in a row without a heartbeat...
     lost_after_observations: int = Field(default=3, ge=1, le=1_000_000)
+    # ...spanning at least this many seconds (or at once when the provider says it is gone).
     lost_after_s: float = Field(default=60.0, ge=0, le=1e7)
 
 
@@ -367,8 +391,11 @@ class PlacementSpec(_Strict):
 
 
 class ClusterSpec(_Strict):
+    # The cluster's name: lowercase letters, digits and '-', starting with a letter, at
+    # most 40 characters (`--name` picks a cluster by it).
     name: str = "spotctl"
-    provider: Literal["local", "aws", "gcp", "ssh"] = "local"
+    provider: Literal["local", "aws", "gcp", "ssh"] = "local"  # where the nodes come from
+    # Total GPUs: "MIN..MAX" starts with at least MIN and grows toward MAX; N = exactly N.
     gpus: GpuRange = Field(default_factory=lambda: GpuRange(min=1, max=1))
     train: TrainSpec = Field(default_factory=TrainSpec)
     budget: BudgetSpec = Field(default_factory=BudgetSpec)
