@@ -464,6 +464,7 @@ TITLES = {
     "control": "Control plane",
     "bootstrap": "SSH bootstrap of 64 nodes",
     "goodput": "Goodput on spot traces",
+    "goodput-whatif": "Goodput: what if",
 }
 BENCH_TABLES: dict[str, Callable[[Results], str]] = {
     "recovery-ft": t_recovery_ft,
@@ -500,6 +501,10 @@ def t_index(runs: dict[str, dict[str, Any]], used: dict[str, list[str]], g: dict
             sims = "<br>".join(f"`{g[e]['command']}`" for e in ("torchft", "torchrun"))
             lines.append([title, sims, "deterministic", SLOW_CHECKS[name]])
             continue
+        if name == "goodput-whatif":
+            sims = "<br>".join(f"`{v['command']}`" for v in g.get("variants", []))
+            lines.append([title, sims, "deterministic", f"`{TEST}` reruns the simulator"])
+            continue
         ids = used.get(name, [])
         cmds = "<br>".join(f"`{runs[i]['command']}`" for i in ids)
         when = "<br>".join(_when(runs[i]) for i in ids)
@@ -519,6 +524,7 @@ def render_tables(results: dict[str, Any], goodput: dict[str, Any]) -> dict[str,
         out[name] = fn(r)
         used[name] = r.used
     out["goodput"] = t_goodput(goodput)
+    out["goodput-whatif"] = t_goodput_whatif(goodput)
     out["readme"] = t_readme(Results(results), goodput)
     out["index"] = t_index(results["runs"], used, goodput)
     return out
@@ -596,3 +602,37 @@ def simulate_goodput(
         e: goodput_rows(model_for(e, settings[e].get("overrides") or {}), only=only, digits=6)
         for e in ("torchft", "torchrun")
     }
+
+
+def simulate_variants(settings: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """Rerun the simulator for each what-if of the goodput file (its engine, overrides,
+    blind offers and traces)."""
+    from spotctl.simulate.goodput import goodput_rows, model_for
+
+    return [
+        goodput_rows(
+            model_for(v["engine"], v.get("overrides") or {}),
+            blind=bool(v.get("blind")),
+            only=v["traces"],
+            digits=6,
+        )
+        for v in settings.get("variants", [])
+    ]
+
+
+WHATIF_TRACES = (
+    ("g4dn-trace", "g4dn"),
+    ("p3-trace", "p3"),
+    ("aws-1node-04-22-2023-first48h_us-east-1c_v100_1", "single node"),
+)
+
+
+def t_goodput_whatif(g: dict[str, Any]) -> str:
+    lines = []
+    for v in g.get("variants", []):
+        got = {r["trace"]: r["goodput_vs_oracle"] for r in v["rows"]}
+        lines.append(
+            [v["label"], f"`{v['command']}`"]
+            + [f"{got[t]:.3f}" if t in got else "-" for t, _ in WHATIF_TRACES]
+        )
+    return _table(["what if", "command"] + [label for _, label in WHATIF_TRACES], lines)

@@ -121,3 +121,16 @@ def test_goodput_file_is_what_the_simulator_computes() -> None:
         assert sim[e] == want, (
             f"{e}: docs/figures/goodput.json is stale: scripts/docs-figures --sim"
         )
+
+
+def test_goodput_what_ifs_are_what_the_simulator_computes() -> None:
+    g = _goodput()
+    variants = g["variants"]  # type: ignore[index]
+    assert [v["label"] for v in variants] == [  # type: ignore[attr-defined]
+        "a reconcile every minute, torchft",
+        "blind offers, torchft",
+        "blind offers, torchrun",
+    ]
+    sim = figures.simulate_variants(g)
+    for v, rows in zip(variants, sim, strict=True):  # type: ignore[call-overload]
+        assert rows == v["rows"], f"{v['label']}: goodput.json is stale: scripts/docs-figures --sim"
