@@ -26,7 +26,8 @@ Scenario by scenario (keys as in scripts/chaos):
  6   head (and with it the Lighthouse) killed and restarted by `up`: the replicas' managers
      ask again until the restarted Lighthouse answers, and go on from memory.
  7/8 joins (CLI killed mid-up; two `up` at once): the joiner heals from a live peer.
- 11/15/16 must not disturb training: no new quorum, no failed step.
+ 11/15/16/18 must not disturb training: no new quorum, no failed step (18: the
+     Lighthouse dashboard's kill route, POSTed for every replica over HTTP/1.1 and HTTP/2).
  12  every replica's workers killed at once (the only case torchft reads a checkpoint)
      with the newest checkpoint corrupted: resume from the one before it.
  17  rebalance racing down: engine-independent, run as on torchrun.
@@ -48,7 +49,7 @@ from .result import Result
 WORLD = local.WORLD
 EVERY = local.EVERY
 SCRIPT = Path(__file__).resolve().parent / "ft_train.py"
-KEYS = ("11", "15", "16", "1", "7", "2", "8", "3", "4", "5", "6", "12", "17")
+KEYS = ("11", "15", "16", "18", "1", "7", "2", "8", "3", "4", "5", "6", "12", "17")
 
 
 def make_cluster(root: Path) -> Cluster:
@@ -390,7 +391,7 @@ def head_settled(c: Cluster, world: int = WORLD, quiet_s: float = 2.0,
 
 
 def calm(c: Cluster, key: str, run: Callable[[], Result]) -> Result:
-    """11 / 15 / 16: faults that must not disturb training: no new quorum, no failed step."""
+    """11 / 15 / 16 / 18: faults that must not disturb training: no new quorum, no failed step."""
     head_settled(c)
     t0 = time.time()
     ckpt = ckpts(c, t0)
@@ -478,6 +479,7 @@ def run_ft_cluster_scenarios(
         ("11", lambda: calm(c, "11", lambda: local.flaky_metadata(c)), False),
         ("15", lambda: calm(c, "15", lambda: trust.forged_notice(c, WORLD)), False),
         ("16", lambda: calm(c, "16", lambda: trust.head_garbage(c, WORLD, garbage_s)), False),
+        ("18", lambda: calm(c, "18", lambda: trust.torchft_kill_route(c)), False),
         ("1", lambda: notice(c, "aws"), True),
         ("7", lambda: join(c, "7"), False),
         ("3", lambda: sigkill(c), True),

@@ -235,3 +235,29 @@ def rebalance_racing_down(c: Cluster) -> Result:
     res.notes = (f"down rc {down.returncode}; rebalances rc "
                  f"{[rc for what, rc, _ in outs[1:]]}; {len(left)} processes left")
     return res
+
+
+def torchft_kill_route(c: Cluster) -> Result:
+    """18 (engine torchft): the Lighthouse dashboard's kill route from a client with no
+    token: `POST /replica/<id>/kill` for every replica on the status page, over HTTP/1.1
+    and HTTP/2, at the head's Lighthouse port. The head's filter refuses each (403 /
+    closed); run under `calm`, so any new quorum or failed step after it fails it."""
+    from tests.security.torchft_attacks import grpc_call, http1, lighthouse_members
+
+    res = Result("18 torchft Lighthouse kill route", not_applicable=["recover_s"])
+    lighthouse = _head(c)["lighthouse"]
+    with urllib.request.urlopen(f"{lighthouse}/status", timeout=10) as r:
+        replicas = lighthouse_members(r.read().decode())
+    answers = {}
+    for rid in sorted(replicas):
+        a1 = http1(lighthouse, "POST", f"/replica/{rid}/kill")
+        a2 = grpc_call(lighthouse, f"/replica/{rid}/kill")
+        answers[rid] = {"http1": a1.status or "closed", "http2": a2.status or "closed"}
+    res.survived = bool(replicas) and all(
+        a == {"http1": "403", "http2": "closed"} for a in answers.values())
+    res.committed_steps_lost = 0
+    res.steps_replayed = 0
+    res.detail.update(victim=None, answers=answers)
+    res.notes = f"{len(replicas)} replicas: " + ", ".join(
+        f"{k} {v['http1']}/{v['http2']}" for k, v in answers.items())
+    return res
