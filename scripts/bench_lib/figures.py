@@ -174,12 +174,14 @@ class Results:
         self.runs: dict[str, Any] = data["runs"]
         self.rows = {(r["benchmark"], r["metric"]): r for r in data["rows"]}
         self.used: list[str] = []
+        self.shown: set[tuple[str, str]] = set()
 
     def row(self, benchmark: str, metric: str, side: str = "run") -> dict[str, Any]:
         r = self.rows.get((benchmark, metric))
         if r is None:
             raise FiguresError(f"results file: no row {benchmark!r} / {metric!r}")
         run = r.get(side, r["run"])
+        self.shown.add((benchmark, metric))
         if run not in self.used:
             self.used.append(run)
         return r
@@ -528,6 +530,23 @@ def render_tables(results: dict[str, Any], goodput: dict[str, Any]) -> dict[str,
     out["readme"] = t_readme(Results(results), goodput)
     out["index"] = t_index(results["runs"], used, goodput)
     return out
+
+
+def unshown(results: dict[str, Any]) -> list[str]:
+    """The rows of the results file that no table shows ('benchmark / metric'): a run with
+    other sizes (`--nodes`, `--checkpoint-mb`) or a row the docs give only in prose."""
+    shown: set[tuple[str, str]] = set()
+    for fn in BENCH_TABLES.values():
+        r = Results(results)
+        fn(r)
+        shown |= r.shown
+    r = Results(results)
+    t_readme(r, {e: {"rows": [{"trace": "p3-trace", "goodput_vs_oracle": 0}]} for e in ENGINES})
+    shown |= r.shown
+    return [f"{b} / {m}" for b, m in Results(results).rows if (b, m) not in shown]
+
+
+ENGINES = ("torchft", "torchrun")
 
 
 def render_doc(text: str, tables: dict[str, str], where: str) -> str:

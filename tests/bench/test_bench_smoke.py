@@ -113,6 +113,8 @@ def test_cli_json_and_recovery_file(tmp_path: Path) -> None:
             "--json",
             "--out",
             str(out),
+            "--save",
+            str(tmp_path / "figures.json"),
         ],
         capture_output=True,
         text=True,
@@ -120,6 +122,13 @@ def test_cli_json_and_recovery_file(tmp_path: Path) -> None:
     )
     assert p.returncode == 0, p.stderr
     rows = json.loads(p.stdout)
+    # --save: the rows and the run (command, machine) in the docs' results format
+    saved = json.loads((tmp_path / "figures.json").read_text())
+    assert [{k: v for k, v in r.items() if k != "run"} for r in saved["rows"]] == rows
+    (run,) = saved["runs"].values()
+    assert run["command"].startswith("scripts/bench checkpoint --repeat 1") and "--save" in run["command"]
+    assert run["source"] == "measured" and run["machine"]["cores"] and run["machine"]["torch"]
+    assert json.loads((out / "bench-results.json").read_text())["machine"]["torch"]
     assert [r["benchmark"] for r in rows] == ["checkpoint"] * 6
     assert set(rows[0]) == {"benchmark", "metric", "spotctl", "baseline", "unit", "note"}
     assert set(rows[0]["spotctl"]) == {"median", "min", "max", "n"}
@@ -197,6 +206,15 @@ def test_cluster_benchmarks_smoke(cluster_ctx: Context, name: str, count: int) -
     for engine, keys in want.get(name, {}).items():
         assert keys <= set(sim.get(engine, {})), (engine, sim)
     assert "hard_recovery_s" not in sim.get("torchft", {}), sim
+    # generous bounds on the figures the docs show (docs/figures/bench-results.json): they
+    # catch a regression to torch's default timeouts or to a lost step, not noise
+    bound = {"torchft: pause at a notice": 1.0, "torchft: training pause at a join": 2.0,
+             "notice -> first step at new size": 20.0, "training pause (": 20.0,
+             "torchft: steps lost per notice": 0, "steps lost per notice": 0}  # fmt: skip
+    for r in rows:
+        for prefix, most in bound.items():
+            if r.metric.startswith(prefix):
+                assert r.spotctl is not None and r.spotctl.max <= most, r
     from spotctl.agent import proctree
 
     assert proctree.tagged_prefix(str(cluster_ctx.work) + "/") == []

@@ -29,6 +29,7 @@ def _tree(tmp_path: Path) -> Path:
 
 
 def test_docs_are_rendered_from_the_results_files() -> None:
+    assert figures.unshown(figures.read_results()) == []
     d = figures.diff()
     assert d == "", (
         "the docs differ from docs/figures/*.json; run scripts/docs-figures --write\n" + d
@@ -91,6 +92,11 @@ def test_saved_rows_replace_their_metric_and_record_the_run(tmp_path: Path) -> N
     d = figures.diff(t)
     assert "0.31 s (0.2..0.4, 3 notices)" in d and "bare torchft: 0.22 s (a kill)" in d
     assert "scripts/bench recovery --save" in d and "1970-01-01" in d
+    # a run at another size is kept but shown nowhere: scripts/docs-figures says so
+    other = dict(row, metric="torchft: pause at a notice (3->2)")
+    figures.save([other], "scripts/bench recovery --nodes 3 --save", started=started,
+                 elapsed_s=1, path=path)  # fmt: skip
+    assert figures.unshown(figures.read_results(path)) == [f"recovery / {other['metric']}"]
 
 
 def _goodput() -> dict[str, object]:
