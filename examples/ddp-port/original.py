@@ -61,14 +61,15 @@ def main():
             opt.zero_grad()
             loss = F.mse_loss(model(x), y)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             sched.step()
             metric = loss.detach().clone()
             dist.all_reduce(metric)
             step += 1
             if rank == 0:
-                print(f"step {step} loss {metric.item() / world:.5f} world {world}", flush=True)
+                print(f"step {step} loss {metric.item() / world:.5f} grad_norm {grad_norm:.4f} "
+                      f"world {world}", flush=True)
             if step == STEPS:
                 break
         epoch += 1

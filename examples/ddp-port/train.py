@@ -61,13 +61,14 @@ def main():
             loss_sum = F.mse_loss(run.model(x), y, reduction="sum")
             (loss_sum * run.loss_scale).backward()
             total += loss_sum.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         loss = run.all_reduce(total, "sum").item() / run.step_samples
         run.end_step(loss=loss)
         if run.is_main:
-            print(f"step {run.step} loss {loss:.5f} world {run.dp_world}", flush=True)
+            print(f"step {run.step} loss {loss:.5f} grad_norm {grad_norm:.4f} "
+                  f"world {run.dp_world}", flush=True)
     run.finish()
 
 

@@ -43,6 +43,10 @@ def steps(out: str) -> list[tuple[int, float, int]]:
     return rows
 
 
+def grad_norms(out: str) -> list[float]:
+    return [float(g) for _, _, g, _ in STEP_RE.findall(out)]
+
+
 def committed(cwd: Path) -> list[int]:
     ck = cwd / "checkpoints"
     return sorted(int(d.name.split("-")[1]) for d in ck.glob("step-*") if (d / "COMMIT").exists())
@@ -85,17 +89,21 @@ def test_the_readme_diff_check_sees_a_changed_line() -> None:
 def test_ddp_port_trains_like_the_original(tmp_path: Path) -> None:
     """The port computes the same steps as the DDP script: with seed 0 the elastic order and
     DistributedSampler's draw the same permutation per epoch, so each step trains the same
-    32 samples and the logged losses agree (float summation order aside)."""
+    32 samples, and the logged losses and gradient norms agree (float summation order
+    aside)."""
     d = EXAMPLES / "ddp-port"
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    orig = steps(torchrun(d / "original.py", tmp_path / "a", STEPS="20"))
-    port = steps(torchrun(d / "train.py", tmp_path / "b", STEPS="20"))
+    orig_out = torchrun(d / "original.py", tmp_path / "a", STEPS="20")
+    port_out = torchrun(d / "train.py", tmp_path / "b", STEPS="20")
+    orig, port = steps(orig_out), steps(port_out)
     assert [s for s, _, _ in port] == list(range(1, 21))
     assert [s for s, _, _ in orig] == list(range(1, 21))
     assert {w for _, _, w in port} == {2}
     for (s, a, _), (_, b, _) in zip(orig, port, strict=True):
         assert b == pytest.approx(a, rel=1e-3, abs=1e-4), (s, a, b)
+    # the gradient clipping sees is the same: the mean over the same 32 samples
+    assert grad_norms(port_out) == pytest.approx(grad_norms(orig_out), rel=1e-3, abs=1e-4)
     losses = [loss for _, loss, _ in port]
     assert mean(losses[-5:]) < 0.5 * mean(losses[:5]), losses
     assert committed(tmp_path / "b")[-1] == 20
