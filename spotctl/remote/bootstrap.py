@@ -950,7 +950,10 @@ class CloudNodes:
             max_nodes=max(1, spec.gpus.max // max(1, inst.gpus)),
             checkpoint_dir=tr.checkpoint_dir or str(self.ctx.cluster_dir.checkpoints),
             checkpoint_every=tr.checkpoint_every, keep_last=tr.keep_last,
-            max_steps=tr.max_steps, python=tr.python, env=dict(tr.env),
+            max_steps=tr.max_steps, python=tr.python,
+            # what the node's network needs (e.g. FI_PROVIDER=efa on an EFA node, from the
+            # provider), then the spec's own, which wins
+            env={**dict(inst.meta.get("node_env") or {}), **tr.env},
             local_addr=self.override.address if self.override else inst.address,
             metadata=self.metadata, metadata_url=self.node_metadata_url(inst.id),
             run_as=tr.run_as, engine=tr.engine,

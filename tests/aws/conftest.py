@@ -34,6 +34,9 @@ ERROR_XML = (
 def moto_url() -> Iterator[str]:
     from moto.server import ThreadedMotoServer
 
+    from tests.aws import ec2_placement
+
+    ec2_placement.install()  # placement groups and EC2's network-interface refusals
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

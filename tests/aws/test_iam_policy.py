@@ -48,16 +48,20 @@ def _policy_actions() -> set[str]:
 def test_policy_matches_the_calls_of_a_whole_lifecycle(
     make_provider: Callable[..., AwsProvider], fault_proxy: FaultProxy
 ) -> None:
-    p = make_provider(instance_types=["g5.xlarge"], options={"endpoint_url": fault_proxy.url})
-    offer = p.offers()[0]
+    p = make_provider(instance_types=["g5.xlarge", "p4d.24xlarge"],
+                      options={"endpoint_url": fault_proxy.url})
+    offer = next(o for o in p.offers() if o.instance_type == "g5.xlarge")
     (inst,) = p.launch(offer, 1, "req-iam")
+    # an EFA type: its interfaces, in the cluster's placement group of the zone
+    efa = next(o for o in p.offers() if o.instance_type == "p4d.24xlarge")
+    (efa_inst,) = p.launch(efa, 1, "req-iam-efa")
     p.list(p.ctx.cluster)
     p.ensure_head()
     # the controller's address moved: the next `up` moves the SSH rule (revoking the old)
     make_provider(name=p.ctx.cluster, instance_types=["g5.xlarge"], ssh_cidr="192.0.2.99/32",
                   options={"endpoint_url": fault_proxy.url, "follow_ssh_cidr": True}
                   ).prepare()  # fmt: skip
-    p.terminate([inst.id])
+    p.terminate([inst.id, efa_inst.id])
     assert p.cleanup() == []
     p.checks()  # `spotctl check --provider aws`
     with pytest.raises(SpecError, match="aws.ami"):  # the default-AMI lookup

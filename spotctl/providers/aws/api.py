@@ -48,6 +48,7 @@ TAG_REQUEST = "spotctl:request-id"
 TAG_PRICE = "spotctl:price"
 TAG_ON_DEMAND = "spotctl:on-demand-price"
 TAG_GPUS = "spotctl:gpus"
+TAG_NETWORK = "spotctl:network"  # "efa<N>" (N EFA interfaces) or "ena" (one plain one)
 TAG_VPC = "spotctl:vpc"  # "true" on the VPC to use where the region has no default VPC
 KEY_FILE = "aws-key.pem"
 HEAD_TOKEN_FILE = "aws-head-request"
@@ -160,6 +161,8 @@ class AwsApi:
         self.ctx = ctx
         self.spec = ctx.spec.aws
         self.region = self.spec.region
+        # EFA and a placement group for the types that have EFA ([placement] fast_network)
+        self.fast_network = ctx.spec.placement.fast_network
         opts = ctx.options
         self._retry = _Retry(
             attempts=max(1, int(opts.get("retry_attempts", 5))),
@@ -197,6 +200,7 @@ class AwsApi:
         self._roots: dict[str, tuple[str, int]] = {}  # AMI -> (root device, snapshot GB)
         self._network: tuple[str, bool] | None = None  # (VPC id, is the default VPC)
         self._subnets: list[dict[str, Any]] | None = None
+        self._placement: dict[str, str] = {}  # zone -> the cluster's placement group there
         self._nodes = CloudNodes(
             ctx, metadata="aws", metadata_url=METADATA_URL,
             api_port=COORDINATOR_PORT, store_port=STORE_PORT,

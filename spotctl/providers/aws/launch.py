@@ -16,12 +16,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from spotctl.errors import CapacityError, ProviderError, SpecError
+from spotctl.providers.aws import efa
 from spotctl.providers.aws.api import (
     _ID_CHUNK,
     _NOT_FOUND_CODES,
     LIVE_STATES,
     TAG_CLUSTER,
     TAG_GPUS,
+    TAG_NETWORK,
     TAG_ON_DEMAND,
     TAG_PRICE,
     TAG_REQUEST,
@@ -145,6 +147,11 @@ class AwsLaunch(AwsNetwork, AwsStorage):
             meta={
                 "key_file": str(self.key_path),
                 "region": self.region,
+                # what the launch gave the node ("efa32", "ena"; "" for the head), and the
+                # environment its workers need for it
+                "network": tags.get(TAG_NETWORK, ""),
+                "node_env": efa.node_env(itype) if tags.get(TAG_NETWORK, "").startswith("efa")
+                else {},
                 "aws_state": state,
                 "spot_request_id": raw.get("SpotInstanceRequestId", ""),
             },
@@ -185,6 +192,11 @@ class AwsLaunch(AwsNetwork, AwsStorage):
             **tags,
         }
         ami = self._ami(role)
+        # a worker of an EFA type, fast network on: its EFA interfaces, in the cluster's
+        # placement group of the zone
+        n_efa = efa.efa_count(instance_type) if role == "worker" and self.fast_network else 0
+        if role == "worker":
+            all_tags[TAG_NETWORK] = f"efa{n_efa}" if n_efa else "ena"
         kwargs: dict[str, Any] = dict(
             ImageId=ami,
             BlockDeviceMappings=self._block_devices(ami, role),
@@ -208,8 +220,14 @@ class AwsLaunch(AwsNetwork, AwsStorage):
         )
         if zone:
             kwargs["Placement"] = {"AvailabilityZone": zone}
-        subnet = self._subnet(zone)
-        if subnet:
+        if n_efa:
+            if not zone:
+                raise SpecError(f"aws: EFA launches of {instance_type} need a zone")
+            del kwargs["SecurityGroupIds"]
+            kwargs["NetworkInterfaces"] = efa.network_interfaces(
+                instance_type, n_efa, self._subnet(zone, explicit=True), group, public=True)
+            kwargs["Placement"]["GroupName"] = self._placement_group(zone)
+        elif subnet := self._subnet(zone):
             # Not the default VPC: its subnets do not hand out public addresses by
             # default, and SSH from the controller needs one.
             del kwargs["SecurityGroupIds"]

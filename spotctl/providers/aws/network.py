@@ -14,7 +14,7 @@ import ipaddress
 from pathlib import Path
 from typing import Any
 
-from spotctl.errors import CapacityError, SpecError
+from spotctl.errors import CapacityError, ProviderError, SpecError
 from spotctl.providers.aws.api import (
     KEY_FILE,
     TAG_CLUSTER,
@@ -23,6 +23,7 @@ from spotctl.providers.aws.api import (
     _coded,
     _tag_map,
     _tags,
+    error_code,
 )
 
 
@@ -93,11 +94,12 @@ class AwsNetwork(AwsApi):
             f"{TAG_VPC}=true; set aws.vpc_id (and aws.subnet_ids) or tag one"
         )
 
-    def _subnet(self, zone: str) -> str:
+    def _subnet(self, zone: str, explicit: bool = False) -> str:
         """The subnet to launch into in `zone` ("" = any zone), or "" to let EC2 use the
-        default VPC's default subnet. A zone without a subnet is no place to launch."""
+        default VPC's default subnet (never with `explicit`: network interfaces named in
+        the request need their subnet). A zone without a subnet is no place to launch."""
         vpc, default = self._vpc()
-        if default and not self.spec.subnet_ids:
+        if default and not self.spec.subnet_ids and not explicit:
             return ""
         if self._subnets is None:
             filters = [{"Name": "vpc-id", "Values": [vpc]}]
@@ -239,6 +241,58 @@ class AwsNetwork(AwsApi):
         material = str(resp["KeyMaterial"])
         write_private(self.key_path, material if material.endswith("\n") else material + "\n")
         return self.key_name
+
+    @property
+    def _placement_prefix(self) -> str:
+        return f"spotctl-{self.ctx.cluster}-"
+
+    def _placement_group(self, zone: str) -> str:
+        """The cluster's placement group in `zone` (strategy cluster: one zone's nodes
+        close together for EFA), created on the first launch there, tagged, found by
+        name. One per zone: a cluster group's first instance fixes its zone."""
+        if zone in self._placement:
+            return self._placement[zone]
+        name = f"{self._placement_prefix}{zone}"
+        try:
+            found = self._call(f"find placement group {name}", self.ec2.describe_placement_groups,
+                               GroupNames=[name]).get("PlacementGroups", [])
+        except ProviderError as e:
+            if error_code(e) not in ("InvalidPlacementGroup.Unknown",):
+                raise
+            found = []
+        if found:
+            if _tag_map(found[0]).get(TAG_CLUSTER) != self.ctx.cluster:
+                raise SpecError(
+                    f"aws: placement group {name} exists but is not tagged for cluster "
+                    f"{self.ctx.cluster}; delete it or pick another cluster name")
+        else:
+            try:
+                self._call(
+                    f"create placement group {name}", self.ec2.create_placement_group,
+                    GroupName=name, Strategy="cluster",
+                    TagSpecifications=[{"ResourceType": "placement-group",
+                                        "Tags": _tags({TAG_CLUSTER: self.ctx.cluster})}],
+                )
+            except ProviderError as e:  # made meanwhile by another launch of this cluster
+                if error_code(e) != "InvalidPlacementGroup.Duplicate":
+                    raise
+        self._placement[zone] = name
+        return name
+
+    def _find_placement_groups(self) -> list[dict[str, Any]]:
+        return list(self._call(
+            f"find placement groups of cluster {self.ctx.cluster}",
+            self.ec2.describe_placement_groups, Filters=self._cluster_filter(),
+        ).get("PlacementGroups", []))
+
+    def _delete_placement_group(self, name: str) -> None:
+        try:
+            self._call(f"delete placement group {name}", self.ec2.delete_placement_group,
+                       GroupName=name)
+        except ProviderError as e:
+            if error_code(e) != "InvalidPlacementGroup.Unknown":
+                raise
+        self._placement = {z: n for z, n in self._placement.items() if n != name}
 
     def prepare(self) -> None:
         """Security group and key pair of the cluster (idempotent, found by tag/name)."""

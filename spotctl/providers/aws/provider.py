@@ -216,6 +216,10 @@ class AwsProvider(AwsChecks):
         for group in td.step("find security groups", self._find_groups, []):
             td.step(f"security group {group['GroupId']} ({group.get('GroupName', '')})",
                     lambda g=group: self._delete_group(str(g["GroupId"])))
+        # placement groups, after their instances (one still in use stays, as a line)
+        for pg in td.step("find placement groups", self._find_placement_groups, []):
+            td.step(f"placement group {pg['GroupName']}",
+                    lambda n=str(pg["GroupName"]): self._delete_placement_group(n))
         pairs = td.step(
             f"find key pairs of cluster {self.ctx.cluster}",
             lambda: self._call(f"find key pairs of cluster {self.ctx.cluster}",
