@@ -161,6 +161,9 @@ class TrainSpec(_Strict):
     # may then be a path under it.
     shared_mount: str = ""
     checkpoint_every: int = Field(default=20, ge=1, le=1_000_000)  # steps between saves
+    # Seconds between saves as well (whichever comes first); 0 = by steps only. Every rank
+    # saves at the same step: rank 0's clock decides, through the per-step agreement.
+    checkpoint_every_s: float = Field(default=0.0, ge=0, le=604_800, allow_inf_nan=False)
     keep_last: int = Field(default=3, ge=1, le=1000)  # committed checkpoints kept
     # The job ends after this many steps (the script sees it as SPOTCTL_MAX_STEPS);
     # 0 = it runs until stopped.

@@ -28,6 +28,7 @@ class AgentConfig:
     max_nodes: int = 1
     checkpoint_dir: str = ""
     checkpoint_every: int = 20
+    checkpoint_every_s: float = 0.0
     keep_last: int = 3
     max_steps: int = 0
     python: str = ""  # interpreter for torchrun; "" = the agent's own

@@ -240,6 +240,10 @@ class Run:
       size; the update is still the mean over the fixed global batch.
     schedulers, scaler, state: LR schedulers, a GradScaler, and named user objects with
       state_dict()/load_state_dict(): checkpointed and restored with the model.
+    checkpoint_every / checkpoint_every_s: save every this many steps, and also when this
+      many seconds have passed since the last save (0: steps only); the spec's [train]
+      values by default. On the timer every rank saves at the same step: rank 0's clock
+      decides.
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Run:
@@ -271,11 +275,13 @@ class Run:
         scaler: Any = None,
         state: dict[str, Any] | None = None,
         timeout_s: float | None = None,
+        checkpoint_every_s: float | None = None,
     ):
         t_init = self._setup(
             model, optimizer, dataset_size, global_batch, seed, epochs, max_steps,
             checkpoint_every, checkpoint_dir, keep_last, micro_batch=micro_batch, mesh=mesh,
             dp_dim=dp_dim, schedulers=schedulers, scaler=scaler, state=state, timeout_s=timeout_s,
+            checkpoint_every_s=checkpoint_every_s,
         )  # fmt: skip
         t_restore = time.time()
         self.resume_step = self._restore()
@@ -318,6 +324,7 @@ class Run:
         scaler: Any = None,
         state: dict[str, Any] | None = None,
         timeout_s: float | None = None,
+        checkpoint_every_s: float | None = None,
     ) -> float:
         """What both engines set up before restoring: process groups, wrappers, the
         training state's parts, the checkpointer. Returns when it started."""
@@ -359,6 +366,14 @@ class Run:
         self.epochs = epochs
         self.max_steps = max_steps if max_steps is not None else int(env.get("SPOTCTL_MAX_STEPS", "0"))
         self.every = checkpoint_every or int(env.get("SPOTCTL_CHECKPOINT_EVERY", "20"))
+        # seconds between saves as well; rank 0's clock decides, every rank learns it
+        # through the per-step control all_reduce (so all save at the same step)
+        self.every_s = (checkpoint_every_s if checkpoint_every_s is not None
+                        else float(env.get("SPOTCTL_CHECKPOINT_EVERY_S") or 0))
+        if not 0 <= self.every_s < float("inf"):
+            raise ValueError(f"checkpoint_every_s must be >= 0 seconds, not {self.every_s}")
+        self._last_save_t = time.monotonic()
+        self._time_due = False
         root = checkpoint_dir or env.get("SPOTCTL_CHECKPOINT_DIR") or "checkpoints"
         self.ckpt = Checkpointer(root, keep_last or int(env.get("SPOTCTL_KEEP_LAST", "3")),
                                  self.rank, self.ckpt_pg)
@@ -377,8 +392,25 @@ class Run:
         self.drain_step: int | None = None
         self._perm = PermutationCache(dataset_size, seed)
         self._drain_work: Any = None
-        self._drain_flag = torch.zeros(1, dtype=torch.int32)
+        self._drain_flag = torch.zeros(2, dtype=torch.int32)
         return t_init
+
+    def _control_flags(self) -> torch.Tensor:
+        """This rank's part of the per-step agreement (MAX over the ranks): [a notice
+        came, a timed checkpoint is due]. Only rank 0's clock counts."""
+        due = (self.every_s > 0 and self.rank == 0
+               and time.monotonic() - self._last_save_t >= self.every_s)
+        return torch.tensor([1 if self.drain_requested else 0, 1 if due else 0],
+                            dtype=torch.int32)
+
+    def _save_now(self) -> bool:
+        """Whether the step just finished is saved: every `every` steps, or when the
+        agreed timer says so; either resets the timer."""
+        due = self.step % self.every == 0 or self._time_due
+        if due:
+            self._time_due = False
+            self._last_save_t = time.monotonic()
+        return due
 
     # -- setup
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -591,13 +623,14 @@ class Run:
         if self._drain_work is not None:
             self._drain_work.wait()
             self._drain_work = None
-            if int(self._drain_flag.item()):
+            self._time_due = bool(self._drain_flag[1].item())
+            if int(self._drain_flag[0].item()):
                 self._drain()
         if self.max_steps and self.step >= self.max_steps:
             return False
         if self.epoch >= self.epochs:
             return False
-        self._drain_flag = torch.tensor([1 if self.drain_requested else 0], dtype=torch.int32)
+        self._drain_flag = self._control_flags()
         self._drain_work = dist.all_reduce(self._drain_flag, op=dist.ReduceOp.MAX,
                                            group=self.ctl_pg, async_op=True)
         return True
@@ -617,7 +650,7 @@ class Run:
             if self.rank == 0:
                 log.info("restart breakdown: %s", self.startup)
             self._report(force=True)
-        if self.step % self.every == 0:
+        if self._save_now():
             self.ckpt.save_async(self.step, self._state(), self._meta())
         self._report()
 

@@ -334,6 +334,7 @@ class FtRun(Run):
         scaler: Any = None,
         state: dict[str, Any] | None = None,
         timeout_s: float | None = None,
+        checkpoint_every_s: float | None = None,
     ):
 
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
@@ -349,6 +350,7 @@ class FtRun(Run):
             model, optimizer, dataset_size, global_batch, seed, epochs, max_steps,
             checkpoint_every, checkpoint_dir, keep_last, micro_batch=micro_batch, mesh=mesh,
             dp_dim=dp_dim, schedulers=schedulers, scaler=scaler, state=state, timeout_s=timeout_s,
+            checkpoint_every_s=checkpoint_every_s,
         )  # fmt: skip
         # per step: the commit vote (None until taken) and the quorum's shape
         self._decision: bool | None = None
@@ -658,10 +660,11 @@ class FtRun(Run):
         t.copy_(x.to(dev))
 
     def _leave_agreed(self) -> bool:
-        flag = torch.tensor([1 if self.drain_requested else 0], dtype=torch.int32)
+        flag = self._control_flags()
         if self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctl_pg)
-        return bool(flag.item())
+        self._time_due = bool(flag[1].item())
+        return bool(flag[0].item())
 
     def _gated(self, step_fn: Any) -> Any:
         def step(*a: Any, **kw: Any) -> Any:
@@ -733,7 +736,8 @@ class FtRun(Run):
             self.first_step_at = time.time()
             self.startup["first_step"] = round(self.first_step_at - self._t_ready, 3)
             self._report(force=True)
-        if self.step % self.every == 0 and self.replica_rank == 0:
+        # (every replica keeps the timer in step; replica 0 of the quorum saves)
+        if self._save_now() and self.replica_rank == 0:
             self._save_due = self.step
         self._report()
 

@@ -1,0 +1,44 @@
+"""`checkpoint_every_s`: a save when that many seconds have passed since the last, not only
+every `checkpoint_every` steps, on both engines, with real torchrun worker groups on gloo.
+Every rank of a group must save the same step (DCP's save is collective): rank 0's clock
+decides and the others learn it through the per-step control all_reduce. Judged by what
+landed in the checkpoint directory: committed steps that no step count explains, each
+written by every rank."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.elastic.ft_harness import FtReplicas
+
+pytestmark = pytest.mark.slow
+M = 40
+
+
+@pytest.mark.parametrize("engine", ["torchrun", "torchft"])
+def test_saves_come_by_the_clock(engine: str, tmp_path: Path,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    if engine == "torchft" and importlib.util.find_spec("torchft") is None:
+        pytest.skip("torchft is not installed (the 'ft' extra)")
+    monkeypatch.setenv("SPOTCTL_CHECKPOINT_EVERY_S", "0.3")
+    monkeypatch.setenv("SPOTCTL_KEEP_LAST", "1000")
+    # steps of 0.04 s or more, a step count that never comes: only the clock saves
+    c = FtReplicas(tmp_path, M, every=10_000, delay=0.04, engine=engine, nproc=2)
+    try:
+        c.start("r0")
+        assert c.finish(["r0"]) == {"r0": 0}, c.output("r0")
+    finally:
+        c.stop()
+    committed = sorted(p.parent for p in (tmp_path / "ckpt").glob("step-*/COMMIT"))
+    steps = [int(p.name.removeprefix("step-")) for p in committed]
+    # (step M is finish()'s own save)
+    timed = [s for s in steps if s != M]
+    assert len(timed) >= 2 and all(0 < s < M for s in timed), steps
+    for d in committed:  # both ranks wrote their part of the same step
+        meta = json.loads((d / "COMMIT").read_text())
+        assert meta.get("step", int(d.name.removeprefix("step-"))) == int(d.name[5:]), meta
+        assert len(list(d.glob("__*_*.distcp"))) == 2, sorted(x.name for x in d.iterdir())
