@@ -95,9 +95,9 @@ def test_the_kill_route_never_reaches_the_lighthouse_however_encoded() -> None:
 
 
 def test_http1_passes_only_a_get_of_the_status_page() -> None:
-    assert http1_request(b"GET /status HTTP/1.1\r\nHost: h\r\nConnection: keep-alive",
-                         ["/status"]) == (
-        b"GET /status HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n")
+    assert http1_request(b"GET /status HTTP/1.1\r\nHost: h\r\nConnection: keep-alive\r\n"
+                         b"Content-Length: 0", ["/status"]) == (
+        b"GET /status HTTP/1.1\r\nHost: h\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
     for head in (b"POST /replica/r1/kill HTTP/1.1\r\nHost: h", b"GET / HTTP/1.1",
                  b"GET /status?x HTTP/1.1", b"GET /replica/r1/kill HTTP/1.1",
                  b"GET /status HTTP/1.1\r\nContent-Length: 5",
@@ -139,3 +139,50 @@ def test_torchfts_client_gets_its_quorum_through_the_filter_and_nothing_else_pas
                              store_address="127.0.0.1:9", step=4, world_size=1).quorum_id >= 1
     finally:
         lh.stop()
+
+
+def test_connections_are_capped_and_a_silent_one_is_dropped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from spotctl.head import grpc_filter
+
+    class Status(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    up = ThreadingHTTPServer(("127.0.0.1", 0), Status)
+    threading.Thread(target=up.serve_forever, daemon=True).start()
+    monkeypatch.setattr(grpc_filter, "MAX_CONNS", 2)
+    monkeypatch.setattr(grpc_filter, "HELLO_S", 3.0)
+    f = grpc_filter.GrpcFilter("127.0.0.1", 0, ("127.0.0.1", up.server_address[1]))
+    url = f"http://127.0.0.1:{f.port}"
+    try:
+        held = [socket.create_connection(("127.0.0.1", f.port), timeout=10) for _ in range(2)]
+        for s in held:
+            s.sendall(b"PRI * HTTP/2.0\r\n")  # half a preface: each holds a slot
+        with socket.create_connection(("127.0.0.1", f.port), timeout=10) as third:
+            third.sendall(b"GET /status HTTP/1.1\r\n\r\n")
+            assert _closed(third)  # over the cap: closed, not served
+        for s in held:  # silent past HELLO_S: closed, and the slots free again
+            assert _closed(s)
+            s.close()
+        assert http1(url, "GET", "/status").status == "200"
+    finally:
+        f.stop()
+        up.shutdown()
+
+
+def _closed(s: socket.socket) -> bool:
+    """The peer closed without a byte (a reset counts); a socket timeout raises."""
+    try:
+        return s.recv(10) == b""
+    except ConnectionResetError:
+        return True
