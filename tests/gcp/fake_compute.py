@@ -79,6 +79,16 @@ ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
         ("POST", "firewalls.insert", P + r"/global/firewalls"),
         ("GET", "firewalls.list", P + r"/global/firewalls"),
         ("DELETE", "firewalls.delete", P + r"/global/firewalls/(?P<name>[^/]+)"),
+        ("POST", "resourcePolicies.insert", P + r"/regions/(?P<region>[^/]+)/resourcePolicies"),
+        ("GET", "resourcePolicies.list", P + r"/regions/(?P<region>[^/]+)/resourcePolicies"),
+        ("GET", "resourcePolicies.get",
+         P + r"/regions/(?P<region>[^/]+)/resourcePolicies/(?P<name>[^/]+)"),
+        ("DELETE", "resourcePolicies.delete",
+         P + r"/regions/(?P<region>[^/]+)/resourcePolicies/(?P<name>[^/]+)"),
+        ("GET", "regionOperations.get",
+         P + r"/regions/(?P<region>[^/]+)/operations/(?P<op>[^/]+)"),
+        ("POST", "regionOperations.wait",
+         P + r"/regions/(?P<region>[^/]+)/operations/(?P<op>[^/]+)/wait"),
     ]
 ]
 
@@ -94,6 +104,8 @@ IMAGES: dict[tuple[str, str], tuple[str, int]] = {
 NO_PD_STANDARD = ("g2-", "a3-", "a4-", "c3-", "c3d-", "c4-", "n4-", "h3-")
 HYPERDISK_ONLY = ("a3-ultragpu", "a4-", "c4-", "n4-")
 GVNIC_REQUIRED = ("g2-", "a3-", "a4-", "c3-", "c4-", "n4-", "h3-")
+# Families a compact placement policy takes (Compute Engine: placement policies overview).
+COMPACT_OK = ("a2-", "a3-", "a4-", "g2-", "c2-", "c2d-", "c3-", "c3d-", "h3-", "n2-", "n2d-")
 
 _LABEL_TERM = r'labels\.([a-z0-9_-]+)\s*=\s*"([^"]*)"'
 
@@ -184,6 +196,7 @@ class FakeCompute:
     def __init__(self) -> None:
         self.instances: dict[tuple[str, str], dict[str, Any]] = {}
         self.firewalls: dict[str, dict[str, Any]] = {}
+        self.policies: dict[tuple[str, str], dict[str, Any]] = {}  # (region, name) -> policy
         self.operations: dict[str, _Op] = {}
         self.requests: list[Recorded] = []
         self.exhausted: dict[str, str] = {}
@@ -370,7 +383,9 @@ class FakeCompute:
     ) -> dict[str, Any]:
         n = next(self._ids)
         name = f"operation-{n}"
-        scope = f"zones/{zone}" if zone else "global"
+        region = kind.partition("@")[2]  # "insert@us-central1": a regional operation
+        kind = kind.partition("@")[0]
+        scope = f"zones/{zone}" if zone else f"regions/{region}" if region else "global"
         res: dict[str, Any] = {
             "kind": "compute#operation",
             "id": str(n),
@@ -421,6 +436,89 @@ class FakeCompute:
         return self._poll(op)
 
     _globalOperations_wait = _globalOperations_get
+
+    def _regionOperations_get(self, op: str, **_: Any) -> dict[str, Any]:
+        return self._poll(op)
+
+    _regionOperations_wait = _regionOperations_get
+
+    # -------------------------------------------------------------- resource policies
+
+    def _resourcePolicies_insert(
+        self, project: str, region: str, body: dict[str, Any], **_: Any
+    ) -> dict[str, Any]:
+        name = body["name"]
+        target = f"{self._base(project)}/regions/{region}/resourcePolicies/{name}"
+        if (region, name) in self.policies:
+            raise ApiError(409, "alreadyExists", f"The resource 'projects/{project}/regions/"
+                           f"{region}/resourcePolicies/{name}' already exists")
+        policy = dict(body, kind="compute#resourcePolicy", id=str(next(self._ids)),
+                      region=f"{self._base(project)}/regions/{region}", selfLink=target,
+                      status="READY")
+
+        def create() -> None:
+            self.policies[(region, name)] = policy
+
+        return self._new_op(project, None, f"insert@{region}", target, create)
+
+    def _resourcePolicies_get(self, project: str, region: str, name: str, **_: Any
+                              ) -> dict[str, Any]:
+        pol = self.policies.get((region, name))
+        if pol is None:
+            raise ApiError(404, "notFound", f"The resource 'projects/{project}/regions/{region}/"
+                           f"resourcePolicies/{name}' was not found")
+        return pol
+
+    def _resourcePolicies_list(self, project: str, region: str, **_: Any) -> dict[str, Any]:
+        return {"kind": "compute#resourcePolicyList",
+                "items": [p for (r, _n), p in sorted(self.policies.items()) if r == region]}
+
+    def _resourcePolicies_delete(self, project: str, region: str, name: str, **_: Any
+                                 ) -> dict[str, Any]:
+        pol = self._resourcePolicies_get(project=project, region=region, name=name)
+        users = [n for (_z, n), vm in self.instances.items()
+                 if any(u.endswith(f"/regions/{region}/resourcePolicies/{name}")
+                        for u in vm.get("resourcePolicies") or [])]
+        if users:
+            raise ApiError(400, "resourceInUseByAnotherResource",
+                           f"The resource_policy resource '{pol['selfLink']}' is already being "
+                           f"used by '{users[0]}'")
+
+        def gone() -> None:
+            self.policies.pop((region, name), None)
+
+        return self._new_op(project, None, f"delete@{region}", pol["selfLink"], gone)
+
+    def _validate_policies(self, zone: str, machine: str, body: dict[str, Any]) -> None:
+        """A VM's resource policies: they exist in its region; a compact one takes only
+        its families, VMs that terminate on host maintenance, and one zone's VMs."""
+        region = zone.rsplit("-", 1)[0]
+        for i, url in enumerate(body.get("resourcePolicies") or []):
+            m = re.fullmatch(r"(?:.*/)?projects/[^/]+/regions/([^/]+)/resourcePolicies/([^/]+)",
+                             url)
+            field_ = f"resource.resourcePolicies[{i}]"
+            if m is None or (m.group(1), m.group(2)) not in self.policies:
+                raise ApiError(400, "invalid", f"Invalid value for field '{field_}': '{url}'. "
+                               "The resource was not found.")
+            if m.group(1) != region:
+                raise ApiError(400, "invalid", f"Invalid value for field '{field_}': '{url}'. "
+                               f"Resource policy must be in the instance's region {region}.")
+            pol = self.policies[(m.group(1), m.group(2))]
+            if (pol.get("groupPlacementPolicy") or {}).get("collocation") != "COLLOCATED":
+                continue
+            if not machine.startswith(COMPACT_OK):
+                raise ApiError(400, "invalid", f"Compact placement policies are not supported "
+                               f"for machine type {machine}.")
+            if (body.get("scheduling") or {}).get("onHostMaintenance") != "TERMINATE":
+                raise ApiError(400, "invalid", "Compact placement policies require "
+                               "scheduling.onHostMaintenance TERMINATE.")
+            others = {z for (z, _n), vm in self.instances.items()
+                      if any(u.endswith(f"/resourcePolicies/{m.group(2)}")
+                             for u in vm.get("resourcePolicies") or [])}
+            if others - {zone}:
+                raise ApiError(400, "invalid", f"Invalid value for field '{field_}': '{url}'. "
+                               f"The placement policy's instances are in zone "
+                               f"{sorted(others)[0]}; an instance in {zone} cannot join it.")
 
     # -------------------------------------------------------------- instances
 
@@ -558,6 +656,7 @@ class FakeCompute:
                     f"Invalid value for field 'resource.serviceAccounts[{i}].email': "
                     f"'{email}'. The user does not have access to service account '{email}'.",
                 )
+        self._validate_policies(zone, machine, body)
         for i, nic in enumerate(body.get("networkInterfaces") or []):
             if machine.startswith(GVNIC_REQUIRED) and nic.get("nicType") != "GVNIC":
                 raise ApiError(

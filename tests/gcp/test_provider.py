@@ -51,6 +51,7 @@ def test_launch_sends_spot_scheduling_labels_key_and_accelerator(fake, provider)
         "spotctl-cluster": "demo",
         "spotctl-role": "worker",
         "spotctl-request-id": "req-1",
+        "spotctl-network": "gvnic",
     }
     assert body["tags"]["items"] == ["spotctl-demo"]
     assert body["guestAccelerators"] == [
@@ -368,7 +369,7 @@ def test_missing_project_is_a_spec_error(fake, spotctl_home, monkeypatch):
 
 @pytest.mark.parametrize(
     "machine,gpu,nic", [("g2-standard-4", "L4", "GVNIC"), ("a3-highgpu-1g", "H100", "GVNIC"),
-                        ("n1-standard-8", "T4", None)]
+                        ("n1-standard-8", "T4", "GVNIC")]
 )  # fmt: skip
 def test_gpu_workers_get_dlvm_image_driver_balanced_disk_and_gvnic(
     fake, provider, machine, gpu, nic
@@ -401,7 +402,8 @@ def test_fake_refuses_pd_standard_on_g2(fake, spotctl_home):
 
 
 def test_fake_refuses_a3_without_gvnic(fake, provider, monkeypatch):
-    monkeypatch.setattr("spotctl.providers.gcp.launch.nic_type_for", lambda _m: "")
+    monkeypatch.setattr("spotctl.providers.gcp.placement.network_for",
+                        lambda *_a: ("", False))
     with pytest.raises(ProviderError, match="gVNIC"):
         provider.launch(_offer(provider, machine="a3-highgpu-1g", gpu="H100"), 1, "nognic")
     assert fake.instances == {}

@@ -24,6 +24,7 @@ PERMISSIONS: dict[str, set[str]] = {
         "compute.subnetworks.use", "compute.subnetworks.useExternalIp",
         "compute.instances.setMetadata", "compute.instances.setLabels",
         "compute.instances.setTags", "iam.serviceAccounts.actAs",
+        "compute.resourcePolicies.use",  # a compact placement policy named by the VM
     },
     "instances.list": {"compute.instances.list"},
     "instances.aggregatedList": {"compute.instances.list"},
@@ -43,6 +44,13 @@ PERMISSIONS: dict[str, set[str]] = {
     "firewalls.list": {"compute.firewalls.list"},
     "firewalls.get": {"compute.firewalls.get"},
     "firewalls.delete": {"compute.firewalls.delete", "compute.networks.updatePolicy"},
+    # compact placement policies (regional) and waiting on their operations
+    "resourcePolicies.insert": {"compute.resourcePolicies.create"},
+    "resourcePolicies.get": {"compute.resourcePolicies.get"},
+    "resourcePolicies.list": {"compute.resourcePolicies.list"},
+    "resourcePolicies.delete": {"compute.resourcePolicies.delete"},
+    "regionOperations.get": {"compute.regionOperations.get"},
+    "regionOperations.wait": {"compute.regionOperations.get"},
     # checkpoint bucket, the workers' service account and its bucket bindings (storage.py)
     "storage.buckets.insert": {"storage.buckets.create"},
     "storage.buckets.get": {"storage.buckets.get"},

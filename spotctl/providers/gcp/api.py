@@ -122,6 +122,8 @@ class _Clients:
     regions: Any = None
     networks: Any = None
     projects: Any = None
+    resource_policies: Any = None
+    region_ops: Any = None
 
 
 def _api_error_parts(exc: Exception) -> tuple[int | None, set[str], str]:
@@ -241,6 +243,9 @@ class GcpApi:
         self.ctx = ctx
         self.cluster = ctx.cluster
         self.spec = ctx.spec.gcp
+        # gVNIC and compact placement on GPU workers ([placement] fast_network)
+        self.fast_network = ctx.spec.placement.fast_network
+        self._policies: dict[str, str] = {}  # zone -> the cluster's placement policy there
         opts = ctx.options
         self.endpoint: str = str(opts.get("gcp_endpoint") or os.environ.get(ENV_ENDPOINT) or "")
         self.retry = Retry(
@@ -314,6 +319,8 @@ class GcpApi:
             regions=compute_v1.RegionsClient(**kw),
             networks=compute_v1.NetworksClient(**kw),
             projects=compute_v1.ProjectsClient(**kw),
+            resource_policies=compute_v1.ResourcePoliciesClient(**kw),
+            region_ops=compute_v1.RegionOperationsClient(**kw),
         )
 
     @property
@@ -351,7 +358,9 @@ class GcpApi:
             missing_ok=missing_ok,
         )  # fmt: skip
 
-    def _wait(self, op: Any, what: str, zone: str | None) -> ProviderError | None:
+    def _wait(
+        self, op: Any, what: str, zone: str | None, region: str | None = None
+    ) -> ProviderError | None:
         """Wait for an operation through our own operations client; return its error."""
         from google.cloud import compute_v1
 
@@ -363,7 +372,13 @@ class GcpApi:
                     f"gcp: {what}: operation {op.name} not done after {self.op_timeout_s:.0f}s"
                 )
             name = op.name
-            if zone:
+            if region:
+                op = self._call(
+                    f"{what} (wait)",
+                    partial(self.clients.region_ops.wait, project=self.project, region=region,
+                            operation=name, retry=None),
+                )
+            elif zone:
                 op = self._call(
                     f"{what} (wait)",
                     partial(

@@ -22,6 +22,7 @@ from typing import Any
 from spotctl.errors import CapacityError, ProviderError, SpecError, TransientError
 from spotctl.providers.base import Instance, Offer
 from spotctl.providers.gcp import catalog as catalog_gcp
+from spotctl.providers.gcp import placement
 from spotctl.providers.gcp.api import (
     _STATES,
     LABEL_CLUSTER,
@@ -128,6 +129,9 @@ class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
             spot=spot,
             ssh_user=self.spec.ssh_user,
             meta={
+                # the network the VM was launched with (gvnic-compact, gvnic, virtio; ""
+                # for the head)
+                "network": labels.get(placement.LABEL_NETWORK, ""),
                 "gcp_status": str(vm.status),
                 "gpu_name": gpu_name,
                 "key_file": str(self._key_path()),
@@ -203,6 +207,8 @@ class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
         accel = self._guest_accelerator(offer)
         pending: builtins.list[tuple[str, Any]] = []
         failure = _Failure()
+        _, compact = placement.network_for(offer.instance_type, offer.gpus, self.fast_network)
+        policy = self._compact_policy(zone) if compact and names else ""
 
         def insert(name: str) -> Any:
             resource = self._instance_resource(
@@ -214,6 +220,7 @@ class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
                 spot=True,
                 accel=accel,
                 gpus=offer.gpus,
+                policy=policy,
             )
             key = f"{name}/{rid}" + (f"/{attempt}" if attempt > 1 else "")
             return self._insert(zone, resource, key)
@@ -292,6 +299,7 @@ class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
         spot: bool,
         accel: str = "",
         gpus: int = 0,
+        policy: str = "",
     ) -> Any:
         from google.cloud import compute_v1
 
@@ -319,7 +327,10 @@ class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
                 )
             )
         image, disk_type, disk_gb = self._boot_disk(zone, machine_type, role)
-        nic = nic_type_for(machine_type)
+        if role == "worker":
+            nic, _ = placement.network_for(machine_type, gpus, self.fast_network)
+        else:
+            nic = nic_type_for(machine_type)
         metadata = [
             compute_v1.Items(key="ssh-keys", value=self._ssh_keys_entry()),
             # Only the cluster key logs in: no project-wide keys, no OS Login.
@@ -339,7 +350,10 @@ class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
                 LABEL_CLUSTER: label_value(self.cluster),
                 LABEL_ROLE: role,
                 LABEL_REQUEST: rid,
+                **({placement.LABEL_NETWORK: placement.label(nic, bool(policy))}
+                   if role == "worker" else {}),
             },
+            resource_policies=[policy] if policy else [],
             tags=compute_v1.Tags(items=[network_tag(self.cluster)]),
             scheduling=scheduling,
             guest_accelerators=accelerators,
@@ -364,6 +378,71 @@ class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
             metadata=compute_v1.Metadata(items=metadata),
             service_accounts=self._service_accounts(role),
         )
+
+    # ----------------------------------------------------------------- placement
+
+    def _compact_policy(self, zone: str) -> str:
+        """The cluster's compact placement policy for `zone` (created on the first launch
+        there, found by name and owned by its description); its URL for instances."""
+        from google.cloud import compute_v1
+
+        region = zone.rsplit("-", 1)[0]
+        name = placement.policy_name(self.cluster, zone)
+        url = f"projects/{self.project}/regions/{region}/resourcePolicies/{name}"
+        if zone in self._policies:
+            return url
+        mine = placement.policy_description(self.cluster)
+        got = self._call(f"get resource policy {name}", partial(
+            self.clients.resource_policies.get, project=self.project, region=region,
+            resource_policy=name, retry=None), missing_ok=True)
+        if got is not None and got.description != mine:
+            raise SpecError(f"gcp: resource policy {name} exists but is not cluster "
+                            f"{self.cluster}'s; delete it or pick another cluster name")
+        if got is None:
+            pol = compute_v1.ResourcePolicy(
+                name=name, description=mine,
+                group_placement_policy=compute_v1.ResourcePolicyGroupPlacementPolicy(
+                    collocation="COLLOCATED"))
+
+            def run() -> Any:
+                try:
+                    return self.clients.resource_policies.insert_unary(
+                        project=self.project, region=region, resource_policy_resource=pol,
+                        retry=None)
+                except Exception as exc:  # noqa: BLE001 - made meanwhile: ours, by name
+                    if _is_exists(exc):
+                        return None
+                    raise
+
+            op = self._call(f"create resource policy {name}", run)
+            if op is not None:
+                err = self._wait(op, f"create resource policy {name}", None, region=region)
+                if err is not None:
+                    raise err
+        self._policies[zone] = name
+        return url
+
+    def _list_policies(self) -> builtins.list[Any]:
+        """The cluster's placement policies in its region."""
+        mine = placement.policy_description(self.cluster)
+        found = self._call("list resource policies", lambda: list(
+            self.clients.resource_policies.list(project=self.project, region=self.region,
+                                                retry=None))) or []
+        return [p for p in found if p.description == mine]
+
+    def _delete_policies(self) -> None:
+        pending = []
+        for pol in self._list_policies():
+            op = self._call(f"delete resource policy {pol.name}", partial(
+                self.clients.resource_policies.delete_unary, project=self.project,
+                region=self.region, resource_policy=pol.name, retry=None), missing_ok=True)
+            if op is not None:
+                pending.append((pol.name, op))
+        self._policies.clear()
+        for name, op in pending:
+            err = self._wait(op, f"delete resource policy {name}", None, region=self.region)
+            if err is not None and "RESOURCE_NOT_FOUND" not in str(err):
+                raise err
 
     # ----------------------------------------------------------------- terminate
 

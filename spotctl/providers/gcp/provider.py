@@ -189,10 +189,14 @@ class GcpProvider(GcpChecks):
         td.step("delete VMs", lambda: self._delete((_short(vm.zone), vm.name) for vm in vms))
         td.step("delete firewall rules",
                 lambda: self._delete_firewalls(firewall_names(self.cluster)))
+        # placement policies, after their VMs (a policy in use cannot go)
+        td.step("delete placement policies", self._delete_policies)
         td.leaks += [f"instance {_short(vm.zone)}/{vm.name} ({vm.status})"
                      for vm in td.step("list VMs left", lambda: self._raw_list(**label), [])]
         td.leaks += [f"firewall {fw.name}"
                      for fw in td.step("list firewall rules left", self._list_firewalls, [])]
+        td.leaks += [f"resource policy {p.name}"
+                     for p in td.step("list placement policies left", self._list_policies, [])]
         td.leaks += td.step("the workers' service account", self._delete_node_identity, [])
         if self.ctx.options.get("purge"):
             def purge() -> None:

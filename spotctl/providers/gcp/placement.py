@@ -1,0 +1,49 @@
+"""GCP fast network: gVNIC on GPU VMs and a compact placement policy per zone.
+
+gVNIC is Google's own virtual NIC: higher bandwidth than VirtIO and required by the newer
+families (offers.GVNIC_ONLY). A compact placement policy (a regional resource policy with
+`groupPlacementPolicy.collocation: COLLOCATED`) asks GCP to put the VMs that name it close
+together in their zone; the families that take one are below (Compute Engine docs,
+"Placement policies overview": A2, A3, G2 among the GPU families; VMs must terminate on
+host maintenance, as GPU VMs do). Every VM of one policy is in one zone, so the cluster has
+one policy per zone, named for both and found by its description.
+"""
+
+from __future__ import annotations
+
+from spotctl.providers.gcp.offers import nic_type_for
+
+COMPACT_FAMILIES = ("a2-", "a3-", "g2-")
+LABEL_NETWORK = "spotctl-network"  # the VM's network as launched: gvnic-compact, gvnic, virtio
+
+
+def policy_name(cluster: str, zone: str) -> str:
+    return f"spotctl-{cluster}-{zone}"[:63].rstrip("-")
+
+
+def policy_description(cluster: str) -> str:
+    """What marks a policy as the cluster's (resource policies have no labels)."""
+    return f"spotctl cluster {cluster}: compact placement"
+
+
+def network_for(machine_type: str, gpus: int, fast: bool) -> tuple[str, bool]:
+    """(nicType, compact placement) for a worker VM: gVNIC on every GPU VM with the fast
+    network on (and wherever the family requires it), compact placement where the family
+    takes it."""
+    nic = "GVNIC" if fast and gpus > 0 else nic_type_for(machine_type)
+    return nic, fast and gpus > 0 and machine_type.startswith(COMPACT_FAMILIES)
+
+
+def label(nic: str, compact: bool) -> str:
+    return ("gvnic" if nic == "GVNIC" else "virtio") + ("-compact" if compact else "")
+
+
+def describe(machine_type: str, gpus: int, fast: bool) -> str:
+    """The network a node of this machine type gets, in a few words (plans, status)."""
+    nic, compact = network_for(machine_type, gpus, fast)
+    words = "gVNIC" if nic == "GVNIC" else "VirtIO"
+    if compact:
+        return f"{words}, compact placement"
+    if not fast and gpus:
+        return f"{words} (fast network off: [placement] fast_network = false)"
+    return f"{words} (no compact placement for this family)" if gpus else words
