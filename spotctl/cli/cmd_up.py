@@ -46,19 +46,30 @@ def register(app: typer.Typer) -> None:
                                budget=budget, dry_run=dry_run)
         store = open_store()
         if dry_run:
+            from spotctl.providers import network_of
+
             res = reconcile.reconcile(store, spec, dry_run=True)
             if json_out:
-                return print_json(res.to_json())
+                out = res.to_json()
+                for a in out.get("actions", []):  # each launch names its nodes' network
+                    for la in [a, *a.get("launches", [])]:
+                        if la.get("instance_type"):
+                            la["network"] = network_of(spec, _offer_of(res.plan, la))
+                return print_json(out)
             con = console()
             if not res.plan.actions:
                 con.print("nothing to launch: " + "; ".join(res.plan.notes))
-            for a in res.plan.actions:
-                o = a.offer
-                if o is None:
-                    con.print(f"{a.type}: {a.reason}")
-                    continue
-                con.print(f"launch {a.count} x {o.instance_type} ({o.gpus} GPU) in {o.zone} "
-                          f"at ${o.spot_price:.4f}/h each: {a.reason}")
+            for act in res.plan.actions:
+                for a in (act.launches if act.type == "move" else (act,)):
+                    o = a.offer
+                    if o is None:
+                        con.print(f"{a.type}: {a.reason}")
+                        continue
+                    con.print(f"launch {a.count} x {o.instance_type} ({o.gpus} GPU) in {o.zone} "
+                              f"at ${o.spot_price:.4f}/h each, network {network_of(spec, o)}: "
+                              f"{a.reason}")
+            for note in res.plan.notes if res.plan.actions else ():
+                con.print(f"note: {note}")
             return
         from spotctl.cli.up_progress import Reporter, first_step_wait_s, watch
         from spotctl.control.address import fill_ssh_cidr
@@ -99,3 +110,14 @@ def register(app: typer.Typer) -> None:
             # bill), and nothing reports
             first = next(e for e in res.errors if e.startswith(res.bootstrap_failed[0]))
             raise SpotctlError(f"no node came up: {first}")
+
+
+def _offer_of(plan: Any, d: dict[str, Any]) -> Any:
+    """The offer of the plan's launch that `d` (its JSON) describes."""
+    for act in plan.actions:
+        for a in (*act.launches, act):
+            o = a.offer
+            if o is not None and (o.instance_type, o.zone, o.provider) == (
+                    d.get("instance_type"), d.get("zone"), d.get("provider")):
+                return o
+    raise KeyError(d.get("instance_type"))

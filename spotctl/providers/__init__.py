@@ -13,6 +13,22 @@ __all__ = ["HeadInfo", "Instance", "Offer", "Provider", "ProviderContext", "get_
 KNOWN = ("local", "aws", "gcp", "ssh")
 
 
+def network_of(spec: Any, offer: Offer) -> str:
+    """The network a node launched from `offer` gets, in a few words (`up --dry-run`)."""
+    fast = bool(spec.placement.fast_network)
+    if offer.provider == "aws":
+        from spotctl.providers.aws import efa
+
+        return efa.describe(offer.instance_type, fast)
+    if offer.provider == "gcp":
+        from spotctl.providers.gcp import placement
+
+        return placement.describe(offer.instance_type, offer.gpus, fast)
+    if offer.provider == "local":
+        return "loopback (a process tree on this machine)"
+    return "the host's own network"
+
+
 def get_provider(name: str, ctx: ProviderContext) -> Any:
     """Return the provider `name` for this cluster. Each module exposes `create(ctx)`."""
     if name not in KNOWN:

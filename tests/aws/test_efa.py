@@ -203,3 +203,30 @@ def test_describe_names_the_network_a_node_gets() -> None:
     assert efa.describe("p5.48xlarge", True) == "EFA x32, cluster placement group"
     assert efa.describe("p5.48xlarge", False).startswith("ENA (fast network off")
     assert efa.describe("g5.xlarge", True) == "ENA (no EFA on this type)"
+
+
+def test_up_dry_run_names_each_launchs_network(
+    home: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, ec2: Any
+) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from spotctl.cli.app import app
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "spotctl.toml").write_text(
+        'name = "efadry"\nprovider = "aws"\ngpus = "16..16"\n'
+        '[aws]\nregion = "us-east-1"\ninstance_types = ["p4d.24xlarge"]\n'
+        'ssh_cidr = "198.51.100.7/32"\n')
+    res = CliRunner().invoke(app, ["up", "--dry-run", "--json"])
+    assert res.exit_code == 0, res.output
+    actions = json.loads(res.stdout)["actions"]
+    assert actions and {a["network"] for a in actions} == {"EFA x4, cluster placement group"}
+    res = CliRunner().invoke(app, ["up", "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert "network EFA x4, cluster placement group" in res.stdout, res.stdout
+    # nothing was made: the dry run creates no placement group either
+    flt = [{"Name": "tag:spotctl:cluster", "Values": ["efadry"]}]
+    assert ec2.describe_placement_groups(Filters=flt)["PlacementGroups"] == []

@@ -121,3 +121,14 @@ def test_list_json_empty(home, capsys):
 def test_usage_error_is_short(home, capsys):
     code, out, err = run(["status", "--bogus"], capsys)
     assert code == 2 and "No such option" in err and "Traceback" not in err
+
+
+def test_up_dry_run_names_the_network_of_local_nodes(home):
+    (home / "train.py").write_text("")
+    r = CliRunner().invoke(app, ["up", "--dry-run", "--gpus", "2", "--name", "netdry"])
+    assert r.exit_code == 0, r.output
+    assert "network loopback (a process tree on this machine)" in r.stdout, r.stdout
+    r = CliRunner().invoke(app, ["up", "--dry-run", "--gpus", "2", "--name", "netdry", "--json"])
+    assert r.exit_code == 0, r.output
+    (a,) = json.loads(r.stdout)["actions"]
+    assert a["network"].startswith("loopback") and a["zone"] == "local-a"
