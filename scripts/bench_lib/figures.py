@@ -450,16 +450,146 @@ def t_readme(r: Results, g: dict[str, Any]) -> str:
     )  # fmt: skip
 
 
+def _cell(d: dict[str, Any] | None, unit: str = "s") -> str:
+    """A figure given as its values ('8.8 and 14.2 s') or as a median ('0.21 s (4 runs)')."""
+    if d is None:
+        return "-"
+    if d.get("values"):
+        vs = [num(v) for v in d["values"]]
+        return (", ".join(vs[:-1]) + " and " + vs[-1] if len(vs) > 1 else vs[0]) + f" {unit}"
+    f = Fig.of(d, "figure")
+    return f.text(unit, "run")
+
+
+def t_ft_partition(r: Results) -> str:
+    rows = [
+        (
+            "network cut, compute-bound step",
+            "cut, compute-bound: survivors' first step after the loss",
+            "cut, compute-bound: median step",
+        ),
+        ("network cut, tiny model", "cut, tiny model: survivors' first step after the loss", None),
+        (
+            "SIGKILL, 3 compute-bound replicas on 2 cores",
+            "kill, compute-bound: survivors' first step after the loss",
+            "kill, compute-bound: median step",
+        ),
+    ]
+    lines = []
+    for label, pause, step in rows:
+        p = r.row("ft-partition", pause)
+        cmd = f"`{r.runs[p['run']]['command']}`"
+        st = _cell(r.row("ft-partition", step)["spotctl"]) if step else "-"
+        lines.append([label, cmd, st, _cell(p["spotctl"]), r.load("ft-partition", pause)])
+    return _table(["how the node goes", "command", "step", "survivors' pause", "load average"],
+                  lines)  # fmt: skip
+
+
+def t_quorum_stability(r: Results) -> str:
+    m = "torchft: spurious regroupings per 1,000 steps, jittery replica"
+    row = r.row("quorum", m)
+    ours, base = row["spotctl"], row["baseline"]
+    hb = row.get("oldest_heartbeat_ms") or {}
+    return _table(
+        ["one of 3 replicas late to 8 % of its quorums by 0.5-1.5 s",
+         "spotctl's defaults (heartbeat timeout 250 ms)", "join timeout 100 ms (the baseline)"],
+        [
+            ["spurious regroupings per 1,000 steps", _cell(ours, ""), _cell(base, "")],
+            ["heals of the late replica", num(row["heals"]["spotctl"]),
+             num(row["heals"]["baseline"]) + " per run"],
+            ["oldest heartbeat of a live replica at the Lighthouse",
+             ", ".join(f"{num(v)} ms (load {k})" for k, v in hb.items()), ""],
+            ["load average", r.load("quorum", m), ""],
+        ],
+    )  # fmt: skip
+
+
+def t_head_restart(r: Results) -> str:
+    m = "torchft: head restart, kill -> 3 replicas committing again"
+    row = r.row("chaos", m)
+    return _table(
+        ["scenario", "kill -> 3 replicas committing again", "steps replayed", "replicas restarted"],
+        [["head restart, torchft engine", _cell(row["spotctl"]), num(row["steps_replayed"]),
+          num(row["replicas_restarted"])]],
+    )  # fmt: skip
+
+
+def t_filter_cost(r: Results) -> str:
+    lines = []
+    for label, m in (
+        ("median", "per-step quorum of 2 replicas: median"),
+        ("90th percentile", "per-step quorum of 2 replicas: 90th percentile"),
+    ):
+        row = r.row("ft-filter-cost", m)
+        lines.append([label, _cell(row["spotctl"], "ms"), _cell(row["baseline"], "ms")])
+    return _table(["per-step quorum, 2 replicas", "through the head's filter",
+                   "at torchft's own port"], lines)  # fmt: skip
+
+
+HEAD_ATTACKS = (
+    ("slowloris, 300 connections, 1 byte / 2 s, 16 s", "slowloris 300 conns, 1 B/2 s, 16 s"),
+    (
+        "header flood, 250 connections x 60 headers x 16 KiB, held",
+        "header flood 250 conns x 60 headers x 16 KiB",
+    ),
+)
+
+
+def _count(x: Any) -> str:
+    if isinstance(x, list):
+        return f"{num(x[0])}-{num(x[1])}"
+    return num(x)
+
+
+def _latency(x: float) -> str:
+    return f"{num(x * 1000)} ms" if x < 0.1 else f"{num(x)} s"
+
+
+def attack_cell(d: dict[str, Any]) -> str:
+    """What one attack got, from tests/security/head_attacks.py's summary of it."""
+    held = f"{_count(d['connections_held_at_end'])} held at the end"
+    if d.get("oldest_open_s") is not None:
+        held += f" (oldest {num(d['oldest_open_s'])} s)"
+    if d.get("longest_closed_s") is not None:
+        held += f", each closed within {num(d['longest_closed_s'])} s"
+    parts = [held]
+    if d.get("rss_before_mb") is not None and d.get("rss_peak_mb") is not None:
+        parts.append(f"RSS {_count(d['rss_before_mb'])} -> {_count(d['rss_peak_mb'])} MB")
+    for what, label in (("status", "`status`"), ("heartbeat", "heartbeats")):
+        if d.get(f"{what}_ok") is None:
+            continue
+        ok, failed = d[f"{what}_ok"], d.get(f"{what}_failed") or 0
+        s = f"{label} {ok} of {ok + failed} served"
+        lat = [f"median {_latency(d[k])}" for k in (f"{what}_median_s",) if d.get(k) is not None]
+        lat += [f"max {_latency(d[k])}" for k in (f"{what}_max_s",) if d.get(k) is not None]
+        parts.append(s + (f" ({', '.join(lat)})" if lat else ""))
+    return "; ".join(parts)
+
+
+def t_head_attacks(r: Results) -> str:
+    lines = []
+    for label, m in HEAD_ATTACKS:
+        before = r.row("head-attacks", m, "baseline_run")["baseline"]
+        lines.append([label, attack_cell(before), attack_cell(r.row("head-attacks", m)["spotctl"])])
+    return _table(["attack", "before (no admission control)", "now"], lines)
+
+
 # which tests check each table besides the generator's own (docs = results file)
 SLOW_CHECKS = {
     "recovery-ft": "`tests/elastic/test_ft_quorum.py` (slow): notice pause < 1 s, kill and join < 2 s",
+    "head-attacks": "`tests/security/test_head_attacks.py` (slow): the same attacks; `status` and "
+    "heartbeats served, nothing held after a header flood",
     "goodput": "`tests/unit/test_docs_figures.py` reruns the simulator (the 16-node trace: "
     "`tests/sim/test_goodput_figures.py`, slow)",
 }
-TITLES = {
+TITLES = {  # in the page's order
     "recovery-ft": "Rescale pauses: torchft engine",
+    "ft-partition": "A node gone without notice (torchft)",
     "recovery-torchrun": "Rescale pauses: torchrun engine",
     "quorum": "The quorum's price",
+    "quorum-stability": "Quorum stability",
+    "filter-cost": "The Lighthouse filter's cost",
+    "head-restart": "Head restart",
     "overhead": "Steady-state overhead",
     "checkpoint-loop": "Checkpoints in a training loop",
     "checkpoint-disk": "The Checkpointer against the disk",
@@ -467,6 +597,7 @@ TITLES = {
     "bootstrap": "SSH bootstrap of 64 nodes",
     "goodput": "Goodput on spot traces",
     "goodput-whatif": "Goodput: what if",
+    "head-attacks": "The head's API under attack",
 }
 BENCH_TABLES: dict[str, Callable[[Results], str]] = {
     "recovery-ft": t_recovery_ft,
@@ -477,6 +608,11 @@ BENCH_TABLES: dict[str, Callable[[Results], str]] = {
     "checkpoint-disk": t_checkpoint_disk,
     "control": t_control,
     "bootstrap": t_bootstrap,
+    "ft-partition": t_ft_partition,
+    "quorum-stability": t_quorum_stability,
+    "head-restart": t_head_restart,
+    "filter-cost": t_filter_cost,
+    "head-attacks": t_head_attacks,
 }
 
 

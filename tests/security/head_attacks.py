@@ -3,6 +3,8 @@ small benchmark that prints what each gets:
 
     .venv/bin/python -m tests.security.head_attacks            # this tree's head
     .venv/bin/python -m tests.security.head_attacks --tree DIR # another checkout's head
+    .venv/bin/python -m tests.security.head_attacks --save     # and record the figures in
+                                                    # docs/figures/bench-results.json
 
 Each attack runs while a real controller client (HeadClient, the cluster secret) asks for
 `status` every half second; the figures are the head's RSS, how long the attacker's
@@ -31,6 +33,9 @@ from spotctl.head.auth import node_token
 from spotctl.head.client import HeadClient, HeadUnavailable
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_lib import figures  # noqa: E402
 
 
 @dataclass
@@ -256,21 +261,69 @@ def run_header_flood(head: Head, n: int = 250, lines: int = 60,
             "rss_peak_mb": round(peak), **probe.summary()}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tree", type=Path, default=None,
                     help="run the head from this checkout (e.g. an older commit's export)")
     ap.add_argument("--slowloris", type=int, default=300, help="connections (default 300)")
     ap.add_argument("--flood", type=int, default=250, help="connections (default 250)")
-    args = ap.parse_args()
-    rows = []
-    with tempfile.TemporaryDirectory() as d, real_head(Path(d), args.tree) as head:
-        rows.append(run_slowloris(head, args.slowloris))
-    with tempfile.TemporaryDirectory() as d, real_head(Path(d), args.tree) as head:
-        rows.append(run_header_flood(head, args.flood))
+    ap.add_argument("--save", action="store_true",
+                    help="record the figures in docs/figures/bench-results.json (the docs' "
+                    "'now' column; then scripts/docs-figures --write)")
+    ap.add_argument("--before", type=Path, default=None, metavar="DIR",
+                    help="with --save: run the same attacks on DIR's head (a checkout without "
+                    "admission control) and record them as the 'before' column; without it "
+                    "the recorded 'before' figures are kept")
+    args = ap.parse_args(argv)
+    if args.before is not None and not args.save:
+        ap.error("--before only goes with --save")
+    t0 = time.monotonic()
+    started = figures.machine() if args.save else {}
+    rows = attack(args.tree, args.slowloris, args.flood)
     for r in rows:
         print(json.dumps(r))
+    if not args.save:
+        return 0
+    before = attack(args.before, args.slowloris, args.flood) if args.before else None
+    command = ".venv/bin/python -m tests.security.head_attacks " + " ".join(argv or sys.argv[1:])
+    run = save_rows(rows, before, command.strip(), started, time.monotonic() - t0)
+    print(f"saved to {figures.RESULTS.relative_to(REPO)} as run {run!r}; "
+          "then scripts/docs-figures --write", file=sys.stderr)
     return 0
+
+
+def attack(tree: Path | None, slowloris: int, flood: int) -> list[dict[str, Any]]:
+    rows = []
+    with tempfile.TemporaryDirectory() as d, real_head(Path(d), tree) as head:
+        rows.append(run_slowloris(head, slowloris))
+    with tempfile.TemporaryDirectory() as d, real_head(Path(d), tree) as head:
+        rows.append(run_header_flood(head, flood))
+    return rows
+
+
+def save_rows(now: list[dict[str, Any]], before: list[dict[str, Any]] | None, command: str,
+              started: dict[str, Any], elapsed_s: float,
+              path: Path | None = None) -> str:
+    """Record one run's attacks as results rows (benchmark 'head-attacks', metric the
+    attack): its figures are the 'now' column; `before` (the same attacks on a head
+    without admission control) the 'before' column, or, when None, the row's recorded
+    'before' figures and their run are kept. Returns the run's id."""
+    path = path or figures.RESULTS
+    old = {r["metric"]: r for r in figures.read_results(path)["rows"]
+           if r["benchmark"] == "head-attacks"}
+    rows = []
+    for i, got in enumerate(now):
+        metric = got["attack"]
+        row: dict[str, Any] = {"benchmark": "head-attacks", "metric": metric,
+                               "spotctl": {k: v for k, v in got.items() if k != "attack"},
+                               "unit": "", "note": ""}
+        if before is not None:
+            row["baseline"] = {k: v for k, v in before[i].items() if k != "attack"}
+        elif metric in old and old[metric].get("baseline") is not None:
+            row["baseline"] = old[metric]["baseline"]
+            row["baseline_run"] = old[metric].get("baseline_run", old[metric]["run"])
+        rows.append(row)
+    return figures.save(rows, command, started=started, elapsed_s=elapsed_s, path=path)
 
 
 if __name__ == "__main__":

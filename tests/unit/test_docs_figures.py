@@ -140,3 +140,73 @@ def test_goodput_what_ifs_are_what_the_simulator_computes() -> None:
     sim = figures.simulate_variants(g)
     for v, rows in zip(variants, sim, strict=True):  # type: ignore[call-overload]
         assert rows == v["rows"], f"{v['label']}: goodput.json is stale: scripts/docs-figures --sim"
+
+
+def test_a_head_attack_figure_edited_by_hand_is_caught(tmp_path: Path) -> None:
+    t = _tree(tmp_path)
+    page = t / "docs/benchmarks.md"
+    text = page.read_text()
+    cell = "RSS 284 -> 285 MB"
+    assert text.count(cell) == 1
+    page.write_text(text.replace(cell, "RSS 284 -> 286 MB"))
+    d = figures.diff(t)
+    assert "-| header flood" in d and "RSS 284 -> 285 MB" in d
+    # the table's markers are required
+    page.write_text(text.replace("<!-- figures:head-attacks -->\n", "", 1))
+    with pytest.raises(figures.FiguresError, match="head-attacks missing"):
+        figures.diff(t)
+
+
+def test_head_attacks_save_records_the_run_and_keeps_the_before_figures(tmp_path: Path) -> None:
+    from tests.security import head_attacks
+
+    t = _tree(tmp_path)
+    path = t / "docs/figures/bench-results.json"
+    now = [
+        {"attack": "slowloris 300 conns, 1 B/2 s, 16 s", "connections_held_at_end": 40,
+         "attacker_connects": 900, "oldest_open_s": 4.2, "longest_closed_s": 6.1,
+         "rss_before_mb": 60, "rss_peak_mb": 61, "status_ok": 30, "status_failed": 0,
+         "status_median_s": 0.004, "status_max_s": 0.41, "heartbeat_ok": 31,
+         "heartbeat_failed": 1, "heartbeat_median_s": 0.005, "heartbeat_max_s": 0.2},
+        {"attack": "header flood 250 conns x 60 headers x 16 KiB", "connections_held_at_end": 0,
+         "rss_before_mb": 60, "rss_peak_mb": 62, "status_ok": 7, "status_failed": 0,
+         "status_median_s": 0.002, "status_max_s": 0.05},
+    ]  # fmt: skip
+    old = {r["metric"]: r for r in figures.read_results(path)["rows"]
+           if r["benchmark"] == "head-attacks"}  # fmt: skip
+    run = head_attacks.save_rows(now, None, ".venv/bin/python -m tests.security.head_attacks "
+                                 "--save", {"load_average": [0.5, 0.5, 0.5]}, 40.0, path)  # fmt: skip
+    data = figures.read_results(path)
+    mine = {r["metric"]: r for r in data["rows"] if r["benchmark"] == "head-attacks"}
+    assert set(mine) == set(old)
+    for m, r in mine.items():
+        assert r["run"] == run and r["spotctl"]["connections_held_at_end"] in (40, 0)
+        # the 'before' column is the recorded one, still naming its own run
+        assert r["baseline"] == old[m]["baseline"]
+        assert r["baseline_run"] == old[m]["baseline_run"] in data["runs"]
+    rec = data["runs"][run]
+    assert rec["source"] == "measured" and rec["machine"]["cores"]
+    assert rec["command"].endswith("head_attacks --save")
+    page = figures.rendered(t)["docs/benchmarks.md"][1]
+    assert "| 40 held at the end (oldest 4.2 s), each closed within 6.1 s; " in page
+    assert "heartbeats 31 of 32 served (median 5 ms, max 0.2 s) |" in page
+    # the before column did not change; the index names the new run
+    assert (
+        "| 190-250 held at the end; RSS 284 -> 526 MB | 0 held at the end; RSS 60 -> 62 MB" in page
+    )
+    assert "`.venv/bin/python -m tests.security.head_attacks --save`" in page
+    # with --before, the before column is this run's too, and the old runs are dropped
+    run2 = head_attacks.save_rows(now, now, "x --save --before old", {"load_average": [1, 1, 1]},
+                                  80.0, path)  # fmt: skip
+    data = figures.read_results(path)
+    for r in data["rows"]:
+        if r["benchmark"] == "head-attacks":
+            assert r["run"] == run2 and "baseline_run" not in r
+            assert r["baseline"] == r["spotctl"]
+    gone = {run, *(r[k] for r in old.values() for k in ("run", "baseline_run"))}
+    assert gone & set(data["runs"]) == set()
+    page = figures.rendered(t)["docs/benchmarks.md"][1]
+    assert (
+        "| 0 held at the end; RSS 60 -> 62 MB; `status` 7 of 7 served (median 2 ms, max 50 ms) | 0 held"
+        in page
+    )
