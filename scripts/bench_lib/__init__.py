@@ -8,7 +8,7 @@ from collections.abc import Callable
 from importlib import import_module
 from typing import Any
 
-NAMES = ("recovery", "lost", "join", "checkpoint", "control", "quorum", "overhead")
+NAMES = ("recovery", "lost", "join", "checkpoint", "control", "quorum", "overhead", "network")
 
 
 def get(name: str) -> Callable[..., Any]:
