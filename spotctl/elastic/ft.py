@@ -203,6 +203,10 @@ def _scaler_update(scaler: Any, run: FtRun, orig: Any, *a: Any, **kw: Any) -> An
     return orig(scaler, *a, **kw)
 
 
+class _UnknownValue(Exception):
+    """A metric of integers whose value across the job is unknown (a replica failed)."""
+
+
 def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
     from torch.utils._pytree import tree_leaves
 
@@ -366,6 +370,10 @@ class FtRun(Run):
         self._save_due: int | None = None
         t_restore = time.time()
         self.resume_step = self._restore()  # the last committed checkpoint, if any
+        # as on the restart path: a periodic save copies parameters and optimizer state
+        # while the next step's forward and backward run, and each optimizer's step()
+        # waits for that copy (not one synchronous copy of the whole state per save)
+        self.ckpt.guard(self.optimizers)
         t_ready = time.time()
 
         host = env.get("MASTER_ADDR", "127.0.0.1")
@@ -561,6 +569,8 @@ class FtRun(Run):
         """What a heal receives into: the live state, with each optimizer's state made
         first if it has none yet (a joiner's), so that the optimizer's tensors are received
         in place too, on their device."""
+        # a save's copy still in flight must finish before its tensors are overwritten
+        self.ckpt.wait_staged()
         for o in self.optimizers:
             _create_optimizer_state(o)
         st = self._live_state()
@@ -657,7 +667,29 @@ class FtRun(Run):
         rop = {"sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "max": ReduceOp.MAX,
                "min": ReduceOp.MIN}[op]
         self.manager.allreduce(x, reduce_op=rop).wait()
+        if self.manager.errored() is not None:
+            # a replica failed during this step: torchft's collectives are no-ops from the
+            # first error on, so x holds this replica's part alone. The value across the
+            # job is unknown: NaN, never a partial sum that looks like a real one.
+            log.warning("run.all_reduce: a replica failed during step %d; its value is NaN",
+                        self.step + 1)
+            if not t.is_floating_point():
+                raise _UnknownValue
+            t.fill_(float("nan"))
+            return
         t.copy_(x.to(dev))
+
+    def all_reduce(self, value: Any, op: str = "sum") -> Any:
+        """As on the restart path, except when a replica fails during the step: then the
+        value across the job is unknown and comes back NaN (a tensor of integers comes back
+        as a float64 tensor of NaN)."""
+        try:
+            return super().all_reduce(value, op)
+        except _UnknownValue:
+            shape = value.shape if isinstance(value, torch.Tensor) else ()
+            nan = torch.full(shape, float("nan"), dtype=torch.float64,
+                             device=value.device if isinstance(value, torch.Tensor) else None)
+            return nan if isinstance(value, torch.Tensor) else float("nan")
 
     def _leave_agreed(self) -> bool:
         flag = self._control_flags()
