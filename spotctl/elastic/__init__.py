@@ -517,7 +517,9 @@ class Run:
         """Reduce a metric over every data-parallel rank of the job: op "sum", "mean",
         "max" or "min". `value`: a number (a float comes back) or a tensor (a new tensor
         comes back). Every process must call it at the same point of the step. Ranks that
-        hold the same data (tensor-parallel peers) count once."""
+        hold the same data (tensor-parallel peers) count once. On the torchft engine, when
+        a replica fails during the step, the value across the job is unknown and comes back
+        NaN (a tensor of integers: a float64 tensor of NaN), never a partial sum."""
         if op not in ("sum", "mean", "max", "min"):
             raise ValueError(f"all_reduce op must be sum, mean, max or min, not {op!r}")
         number = not isinstance(value, torch.Tensor)
