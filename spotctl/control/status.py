@@ -64,6 +64,9 @@ def collect(store: Store, name: str, now: float | None = None) -> dict[str, Any]
             "incarnations": sorted({w.get("incarnation") for w in h.get("workers", [])
                                     if w.get("incarnation")}),
             "world_size": h.get("world_size"),
+            # the network the node was launched with (aws: efaN / ena; gcp: gvnic-compact,
+            # gvnic, virtio); None where the provider does not say
+            "network": n.meta.get("network") or None,
         })
     live = [x for x in nodes if x["state"] not in ("lost", "preempted", "terminated", "left")]
     cost = None

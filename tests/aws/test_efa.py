@@ -230,3 +230,22 @@ def test_up_dry_run_names_each_launchs_network(
     # nothing was made: the dry run creates no placement group either
     flt = [{"Name": "tag:spotctl:cluster", "Values": ["efadry"]}]
     assert ec2.describe_placement_groups(Filters=flt)["PlacementGroups"] == []
+
+
+def test_status_json_shows_each_nodes_network(make_provider: MakeProvider, home: Any) -> None:
+    """What the launch gave each node, as journaled by the reconciler, in status --json."""
+    from spotctl.control import status
+    from spotctl.control.reconcile import _row
+    from spotctl.state import Store
+
+    p = make_provider(instance_types=TYPES)
+    (p4,) = p.launch(_offer(p, "p4d.24xlarge"), 1, "req-st-p4")
+    (g5,) = p.launch(_offer(p, "g5.xlarge"), 1, "req-st-g5")
+    store = Store()
+    name = p.ctx.cluster
+    store.upsert_cluster(name, "aws", p.ctx.spec.model_dump(), "up")
+    for inst in p.list(name):
+        store.upsert_node(_row(inst, name, "aws"))
+    snap = status.collect(store, name)
+    assert {n["id"]: n["network"] for n in snap["nodes"]} == {p4.id: "efa4", g5.id: "ena"}
+    assert p.cleanup() == []
