@@ -114,8 +114,8 @@ def aws_flow(
 
 def aws_leftovers(name: str, moto_url: str) -> dict[str, list[str]]:
     """What cluster `name` still has on moto: instances in any state but terminated, its
-    security groups, key pairs, launch templates (by tag), the workers' role and instance
-    profile (by name). Empty lists: nothing left."""
+    security groups, key pairs, launch templates and placement groups (by tag), the
+    workers' role and instance profile (by name). Empty lists: nothing left."""
     import boto3
 
     ec2 = boto3.client("ec2", region_name=REGION, endpoint_url=moto_url)
@@ -132,6 +132,8 @@ def aws_leftovers(name: str, moto_url: str) -> dict[str, list[str]]:
         "key_pairs": [k["KeyName"] for k in ec2.describe_key_pairs(Filters=flt)["KeyPairs"]],
         "launch_templates": [t["LaunchTemplateId"] for t in
                              ec2.describe_launch_templates(Filters=flt)["LaunchTemplates"]],
+        "placement_groups": [g["GroupName"] for g in
+                             ec2.describe_placement_groups(Filters=flt)["PlacementGroups"]],
         "roles": [r["RoleName"] for r in iam.list_roles()["Roles"] if r["RoleName"] == ident],
         "instance_profiles": [p["InstanceProfileName"] for p in
                               iam.list_instance_profiles()["InstanceProfiles"]

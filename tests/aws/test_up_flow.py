@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.aws, pytest.mark.slow, pytest.mark.timeout(900)]
 
 NOTHING: dict[str, list[str]] = {
     "instances": [], "security_groups": [], "key_pairs": [], "launch_templates": [],
-    "roles": [], "instance_profiles": [],
+    "placement_groups": [], "roles": [], "instance_profiles": [],
 }  # fmt: skip
 
 

@@ -30,11 +30,13 @@ def fake() -> Iterator[FakeCompute]:
 
 
 def gcp_leftovers(fake: FakeCompute) -> dict[str, list[str]]:
-    """What is left on the fake (one per test): VMs, firewall rules, service accounts, and
-    bucket IAM bindings naming a service account. Empty lists: nothing left."""
+    """What is left on the fake (one per test): VMs, firewall rules, placement policies,
+    service accounts, and bucket IAM bindings naming a service account. Empty lists:
+    nothing left."""
     return {
         "instances": [f"{z}/{n}" for z, n in fake.instances],
         "firewalls": sorted(fake.firewalls),
+        "resource_policies": sorted(n for _r, n in fake.policies),
         "service_accounts": sorted(fake.storage.service_accounts),
         "bucket_bindings": [f"{b}: {m}" for b, pol in fake.storage.policies.items()
                             for bd in pol.get("bindings", []) for m in bd.get("members", [])
@@ -43,7 +45,8 @@ def gcp_leftovers(fake: FakeCompute) -> dict[str, list[str]]:
 
 
 GCP_NOTHING: dict[str, list[str]] = {
-    "instances": [], "firewalls": [], "service_accounts": [], "bucket_bindings": [],
+    "instances": [], "firewalls": [], "resource_policies": [], "service_accounts": [],
+    "bucket_bindings": [],
 }  # fmt: skip
 
 
