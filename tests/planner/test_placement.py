@@ -177,3 +177,20 @@ def test_every_plan_keeps_one_gpu_model_and_one_zone(
     cap = s.budget.max_usd_per_hour or math.inf
     if obs.cost_per_hour <= cap:
         assert end.cost <= cap + 1e-6
+
+
+@pytest.mark.parametrize("key", ["spread_zones", "mix_gpus", "fast_network"])
+def test_a_bad_placement_value_is_one_line_naming_the_key(tmp_path, key: str) -> None:
+    from spotctl.errors import SpecError
+    from spotctl.spec import load_spec
+
+    (tmp_path / "train.py").write_text("")
+    cfg = tmp_path / "spotctl.toml"
+    for bad in ('"yes"', "1", "[true]"):
+        cfg.write_text(f"[placement]\n{key} = {bad}\n")
+        with pytest.raises(SpecError) as e:
+            load_spec(cfg)
+        msg = str(e.value)
+        assert msg.startswith(f"spotctl.toml: placement.{key}: ") and "\n" not in msg, msg
+    cfg.write_text(f"[placement]\n{key} = true\n")
+    assert getattr(load_spec(cfg).placement, key) is True
