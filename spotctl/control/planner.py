@@ -668,7 +668,8 @@ def _plan(
         if late:
             out.notes.append(
                 f"zone(s) {', '.join(late)} cooling down (recent preemption or capacity error): "
-                "tried last, since no other offer reaches the target"
+                + ("used anyway, it is the cluster's zone (one zone per cluster)" if by_zone
+                   else "tried last, since no other offer reaches the target")
             )
         reach = have + sum(a.gpus_added for a in out.launches)
         if lo <= reach < hi:

@@ -81,6 +81,7 @@ def test_a_cooling_zone_is_still_the_clusters_zone() -> None:
     p = plan(one_zone("2..2"), Observed(nodes), [offer("r1-a", 1.0), offer("r1-b", 0.5)], {},
              NOW, cooling={"r1-a": NOW + 600})
     assert zones(p) == [("r1-a", 1)], p.to_json()
+    assert any("r1-a cooling down" in n and "the cluster's zone" in n for n in p.notes), p.notes
 
 
 def test_below_the_minimum_with_the_zone_out_of_capacity_the_whole_cluster_moves() -> None:
