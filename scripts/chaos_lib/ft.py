@@ -327,7 +327,7 @@ def head_restart(c: Cluster) -> Result:
     # the replicas' managers retry their quorum call (SPOTCTL_FT_QUORUM_RETRY_S) until the
     # restarted Lighthouse answers; if they gave up instead, they would wait out their
     # quorum timeout (SPOTCTL_FT_QUORUM_TIMEOUT_S, 120 s) and restart from the checkpoint
-    m = wait_world(c, t0, WORLD, timeout=300)
+    m = _back_after_restart(c, t0, hj.stat().st_mtime)
     fill(res, m, ckpt, t0)
     restarted = _restarted(before, m, set())
     res.survived = same_ports and res.committed_steps_lost == 0
@@ -335,8 +335,35 @@ def head_restart(c: Cluster) -> Result:
                       head.get("lighthouse")], restarted_replicas=restarted)
     how = (f"replicas restarted from the checkpoint ({sorted(set(m['restored']))})"
            if restarted else "replicas came back from memory")
+    if m.get("same_quorum"):
+        how += " in the same quorum (the restarted Lighthouse's first had them all)"
     res.notes = f"same ports: {same_ports}; {how}"
     return res
+
+
+def _back_after_restart(c: Cluster, t0: float, t_head: float,
+                        timeout: float = 300) -> dict[str, Any]:
+    """wait_world for a head restart, which may re-form nothing: when every replica asks
+    the restarted Lighthouse for its first quorum together, that quorum has the id (1) and
+    the members of the one before the kill, so the replicas go on in it (torchft keeps its
+    process group). Then the recovery is the first commit of all of them after the
+    restarted head wrote its head.json, with no failed step since the kill."""
+    deadline = time.monotonic() + timeout
+    m: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        m = analyse(c, t0, WORLD)
+        if m["recovered_at"] is not None and m["steps_after_recovery"] >= 3:
+            return m
+        after = [r for r in records(c) if r.get("ok") and r["t"] > t_head
+                 and r.get("replicas") == WORLD]
+        if len({r["step"] for r in after}) >= 4 and not m["failed_steps"]:
+            m["recovered_at"] = after[0]["t"]
+            m["same_quorum"] = True
+            return m
+        time.sleep(0.4)
+    raise Timeout(f"no quorum of {WORLD} replicas training since the restart: "
+                  f"{ {k: m.get(k) for k in ('pre', 'resume', 'new_quorums', 'newest')} }"
+                  f"\n{c.debug()}")
 
 
 def join(c: Cluster, which: str) -> Result:
