@@ -58,6 +58,9 @@ class ObservedNode:
     gpus: int
     price: float  # USD/h it was launched at
     state: str  # "running" | "pending" | "draining" | "lost"
+    # GPU model, where the provider says (GCP: one machine type takes several); "" = the
+    # model the offers of its instance type have
+    gpu_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -497,7 +500,7 @@ def plan(
     model = {o.instance_type: o.gpu_name for o in sorted(offers, key=_total_rank)}
     return _one_kind(
         spec, observed, offers, lambda o: o.gpu_name,
-        lambda n: model.get(n.instance_type, ""),
+        lambda n: n.gpu_name or model.get(n.instance_type, ""),
         lambda m: sized([o for o in offers if o.gpu_name == m]),
         lambda m, run: f"{m} nodes only{', the model of those running' if run else ''} "
         "(one GPU model per cluster; [placement] mix_gpus = true mixes them)")

@@ -155,6 +155,7 @@ def observe(store: Store, spec: ClusterSpec, provider: Any,
         obs_nodes.append(ObservedNode(
             id=i.id, zone=i.zone, region=_region(i, spec), instance_type=i.instance_type,
             gpus=i.gpus, price=i.price, state=state,
+            gpu_name=str(i.meta.get("gpu_name") or ""),
         ))
     detector.prune({i.id for i in live})
     if journal:

@@ -143,6 +143,18 @@ def test_a_running_cluster_keeps_its_gpu_model() -> None:
     assert not p.actions, p.to_json()
 
 
+def test_a_nodes_own_gpu_model_wins_over_its_machine_types() -> None:
+    # GCP: n1-standard-8 takes a T4 or a V100; the node says which it has
+    from dataclasses import replace
+
+    nodes = tuple(replace(n, gpu_name="T4") for n in (node("a", itype="n1-standard-8"),
+                                                      node("b", itype="n1-standard-8")))
+    offers = [offer("r1-a", 0.3, gpu="T4", itype="n1-standard-8"),
+              offer("r1-a", 1.0, gpu="V100", itype="n1-standard-8")]
+    p = plan(one_zone("3..3"), Observed(nodes), offers, {}, NOW)
+    assert [(a.offer.gpu_name, a.count) for a in p.launches] == [("T4", 1)], p.to_json()
+
+
 # --- properties ------------------------------------------------------------------------
 
 
