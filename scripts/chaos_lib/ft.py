@@ -332,7 +332,8 @@ def head_restart(c: Cluster) -> Result:
     restarted = _restarted(before, m, set())
     res.survived = same_ports and res.committed_steps_lost == 0
     res.detail.update(killed=killed, same_ports=same_ports, lighthouse=[lighthouse0,
-                      head.get("lighthouse")], restarted_replicas=restarted)
+                      head.get("lighthouse")], restarted_replicas=restarted,
+                      same_quorum=bool(m.get("same_quorum")))
     how = (f"replicas restarted from the checkpoint ({sorted(set(m['restored']))})"
            if restarted else "replicas came back from memory")
     if m.get("same_quorum"):
