@@ -230,7 +230,7 @@ class CapacityStep(_Strict):
 class LocalSpec(_Zoned):
     # "GPU slots" per local node: its number of training processes (they run on CPU).
     gpus_per_node: int = Field(default=1, ge=1, le=64)
-    # The emulated zones that nodes are spread over.
+    # The emulated zones (a cluster stays in one unless [placement] spread_zones is true).
     zones: list[str] = Field(default_factory=lambda: ["local-a", "local-b"])
     # Emulated spot and on-demand $/h of a node, for the cost figures and the planner.
     price_per_node: float = Field(default=0.0, ge=0, le=1e6)
