@@ -125,11 +125,13 @@ def test_one_tiny_all_reduce_per_step_and_checkpoint_collectives_only_on_save_st
         for i in range(steps):
             main = [c for c in lib if c["step"] == i and c["main"]]
             assert main, f"rank {rank} step {i}: no collective"
-            drain = main[0]  # next_step's agreement comes first in every step
-            assert (drain["name"], drain["numel"], drain["ctl"]) == ("all_reduce", 1, True), main
+            # next_step's agreement comes first in every step: two int32 flags (a notice, a
+            # timed checkpoint due)
+            drain = main[0]
+            assert (drain["name"], drain["numel"], drain["ctl"]) == ("all_reduce", 2, True), main
             if i in saves:
                 assert len(main) > 1, f"rank {rank} step {i}: the save issued nothing? {main}"
-                assert not any(c["name"] == "all_reduce" and c["ctl"] and c["numel"] == 1
+                assert not any(c["name"] == "all_reduce" and c["ctl"] and c["numel"] == 2
                                for c in main[1:]), main
             else:
                 assert main == [drain], f"rank {rank} step {i}: {main}"
