@@ -981,3 +981,40 @@ def refusing_address() -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         yield f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def node_steps(logs: Path, node: str) -> list[dict[str, Any]]:
+    """A node's own step log (`<logs>/<node>.jsonl`, one JSON object a line, as
+    tests/elastic/ft_train.py writes it through FT_STEP_LOG); a line still being written is
+    skipped."""
+    p = logs / f"{node}.jsonl"
+    out = []
+    for line in (p.read_text().splitlines() if p.exists() else []):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def last_step(logs: Path, node: str) -> int:
+    """The last step a node logged (0 before its first)."""
+    s = node_steps(logs, node)
+    return int(s[-1]["step"]) if s else 0
+
+
+def send_and_read(host: str, port: int, data: bytes, timeout: float = 10.0) -> bytes:
+    """Raw bytes on a fresh connection; everything the server answers until it closes (a
+    send the server cut short, or a read that errors, ends it: the answer says why)."""
+    with socket.create_connection((host, port), timeout) as s:
+        try:
+            s.sendall(data)
+        except OSError:
+            pass  # closed while still sending: what it answered tells why
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except OSError:
+            pass
+        return out

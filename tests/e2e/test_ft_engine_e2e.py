@@ -6,38 +6,19 @@ skips a step, and every replica has the same model after every step."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import last_step, node_steps, wait_until
 
 if importlib.util.find_spec("torchft") is None:
     pytest.skip("torchft is not installed (the 'ft' extra)", allow_module_level=True)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _steps(logs: Path, node: str) -> list[dict]:
-    p = logs / f"{node}.jsonl"
-    if not p.exists():
-        return []
-    out = []
-    for line in p.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
-
-
-def _last(logs: Path, node: str) -> int:
-    s = _steps(logs, node)
-    return s[-1]["step"] if s else 0
 
 
 def test_torchft_notice_kill_join(local_cluster):
@@ -48,7 +29,7 @@ def test_torchft_notice_kill_join(local_cluster):
     c.write_spec("3", checkpoint_every=25, engine="torchft",
                  train_env={"FT_STEP_LOG": f"{logs}/{{node}}.jsonl", "FT_STEP_DELAY": "0.05"})
     c.cli("up", "--wait", "120")
-    wait_until(lambda: all(any(s["replicas"] == 3 for s in _steps(logs, n))
+    wait_until(lambda: all(any(s["replicas"] == 3 for s in node_steps(logs, n))
                            for n in ("n1", "n2", "n3")), 240, "3 replicas in one quorum",
                0.5, c.debug)
 
@@ -56,21 +37,21 @@ def test_torchft_notice_kill_join(local_cluster):
     c.cli("preempt", "n1", "--name", "ftr", "--style", "aws")
     c.wait_for("n1 left", lambda s: next(n for n in s["nodes"] if n["id"] == "n1")["state"]
                in ("left", "preempted", "lost"), 120)
-    wait_until(lambda: _last(logs, "n2") >= _last(logs, "n1") + 10, 120, "n2 past n1's leave",
+    wait_until(lambda: last_step(logs, "n2") >= last_step(logs, "n1") + 10, 120, "n2 past n1's leave",
                0.5, c.debug)
-    left_at = _last(logs, "n1")
+    left_at = last_step(logs, "n1")
 
     # hard kill of n3: dropped at the next quorum
-    k0 = _last(logs, "n2")
+    k0 = last_step(logs, "n2")
     c.cli("kill", "n3", "--name", "ftr")
-    wait_until(lambda: _last(logs, "n2") >= k0 + 10, 120, "n2 past the kill", 0.5, c.debug)
+    wait_until(lambda: last_step(logs, "n2") >= k0 + 10, 120, "n2 past the kill", 0.5, c.debug)
 
     # join: `up` launches a node whose replica recovers from n2 while n2 trains
-    j0 = _last(logs, "n2")
+    j0 = last_step(logs, "n2")
     c.cli("up", "--wait", "120")
     joiner = wait_until(lambda: next((p.stem for p in logs.glob("n*.jsonl")
                                       if p.stem not in ("n1", "n2", "n3")
-                                      and len(_steps(logs, p.stem)) >= 5), None),
+                                      and len(node_steps(logs, p.stem)) >= 5), None),
                         240, "a joined replica training", 0.5, c.debug)
     events = c.events()
     assert c.status()["engine"] == "torchft"
@@ -84,14 +65,14 @@ def test_torchft_notice_kill_join(local_cluster):
     noticed = [e for e in rescales if e["reason"] == "notice"]
     assert noticed and noticed[0]["lost_steps"] == 0, rescales
 
-    n2 = [s["step"] for s in _steps(logs, "n2")]
+    n2 = [s["step"] for s in node_steps(logs, "n2")]
     assert n2 == list(range(n2[0], n2[-1] + 1)), "the survivor lost or repeated a step"
     assert left_at + 1 in n2
-    first = _steps(logs, joiner)[0]["step"]
+    first = node_steps(logs, joiner)[0]["step"]
     assert first > j0, "the joiner started from scratch instead of a live peer's state"
     # same model on every replica after every step (its loss over the whole dataset)
-    by_step: dict[int, float] = {s["step"]: s["full_loss"] for s in _steps(logs, "n2")}
+    by_step: dict[int, float] = {s["step"]: s["full_loss"] for s in node_steps(logs, "n2")}
     for n in ("n1", "n3", joiner):
-        for s in _steps(logs, n):
+        for s in node_steps(logs, n):
             if s["step"] in by_step:
                 assert math.isclose(s["full_loss"], by_step[s["step"]], rel_tol=1e-5), (n, s)

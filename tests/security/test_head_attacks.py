@@ -17,6 +17,7 @@ import pytest
 from spotctl.head import server as head_server
 from spotctl.head.client import HeadClient
 from spotctl.head.server import HeadServer
+from tests.conftest import send_and_read
 from tests.security.conftest import serve_head
 from tests.security.head_attacks import Head, real_head, run_header_flood, run_slowloris
 
@@ -31,18 +32,7 @@ def head(tmp_path: Path) -> Iterator[HeadServer]:
 
 
 def _reply(head: HeadServer, data: bytes) -> bytes:
-    with socket.create_connection(("127.0.0.1", head.http_port), timeout=10) as s:
-        try:
-            s.sendall(data)
-        except OSError:
-            pass  # closed while we were still sending: the reply tells why
-        out = b""
-        try:
-            while chunk := s.recv(65536):
-                out += chunk
-        except OSError:
-            pass
-        return out
+    return send_and_read("127.0.0.1", head.http_port, data)
 
 
 @pytest.mark.parametrize("request_head", [

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import last_step, node_steps, wait_until
 from tests.security.torchft_attacks import (
     grpc_call,
     http1,
@@ -39,22 +39,6 @@ REPO = Path(__file__).resolve().parents[2]
 NODES = ("n1", "n2")
 
 
-def _steps(logs: Path, node: str) -> list[dict[str, Any]]:
-    p = logs / f"{node}.jsonl"
-    out = []
-    for line in (p.read_text().splitlines() if p.exists() else []):
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
-
-
-def _last(logs: Path, node: str) -> int:
-    s = _steps(logs, node)
-    return s[-1]["step"] if s else 0
-
-
 def test_torchft_kill_routes(local_cluster: Any) -> None:
     c = local_cluster("ftk")
     shutil.copy(REPO / "tests" / "elastic" / "ft_train.py", c.project / "train.py")
@@ -63,7 +47,7 @@ def test_torchft_kill_routes(local_cluster: Any) -> None:
     c.write_spec("2", checkpoint_every=25, engine="torchft",
                  train_env={"FT_STEP_LOG": f"{logs}/{{node}}.jsonl", "FT_STEP_DELAY": "0.05"})
     c.cli("up", "--wait", "120")
-    wait_until(lambda: all(any(s["replicas"] == 2 for s in _steps(logs, n)) for n in NODES),
+    wait_until(lambda: all(any(s["replicas"] == 2 for s in node_steps(logs, n)) for n in NODES),
                240, "2 replicas in one quorum", 0.5, c.debug)
     lighthouse = json.loads((c.cluster_dir / "head" / "head.json").read_text())["lighthouse"]
     assert lighthouse
@@ -76,18 +60,18 @@ def test_torchft_kill_routes(local_cluster: Any) -> None:
     # the status page stays readable: it names every replica and its Manager's address
     found = wait_until(members, 60, "both replicas on the Lighthouse's status page", 0.5)
     assert found is not None
-    pids = {n: _steps(logs, n)[-1]["pid"] for n in NODES}
-    marks = {n: _last(logs, n) for n in NODES}
+    pids = {n: node_steps(logs, n)[-1]["pid"] for n in NODES}
+    marks = {n: last_step(logs, n) for n in NODES}
 
     # (a) the dashboard's kill route on the head's Lighthouse port, both protocols
     answers = []
     for rid in found:
         answers.append(http1(lighthouse, "POST", f"/replica/{rid}/kill"))
         answers.append(grpc_call(lighthouse, f"/replica/{rid}/kill"))
-    wait_until(lambda: all(_last(logs, n) >= marks[n] + 30 for n in NODES), 180,
+    wait_until(lambda: all(last_step(logs, n) >= marks[n] + 30 for n in NODES), 180,
                "both replicas 30 steps past the kill requests", 0.5, c.debug)
     for n in NODES:
-        after = [s for s in _steps(logs, n) if s["step"] > marks[n]]
+        after = [s for s in node_steps(logs, n) if s["step"] > marks[n]]
         steps = [s["step"] for s in after]
         assert steps == list(range(marks[n] + 1, marks[n] + 1 + len(steps))), (n, steps)
         assert {s["pid"] for s in after} == {pids[n]}, f"{n}'s worker was restarted"
@@ -101,10 +85,10 @@ def test_torchft_kill_routes(local_cluster: Any) -> None:
     other = next(n for n in NODES if n != victim)
     grpc_call(victim_addr, "/torchft.ManagerService/Kill", kill_request())
     wait_until(lambda: _proc_gone(pids[victim]), 30, f"{victim}'s worker to exit", 0.2, c.debug)
-    o0 = _last(logs, other)
-    wait_until(lambda: _last(logs, other) >= o0 + 20, 180, f"{other} 20 steps past the kill",
+    o0 = last_step(logs, other)
+    wait_until(lambda: last_step(logs, other) >= o0 + 20, 180, f"{other} 20 steps past the kill",
                0.5, c.debug)
-    assert {s["pid"] for s in _steps(logs, other)} == {pids[other]}, \
+    assert {s["pid"] for s in node_steps(logs, other)} == {pids[other]}, \
         f"{other}'s worker was restarted by another replica's kill"
     c.cli("down", "--name", "ftk", "--yes")
 

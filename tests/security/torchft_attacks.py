@@ -10,6 +10,8 @@ import socket
 import urllib.parse
 from dataclasses import dataclass
 
+from tests.conftest import send_and_read
+
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 
@@ -30,15 +32,8 @@ class Answer:
 
 def http1(url: str, method: str, path: str, timeout: float = 10.0) -> Answer:
     host, port = _hostport(url)
-    with socket.create_connection((host, port), timeout) as s:
-        s.sendall(f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Length: 0\r\n"
-                  f"Connection: close\r\n\r\n".encode())
-        data = b""
-        try:
-            while chunk := s.recv(65536):
-                data += chunk
-        except OSError:
-            pass
+    data = send_and_read(host, port, f"{method} {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                         f"Content-Length: 0\r\nConnection: close\r\n\r\n".encode(), timeout)
     m = re.match(rb"HTTP/1\.[01] (\d+)", data)
     return Answer(status=m.group(1).decode()) if m else Answer(closed=True)
 
