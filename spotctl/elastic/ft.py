@@ -203,10 +203,6 @@ def _scaler_update(scaler: Any, run: FtRun, orig: Any, *a: Any, **kw: Any) -> An
     return orig(scaler, *a, **kw)
 
 
-class _UnknownValue(Exception):
-    """A metric of integers whose value across the job is unknown (a replica failed)."""
-
-
 def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
     from torch.utils._pytree import tree_leaves
 
@@ -667,29 +663,22 @@ class FtRun(Run):
         rop = {"sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "max": ReduceOp.MAX,
                "min": ReduceOp.MIN}[op]
         self.manager.allreduce(x, reduce_op=rop).wait()
-        if self.manager.errored() is not None:
-            # a replica failed during this step: torchft's collectives are no-ops from the
-            # first error on, so x holds this replica's part alone. The value across the
-            # job is unknown: NaN, never a partial sum that looks like a real one.
-            log.warning("run.all_reduce: a replica failed during step %d; its value is NaN",
-                        self.step + 1)
-            if not t.is_floating_point():
-                raise _UnknownValue
-            t.fill_(float("nan"))
-            return
         t.copy_(x.to(dev))
 
     def all_reduce(self, value: Any, op: str = "sum") -> Any:
-        """As on the restart path, except when a replica fails during the step: then the
-        value across the job is unknown and comes back NaN (a tensor of integers comes back
-        as a float64 tensor of NaN)."""
-        try:
-            return super().all_reduce(value, op)
-        except _UnknownValue:
-            shape = value.shape if isinstance(value, torch.Tensor) else ()
-            nan = torch.full(shape, float("nan"), dtype=torch.float64,
-                             device=value.device if isinstance(value, torch.Tensor) else None)
-            return nan if isinstance(value, torch.Tensor) else float("nan")
+        """As on the restart path, except when a replica failed during the step: torchft's
+        collectives are no-ops from the first error on, so the sum holds this replica's
+        part alone. The value across the job is unknown: NaN (a tensor of integers comes
+        back as a float64 tensor of NaN), never a partial sum that looks like a real one."""
+        out = super().all_reduce(value, op)
+        if self.manager.errored() is None:
+            return out
+        log.warning("run.all_reduce: a replica failed during step %d; its value is NaN",
+                    self.step + 1)
+        if not isinstance(value, torch.Tensor):
+            return float("nan")
+        dtype = out.dtype if out.is_floating_point() else torch.float64
+        return torch.full(value.shape, float("nan"), dtype=dtype, device=value.device)
 
     def _leave_agreed(self) -> bool:
         flag = self._control_flags()
