@@ -1,0 +1,108 @@
+"""scripts/mutants: every listed breakage still applies to the code as it is (its `old`
+text occurs exactly once, its tests exist), so the list cannot rot silently when the code
+changes; and the runner tells a breakage its tests catch from one they do not, in a small
+git repository of its own."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+
+import mutants_lib as ml  # noqa: E402
+
+BREAKAGES = ml.load()
+
+
+@pytest.mark.parametrize("b", BREAKAGES, ids=[b.id for b in BREAKAGES])
+def test_each_breakage_applies_once_and_names_tests_that_exist(b: ml.Breakage) -> None:
+    text = (REPO / b.file).read_text()
+    assert text.count(b.old) == 1, f"{b.id}: `old` is in {b.file} {text.count(b.old)} times"
+    for t in b.tests:
+        path, _, name = t.partition("::")
+        assert (REPO / path).exists(), f"{b.id}: no {path}"
+        if name:
+            func = re.sub(r"\[.*\]$", "", name.split("::")[-1])
+            assert re.search(rf"^\s*(async )?def {re.escape(func)}\(",
+                             (REPO / path).read_text(), re.M), f"{b.id}: no test {t}"
+
+
+def test_the_named_breakages_of_the_issue_are_listed() -> None:
+    ids = {b.id for b in BREAKAGES}
+    assert {"planner-order-inverted", "report-goodput-ignores-world-size",
+            "report-goodput-counts-stalls", "exit-codes-collapse-to-3",
+            "head-body-limit-x1000", "head-connections-x1000", "head-events-x1000",
+            "head-nodes-x1000", "head-node-rate-x1000", "cooldown-never-expires",
+            "spec-run-as-any-name", "commit-rename-without-fsync"} <= ids
+
+
+def test_a_malformed_entry_is_refused_with_its_id(tmp_path: Path) -> None:
+    p = tmp_path / "b.toml"
+    p.write_text('[[breakage]]\nid = "x"\nfile = "f"\nold = "a"\nnew = "a"\nbreaks = "b"\n'
+                 'tests = ["t"]\n')
+    with pytest.raises(ValueError, match="'x': new is the same as old"):
+        ml.load(p)
+    p.write_text('[[breakage]]\nid = "y"\nfile = "f"\nold = "a"\nnew = "b"\nbreaks = "b"\n'
+                 'tests = []\n')
+    with pytest.raises(ValueError, match="'y': tests must be"):
+        ml.load(p)
+
+
+def _git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t",
+                    *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def fake_repo(tmp_path: Path) -> Path:
+    repo = tmp_path / "fake"
+    (repo / "fakepkg").mkdir(parents=True)
+    (repo / "tests").mkdir()
+    (repo / "pytest.ini").write_text("[pytest]\n")
+    (repo / "fakepkg" / "__init__.py").write_text("def add(a, b):\n    return a + b\n")
+    (repo / "tests" / "test_add.py").write_text(
+        "from fakepkg import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "fake")
+    # uncommitted: the runner works from HEAD, so this never reaches a copy
+    (repo / "fakepkg" / "__init__.py").write_text("def add(a, b):\n    return 0\n")
+    return repo
+
+
+def _b(old: str, new: str) -> ml.Breakage:
+    return ml.Breakage(id="t", file="fakepkg/__init__.py", old=old, new=new, breaks="t",
+                       tests=("tests/test_add.py",))
+
+
+def test_runner_kills_a_real_breakage_and_a_no_op_survives(
+        fake_repo: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")  # the fake needs none: quicker
+    assert ml.baseline(fake_repo, [_b("a + b", "a - b")], sys.executable, "fakepkg") == ""
+    killed = ml.run_one(fake_repo, _b("a + b", "a - b"), sys.executable, "fakepkg")
+    assert killed.outcome == "killed", killed
+    same = ml.run_one(fake_repo, _b("a + b", "b + a"), sys.executable, "fakepkg")
+    assert same.outcome == "survived", same
+    assert ml.failing([killed, same]) == [same]
+    missing = ml.run_one(fake_repo, _b("a * b", "a - b"), sys.executable, "fakepkg")
+    assert missing.outcome == "error" and "0 times" in missing.detail, missing
+    assert "score: 1/2 killed, 1 error(s)" in ml.table([killed, same, missing])
+    accepted = ml.Result(id="a", outcome="survived", accepted="equivalent")
+    assert ml.failing([accepted]) == []
+    # the working tree's uncommitted edit never reached a copy
+    assert "return a + b" in subprocess.run(
+        ["git", "-C", str(fake_repo), "show", "HEAD:fakepkg/__init__.py"],
+        capture_output=True, text=True, check=True).stdout
+
+
+def test_a_copy_of_this_repository_imports_spotctl_from_itself(tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    ml.copy_head(REPO, copy)
+    assert ml.imports_from(sys.executable, copy, "spotctl") == str(
+        copy / "spotctl" / "__init__.py")
