@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import select
 import signal
@@ -30,7 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from spotctl.agent import gpugate, runas
+from spotctl.agent import gpugate, netprobe, runas
 from spotctl.agent.config import AgentConfig
 from spotctl.head.client import HeadClient, HeadUnavailable
 
@@ -139,6 +140,12 @@ class Agent:
         # None while the GPU gate is probing; set once (see spotctl.agent.gpugate)
         self.gpu_gate: gpugate.GateResult | None = None
         self._gate_reported = False
+        # what this node's network is (probed once) and the transport its workers' NCCL
+        # named; sent to the head until the head that answers has the current value
+        self.net: dict[str, Any] | None = None
+        self.nccl_transport: str | None = None if cfg.expect_gpus else "gloo"
+        self._net_acked: tuple[str | None, str | None] | None = None
+        self._nccl_checked = -math.inf
 
     def _prepare_worker_dirs(self, w: runas.WorkerUser) -> bool:
         """Workers run as `w`: they write only their status dir (and a local checkpoint
@@ -376,6 +383,11 @@ class Agent:
             OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
             PYTHONUNBUFFERED="1",
         )
+        if cfg.expect_gpus:
+            # NCCL names the transport it picked at the first communicator (see netprobe)
+            for p in self.status_dir.glob(netprobe.NCCL_FILE_GLOB):
+                p.unlink(missing_ok=True)
+            env.update(netprobe.nccl_env(env, self.status_dir))
         if self.worker is not None:
             self.worker.env(env)
         port = 0
@@ -475,6 +487,9 @@ class Agent:
             # torchrun is up and waiting at the rendezvous gate: the group may drain now
             "ready": self.state == "running" or Path(str(self.gate) + ".ready").exists(),
         }
+        net_key = (self.head_id, self.nccl_transport)
+        if self.net is not None and self._net_acked != net_key:
+            body["net"] = dict(self.net, nccl_transport=self.nccl_transport)
         try:
             reply = self.head.heartbeat(body)
             self.head_errors = 0
@@ -490,10 +505,27 @@ class Agent:
             self.drain_gen = 0
             self.release_gen = reply.get("release_gen", 0)
             self.kill_gen = reply.get("kill_gen", 0)
+        if "net" in body and reply.get("head_id") == net_key[0]:
+            self._net_acked = net_key
+        elif "net" in body:  # a head we had not told yet: tell it on the next beat
+            self._net_acked = None
         return reply
+
+    def _watch_nccl(self) -> None:
+        """Every few seconds on a GPU node: the transport NCCL named in the workers' debug
+        files (kept across restarts until a new one is named)."""
+        now = time.monotonic()
+        if not self.cfg.expect_gpus or now - self._nccl_checked < 2.0:
+            return
+        self._nccl_checked = now
+        found = netprobe.nccl_transport_in(self.status_dir)
+        if found and found != self.nccl_transport:
+            log.info("NCCL transport: %s", found)
+            self.nccl_transport = found
 
     def step(self) -> None:
         workers = self._live_workers(self.read_workers())
+        self._watch_nccl()
         reply = self._heartbeat(workers)
         if self.state in ("waiting", "failed") and self.torchrun is None \
                 and not self._gpus_ready():
@@ -585,6 +617,10 @@ class Agent:
         self._warm.start()
         self._zygote_socket()  # warm up while we register
         self._start_monitors()
+        try:
+            self.net = netprobe.probe("/")
+        except OSError as e:  # informational: never stops the node
+            log.warning("network probe failed: %s", e)
         # first contact takes the head's current generations (see _heartbeat)
         while not self._stop.is_set() and self._heartbeat([]) is None:
             time.sleep(0.5)

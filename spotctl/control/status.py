@@ -67,6 +67,11 @@ def collect(store: Store, name: str, now: float | None = None) -> dict[str, Any]
             # the network the node was launched with (aws: efaN / ena; gcp: gvnic-compact,
             # gvnic, virtio); None where the provider does not say
             "network": n.meta.get("network") or None,
+            # what the node's agent found (interfaces, RDMA devices, EFA / aws-ofi-nccl /
+            # TCPX installed) and the transport its workers' NCCL named at the first
+            # collective ("gloo" on a CPU node); None until the agent said
+            "net": _net(h.get("net")),
+            "nccl_transport": (h.get("net") or {}).get("nccl_transport"),
         })
     live = [x for x in nodes if x["state"] not in ("lost", "preempted", "terminated", "left")]
     cost = None
@@ -95,6 +100,25 @@ def collect(store: Store, name: str, now: float | None = None) -> dict[str, Any]
     }
 
 
+def _net(net: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not net:
+        return None
+    return {k: v for k, v in net.items() if k != "nccl_transport"}
+
+
+def net_summary(n: dict[str, Any]) -> str:
+    """One short cell: the transport NCCL uses, else what the probe found."""
+    if n.get("nccl_transport"):
+        return str(n["nccl_transport"])
+    net = n.get("net")
+    if not net:
+        return "-"
+    if net.get("efa"):
+        return f"efa x{net['efa']}"
+    kinds = sorted({i["kind"] for i in net.get("interfaces", [])})
+    return ",".join(kinds) or "-"
+
+
 def _age(s: float | None) -> str:
     if s is None:
         return "-"
@@ -113,6 +137,7 @@ NODE_COLS = (
     Col("node"), Col("provider", drop=9), Col("zone", drop=5), Col("type", drop=6),
     Col("GPUs", right=True), Col("state"), Col("uptime", right=True, drop=4),
     Col("heartbeat", right=True, drop=3, short="hb"), Col("step", right=True, drop=2),
+    Col("net", drop=10),
 )
 
 
@@ -154,6 +179,7 @@ def render(snap: dict[str, Any], show_ended: bool = True, width: int = 80) -> Gr
                  style=STATE_STYLE.get(n["state"], "")),
             _age(n["uptime_s"]), _age(n["heartbeat_age_s"]),
             "-" if n["step"] is None else str(n["step"]),
+            net_summary(n),
         ))
     parts.append(fit_table(NODE_COLS, rows, width))
     if any(n["notice"] for n in snap["nodes"]):

@@ -73,6 +73,9 @@ class NodeInfo:
     unresponsive: bool = False
     go_at: float | None = None
     ready: bool = True  # its torchrun waits at the rendezvous gate
+    # its network as its agent probed it, with the transport NCCL named (validated by the
+    # server; an agent sends it until this head has it, so a beat without it keeps it)
+    net: dict[str, Any] | None = None
 
     def training(self, incarnation: str | None) -> bool:
         return any(w.phase == "train" and w.incarnation == incarnation for w in self.workers)
@@ -175,6 +178,8 @@ class Coordinator:
             node.state = agent_state
         node.workers = [WorkerReport.from_json(w) for w in body.get("workers", [])]
         node.ready = bool(body.get("ready", True))
+        if body.get("net") is not None:
+            node.net = dict(body["net"])
         if "drain_gen" in body:
             self.node_drain_gen[nid] = int(body["drain_gen"])
         for w in node.workers:
@@ -565,6 +570,7 @@ class Coordinator:
                     "step": max((w.step for w in n.workers), default=None),
                     "world_size": max((w.world_size for w in n.workers), default=None),
                     "workers": [w.__dict__ for w in n.workers],
+                    "net": n.net,
                 }
                 for n in self.nodes.values()
             },

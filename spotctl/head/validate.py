@@ -137,7 +137,43 @@ def fields(v: dict[str, Any], allowed: tuple[str, ...], required: tuple[str, ...
         raise BadInput(f"{missing[0]} missing")
 
 
-HEARTBEAT_FIELDS = ("node_id", "agent_state", "addr", "workers", "drain_gen", "notice", "ready")
+HEARTBEAT_FIELDS = ("node_id", "agent_state", "addr", "workers", "drain_gen", "notice", "ready",
+                    "net")
+MAX_NET_DEVICES = 64  # interfaces, and RDMA devices (a p5 has 32 EFA devices)
+NET_FLAGS = ("libfabric", "ofi_nccl", "tcpx")
+NET_DEVICE_FIELDS = ("name", "kind", "driver")
+
+
+def _net_devices(v: Any, what: str) -> list[dict[str, str]]:
+    if not isinstance(v, list) or len(v) > MAX_NET_DEVICES:
+        raise BadInput(f"{what} must be a list of at most {MAX_NET_DEVICES}")
+    out = []
+    for i, d in enumerate(v):
+        if not isinstance(d, dict) or set(d) - set(NET_DEVICE_FIELDS) or "name" not in d:
+            raise BadInput(f"{what}[{i}] must be an object of {', '.join(NET_DEVICE_FIELDS)}")
+        out.append({k: _str(d.get(k, ""), f"{what}[{i}].{k}", 32) for k in NET_DEVICE_FIELDS})
+    return out
+
+
+def net(v: Any) -> dict[str, Any]:
+    """What a node's agent found on its network (spotctl.agent.netprobe) and the transport
+    NCCL named; informational, bounded like the rest (a few KiB at most)."""
+    if not isinstance(v, dict):
+        raise BadInput("net must be an object")
+    allowed = ("interfaces", "rdma", "efa", *NET_FLAGS, "nccl_transport")
+    fields(v, allowed)
+    out: dict[str, Any] = {
+        "interfaces": _net_devices(v.get("interfaces", []), "net.interfaces"),
+        "rdma": _net_devices(v.get("rdma", []), "net.rdma"),
+        "efa": _int(v.get("efa", 0), "net.efa", 0, MAX_NET_DEVICES),
+    }
+    for k in NET_FLAGS:
+        if not isinstance(v.get(k, False), bool):
+            raise BadInput(f"net.{k} must be true or false")
+        out[k] = v.get(k, False)
+    t = v.get("nccl_transport")
+    out["nccl_transport"] = None if t is None else _str(t, "net.nccl_transport", 64)
+    return out
 
 
 def heartbeat(v: dict[str, Any], max_world: int = MAX_GPUS) -> dict[str, Any]:
@@ -162,6 +198,8 @@ def heartbeat(v: dict[str, Any], max_world: int = MAX_GPUS) -> dict[str, Any]:
     if not isinstance(v.get("ready", True), bool):
         raise BadInput("ready must be true or false")
     out["ready"] = v.get("ready", True)
+    if v.get("net") is not None:
+        out["net"] = net(v["net"])
     return out
 
 
