@@ -4,7 +4,8 @@
 node back (its capacity drops to 2: a GCP-style notice), the replacement `up` meets the
 exhausted pool while the job trains at 2, capacity comes back and `up` restores 3; the
 figures are measured on that job, on either engine: on torchrun from the head's rescale
-events (a drain each time), on torchft from the replicas' own step logs (the reclaimed
+events (a drain each time) and, for the replays, the workers' own sample trace
+(scripts/chaos_lib/replays.py), on torchft from the replicas' own step logs (the reclaimed
 replica's graceful leave, the joiner's heal from a live peer; scripts/chaos_lib/ft.py). The same scenario's cloud API half runs against the GCP
 test server (tests/gcp/fake_compute.py) with the real GcpProvider and google-cloud-compute
 client over REST: every zone exhausted gives one clear CapacityError per zone and leaves

@@ -16,6 +16,8 @@ from typing import Any
 from spotctl.agent import proctree
 from spotctl.elastic.checkpoint import COMMIT, committed_steps
 
+from .replays import Window
+
 REPO = Path(__file__).resolve().parents[2]
 SPOTCTL = [sys.executable, "-m", "spotctl.cli.app"]
 
@@ -51,7 +53,15 @@ class Cluster:
         script_name = script.name if script is not None else "train.py"
         self.env = dict(os.environ, SPOTCTL_HOME=str(self.home), NO_COLOR="1")
         self._store: Any = None  # the journal (state.db), opened on the first poll
-        env = {"TRAIN_STEP_SLEEP_S": "0.05"} | (train_env or {})
+        env = {"TRAIN_STEP_SLEEP_S": "0.05"}
+        # the workers' own step records on torchrun: the template's sample trace, which
+        # the fault matrix counts replayed steps from (scripts/chaos_lib/replays.py)
+        self.trace_dir: Path | None = None
+        if engine == "torchrun" and script is None:
+            self.trace_dir = root / "samples"
+            self.trace_dir.mkdir(parents=True, exist_ok=True)
+            env["SPOTCTL_TRACE_SAMPLES"] = str(self.trace_dir)
+        env |= train_env or {}
         env_toml = ", ".join(f'{k} = "{v}"' for k, v in env.items())
         (self.project / "spotctl.toml").write_text(
             f'name = "{name}"\nprovider = "local"\ngpus = "{gpus}"\n\n'
@@ -229,6 +239,11 @@ class Cluster:
             except ProcessLookupError:
                 pass
         return pids
+
+    def replay_window(self) -> Window | None:
+        """A mark in the workers' trace, to count the replays since (None: the workers
+        write none, as on torchft, whose replicas log their own steps)."""
+        return Window.open(self.trace_dir) if self.trace_dir is not None else None
 
     # -- checkpoints
     def committed(self) -> list[int]:

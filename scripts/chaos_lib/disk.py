@@ -1,9 +1,11 @@
 """13: the checkpoint disk fills up (a small tmpfs of the test's own): the save fails
 cleanly, training goes on, older checkpoints stay intact, saves resume once space is back.
 14: a node cut off from the network (nodes in network namespaces; its link goes down).
-Both run on either engine (`engine`). On torchft a step whose commit vote failed is run
-again in place, with no restart and no rescale event: its replays are counted from the
-replicas' own reports (failed_steps), on top of what the head's rescale events account."""
+Both run on either engine (`engine`). On torchrun the replays are counted from the
+workers' own sample trace (scripts/chaos_lib/replays.py; the head's figure stays in
+detail). On torchft a step whose commit vote failed is run again in place, with no
+restart and no rescale event: its replays are counted from the replicas' own reports
+(failed_steps), on top of what the head's rescale events account."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from . import replays
 from .cluster import Cluster
 from .result import Result
 
@@ -89,6 +92,7 @@ def disk_full(root: Path, engine: str = "torchrun") -> Result:
         before = _snapshot(mnt, kept)
         n_rescales = len(c.events("rescale"))
         failed0 = c.failed_steps()
+        window = c.replay_window()
         st0 = c.status()
         # three checkpoint intervals with no room at all
         st = c.wait_for(
@@ -117,13 +121,14 @@ def disk_full(root: Path, engine: str = "torchrun") -> Result:
         )
         res.recover_s = round(time.time() - t0, 1)
         res.committed_steps_lost = 0 if intact else len(kept) - len(after)
-        # replays the head accounted while the disk was full and after (none expected)
-        res.steps_replayed = sum(int(e.get("lost_steps") or 0)
-                                 for e in c.events("rescale")[n_rescales:])
+        # replays while the disk was full and after (none expected): the workers' on
+        # torchrun, the head's on torchft
+        replays.fill(res, window, sum(int(e.get("lost_steps") or 0)
+                                      for e in c.events("rescale")[n_rescales:]))
         if engine == "torchft":
             res.steps_replayed += _replayed_on_torchft(c, failed0, ["n1"])
         res.survived = intact and alive and not new_during and st1["world_size"] == 1
-        res.detail = {
+        res.detail.update({
             "committed_before": kept,
             "committed_while_full": during,
             "new_commits_while_full": new_during,
@@ -131,7 +136,7 @@ def disk_full(root: Path, engine: str = "torchrun") -> Result:
             "save_failure_in_log": save_failed_logged,
             "steps_while_full": st["step"] - st0["step"],
             "checkpoint_after_space_back": st1["last_checkpoint_step"],
-        }
+        })
         res.notes = (
             f"tmpfs 8 MiB filled; {st['step'] - st0['step']} steps trained while full; "
             f"old checkpoints intact: {intact}; saves resumed at "
@@ -170,6 +175,7 @@ def network_cut(root: Path, engine: str = "torchrun") -> Result:
         t0 = time.time()
         committed = c.committed_before(t0)
         failed0 = c.failed_steps()
+        window = c.replay_window()
         prov.isolate("n3")
         st = c.training(2, past=0, timeout=180)
         res.recover_s = round(time.time() - t0, 1)
@@ -181,7 +187,7 @@ def network_cut(root: Path, engine: str = "torchrun") -> Result:
                 raise TimeoutError(f"no failure rescale: {c.events('rescale')}")
             time.sleep(0.5)
         r = rs[0]
-        res.steps_replayed = int(r["lost_steps"])
+        replays.fill(res, window, int(r["lost_steps"]))
         if engine == "torchft":
             st = c.training(2, past=st["step"] + 2, timeout=60)  # the survivors' counts settled
             res.steps_replayed += _replayed_on_torchft(c, failed0, ["n1", "n2"])

@@ -5,8 +5,12 @@ itself a scenario where it can be (CLI killed mid-up, two `up` at once).
 Measures, per scenario:
 - committed_steps_lost: newest step committed before the fault (COMMIT mtime) minus the
   step the job resumed from (for a corrupted newest checkpoint: the newest intact one).
-- steps_replayed: the head's rescale accounting (highest step reached before minus resume
-  step), summed when one fault causes several rescales.
+- steps_replayed: from the workers' own records (every node's sample trace, see
+  scripts/chaos_lib/replays.py): the trainings of a step number that an earlier worker
+  group had trained already, counted from the fault until the new group is past every step
+  trained before it. The head's rescale accounting (highest step it heard of minus the
+  resume step, summed over the fault's rescales) stays beside it in detail, as a
+  cross-check (detail["head_lost_steps"]; both in detail["replays_disagree"] if they differ).
 - recover_s: fault -> training advancing again at the new world size.
 - leaks: processes of nodes that should be gone, duplicate or untracked nodes.
 """
@@ -22,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import trust
+from . import replays, trust
 from .cluster import Cluster, Timeout
 from .result import Result
 
@@ -51,6 +55,7 @@ def _cycle(
 ) -> None:
     """Inject `fault`, wait for the job to train at `world` again, fill in the measures."""
     n0 = len(c.events("rescale"))
+    window = c.replay_window()
     pre = max(c.committed(), default=0) if intact_before is None else 0
     t0 = time.time()
     fault()
@@ -61,7 +66,7 @@ def _cycle(
     c.training(world, past=max(int(e["resume_step"]) for e in evs) + 1)
     res.recover_s = round(time.time() - t0, 1)
     res.committed_steps_lost = max(0, before - resume)
-    res.steps_replayed = sum(int(e.get("lost_steps") or 0) for e in evs)
+    replays.fill(res, window, sum(int(e.get("lost_steps") or 0) for e in evs))
     res.detail.update(
         committed_before=before,
         resume_step=resume,
@@ -76,21 +81,25 @@ def _cycle(
     res.survived = True
 
 
-def _mark(c: Cluster) -> tuple[int, int]:
-    """Where a fault-free scenario starts: (rescale events so far, newest committed step)."""
-    return len(c.events("rescale")), max(c.committed(), default=0)
+Mark = tuple[int, int, replays.Window | None]
 
 
-def _measure(c: Cluster, res: Result, mark: tuple[int, int]) -> None:
+def _mark(c: Cluster) -> Mark:
+    """Where a fault-free scenario starts: (rescale events so far, newest committed step,
+    the workers' trace so far)."""
+    return len(c.events("rescale")), max(c.committed(), default=0), c.replay_window()
+
+
+def _measure(c: Cluster, res: Result, mark: Mark) -> None:
     """The loss figures of a scenario that should not disturb training, measured, not
     assumed: the lowest step the job resumed from or trains at since `mark` (the rescale
     events' resume steps and the step it is at now) against the newest commit before it,
-    and the replays those rescales accounted."""
-    n0, before = mark
+    and the steps the workers trained again since."""
+    n0, before, window = mark
     evs = c.events("rescale")[n0:]
     lowest = min([int(e["resume_step"]) for e in evs] + [int(c.status()["step"])])
     res.committed_steps_lost = max(0, before - lowest)
-    res.steps_replayed = sum(int(e.get("lost_steps") or 0) for e in evs)
+    replays.fill(res, window, sum(int(e.get("lost_steps") or 0) for e in evs))
     res.detail["measured"] = {"committed_before": before, "lowest_step_after": lowest,
                               "rescales": len(evs)}
 
@@ -241,6 +250,7 @@ def head_restart(c: Cluster) -> Result:
     res = Result("6 head killed and restarted")
     ports = json.loads((c.cluster_dir / "head" / "ports.json").read_text())
     st0 = c.status()
+    window = c.replay_window()
     t0 = time.time()
     killed = c.kill_head()
     before = c.committed_before(t0)  # now: keep_last prunes them soon after training resumes
@@ -267,15 +277,16 @@ def head_restart(c: Cluster) -> Result:
     c.training(WORLD, past=st["step"] + 3)
     res.recover_s = round(time.time() - t0, 1)
     res.committed_steps_lost = None if resume is None else max(0, before - resume)
-    res.steps_replayed = None if resume is None else max(0, st0["step"] - resume)
+    # the head's figure here: its step before the kill minus the step the job resumed from
+    replays.fill(res, window, None if resume is None else max(0, st0["step"] - resume))
     res.survived = same_ports and resume is not None and res.committed_steps_lost == 0
-    res.detail = {
-        "killed": killed,
-        "same_ports": same_ports,
-        "resume_step": resume,
-        "committed_before": before,
-        "step_before": st0["step"],
-    }
+    res.detail.update(
+        killed=killed,
+        same_ports=same_ports,
+        resume_step=resume,
+        committed_before=before,
+        step_before=st0["step"],
+    )
     res.notes = f"same ports: {same_ports}; step before kill {st0['step']} (lower bound)"
     return res
 

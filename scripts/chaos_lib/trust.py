@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from . import replays
 from .cluster import Cluster
 from .result import Result
 
@@ -55,6 +56,7 @@ def forged_notice(c: Cluster, world: int) -> Result:
     n_notice = len(c.events("notice"))
     st0 = c.status()
     before = max(c.committed(), default=0)
+    window = c.replay_window()
     deadline = time.time() + 60
     codes = {
         "notice": _call(url + "/api/notice", token, {"node_id": victim, "notice": {
@@ -73,7 +75,7 @@ def forged_notice(c: Cluster, world: int) -> Result:
     forged = [e for e in c.events("notice")[n_notice:] if e.get("node") == victim]
     resume = min((int(e["resume_step"]) for e in resc), default=None)
     res.committed_steps_lost = 0 if resume is None else max(0, before - resume)
-    res.steps_replayed = sum(int(e.get("lost_steps") or 0) for e in resc)
+    replays.fill(res, window, sum(int(e.get("lost_steps") or 0) for e in resc))
     victim_state = st["nodes"]
     res.survived = (all(code in (401, 403) for code in codes.values()) and not forged
                     and not resc)
@@ -134,6 +136,7 @@ def head_garbage(c: Cluster, world: int, seconds: float = 30.0) -> Result:
     n_unresp = len(c.events("node-unresponsive"))
     st0 = c.status()
     before = max(c.committed(), default=0)
+    window = c.replay_window()
     stop = threading.Event()
     sent = [0]
     answers: dict[str, int] = {}
@@ -185,7 +188,7 @@ def head_garbage(c: Cluster, world: int, seconds: float = 30.0) -> Result:
     unresp = c.events("node-unresponsive")[n_unresp:]
     resume = min((int(e["resume_step"]) for e in resc), default=None)
     res.committed_steps_lost = 0 if resume is None else max(0, before - resume)
-    res.steps_replayed = sum(int(e.get("lost_steps") or 0) for e in resc)
+    replays.fill(res, window, sum(int(e.get("lost_steps") or 0) for e in resc))
     same_head = _head(c)["pid"] == h["pid"]
     five = {k: v for k, v in answers.items() if k.startswith("5") and k != "505"}
     res.survived = same_head and not unresp and not resc and not five and st["step"] > st0["step"]

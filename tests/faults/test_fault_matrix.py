@@ -34,6 +34,15 @@ def cluster_rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
     return {r.scenario.split()[0]: r for r in rows}
 
 
+def _replays_from_workers(r: Result) -> None:
+    """torchrun: steps_replayed is the workers' own count (their sample trace, every node's),
+    complete (the new worker group got past every step trained before it), not the head's
+    lost_steps (kept in detail["head_lost_steps"] as a cross-check)."""
+    w = r.detail.get("workers_replayed")
+    assert w is not None, f"{r.scenario}: no count from the workers' trace: {r.detail}"
+    assert w["settled"] and r.steps_replayed == w["replayed"], r.detail
+
+
 def _check(r: Result) -> None:
     assert r.survived, f"{r.scenario}: {r.notes}\n{r.detail}"
     # every figure was measured, or is declared not applicable and left null (never 0)
@@ -48,12 +57,18 @@ def test_cluster_scenario(cluster_rows: dict[str, Result], key: str) -> None:
     assert key in cluster_rows, f"scenario {key} did not run: {sorted(cluster_rows)}"
     r = cluster_rows[key]
     _check(r)
+    if key == "17":  # the cluster goes down: no replays to count
+        return
+    _replays_from_workers(r)
     if r.notice or key in CALM:
         assert r.steps_replayed == 0, r.detail
     if key in HARD:
         assert r.steps_replayed is not None and r.steps_replayed <= local.EVERY + 1, r.detail
     if key == "12":  # the newest checkpoint is unusable: back to the one before it
         assert r.steps_replayed is not None and r.steps_replayed <= 2 * local.EVERY + 1, r.detail
+        # the workers had trained up to the corrupted step and trained the steps since the
+        # previous checkpoint again: the count sees each of them
+        assert r.steps_replayed >= r.detail["corrupted"] - r.detail["previous"], r.detail
 
 
 # The torchft engine (scripts/chaos --engine torchft): one more 3-node cluster, the
@@ -159,6 +174,10 @@ def test_capacity_exhausted_while_training(tmp_path: Path, engine: str) -> None:
         for cycle in (r.detail["reclaim"], r.detail["join"]):  # from a live peer
             assert cycle["restarted_survivors"] == [], cycle
             assert cycle["ft"]["failed_steps"] == [] and cycle["ft"]["replayed_commits"] == 0
+    else:  # the workers' own trace: both drains replayed nothing
+        for cycle in (r.detail["reclaim"], r.detail["join"]):
+            w = cycle["workers_replayed"]
+            assert w["settled"] and w["replayed"] == 0, cycle
 
 
 def test_throttling_and_5xx_are_retried() -> None:
@@ -190,6 +209,8 @@ def test_checkpoint_disk_full(tmp_path: Path, engine: str) -> None:
     _check(r)
     assert r.detail["steps_while_full"] >= 3 * disk.EVERY
     assert r.steps_replayed == 0, r.detail  # a failed save fails no step
+    if engine == "torchrun":
+        _replays_from_workers(r)
 
 
 # 14 (a node cut off from the network) runs in tests/e2e/test_network_partition.py (both
