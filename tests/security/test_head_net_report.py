@@ -166,3 +166,25 @@ def test_status_json_shows_what_each_node_has(tmp_path: Path, head: HeadServer,
     assert res.exit_code == 0, res.output
     rows = {x.split()[0]: x.split()[-1] for x in res.stdout.splitlines() if x.split()}
     assert rows["cpu-1"] == "gloo" and rows["gpu-1"] == "(efa)", res.stdout
+
+
+def test_a_restarted_head_gets_the_report_again(tmp_path: Path, head: HeadServer) -> None:
+    """A new head (its own head_id, no memory of the node) is told on the beat after it
+    first answers; a head that has it is not told again."""
+    from spotctl.head.client import HeadClient
+
+    a = agent_for(tmp_path, head, "n1", gpus=0)
+    a.net = good_net()
+    for _ in range(3):
+        a._heartbeat([])
+    assert head.coord.status()["nodes"]["n1"]["net"]["efa"] == 1
+    (tmp_path / "head2").mkdir()
+    with serve_head(tmp_path / "head2", SECRET) as again:
+        a.head.client = HeadClient(again.url, a.head.token, timeout_s=2.0)  # type: ignore[attr-defined]
+        a._heartbeat([])  # the new head answers with its own id: not told yet
+        assert again.coord.status()["nodes"]["n1"]["net"] is None
+        a._heartbeat([])
+        assert again.coord.status()["nodes"]["n1"]["net"]["efa"] == 1
+        a._heartbeat([])
+    assert ["net" in b for b in a.head.bodies] == [  # type: ignore[attr-defined]
+        True, True, False, False, True, False]
