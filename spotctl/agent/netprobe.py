@@ -133,17 +133,30 @@ def _read_bounded(path: Path, limit: int) -> bytes | None:
         os.close(fd)
 
 
-def nccl_transport_in(directory: Path) -> str | None:
+def nccl_transport_in(directory: Path, seen: dict[str, int] | None = None) -> str | None:
     """The transport named in the workers' NCCL debug files in `directory` (the newest
-    files first: a restarted group writes new ones)."""
+    files first: a restarted group writes new ones). With `seen` (file name -> size, kept
+    by the caller), a file is read again only once it has grown."""
     files = sorted(directory.glob(NCCL_FILE_GLOB), key=_mtime, reverse=True)
     for p in files[:MAX_NCCL_FILES]:
+        if seen is not None:
+            size = _size(p)
+            if seen.get(p.name) == size:
+                continue
+            seen[p.name] = size
         raw = _read_bounded(p, MAX_NCCL_BYTES)
         if raw:
             found = nccl_transport(raw.decode("utf-8", "replace").splitlines())
             if found:
                 return found
     return None
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.lstat().st_size
+    except OSError:
+        return -1
 
 
 def _mtime(p: Path) -> float:

@@ -146,6 +146,7 @@ class Agent:
         self.nccl_transport: str | None = None if cfg.expect_gpus else "gloo"
         self._net_acked: tuple[str | None, str | None] | None = None
         self._nccl_checked = -math.inf
+        self._nccl_seen: dict[str, int] = {}  # debug file -> size when last read
 
     def _prepare_worker_dirs(self, w: runas.WorkerUser) -> bool:
         """Workers run as `w`: they write only their status dir (and a local checkpoint
@@ -387,6 +388,7 @@ class Agent:
             # NCCL names the transport it picked at the first communicator (see netprobe)
             for p in self.status_dir.glob(netprobe.NCCL_FILE_GLOB):
                 p.unlink(missing_ok=True)
+            self._nccl_seen.clear()
             env.update(netprobe.nccl_env(env, self.status_dir))
         if self.worker is not None:
             self.worker.env(env)
@@ -518,7 +520,7 @@ class Agent:
         if not self.cfg.expect_gpus or now - self._nccl_checked < 2.0:
             return
         self._nccl_checked = now
-        found = netprobe.nccl_transport_in(self.status_dir)
+        found = netprobe.nccl_transport_in(self.status_dir, self._nccl_seen)
         if found and found != self.nccl_transport:
             log.info("NCCL transport: %s", found)
             self.nccl_transport = found

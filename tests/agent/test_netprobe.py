@@ -176,3 +176,16 @@ def test_nccl_env_keeps_what_the_user_set(tmp_path: Path) -> None:
                    "NCCL_DEBUG_FILE": str(tmp_path / "nccl-%h-%p.log")}
     user = {"NCCL_DEBUG": "WARN", "NCCL_DEBUG_SUBSYS": "ALL", "NCCL_DEBUG_FILE": "/x/n.log"}
     assert netprobe.nccl_env(user, tmp_path) == {}
+
+
+def test_a_file_is_read_again_only_once_it_grew(tmp_path: Path) -> None:
+    f = tmp_path / "nccl-host-7.log"
+    f.write_text(PREFIX + "NCCL INFO Bootstrap : Using eth0:10.0.0.2<0>\n")
+    seen: dict[str, int] = {}
+    assert netprobe.nccl_transport_in(tmp_path, seen) is None
+    assert seen == {"nccl-host-7.log": f.stat().st_size}
+    with f.open("a") as out:
+        out.write(PREFIX + "NCCL INFO Using network IB\n")
+    assert netprobe.nccl_transport_in(tmp_path, seen) == "IB"
+    assert netprobe.nccl_transport_in(tmp_path, seen) is None  # unchanged: not read
+    assert netprobe.nccl_transport_in(tmp_path) == "IB"
