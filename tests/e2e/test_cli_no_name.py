@@ -38,6 +38,13 @@ def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any,
     def status() -> dict[str, Any]:
         return json.loads(c.cli("status", "--json").stdout)
 
+    # what each node's agent found on its network (issue 33): a local node is a process
+    # tree on this machine, so this machine's interfaces; CPU workers talk over gloo
+    nodes = status()["nodes"]
+    assert len(nodes) == 2 and all(
+        n["net"] is not None and isinstance(n["net"]["interfaces"], list) and n["net"]["efa"] == 0
+        and n["nccl_transport"] == "gloo" for n in nodes), nodes
+
     p = c.cli("preempt", "n2", "--style", "aws", "--in", "6")
     assert "notice sent to n2 (aws): hard stop in 6 s, at " in p.stdout
     deadline = time.monotonic() + 150
