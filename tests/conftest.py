@@ -16,6 +16,8 @@
 - real OpenSSH sshd on loopback (`Sshd`, `SshdFactory`, `client_key`, `sshd_factory`,
   `sshd`) and the real head as a child process (`Head`, `head`)
 - `metadata_server`: a factory for the local metadata emulator (AWS IMDSv2 + GCP)
+- after every slow test, any process still naming its tmp_path is killed (a cluster a
+  failed test left), with a warning
 """
 
 from __future__ import annotations
@@ -141,6 +143,26 @@ def _no_network() -> Iterator[None]:
         seen, _violations[:] = list(_violations), []
     if seen:
         pytest.fail("test reached beyond loopback: " + "; ".join(seen[:5]), pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_cluster_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a slow test, kill whatever process still mentions the test's own directory (a
+    local cluster, a head, an agent a failed test never brought down), so one failure does
+    not load the rest of the run; a warning names what was killed. Set up before the
+    test's own fixtures, so it runs after their teardown (a `down` that did its job leaves
+    nothing here). Module fixtures' clusters live in other directories."""
+    if request.node.get_closest_marker("slow") is None or "tmp_path" not in request.fixturenames:
+        yield
+        return
+    root = request.getfixturevalue("tmp_path")
+    yield
+    left = kill_procs_mentioning(root)
+    if left:
+        import warnings
+
+        warnings.warn(f"{request.node.nodeid} left {len(left)} processes: killed {left[:10]}",
+                      stacklevel=1)
 
 
 # --- small helpers --------------------------------------------------------------------------
@@ -416,6 +438,21 @@ def procs_mentioning(root: Path) -> list[int]:
     return out
 
 
+def kill_procs_mentioning(root: Path) -> list[int]:
+    """SIGKILL every process (and its process group) whose command line mentions `root`;
+    returns their pids."""
+    import signal
+
+    pids = procs_mentioning(root)
+    for pid in pids:
+        for kill, target in ((os.killpg, pid), (os.kill, pid)):
+            try:
+                kill(target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    return pids
+
+
 class MetadataRouter:
     """One loopback server standing in for every cloud node's metadata service: a request
     for `/<node>/<path>` goes to that node's own MetadataServer (the emulator: AWS IMDSv2
@@ -551,14 +588,8 @@ class CloudFlow(CliProject):
         return procs_mentioning(self.remote) + procs_mentioning(self.home)
 
     def kill_leftovers(self) -> None:
-        import signal
-
-        for pid in self.leftover():
-            for kill, target in ((os.killpg, pid), (os.kill, pid)):
-                try:
-                    kill(target, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+        for root in (self.remote, self.home):
+            kill_procs_mentioning(root)
 
     def up(self, provider: str, gpus: str, nodes: int, wait_s: int = 240) -> dict[str, Any]:
         """`up --json`: `nodes` launched, bootstrapped (one progress line each) and

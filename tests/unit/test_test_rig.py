@@ -57,3 +57,44 @@ def test_sshd_factory_takes_another_port_when_its_pick_was_taken(
     assert mine.port != other.port and mine.proc.poll() is None
     with pytest.raises(conftest.PortTaken):  # a port asked for is not replaced
         sshd_factory.start(port=other.port)
+
+
+INNER = '''
+import subprocess, sys, time
+import pytest
+
+@pytest.mark.slow
+def test_leaves_a_process(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", str(tmp_path)],
+                         start_new_session=True)
+    (tmp_path.parent.parent / "pid").write_text(str(p.pid))
+    assert False, "fails with its process still running"
+'''
+
+
+def test_a_failed_slow_test_leaves_no_process_behind(tmp_path) -> None:
+    """A slow test that fails with a process of its own still running (a cluster it never
+    brought down): the rig kills it after the test and says so, so it cannot load the
+    rest of the run."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "test_inner.py").write_text(INNER)
+    base = tmp_path / "base"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest",
+                        "--rootdir", str(tmp_path), "-c", os.devnull, "--basetemp", str(base),
+                        "-W", "default", str(tmp_path / "test_inner.py")],
+                       cwd=Path(conftest.__file__).parents[1], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    pid = int((tmp_path / "pid").read_text())
+    assert f"left 1 processes: killed [{pid}]" in r.stdout, r.stdout
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return
+    # a zombie of an exited parent is reaped by init; one still alive is the failure
+    state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    assert state == "Z", f"process {pid} still running: {state}"
