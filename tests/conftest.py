@@ -145,6 +145,33 @@ def _no_network() -> Iterator[None]:
         pytest.fail("test reached beyond loopback: " + "; ".join(seen[:5]), pytrace=False)
 
 
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine, from /proc/stat's first line."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
+    return sum(v) - idle, sum(v)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """With SPOTCTL_TEST_CPU_LOG=FILE, append one JSON line per test: its wall time and how
+    busy the whole machine's CPUs were meanwhile (setup, call and teardown), so a run can
+    tell tests that wait from tests that compute (which ones may share the CPUs)."""
+    path = os.environ.get("SPOTCTL_TEST_CPU_LOG")
+    if not path:
+        yield
+        return
+    t0, (b0, n0) = time.monotonic(), _cpu_ticks()
+    yield
+    (b1, n1), wall = _cpu_ticks(), time.monotonic() - t0
+    hz = os.sysconf("SC_CLK_TCK")
+    line = {"test": item.nodeid, "wall_s": round(wall, 2), "cpu_s": round((b1 - b0) / hz, 2),
+            "busy": round((b1 - b0) / max(1, n1 - n0), 3)}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
 @pytest.fixture(autouse=True)
 def _no_cluster_left(request: pytest.FixtureRequest) -> Iterator[None]:
     """After a slow test, kill whatever process still mentions the test's own directory (a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -98,3 +99,36 @@ def test_a_failed_slow_test_leaves_no_process_behind(tmp_path) -> None:
     # a zombie of an exited parent is reaped by init; one still alive is the failure
     state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
     assert state == "Z", f"process {pid} still running: {state}"
+
+
+def test_cpu_log_records_each_test_and_the_summary_reads_it(tmp_path) -> None:
+    """SPOTCTL_TEST_CPU_LOG: one line per test, a test that computes shows its CPU time and
+    one that sleeps its wall time (what else ran meanwhile counts too: no bound on it);
+    scripts/test-cpu totals them."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(conftest.__file__).parents[1]
+    (tmp_path / "test_inner.py").write_text(
+        "import time\n"
+        "def test_computes():\n    t = time.process_time()\n"
+        "    while time.process_time() - t < 1.0: pass\n"
+        "def test_waits():\n    time.sleep(1.0)\n")
+    log = tmp_path / "cpu.jsonl"
+    env = {**os.environ, "SPOTCTL_TEST_CPU_LOG": str(log)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest",
+                        "--rootdir", str(tmp_path), "-c", os.devnull,
+                        "--basetemp", str(tmp_path / "base"), str(tmp_path / "test_inner.py")],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {x["test"].split("::")[-1]: x for x in map(json.loads, log.read_text().splitlines())}
+    assert set(rows) == {"test_computes", "test_waits"}, rows
+    assert rows["test_computes"]["cpu_s"] >= 0.9 and rows["test_waits"]["wall_s"] >= 1.0, rows
+    s = subprocess.run([sys.executable, str(root / "scripts" / "test-cpu"), str(log)],
+                       capture_output=True, text=True, timeout=60)
+    assert s.returncode == 0 and s.stdout.startswith("2 tests, "), s.stdout + s.stderr
+    bad = subprocess.run([sys.executable, str(root / "scripts" / "test-cpu"),
+                          str(tmp_path / "none.jsonl")], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
