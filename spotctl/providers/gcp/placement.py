@@ -38,10 +38,21 @@ def label(nic: str, compact: bool) -> str:
     return ("gvnic" if nic == "GVNIC" else "virtio") + ("-compact" if compact else "")
 
 
+# The 8-GPU A3 types whose GPU-to-GPU bandwidth between VMs comes from extra NICs and
+# Google's GPUDirect plugin (Compute Engine docs, "Maximize GPU network bandwidth"):
+# a3-highgpu-8g 4 extra NICs with GPUDirect-TCPX, a3-megagpu-8g 8 with GPUDirect-TCPXO.
+# spotctl attaches neither the NICs nor the plugin: NCCL runs over the primary gVNIC.
+GPUDIRECT_TCPX = {"a3-highgpu-8g": "GPUDirect-TCPX, 4 extra NICs",
+                  "a3-megagpu-8g": "GPUDirect-TCPXO, 8 extra NICs"}
+
+
 def describe(machine_type: str, gpus: int, fast: bool) -> str:
     """The network a node of this machine type gets, in a few words (plans, status)."""
     nic, compact = network_for(machine_type, gpus, fast)
     words = "gVNIC" if nic == "GVNIC" else "VirtIO"
+    missing = GPUDIRECT_TCPX.get(machine_type)
+    if compact and missing:
+        return f"{words}, compact placement; not set up: {missing} (NCCL uses one gVNIC)"
     if compact:
         return f"{words}, compact placement"
     if not fast and gpus:
