@@ -29,10 +29,11 @@ from __future__ import annotations
 import glob
 import os
 import re
-import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from spotctl.agent import runas
 
 MAX_INTERFACES = 64  # the head refuses more (spotctl.head.validate)
 MAX_NCCL_BYTES = 256 * 1024  # of each NCCL debug file: the transport is named at init
@@ -117,22 +118,6 @@ def nccl_transport(lines: Iterable[str]) -> str | None:
     return plugin
 
 
-def _read_bounded(path: Path, limit: int) -> bytes | None:
-    """A file a worker wrote: no link followed, a FIFO never blocks, at most `limit`."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return os.read(fd, limit)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
 def nccl_transport_in(directory: Path, seen: dict[str, int] | None = None) -> str | None:
     """The transport named in the workers' NCCL debug files in `directory` (the newest
     files first: a restarted group writes new ones). With `seen` (file name -> size, kept
@@ -144,7 +129,7 @@ def nccl_transport_in(directory: Path, seen: dict[str, int] | None = None) -> st
             if seen.get(p.name) == size:
                 continue
             seen[p.name] = size
-        raw = _read_bounded(p, MAX_NCCL_BYTES)
+        raw = runas.read_status(p, MAX_NCCL_BYTES)
         if raw:
             found = nccl_transport(raw.decode("utf-8", "replace").splitlines())
             if found:

@@ -113,9 +113,10 @@ def unusable(user: WorkerUser, python: str, want: dict[str, int]) -> list[str]:
     return [ln for ln in r.stdout.splitlines() if ln]
 
 
-def read_status(path: Path) -> bytes | None:
-    """A status file a worker wrote: no link is followed, a FIFO never blocks, a file is
-    read up to 1 MiB. None when it is not a plain readable file."""
+def read_status(path: Path, limit: int = MAX_STATUS_BYTES) -> bytes | None:
+    """A file a worker wrote (its status, its NCCL debug log): no link is followed, a FIFO
+    never blocks, a file is read up to `limit` (1 MiB). None when it is not a plain
+    readable file."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
@@ -123,7 +124,7 @@ def read_status(path: Path) -> bytes | None:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
-        return os.read(fd, MAX_STATUS_BYTES)
+        return os.read(fd, limit)
     except OSError:
         return None
     finally:
