@@ -15,6 +15,7 @@ it as a cross-check: it hears of steps through throttled reports, so it can miss
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,20 +24,29 @@ from typing import Any
 Trained = dict[int, set[str]]
 
 
-def trained(trace_dir: Path) -> Trained:
-    """Every complete line of every worker's trace (a line without its newline is one a
-    killed worker was writing)."""
-    out: Trained = {}
+def trace_lines(trace_dir: Path) -> Iterator[tuple[str, int, int, int, list[int]]]:
+    """(worker group, data-parallel rank, step, epoch, sample indices) of every complete
+    line of every worker's trace (a line without its newline is one a killed worker was
+    writing)."""
     for f in sorted(trace_dir.glob("*.txt")):
         try:
             text = f.read_text(errors="replace")
         except OSError:
             continue
         for line in text.splitlines(keepends=True):
-            parts = line.split(maxsplit=3)
-            if not line.endswith("\n") or len(parts) < 3 or not parts[2].isdigit():
+            parts = line.split()
+            if not line.endswith("\n") or len(parts) < 4 or not all(
+                    x.isdigit() for x in parts[1:]):
                 continue
-            out.setdefault(int(parts[2]), set()).add(parts[0])
+            inc, rank, step, epoch, *idx = parts
+            yield inc, int(rank), int(step), int(epoch), [int(i) for i in idx]
+
+
+def trained(trace_dir: Path) -> Trained:
+    """step -> the worker groups that trained it, from every complete trace line."""
+    out: Trained = {}
+    for inc, _, step, _, _ in trace_lines(trace_dir):
+        out.setdefault(step, set()).add(inc)
     return out
 
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from scripts.chaos_lib.replays import trace_lines
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
 N, G, EVERY = 2048, 32, 10
@@ -208,18 +210,12 @@ def _finish(c, st) -> None:
 
 
 def _records(trace_dir: Path):
-    """{(incarnation, step): {rank: (epoch, indices)}} from complete lines only (a line:
-    worker group, data-parallel rank, step, epoch, indices; a file per process)."""
+    """{(incarnation, step): {rank: (epoch, indices)}} from complete lines only."""
     recs: dict[tuple[str, int], dict[int, tuple[int, list[int]]]] = defaultdict(dict)
     ranks: dict[str, set[int]] = defaultdict(set)
-    for f in trace_dir.glob("*.txt"):
-        text = f.read_text()
-        for line in text.splitlines(keepends=True):
-            if not line.endswith("\n"):
-                continue  # killed mid-write
-            inc, rank, step, epoch, *idx = line.split()
-            ranks[inc].add(int(rank))
-            recs[(inc, int(step))][int(rank)] = (int(epoch), [int(i) for i in idx])
+    for inc, rank, step, epoch, idx in trace_lines(trace_dir):
+        ranks[inc].add(rank)
+        recs[(inc, step)][rank] = (epoch, idx)
     return recs, ranks
 
 
