@@ -73,6 +73,7 @@ def main():
             if step == STEPS:
                 break
         epoch += 1
+    dist.barrier()  # no rank tears gloo down while another is still in its last all_reduce
     dist.destroy_process_group()
 
 

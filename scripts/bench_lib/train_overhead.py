@@ -68,6 +68,7 @@ def plain():
         if log:
             log.write(f"{time.time():.4f} {step + 1} {world} {per * world}\n")
             log.flush()
+    dist.barrier()  # gloo aborts a rank torn down while the other is in its last all_reduce
     dist.destroy_process_group()
 
 
