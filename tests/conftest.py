@@ -465,6 +465,18 @@ def procs_mentioning(root: Path) -> list[int]:
     return out
 
 
+def describe_procs(pids: list[int]) -> list[str]:
+    """`pid: command line` of each (what a leak report needs to name the process)."""
+    out = []
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            cmd = "(gone)"
+        out.append(f"{pid}: {cmd[:300]}")
+    return out
+
+
 def kill_procs_mentioning(root: Path) -> list[int]:
     """SIGKILL every process (and its process group) whose command line mentions `root`;
     returns their pids."""
@@ -638,7 +650,7 @@ class CloudFlow(CliProject):
                                        timeout=300).stdout))  # fmt: skip
         self.downed = not out["leaks"]
         wait_until(lambda: not self.leftover(), 60, "the cluster's processes to end",
-                   0.5, lambda: f"left running after down: {self.leftover()}")  # fmt: skip
+                   0.5, lambda: f"left running after down: {describe_procs(self.leftover())}")  # fmt: skip
         return out
 
     def run(self, provider: str, nodes: int, want_steps: int = 5) -> dict[str, Any]:
