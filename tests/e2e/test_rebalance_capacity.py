@@ -4,16 +4,16 @@ capacity.json; no wall-clock schedule to race).
 
 - The drop: the newest node gets a notice, the job shrinks to 2 with no step lost, and a
   rebalance launches nothing while capacity is short.
-- Cycle 1: once capacity is back, the next `spotctl rebalance` relaunches in the zone that
-  just preempted (cool-downs rank, they do not forbid: 900 s of cool-down does not hold
-  the only zone back) and the job returns to 3 with no step lost.
-- Cycle 2: the same with `spotctl rebalance --watch` (event-triggered: it reacts to the
-  notice/rescale at once, and runs every few seconds).
+- The way back, one cycle per engine (each cycle is a minute of CI; the replacement path
+  after the plan is the same for both):
+  - torchrun (drains): once capacity is back, the next `spotctl rebalance` relaunches in
+    the zone that just preempted (cool-downs rank, they do not forbid: 900 s of cool-down
+    does not hold the only zone back) and the job returns to 3 with no step lost;
+  - torchft (replicas leave and join the quorum by themselves): the same with
+    `spotctl rebalance --watch` (event-triggered: it reacts to the notice/rescale at once,
+    and runs every few seconds).
 - `spotctl simulate` replays the same capacity schedule and takes the same sequence of
   plan actions as the live run journaled.
-
-On both engines (issue 17): torchrun (drains) and torchft (replicas leave and join the
-quorum by themselves).
 """
 
 from __future__ import annotations
@@ -86,7 +86,15 @@ def test_capacity_back_cluster_back_and_simulate_agrees(local_cluster, tmp_path,
     c.steps_advance(world=3, by=5, timeout=240)  # start-up is slow on a loaded machine
     schedule: list[tuple[float, int]] = [(0.0, 3)]
 
-    # --- cycle 1: explicit rebalance ---------------------------------------------------
+    if engine == "torchrun":
+        _explicit_cycle(c, cdir, schedule, t_up)
+    else:
+        _watcher_cycle(c, cdir, schedule, t_up)
+    _simulate_agrees(c, tmp_path, engine, schedule, t_up)
+
+
+def _explicit_cycle(c: Any, cdir: Path, schedule: list[tuple[float, int]], t_up: float) -> None:
+    """Capacity drops, then comes back: an explicit `spotctl rebalance` relaunches."""
     schedule.append((shrink(c, cdir, 1) - t_up, 2))
     reclaim = c.events("capacity-reclaim")
     assert reclaim and reclaim[0]["nodes"] == ["n3"]
@@ -102,13 +110,17 @@ def test_capacity_back_cluster_back_and_simulate_agrees(local_cluster, tmp_path,
     assert (r["from_world_size"], r["to_world_size"], r["lost_steps"]) == (2, 3, 0), r
     c.steps_advance(world=3, by=5, timeout=180)
 
-    # --- cycle 2: the event-triggered watcher does it -----------------------------------
+
+def _watcher_cycle(c: Any, cdir: Path, schedule: list[tuple[float, int]], t_up: float) -> None:
+    """Capacity drops, then comes back: the event-triggered watcher relaunches."""
     watcher = subprocess.Popen(
         [sys.executable, "-m", "spotctl.cli.app", "rebalance", "--name", "rebal", "--watch",
          "--interval", "3", "--poll", "0.5", "--json"],
         cwd=c.project, env=c.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        schedule.append((shrink(c, cdir, 2) - t_up, 2))
+        schedule.append((shrink(c, cdir, 1) - t_up, 2))
+        reclaim = c.events("capacity-reclaim")
+        assert reclaim and reclaim[0]["nodes"] == ["n3"]
         schedule.append((time.time() - t_up, 3))
         n0 = len(c.events("rescale"))
         set_capacity(cdir, 3)
@@ -127,13 +139,19 @@ def test_capacity_back_cluster_back_and_simulate_agrees(local_cluster, tmp_path,
     assert triggered, f"no event-triggered run: {[x['trigger'] for x in runs]}"
     assert set(sum((x["trigger"] for x in triggered), [])) & {"notice", "leave", "rescale"}
     assert [len(launches(x)) for x in runs if launches(x)] == [1], "one launch, by the watcher"
+    # the watcher's own JSON says why it launched: the cool-down ranked, it did not forbid
+    [la] = [launches(x) for x in runs if launches(x)]
+    assert [(a["count"], a["zone"], a["price"]) for a in la] == [(1, "local-a", 0.9)], runs
 
-    # --- live plan actions vs the simulated replay of the same schedule -----------------
+
+def _simulate_agrees(c: Any, tmp_path: Path, engine: str, schedule: list[tuple[float, int]],
+                     t_up: float) -> None:
+    """The live plan actions equal the simulated replay of the same capacity schedule."""
     end = time.time() - t_up
     live = plan_events(c)
     assert live[0][:2] == ("launch", 3)  # `up`
     live = live[1:]
-    assert live == [("launch", 1, "grow toward maximum")] * 2, live
+    assert live == [("launch", 1, "grow toward maximum")], live
     data, t, k = [], 0.0, 0
     while t < end + 30:
         while k + 1 < len(schedule) and schedule[k + 1][0] <= t:
@@ -155,7 +173,7 @@ def test_capacity_back_cluster_back_and_simulate_agrees(local_cluster, tmp_path,
     # every capacity-driven rescale (notices and joins) lost nothing; the start-up itself
     # (a group that first formed smaller under load) is not what this test is about
     cap = [e for e in c.events("rescale") if e.get("reason") in ("notice", "join")]
-    assert len(cap) >= 4 and all(e["lost_steps"] == 0 for e in cap), cap
+    assert len(cap) >= 2 and all(e["lost_steps"] == 0 for e in cap), cap
     assert {e["engine"] for e in c.events("rescale")} == {engine}
     if engine == "torchft":  # nobody drained: the replicas regrouped by themselves
         assert not [e for e in c.events() if e["type"].startswith("drain-")]
