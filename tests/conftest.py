@@ -847,7 +847,7 @@ class Sshd:
 
 
 class PortTaken(RuntimeError):
-    """sshd could not bind its port: someone took it after it was picked."""
+    """sshd (or the head) could not bind its port: someone took it after it was picked."""
 
 
 class SshdFactory:
@@ -969,10 +969,21 @@ class Head:
         # What the agents' torchrun runs in bootstrap tests: nothing, for a long time.
         self.script = base / "idle_train.py"
         self.script.write_text("import time\ntime.sleep(3600)\n")
-        http_port, store_port = free_port(), free_port()
+        self.log = self.dir / "head.log"
+        # the two ports were free a moment ago; another test (or xdist worker) may take one
+        # before the head binds it: then the head exits naming it, and we pick again
+        for attempt in range(5):
+            try:
+                self._start(free_port(), free_port())
+                return
+            except PortTaken:
+                if attempt == 4:
+                    raise
+
+    def _start(self, http_port: int, store_port: int) -> None:
         self.url = f"http://127.0.0.1:{http_port}"
         self.store_port = store_port
-        self.log = self.dir / "head.log"
+        start = self.log.stat().st_size if self.log.exists() else 0
         self.proc = subprocess.Popen(
             [*SPOTCTL, "head", "--dir", str(self.dir), "--token-file", str(self.token_file),
              "--host", "127.0.0.1", "--http-port", str(http_port), "--store-port", str(store_port)],
@@ -983,7 +994,10 @@ class Head:
 
         def up() -> bool:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"head exited: {self.log.read_text()[-2000:]}")
+                text = self.log.read_text(errors="replace")[start:]
+                if "address already in use" in text.lower():
+                    raise PortTaken(text[-2000:])
+                raise RuntimeError(f"head exited: {text[-2000:]}")
             return self.healthy()
 
         wait_until(up, 60, "the head to answer /api/health", 0.2,

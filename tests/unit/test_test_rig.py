@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +59,25 @@ def test_sshd_factory_takes_another_port_when_its_pick_was_taken(
     assert mine.port != other.port and mine.proc.poll() is None
     with pytest.raises(conftest.PortTaken):  # a port asked for is not replaced
         sshd_factory.start(port=other.port)
+
+
+def test_head_takes_other_ports_when_its_pick_was_taken(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the head's HTTP port is taken between the pick and the head's bind: it exits naming
+    # the port, and the fixture starts it again on new ports (the fault: 'Address already
+    # in use' from a port another xdist worker took)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        picks = iter([taken.getsockname()[1], conftest.free_port(), conftest.free_port(),
+                      conftest.free_port()])
+        monkeypatch.setattr(conftest, "free_port", lambda: next(picks))
+        h = conftest.Head(tmp_path)
+        try:
+            assert h.healthy() and f":{taken.getsockname()[1]}" not in h.url
+            assert "already in use" in h.log.read_text().lower()  # the first start failed
+        finally:
+            h.close()
 
 
 INNER = '''
