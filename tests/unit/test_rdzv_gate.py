@@ -3,7 +3,6 @@ joins no new round, and leaving does not close the rendezvous for the other node
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -55,19 +54,14 @@ def test_notice_while_waiting_at_a_closed_gate(tmp_path: Path) -> None:
         h.next_rendezvous()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_real_c10d_rendezvous_stays_open_after_a_leaver_shuts_down(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    port = _free_port()
-    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=True)
+    # port 0: the store binds a free port itself (no pick-then-bind race with other tests)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    port = store.port
     params = RendezvousParameters(backend="spotctl", endpoint=f"127.0.0.1:{port}",
                                   run_id="t", min_nodes=1, max_nodes=3)
 
