@@ -66,7 +66,7 @@ def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any,
     rep = json.loads((c.cluster_dir / "nodes" / "n2" / "status" / "worker-0.json").read_text())
     assert rep["phase"] == "drained" and rep["drain_step"] == rep["step"] > 0, rep
     assert rescales[0]["resume_step"] == rep["drain_step"], (rescales[0], rep)
-    time.sleep(4)  # a couple of samples at the new size
+    c.steps_advance(world=1, by=2, timeout=60)  # a couple of samples at the new size
 
     ev = c.cli("events").stdout
     # torchrun resumes from the drain's checkpoint; torchft goes on from memory

@@ -9,13 +9,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import time
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 from scripts.chaos_lib.replays import trace_lines
+from tests.conftest import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -194,8 +194,9 @@ def _finish(c, st) -> None:
     # the killed node is lost, not preempted: no notice came for it
     assert next(n for n in c.status()["nodes"] if n["id"] == "n3")["state"] == "lost"
     c.cli("down", "--name", c.name, "--yes")
-    time.sleep(0.5)
-    assert c.processes() == [] and any(e["type"] == "down" for e in c.events())
+    wait_until(lambda: c.processes() == [], 30, "no process of the cluster left", 0.2,
+               lambda: str(c.processes()))
+    assert any(e["type"] == "down" for e in c.events())
     # down of an unknown cluster says so in one line and fails with "not found" (3)
     p = c.cli("down", "--name", "nosuch", "--yes", check=False)
     assert p.returncode == 3, (p.returncode, p.stderr)

@@ -26,6 +26,7 @@ from spotctl.control import cron, reconcile
 from spotctl.errors import StateError
 from spotctl.spec import ClusterSpec
 from spotctl.state import Store
+from tests.conftest import wait_until
 
 POISON = [
     {"seq": 1, "ts": 1000.0, "type": "note", "message": "fine"},
@@ -161,7 +162,9 @@ def test_rebalance_that_waited_for_down_does_not_bring_the_cluster_back(
 
     r = threading.Thread(target=rebalance)
     r.start()
-    time.sleep(0.5)
+    # the rebalance is waiting on the lock when it names the holder
+    wait_until(lambda: any(f"pid {os.getpid()}" in m for m in waited), 10,
+               "the rebalance to wait for the lock")
     release.set()
     t.join(10)
     r.join(20)
