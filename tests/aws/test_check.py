@@ -42,7 +42,7 @@ def test_zero_spot_quota_blocks_with_the_quota_codes(
                       options={"service_quotas_endpoint_url": quotas.url})  # fmt: skip
     checks = {c.name: c for c in p.checks()}
     assert list(checks) == ["credentials", "region", "spot GPU quota", "network",
-                            "image (workers)", "image (head)", "launch (dry run)",
+                            "GPU network", "image (workers)", "image (head)", "launch (dry run)",
                             "checkpoint bucket"]  # fmt: skip
     assert checks["checkpoint bucket"].ok
     assert checks["credentials"].ok and "account 123456789012" in checks["credentials"].detail
@@ -58,6 +58,31 @@ def test_zero_spot_quota_blocks_with_the_quota_codes(
     assert "\n" not in q.detail
     quotas.values["L-3819A6DF"] = 100_000.0
     assert {c.name: c for c in p.checks()}["spot GPU quota"].ok
+
+
+def test_gpu_network_names_each_types_network_as_ec2_describes_it(
+    make_provider: MakeProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p = make_provider(instance_types=["g5.xlarge", "p4d.24xlarge"])
+    net = _by_name(p)["GPU network"]
+    assert net.ok, net  # type: ignore[attr-defined]
+    assert net.detail == ("g5.xlarge: ENA (no EFA on this type); "  # type: ignore[attr-defined]
+                          "p4d.24xlarge: EFA x4, cluster placement group")
+    # spotctl's table asking for more EFA than EC2 says the type has: blocked here, not at
+    # the launch (EC2 refuses the interfaces)
+    from spotctl.providers.aws import efa
+
+    monkeypatch.setitem(efa.EFA, "g5.xlarge", (1, False))
+    monkeypatch.setitem(efa.EFA, "p4d.24xlarge", (8, False))
+    bad = _by_name(make_provider(instance_types=["g5.xlarge", "p4d.24xlarge"]))["GPU network"]
+    assert not bad.ok and bad.blocking, bad  # type: ignore[attr-defined]
+    assert "g5.xlarge: EFA x1 asked, EC2 in " in bad.detail  # type: ignore[attr-defined]
+    assert "says no EFA" in bad.detail and "p4d.24xlarge: EFA x8 asked" in bad.detail  # type: ignore[attr-defined]
+    assert "says at most 4" in bad.detail  # type: ignore[attr-defined]
+    # fast network off: one plain interface asked, nothing to check against EC2
+    off = make_provider(instance_types=["g5.xlarge", "p4d.24xlarge"])
+    off.fast_network = False  # what [placement] fast_network = false sets
+    assert _by_name(off)["GPU network"].ok  # type: ignore[attr-defined]
 
 
 def test_unreadable_quota_is_a_warning_and_a_missing_image_blocks(
@@ -87,7 +112,9 @@ def test_cli_prints_one_line_each_and_exits_nonzero_when_blocked(
     assert ok.returncode == 0, ok.stdout + ok.stderr
     lines = ok.stdout.strip().splitlines()
     assert [ln.split()[0] for ln in lines] == ["ok", "ok", "warn", "ok", "ok", "ok", "ok", "ok",
-                                               "ok", "ok"]
+                                               "ok", "ok", "ok"]
+    assert [ln.split()[1:] for ln in lines if " GPU network " in ln] == [
+        ["GPU", "network", "g5.xlarge:", "ENA", "(no", "EFA", "on", "this", "type)"]]
     assert lines[0].split()[1] == "credentials"
     assert lines[-1].split()[:2] == ["ok", "ssh_cidr"]
     assert "this machine's public address 192.0.2.7/32" in lines[-1]

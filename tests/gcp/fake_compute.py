@@ -99,7 +99,11 @@ IMAGES: dict[tuple[str, str], tuple[str, int]] = {
         "pytorch-2-4-cu124-debian-11-py310-v20241118",
         50,
     ),
+    # an older image of the kind users bring, made before gVNIC: no GVNIC guest feature
+    ("spotctl-test", "no-gvnic"): ("no-gvnic-v20190101", 10),
 }
+# Images whose guestOsFeatures name GVNIC (the public ones above do, as GCP's do today).
+GVNIC_IMAGES = {"debian-12-bookworm-v20241112", "pytorch-2-4-cu124-debian-11-py310-v20241118"}
 # What GCP refuses, by machine family (prefix of the machine type name).
 NO_PD_STANDARD = ("g2-", "a3-", "a4-", "c3-", "c3d-", "c4-", "n4-", "h3-")
 HYPERDISK_ONLY = ("a3-ultragpu", "a4-", "c4-", "n4-")
@@ -657,7 +661,17 @@ class FakeCompute:
                     f"'{email}'. The user does not have access to service account '{email}'.",
                 )
         self._validate_policies(zone, machine, body)
+        boot = [str((d.get("initializeParams") or {}).get("sourceImage", ""))
+                for d in body.get("disks") or [] if d.get("boot")]
         for i, nic in enumerate(body.get("networkInterfaces") or []):
+            if nic.get("nicType") == "GVNIC" and boot and (
+                    self._image(boot[0])[0].rsplit("/", 1)[-1] not in GVNIC_IMAGES):
+                raise ApiError(
+                    400,
+                    "invalid",
+                    f"Invalid value for field 'resource.networkInterfaces[{i}].nicType': "
+                    "'GVNIC'. The selected image does not support the gVNIC network interface.",
+                )
             if machine.startswith(GVNIC_REQUIRED) and nic.get("nicType") != "GVNIC":
                 raise ApiError(
                     400,
@@ -747,6 +761,9 @@ class FakeCompute:
             "diskSizeGb": str(size),
             "family": family,
             "status": "READY",
+            "guestOsFeatures": [{"type": t} for t in (
+                ("UEFI_COMPATIBLE", "VIRTIO_SCSI_MULTIQUEUE", "GVNIC")
+                if link.rsplit("/", 1)[-1] in GVNIC_IMAGES else ("VIRTIO_SCSI_MULTIQUEUE",))],
         }
 
     def _instances_get(self, project: str, zone: str, name: str, **_: Any) -> dict[str, Any]:

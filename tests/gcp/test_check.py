@@ -21,7 +21,8 @@ def test_new_project_without_spot_gpu_quota_is_blocked_with_the_metric(fake, spo
     p = GcpProvider(make_ctx(fake, spotctl_home, gpu="T4"))
     checks = {c.name: c for c in p.checks()}
     assert list(checks) == ["credentials", "region", "spot GPU quota", "network",
-                            "image (workers)", "image (head)", "checkpoint bucket"]  # fmt: skip
+                            "GPU network", "image (workers)", "image (head)",
+                            "checkpoint bucket"]  # fmt: skip
     assert checks["credentials"].ok and PROJECT in checks["credentials"].detail
     assert checks["region"].ok and "4 zones" in checks["region"].detail
     q = checks["spot GPU quota"]
@@ -33,6 +34,33 @@ def test_new_project_without_spot_gpu_quota_is_blocked_with_the_metric(fake, spo
     fake.region_quotas["PREEMPTIBLE_NVIDIA_T4_GPUS"] = 8
     fake.project_quotas["GPUS_ALL_REGIONS"] = 8
     assert {c.name: c for c in p.checks()}["spot GPU quota"].ok
+
+
+def test_gpu_network_names_each_machine_types_network_and_needs_an_image_with_gvnic(
+    fake, spotctl_home
+):
+    p = GcpProvider(make_ctx(fake, spotctl_home, machine_types=["g2-standard-4", "n1-standard-8"]))
+    net = _checks(p)["GPU network"]
+    assert net.ok, net
+    assert net.detail == ("g2-standard-4: gVNIC, compact placement; "
+                          "n1-standard-8: gVNIC (no compact placement for this family)")
+    # an image made before gVNIC: GCP would refuse each gVNIC VM from it, so check blocks
+    old = "projects/spotctl-test/global/images/family/no-gvnic"
+    bad = _checks(GcpProvider(make_ctx(fake, spotctl_home, machine_types=["g2-standard-4"],
+                                       image=old)))["GPU network"]
+    assert not bad.ok and bad.blocking, bad
+    assert bad.detail.startswith(f"gcp.image {old}: its guestOsFeatures have no GVNIC, and "
+                                 "g2-standard-4 get gVNIC")
+
+
+def test_the_fake_refuses_a_gvnic_vm_from_an_image_without_gvnic(fake, spotctl_home):
+    from spotctl.errors import ProviderError
+
+    old = "projects/spotctl-test/global/images/family/no-gvnic"
+    p = GcpProvider(make_ctx(fake, spotctl_home, machine_types=["g2-standard-4"], image=old))
+    [offer] = [o for o in p.offers() if o.zone == "us-central1-a"][:1]
+    with pytest.raises(ProviderError, match="does not support the gVNIC network interface"):
+        p.launch(offer, 1, "r-old-image")
 
 
 def test_gpu_quota_is_for_gpus_min_minus_usage_in_the_region_and_project_wide(

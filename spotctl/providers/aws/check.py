@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from spotctl.errors import AuthError, ProviderError, SpecError
+from spotctl.providers.aws import efa
 from spotctl.providers.aws.api import SPOT_QUOTA_CODES, error_code
 from spotctl.providers.aws.launch import AwsLaunch
 from spotctl.providers.aws.offers import AwsOffers
@@ -30,6 +31,7 @@ class AwsChecks(AwsOffers, AwsLaunch):
         out.append(run_check("region", self._check_region))
         out.append(self._check_spot_quota())
         out.append(run_check("network", self._check_network))
+        out.append(run_check("GPU network", self._check_gpu_network))
         image = run_check("image (workers)", lambda: self._check_image("worker"))
         out.append(image)
         out.append(run_check("image (head)", lambda: self._check_image("head")))
@@ -192,6 +194,29 @@ class AwsChecks(AwsOffers, AwsLaunch):
         self._subnet("")  # raises when the VPC has no usable subnet
         zones = sorted({str(n.get("AvailabilityZone")) for n in self._subnets or []})
         return f"VPC {vpc}, subnets in {', '.join(zones)}"
+
+    def _check_gpu_network(self) -> str:
+        """Per wanted type, the network its workers get (as `up --dry-run` says), checked
+        against EC2's own description of the type in this region: where spotctl asks for
+        EFA interfaces, EC2 must say the type supports at least that many (else the launch
+        would be refused)."""
+        types = self._describe_types(self._wanted_types(), strict=False)
+        if not types:
+            raise SpecError(f"aws.instance_types: none of the wanted types exists in {self.region}")
+        parts, short = [], []
+        for t in sorted(types):
+            want = efa.efa_count(t) if self.fast_network else 0
+            net = types[t].get("NetworkInfo") or {}
+            has = int((net.get("EfaInfo") or {}).get("MaximumEfaInterfaces", 0)) \
+                if net.get("EfaSupported") else 0
+            if want > has:
+                short.append(f"{t}: EFA x{want} asked, EC2 in {self.region} says "
+                             f"{f'at most {has}' if has else 'no EFA'}")
+            parts.append(f"{t}: {efa.describe(t, self.fast_network)}")
+        if short:
+            raise SpecError("; ".join(short) + " (set [placement] fast_network = false to "
+                            "launch with one plain interface)")
+        return "; ".join(parts)
 
     def _check_image(self, role: str) -> str:
         ami = self._ami(role)

@@ -16,6 +16,7 @@ from functools import partial
 
 from spotctl.errors import AuthError, ProviderError, SpecError
 from spotctl.providers.checks import Check, run_check
+from spotctl.providers.gcp import placement
 from spotctl.providers.gcp.launch import GcpLaunch
 from spotctl.providers.gcp.storage import check_bucket_name
 
@@ -45,6 +46,7 @@ class GcpChecks(GcpLaunch):
         if region.ok:
             out.append(self._check_gpu_quota())
         out.append(run_check("network", self._check_network))
+        out.append(run_check("GPU network", self._check_gpu_network))
         out.append(run_check("image (workers)", lambda: self._check_image(self.spec.image)))
         out.append(run_check("image (head)", lambda: self._check_image(self.spec.head_image)))
         out.append(run_check("checkpoint bucket", self._check_bucket))
@@ -169,6 +171,25 @@ class GcpChecks(GcpLaunch):
                 "VMs and firewall rules (create it: gcloud compute networks create default)"
             )
         return f"network {NETWORK}"
+
+    def _check_gpu_network(self) -> str:
+        """Per wanted shape, the network its workers get (as `up --dry-run` says); where
+        that is gVNIC, the worker image must take it (its guestOsFeatures name GVNIC: GCP
+        refuses the VM otherwise)."""
+        fast = bool(self.ctx.spec.placement.fast_network)
+        shapes = sorted({(o.instance_type, o.gpus) for o in self.offers()})
+        if not shapes:
+            raise SpecError(f"gcp: no wanted machine type is sold in {self.region}")
+        gvnic = [t for t, g in shapes if placement.network_for(t, g, fast)[0] == "GVNIC"]
+        if gvnic and not self.image_takes_gvnic(self.spec.image):
+            raise SpecError(
+                f"gcp.image {self.spec.image}: its guestOsFeatures have no GVNIC, and "
+                f"{', '.join(gvnic)} get gVNIC (GCP refuses the VM): pick an image that "
+                "supports gVNIC (the Deep Learning VM and current Debian/Ubuntu images do)")
+        per: dict[str, str] = {}
+        for t, g in shapes:  # one line per machine type (a shape's GPUs do not change its NIC)
+            per.setdefault(t, placement.describe(t, g, fast))
+        return "; ".join(f"{t}: {d}" for t, d in per.items())
 
     def _check_image(self, url: str) -> str:
         link, minimum = self._image(url)

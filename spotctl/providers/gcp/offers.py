@@ -87,7 +87,15 @@ class GcpOffers(GcpApi):
             raise SpecError(f"gcp image {url!r}: not found (gcp.image / gcp.head_image)")
         found = (str(image.self_link or url), int(image.disk_size_gb or 10))
         self._images[url] = found
+        self._image_gvnic[url] = any(str(getattr(f, "type_", "")) == "GVNIC"
+                                     for f in getattr(image, "guest_os_features", None) or [])
         return found
+
+    def image_takes_gvnic(self, url: str) -> bool:
+        """The image's guestOsFeatures name GVNIC (GCP refuses a gVNIC VM from one that
+        does not)."""
+        self._image(url)
+        return self._image_gvnic.get(url, False)
 
     def _boot_disk(self, zone: str, machine_type: str, role: str) -> tuple[str, str, int]:
         """(image, disk type URL, size GB) for a VM of `machine_type`."""
