@@ -108,3 +108,30 @@ def test_describe_names_the_network_a_node_gets() -> None:
         "gVNIC (no compact placement for this family)")
     assert placement.describe("a2-highgpu-1g", 1, False).startswith("VirtIO (fast network off")
     assert placement.describe("e2-small", 0, True) == "VirtIO"
+
+
+def test_a3_types_that_need_gpudirect_nics_are_refused_while_the_fast_network_is_on(
+    fake, spotctl_home
+):
+    from spotctl.errors import SpecError
+
+    # not named: left out of the offers (an H100 cluster gets a3-highgpu-1g..4g VMs)
+    p = GcpProvider(make_ctx(fake, spotctl_home, gpu="H100"))
+    types = {o.instance_type for o in p.offers()}
+    assert types and "a3-highgpu-8g" not in types and "a3-megagpu-8g" not in types, types
+    assert types <= {"a3-highgpu-1g", "a3-highgpu-2g", "a3-highgpu-4g"}, types
+    # named: one line saying what is missing and the two ways out
+    named = GcpProvider(make_ctx(fake, spotctl_home, machine_types=["a3-megagpu-8g"]))
+    with pytest.raises(SpecError) as e:
+        named.offers()
+    msg = str(e.value)
+    assert msg.startswith("gcp.machine_types: a3-megagpu-8g needs GPUDirect-TCPXO, 8 extra "
+                          "NICs, which spotctl does not set up") and "\n" not in msg
+    assert "fast_network = false" in msg
+    # the fast network off: the user takes one gVNIC, and the type is offered and launches
+    ctx = make_ctx(fake, spotctl_home, machine_types=["a3-highgpu-8g"])
+    ctx.spec.placement.fast_network = False
+    off = GcpProvider(ctx)
+    offers = off.offers()
+    assert {o.instance_type for o in offers} == {"a3-highgpu-8g"}
+    assert placement.describe("a3-highgpu-8g", 8, False).startswith("gVNIC (fast network off")

@@ -24,13 +24,23 @@ class GcpOffers(GcpApi):
     """Spot offers and GPU shapes."""
 
     def offers(self) -> builtins.list[Offer]:
+        """The catalog's Spot shapes the spec wants. With the fast network on, the A3
+        types whose bandwidth between VMs needs GPUDirect's extra NICs (which spotctl does
+        not set up) are left out, and refused in one line when the spec names them."""
+        from spotctl.providers.gcp import placement  # it imports this module
+
         region = None if self.region in ("*", "all") else self.region
         gpu = self.spec.gpu.lower()
+        fast = bool(self.ctx.spec.placement.fast_network)
+        if fast and (why := placement.gpudirect_refusal(list(self.spec.machine_types or []))):
+            raise SpecError(why)
         out: builtins.list[Offer] = []
         for r in catalog_gcp.rows(region):
             if self.spec.zones and r.zone not in self.spec.zones:
                 continue
             if self.spec.machine_types and r.machine_type not in self.spec.machine_types:
+                continue
+            if fast and r.machine_type in placement.GPUDIRECT_TCPX:
                 continue
             if gpu and r.gpu_name.lower() != gpu:
                 continue

@@ -39,11 +39,30 @@ def label(nic: str, compact: bool) -> str:
 
 
 # The 8-GPU A3 types whose GPU-to-GPU bandwidth between VMs comes from extra NICs and
-# Google's GPUDirect plugin (Compute Engine docs, "Maximize GPU network bandwidth"):
-# a3-highgpu-8g 4 extra NICs with GPUDirect-TCPX, a3-megagpu-8g 8 with GPUDirect-TCPXO.
-# spotctl attaches neither the NICs nor the plugin: NCCL runs over the primary gVNIC.
+# Google's GPUDirect stack (Compute Engine docs, "Maximize GPU network bandwidth"):
+# a3-highgpu-8g and A3 Edge 4 extra NICs with GPUDirect-TCPX, a3-megagpu-8g 8 with
+# GPUDirect-TCPXO, A3 Ultra 8 RDMA NICs with GPUDirect-RDMA. spotctl attaches neither the
+# NICs nor the plugin, so with the fast network on these types are refused (offers name
+# why); with it off they run NCCL over the primary gVNIC.
 GPUDIRECT_TCPX = {"a3-highgpu-8g": "GPUDirect-TCPX, 4 extra NICs",
-                  "a3-megagpu-8g": "GPUDirect-TCPXO, 8 extra NICs"}
+                  "a3-edgegpu-8g": "GPUDirect-TCPX, 4 extra NICs",
+                  "a3-edgegpu-8g-nolssd": "GPUDirect-TCPX, 4 extra NICs",
+                  "a3-megagpu-8g": "GPUDirect-TCPXO, 8 extra NICs",
+                  "a3-ultragpu-8g": "GPUDirect-RDMA, 8 RDMA NICs",
+                  "a3-ultragpu-8g-nolssd": "GPUDirect-RDMA, 8 RDMA NICs"}
+
+
+def gpudirect_refusal(machine_types: list[str]) -> str:
+    """The one line that refuses named types whose bandwidth needs GPUDirect's extra NICs
+    (with the fast network on), or "" when none of them is named."""
+    named = [t for t in machine_types if t in GPUDIRECT_TCPX]
+    if not named:
+        return ""
+    what = "; ".join(f"{t} needs {GPUDIRECT_TCPX[t]}" for t in named)
+    return (f"gcp.machine_types: {what}, which spotctl does not set up (its VMs would get "
+            "one gVNIC, a fraction of their bandwidth between VMs): set [placement] "
+            "fast_network = false to run them over one gVNIC anyway, or pick another type "
+            "(a2, g2, a3-highgpu-1g/2g/4g)")
 
 
 def describe(machine_type: str, gpus: int, fast: bool) -> str:
