@@ -92,18 +92,19 @@ ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
     ]
 ]
 
-# Public images the fake knows: (project, family) -> (image name, minimum disk GB).
-IMAGES: dict[tuple[str, str], tuple[str, int]] = {
-    ("debian-cloud", "debian-12"): ("debian-12-bookworm-v20241112", 10),
+# Images the fake knows: (project, family) -> (image name, minimum disk GB, guestOsFeatures).
+# The public ones name GVNIC, as GCP's do today.
+GVNIC_READY = ("UEFI_COMPATIBLE", "VIRTIO_SCSI_MULTIQUEUE", "GVNIC")
+IMAGES: dict[tuple[str, str], tuple[str, int, tuple[str, ...]]] = {
+    ("debian-cloud", "debian-12"): ("debian-12-bookworm-v20241112", 10, GVNIC_READY),
     ("deeplearning-platform-release", "pytorch-2-4-cu124-debian-11-py310"): (
         "pytorch-2-4-cu124-debian-11-py310-v20241118",
         50,
+        GVNIC_READY,
     ),
     # an older image of the kind users bring, made before gVNIC: no GVNIC guest feature
-    ("spotctl-test", "no-gvnic"): ("no-gvnic-v20190101", 10),
+    ("spotctl-test", "no-gvnic"): ("no-gvnic-v20190101", 10, ("VIRTIO_SCSI_MULTIQUEUE",)),
 }
-# Images whose guestOsFeatures name GVNIC (the public ones above do, as GCP's do today).
-GVNIC_IMAGES = {"debian-12-bookworm-v20241112", "pytorch-2-4-cu124-debian-11-py310-v20241118"}
 # What GCP refuses, by machine family (prefix of the machine type name).
 NO_PD_STANDARD = ("g2-", "a3-", "a4-", "c3-", "c3d-", "c4-", "n4-", "h3-")
 HYPERDISK_ONLY = ("a3-ultragpu", "a4-", "c4-", "n4-")
@@ -613,25 +614,29 @@ class FakeCompute:
             self._by_request_id[rid] = op["name"]
         return op
 
-    def _image(self, url: str) -> tuple[str, int]:
+    def _image(self, url: str) -> tuple[str, int, tuple[str, ...]]:
+        """(self link, minimum disk GB, guestOsFeatures) of an image or family URL."""
         m = re.fullmatch(r"(?:.*/)?projects/([^/]+)/global/images/(family/)?([^/]+)", url or "")
         if m is None:
             raise ApiError(400, "invalid", f"Invalid value for field 'sourceImage': {url!r}")
         project, family, name = m.group(1), m.group(2), m.group(3)
-        for (proj, fam), (image, size) in IMAGES.items():
+        for (proj, fam), (image, size, features) in IMAGES.items():
             if proj == project and (fam == name if family else image == name):
-                return f"{self._base(proj)}/global/images/{image}", size
+                return f"{self._base(proj)}/global/images/{image}", size, features
         raise ApiError(404, "notFound", f"The resource '{url}' was not found")
 
     def _validate_instance(self, project: str, zone: str, body: dict[str, Any]) -> None:
         """Refuse, with GCP's 400s, what GCP refuses: boot disk smaller than the image,
         a disk type or NIC the machine family does not take."""
         machine = body["machineType"].rsplit("/", 1)[-1]
+        boot_features: tuple[str, ...] = ()
         for i, disk in enumerate(body.get("disks") or []):
             params = disk.get("initializeParams") or {}
             if not params:
                 continue
-            _, minimum = self._image(params.get("sourceImage", ""))
+            _, minimum, features = self._image(params.get("sourceImage", ""))
+            if disk.get("boot"):
+                boot_features = features
             size = int(params.get("diskSizeGb") or minimum)
             if size < minimum:
                 raise ApiError(
@@ -661,11 +666,8 @@ class FakeCompute:
                     f"'{email}'. The user does not have access to service account '{email}'.",
                 )
         self._validate_policies(zone, machine, body)
-        boot = [str((d.get("initializeParams") or {}).get("sourceImage", ""))
-                for d in body.get("disks") or [] if d.get("boot")]
         for i, nic in enumerate(body.get("networkInterfaces") or []):
-            if nic.get("nicType") == "GVNIC" and boot and (
-                    self._image(boot[0])[0].rsplit("/", 1)[-1] not in GVNIC_IMAGES):
+            if nic.get("nicType") == "GVNIC" and boot_features and "GVNIC" not in boot_features:
                 raise ApiError(
                     400,
                     "invalid",
@@ -746,14 +748,15 @@ class FakeCompute:
                 "selfLink": f"{self._base(project)}/global/networks/{name}"}  # fmt: skip
 
     def _images_getFromFamily(self, project: str, name: str, **_: Any) -> dict[str, Any]:
-        link, size = self._image(f"projects/{project}/global/images/family/{name}")
-        return self._image_resource(link, size, name)
+        link, size, features = self._image(f"projects/{project}/global/images/family/{name}")
+        return self._image_resource(link, size, name, features)
 
     def _images_get(self, project: str, name: str, **_: Any) -> dict[str, Any]:
-        link, size = self._image(f"projects/{project}/global/images/{name}")
-        return self._image_resource(link, size, "")
+        link, size, features = self._image(f"projects/{project}/global/images/{name}")
+        return self._image_resource(link, size, "", features)
 
-    def _image_resource(self, link: str, size: int, family: str) -> dict[str, Any]:
+    def _image_resource(self, link: str, size: int, family: str,
+                        features: tuple[str, ...]) -> dict[str, Any]:
         return {
             "kind": "compute#image",
             "name": link.rsplit("/", 1)[-1],
@@ -761,9 +764,7 @@ class FakeCompute:
             "diskSizeGb": str(size),
             "family": family,
             "status": "READY",
-            "guestOsFeatures": [{"type": t} for t in (
-                ("UEFI_COMPATIBLE", "VIRTIO_SCSI_MULTIQUEUE", "GVNIC")
-                if link.rsplit("/", 1)[-1] in GVNIC_IMAGES else ("VIRTIO_SCSI_MULTIQUEUE",))],
+            "guestOsFeatures": [{"type": t} for t in features],
         }
 
     def _instances_get(self, project: str, zone: str, name: str, **_: Any) -> dict[str, Any]:

@@ -152,12 +152,9 @@ class AwsChecks(AwsOffers, AwsLaunch):
     def _check_launch(self) -> str:
         """RunInstances with DryRun: the identity may launch the spot type, and the account
         may launch at all (a new one is refused with PendingVerification for a while)."""
-        types = self._describe_types(self._wanted_types(), strict=False)
+        types = self._existing_wanted_types()
         need = self._quota_need(types)
-        itype = min(need.values())[1] if need else next(iter(types), "")
-        if not itype:
-            raise SpecError("aws.instance_types: none of the wanted types exists in "
-                            f"{self.region}")  # fmt: skip
+        itype = min(need.values())[1] if need else next(iter(types))
         try:
             self._call(
                 f"dry-run launch of {itype}",
@@ -195,14 +192,19 @@ class AwsChecks(AwsOffers, AwsLaunch):
         zones = sorted({str(n.get("AvailabilityZone")) for n in self._subnets or []})
         return f"VPC {vpc}, subnets in {', '.join(zones)}"
 
+    def _existing_wanted_types(self) -> dict[str, dict[str, Any]]:
+        """EC2's descriptions of the wanted types that exist in the region; none raises."""
+        types = self._describe_types(self._wanted_types(), strict=False)
+        if not types:
+            raise SpecError(f"aws.instance_types: none of the wanted types exists in {self.region}")
+        return types
+
     def _check_gpu_network(self) -> str:
         """Per wanted type, the network its workers get (as `up --dry-run` says), checked
         against EC2's own description of the type in this region: where spotctl asks for
         EFA interfaces, EC2 must say the type supports at least that many (else the launch
         would be refused)."""
-        types = self._describe_types(self._wanted_types(), strict=False)
-        if not types:
-            raise SpecError(f"aws.instance_types: none of the wanted types exists in {self.region}")
+        types = self._existing_wanted_types()
         parts, short = [], []
         for t in sorted(types):
             want = efa.efa_count(t) if self.fast_network else 0

@@ -259,8 +259,8 @@ class GcpApi:
         self._clients: _Clients | None = None
         self._project: str = self.spec.project
         self._zone_of: dict[str, str] = {}  # instance name -> zone, from the last listing
-        self._images: dict[str, tuple[str, int]] = {}  # image URL -> (self link, min GB)
-        self._image_gvnic: dict[str, bool] = {}  # image URL -> its guestOsFeatures has GVNIC
+        # image URL -> (self link, min GB, whether its guestOsFeatures name GVNIC)
+        self._images: dict[str, tuple[str, int, bool]] = {}
         self._nodes = CloudNodes(
             ctx, metadata="gcp", metadata_url=METADATA_URL,
             api_port=COORDINATOR_PORT, store_port=STORE_PORT,

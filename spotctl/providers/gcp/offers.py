@@ -76,6 +76,15 @@ class GcpOffers(GcpApi):
 
     def _image(self, url: str) -> tuple[str, int]:
         """(self link, minimum disk GB) of an image URL or image-family URL."""
+        return self._image_info(url)[:2]
+
+    def image_takes_gvnic(self, url: str) -> bool:
+        """The image's guestOsFeatures name GVNIC (GCP refuses a gVNIC VM from one that
+        does not)."""
+        return self._image_info(url)[2]
+
+    def _image_info(self, url: str) -> tuple[str, int, bool]:
+        """(self link, minimum disk GB, GVNIC among its guestOsFeatures), looked up once."""
         cached = self._images.get(url)
         if cached is not None:
             return cached
@@ -95,17 +104,11 @@ class GcpOffers(GcpApi):
         image = self._call(f"look up image {url}", fn, missing_ok=True)
         if image is None:
             raise SpecError(f"gcp image {url!r}: not found (gcp.image / gcp.head_image)")
-        found = (str(image.self_link or url), int(image.disk_size_gb or 10))
+        gvnic = any(str(getattr(f, "type_", "")) == "GVNIC"
+                    for f in getattr(image, "guest_os_features", None) or [])
+        found = (str(image.self_link or url), int(image.disk_size_gb or 10), gvnic)
         self._images[url] = found
-        self._image_gvnic[url] = any(str(getattr(f, "type_", "")) == "GVNIC"
-                                     for f in getattr(image, "guest_os_features", None) or [])
         return found
-
-    def image_takes_gvnic(self, url: str) -> bool:
-        """The image's guestOsFeatures name GVNIC (GCP refuses a gVNIC VM from one that
-        does not)."""
-        self._image(url)
-        return self._image_gvnic.get(url, False)
 
     def _boot_disk(self, zone: str, machine_type: str, role: str) -> tuple[str, str, int]:
         """(image, disk type URL, size GB) for a VM of `machine_type`."""

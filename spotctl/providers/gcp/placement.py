@@ -69,9 +69,6 @@ def describe(machine_type: str, gpus: int, fast: bool) -> str:
     """The network a node of this machine type gets, in a few words (plans, status)."""
     nic, compact = network_for(machine_type, gpus, fast)
     words = "gVNIC" if nic == "GVNIC" else "VirtIO"
-    missing = GPUDIRECT_TCPX.get(machine_type)
-    if compact and missing:
-        return f"{words}, compact placement; not set up: {missing} (NCCL uses one gVNIC)"
     if compact:
         return f"{words}, compact placement"
     if not fast and gpus:
