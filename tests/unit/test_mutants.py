@@ -106,3 +106,63 @@ def test_a_copy_of_this_repository_imports_spotctl_from_itself(tmp_path: Path) -
     ml.copy_head(REPO, copy)
     assert ml.imports_from(sys.executable, copy, "spotctl") == str(
         copy / "spotctl" / "__init__.py")
+
+
+# mutmut (scripts/mutants --mutmut): the module list and the accepted survivors cannot rot,
+# and the runner tells killed from surviving mutants, in a small repository of its own
+
+from mutants_lib import mutmut_run as mm  # noqa: E402
+
+MODULES, ACCEPTED = mm.load()
+
+
+@pytest.mark.parametrize("m", MODULES, ids=[m.path for m in MODULES])
+def test_each_mutmut_module_and_its_tests_exist(m: mm.Module) -> None:
+    assert (REPO / m.path).is_file(), m.path
+    for t in m.tests:
+        assert (REPO / t.partition("::")[0]).exists(), f"{m.path}: no {t}"
+
+
+def test_each_accepted_survivor_names_a_line_that_is_still_there() -> None:
+    paths = {m.path for m in MODULES}
+    for a in ACCEPTED:
+        assert a.module in paths, f"accepted survivor in a module not run: {a}"
+        lines = {ln.strip() for ln in (REPO / a.module).read_text().splitlines()}
+        assert all(part in lines for part in a.old.split(" / ")), f"stale: {a}"
+
+
+def test_the_correctness_modules_of_the_issue_are_run() -> None:
+    paths = {m.path for m in MODULES}
+    assert {"spotctl/spec.py", "spotctl/agent/monitors.py"} <= paths
+    for pkg in ("spotctl/elastic/", "spotctl/control/", "spotctl/head/"):
+        assert any(p.startswith(pkg) for p in paths), pkg
+
+
+def test_mutmut_runner_reports_survivors_and_matches_accepted_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    repo = tmp_path / "fake"
+    (repo / "fakepkg").mkdir(parents=True)
+    (repo / "tests").mkdir()
+    (repo / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    (repo / "fakepkg" / "__init__.py").write_text("")
+    (repo / "fakepkg" / "calc.py").write_text(
+        "def add(a, b):\n    return a + b\n\n\ndef big(x):\n    return x > 10\n\n\n"
+        "def unused(x):\n    return x * 2\n")
+    (repo / "tests" / "test_calc.py").write_text(
+        "from fakepkg.calc import add, big\n\n\ndef test_calc():\n"
+        "    assert add(2, 3) == 5\n    assert big(20) and not big(1)\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "fake")
+    m = mm.Module("fakepkg/calc.py", ("tests/test_calc.py",))
+    accept = mm.Accepted("fakepkg/calc.py", "return x > 10", "return x >= 10", "10 untested")
+    r = mm.run_module(repo, m, [accept], sys.executable, package="fakepkg")
+    assert r.error == "", r.error
+    assert r.counts["killed"] >= 1 and r.counts["no_tests"] >= 1, r.counts
+    changed = {(s.old, s.new): s.accepted for s in r.survivors}
+    assert changed.get(("return x > 10", "return x >= 10")) == "10 untested", changed
+    assert ("return x > 10", "return x > 11") in changed, changed
+    assert r.untested == {"unused": r.counts["no_tests"]}, r.untested
+    assert mm.failing([r])  # x > 11 survives and is not accepted
+    out = mm.table([r])
+    assert "- return x > 10\n    + return x > 11" in out and "unused (" in out, out
