@@ -224,6 +224,33 @@ def _set_rng_state(st: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(st["cuda"])
 
 
+REDUCE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _reduce_dtype(dtype: Any) -> torch.dtype | None:
+    """None (gradients are reduced in their own dtype) or one of REDUCE_DTYPES."""
+    if dtype is None or dtype == torch.float32:
+        return None
+    if dtype not in REDUCE_DTYPES:
+        raise ValueError(f"reduce_dtype must be torch.bfloat16, torch.float16 or None, "
+                         f"not {dtype!r}")
+    return dtype  # type: ignore[no-any-return]
+
+
+def _compressed_mean_hook(dtype, bucket):  # type: ignore[no-untyped-def]
+    """DDP comm hook: the bucket's mean over the ranks, sent in `dtype` (half the bytes of
+    fp32) and written back into the bucket in its own dtype. (No annotations: DDP checks a
+    hook's against its own types, and this module's are strings.)"""
+    buf = bucket.buffer()
+    wire = buf.to(dtype).div_(dist.get_world_size())
+    fut = dist.all_reduce(wire, async_op=True).get_future()  # type: ignore[union-attr]
+
+    def back(f: torch.futures.Future[Any]) -> torch.Tensor:
+        return buf.copy_(f.value()[0])
+
+    return fut.then(back)
+
+
 class Run:
     """One elastic training run. See the module docstring for the loop.
 
@@ -240,6 +267,10 @@ class Run:
       size; the update is still the mean over the fixed global batch.
     schedulers, scaler, state: LR schedulers, a GradScaler, and named user objects with
       state_dict()/load_state_dict(): checkpointed and restored with the model.
+    reduce_dtype: torch.bfloat16 (or torch.float16) to average gradients across
+      data-parallel ranks in that dtype, half the bytes of fp32 on the network, each
+      gradient kept in its own dtype; None (default) reduces them as they are. On the
+      torchft engine it applies inside the replica (DDP) and across replicas.
     checkpoint_every / checkpoint_every_s: save every this many steps, and also when this
       many seconds have passed since the last save (0: steps only); the spec's [train]
       values by default. On the timer every rank saves at the same step: rank 0's clock
@@ -276,12 +307,13 @@ class Run:
         state: dict[str, Any] | None = None,
         timeout_s: float | None = None,
         checkpoint_every_s: float | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ):
         t_init = self._setup(
             model, optimizer, dataset_size, global_batch, seed, epochs, max_steps,
             checkpoint_every, checkpoint_dir, keep_last, micro_batch=micro_batch, mesh=mesh,
             dp_dim=dp_dim, schedulers=schedulers, scaler=scaler, state=state, timeout_s=timeout_s,
-            checkpoint_every_s=checkpoint_every_s,
+            checkpoint_every_s=checkpoint_every_s, reduce_dtype=reduce_dtype,
         )  # fmt: skip
         t_restore = time.time()
         self.resume_step = self._restore()
@@ -325,6 +357,7 @@ class Run:
         state: dict[str, Any] | None = None,
         timeout_s: float | None = None,
         checkpoint_every_s: float | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> float:
         """What both engines set up before restoring: process groups, wrappers, the
         training state's parts, the checkpointer. Returns when it started."""
@@ -352,6 +385,7 @@ class Run:
         else:
             self.local_dp_rank, self.local_dp_world = self.rank, self.world
         self.dp_rank, self.dp_world = self.local_dp_rank, self.local_dp_world
+        self.reduce_dtype = _reduce_dtype(reduce_dtype)
         self.model = self._wrap(model)
         self.optimizer = optimizer
         self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -414,15 +448,26 @@ class Run:
 
     # -- setup
     def _wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        if isinstance(model, DDP) or _is_sharded(model):
+        if _is_sharded(model):
+            if self.reduce_dtype is not None:
+                raise ValueError("reduce_dtype applies to the DDP reduction; for an FSDP2 "
+                                 "model set MixedPrecisionPolicy(reduce_dtype=...) in "
+                                 "fully_shard")
             return model
-        if self.dp_world != self.world:
-            raise ValueError("a plain module is wrapped in DDP over every rank: pass a module "
-                             "you parallelised yourself when the mesh has other dimensions")
-        if self.device.type == "cuda":
-            model.to(self.device)
-            return DDP(model, device_ids=[self.device.index], output_device=self.device.index)
-        return DDP(model)
+        if not isinstance(model, DDP):
+            if self.dp_world != self.world:
+                raise ValueError("a plain module is wrapped in DDP over every rank: pass a "
+                                 "module you parallelised yourself when the mesh has other "
+                                 "dimensions")
+            if self.device.type == "cuda":
+                model.to(self.device)
+                model = DDP(model, device_ids=[self.device.index],
+                            output_device=self.device.index)
+            else:
+                model = DDP(model)
+        if self.reduce_dtype is not None:
+            model.register_comm_hook(self.reduce_dtype, _compressed_mean_hook)
+        return model
 
     def _on_drain_signal(self, signum: int, frame: Any) -> None:
         self.drain_requested = True

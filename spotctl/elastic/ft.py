@@ -335,6 +335,7 @@ class FtRun(Run):
         state: dict[str, Any] | None = None,
         timeout_s: float | None = None,
         checkpoint_every_s: float | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ):
 
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
@@ -350,7 +351,7 @@ class FtRun(Run):
             model, optimizer, dataset_size, global_batch, seed, epochs, max_steps,
             checkpoint_every, checkpoint_dir, keep_last, micro_batch=micro_batch, mesh=mesh,
             dp_dim=dp_dim, schedulers=schedulers, scaler=scaler, state=state, timeout_s=timeout_s,
-            checkpoint_every_s=checkpoint_every_s,
+            checkpoint_every_s=checkpoint_every_s, reduce_dtype=reduce_dtype,
         )  # fmt: skip
         # per step: the commit vote (None until taken) and the quorum's shape
         self._decision: bool | None = None
@@ -505,13 +506,25 @@ class FtRun(Run):
         # (no annotations: DDP checks a hook's against dist.GradBucket and Future, and this
         # module's are strings)
         buf = bucket.buffer()
+        # reduce_dtype: the mean is taken in that dtype (inside the replica and across
+        # replicas) and written back into the bucket in its own
+        wire = self._on_wire(buf)
         if self.world > 1:  # the replica's own ranks first, as DDP's default hook does
-            buf.div_(self.world)
-            dist.all_reduce(buf)
-        return self._cross_replica_future(buf)
+            wire.div_(self.world)
+            dist.all_reduce(wire)
+        fut = self._cross_replica_future(wire)
+        if wire is buf:
+            return fut
+        return fut.then(lambda f: buf.copy_(f.value()))
+
+    def _on_wire(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.reduce_dtype in (None, t.dtype) else t.to(self.reduce_dtype)
 
     def _fsdp_hook(self, reduced: torch.Tensor) -> None:
-        self._cross_replica_mean(reduced)
+        wire = self._on_wire(reduced)
+        self._cross_replica_mean(wire)
+        if wire is not reduced:
+            reduced.copy_(wire)
 
     def _cross_replica_future(self, t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         """Start averaging `t` across replicas and return a future of it, not waited here:
@@ -721,7 +734,7 @@ class FtRun(Run):
             grads.setdefault(g.dtype, []).append(g)
         works = []
         for gs in grads.values():
-            flat = torch.cat([g.reshape(-1) for g in gs])
+            flat = self._on_wire(torch.cat([g.reshape(-1) for g in gs]))
             works.append((gs, flat, self.manager.allreduce(flat)))
         for gs, flat, w in works:
             w.wait()
