@@ -132,3 +132,56 @@ def test_an_expired_multi_instance_cap_is_forgotten() -> None:
     assert zone_cooldowns(errs[:1], 900, NOW - 4999).caps == {"r1-a": 1}
     assert zone_cooldowns(errs[:1], 900, NOW).caps == {}
     assert zone_cooldowns(errs, 900, NOW).caps == {"r1-a": 4}
+
+
+# Found by mutmut (scripts/mutants --mutmut --module spotctl/control/cooldown.py): what the
+# tests above left open
+
+def test_a_zero_cooldown_never_backs_off() -> None:
+    # `[rebalance] cooldown_s = 0`: a refused zone is tried again at once
+    assert backoff_s(1, 0) == 0 and backoff_s(5, 0) == 0
+    cd = zone_cooldowns([ev(NOW - 1, "capacity-error")], 0, NOW)
+    assert cd.blocked == {} and cd.cooling == {}
+
+
+def test_the_back_off_starts_at_start_s() -> None:
+    cd = zone_cooldowns([ev(NOW - 1, "capacity-error")], 900, NOW, start_s=10)
+    assert cd.blocked == {"r1-a": NOW - 1 + 10}
+
+
+def test_an_event_at_now_counts() -> None:
+    cd = zone_cooldowns([ev(NOW, "preempted")], 900, NOW)
+    assert cd.cooling == {"r1-a": NOW + 900}
+
+
+def test_events_without_a_zone_are_skipped_not_the_end() -> None:
+    evs = [{"ts": NOW - 20, "type": "rescale"}, ev(NOW - 10, "preempted")]
+    assert zone_cooldowns(evs, 900, NOW).cooling == {"r1-a": NOW - 10 + 900}
+
+
+def test_a_launch_in_a_zone_that_never_failed() -> None:
+    cd = zone_cooldowns([ev(NOW - 10, "launch"), ev(NOW - 5, "launch", "r1-b")], 900, NOW)
+    assert (cd.blocked, cd.cooling, cd.failures, cd.caps) == ({}, {}, {}, {})
+
+
+def test_halving_an_odd_refusal_rounds_down_and_keeps_the_smaller_cap() -> None:
+    err = {"ts": NOW - 3, "type": "capacity-error", "zone": "r1-a", "count": 5}
+    cd = zone_cooldowns([err], 900, NOW)
+    assert cd.caps == {"r1-a": 2} and isinstance(cd.caps["r1-a"], int)
+    # a larger request refused after that halves the cap already learnt, not the request
+    cd = zone_cooldowns([err, {**err, "ts": NOW - 1, "count": 16}], 900, NOW)
+    assert cd.caps == {"r1-a": 1}
+
+
+def test_back_off_and_cap_hold_until_their_end_not_through_it() -> None:
+    cd = zone_cooldowns([ev(NOW - 60, "capacity-error")], 900, NOW)
+    assert cd.blocked == {}  # blocked until NOW - 60 + 60: over at NOW
+    cap = {"ts": NOW - 900, "type": "capacity-error", "zone": "r1-a", "count": 4}
+    assert zone_cooldowns([cap], 900, NOW).caps == {}
+    # a new refusal exactly when the old cool-down ends starts afresh: 8 -> 4, not 2 -> 1
+    again = {**cap, "ts": NOW, "count": 8}
+    assert zone_cooldowns([cap, again], 900, NOW).caps == {"r1-a": 4}
+    # a capacity error cooldown_s after the last back-off ended counts from 1 again
+    first = ev(NOW - 1000, "capacity-error")  # backs off until NOW - 940
+    cd = zone_cooldowns([first, ev(NOW - 40, "capacity-error")], 900, NOW)
+    assert cd.failures == {"r1-a": 1} and cd.blocked == {"r1-a": NOW - 40 + 60}
