@@ -185,3 +185,15 @@ def test_back_off_and_cap_hold_until_their_end_not_through_it() -> None:
     first = ev(NOW - 1000, "capacity-error")  # backs off until NOW - 940
     cd = zone_cooldowns([first, ev(NOW - 40, "capacity-error")], 900, NOW)
     assert cd.failures == {"r1-a": 1} and cd.blocked == {"r1-a": NOW - 40 + 60}
+
+
+def test_to_json_sorts_zones_and_rounds_times() -> None:
+    # journaled c, b, a: listed a, b, c
+    evs = [{"ts": NOW - 3, "type": "capacity-error", "zone": "r1-c", "count": 6},
+           ev(NOW - 2.23456, "capacity-error", "r1-b"), ev(NOW - 1, "preempted", "r1-a")]
+    out = zone_cooldowns(evs, 900, NOW).to_json()
+    assert out == {"blocked": {"r1-b": round(NOW - 2.23456 + 60, 3)},
+                   "cooling": {"r1-a": NOW - 1 + 900, "r1-b": round(NOW - 2.23456 + 900, 3),
+                               "r1-c": NOW - 3 + 900},
+                   "failures": {"r1-b": 1}, "caps": {"r1-c": 3}}
+    assert list(out["cooling"]) == ["r1-a", "r1-b", "r1-c"]
