@@ -132,6 +132,28 @@ def pytest_configure(config: pytest.Config) -> None:
     _install_network_guard()
 
 
+# The slow set runs in two workers, one file at a time each (.ci/run: -n 2 --dist
+# loadfile): the longest files go first, so the run does not end with one worker waiting
+# on a long file started last. Order only; every file still runs.
+LONG_FIRST = (
+    "tests/faults/test_fault_matrix.py",
+    "tests/examples/test_examples.py",
+    "tests/aws/test_up_flow.py",
+    "tests/bench/test_bench_smoke.py",
+    "tests/e2e/test_rebalance_capacity.py",
+    "tests/e2e/test_rescale.py",
+    "tests/e2e/test_s3_checkpoints.py",
+    "tests/gcp/test_up_flow.py",
+    "tests/e2e/test_network_partition.py",
+    "tests/ssh/test_cleanroom_pythons.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {f: i for i, f in enumerate(LONG_FIRST)}
+    items.sort(key=lambda it: rank.get(it.nodeid.split("::")[0], len(rank)))
+
+
 @pytest.fixture(autouse=True)
 def _no_network() -> Iterator[None]:
     """Fail the test if it (or a thread it started) tried to reach beyond loopback, even
