@@ -115,3 +115,69 @@ def test_planner_liveness_lost_only_on_sufficient_evidence(
             return
         assert v == (Verdict.OK if seen else Verdict.SUSPECT)
         assert not (run >= n and run_start is not None and now - run_start >= span)
+
+
+# Found by mutmut (scripts/mutants --mutmut --module spotctl/control/liveness.py)
+
+def test_planner_liveness_defaults_and_bad_thresholds() -> None:
+    d = LossDetector()
+    assert (d.lost_after_observations, d.lost_after_s) == (3, 60.0)
+    with pytest.raises(ValueError, match="^lost_after_observations must be at least 1$"):
+        LossDetector(0)
+    with pytest.raises(ValueError, match="^lost_after_s must not be negative$"):
+        LossDetector(3, -1)
+    # a saved detector without thresholds takes the same defaults; zero/negative are raised
+    assert LossDetector.from_dict({}).to_dict()["lost_after_observations"] == 3
+    assert LossDetector.from_dict({}).to_dict()["lost_after_s"] == 60.0
+    d = LossDetector.from_dict({"lost_after_observations": 0, "lost_after_s": -5})
+    assert (d.lost_after_observations, d.lost_after_s) == (1, 0.0)
+    d = LossDetector.from_dict({"lost_after_observations": 5, "lost_after_s": 7.5}, 2, 1.0)
+    assert (d.lost_after_observations, d.lost_after_s) == (2, 1.0)  # the spec's win
+    d = LossDetector.from_dict({"lost_after_observations": 5, "lost_after_s": 7.5})
+    assert (d.lost_after_observations, d.lost_after_s) == (5, 7.5)
+
+
+def test_planner_liveness_state_round_trips_exactly() -> None:
+    d = LossDetector(2, 10.0)
+    d.observe("gone", seen=False, provider_gone=True, now=1.0)
+    d.observe("sus", seen=False, provider_gone=False, now=5.0)
+    d.observe("ok", seen=True, provider_gone=False, now=5.0)
+    d.observe("lost", seen=False, provider_gone=False, now=1.0)
+    d.observe("lost", seen=False, provider_gone=False, now=20.0)
+    saved = json.loads(json.dumps(d.to_dict()))
+    assert saved == {"lost_after_observations": 2, "lost_after_s": 10.0, "nodes": {
+        "gone": {"misses": 0, "first_miss": None, "lost": True,
+                 "why": "the provider reports the instance gone"},
+        "lost": {"misses": 2, "first_miss": 1.0, "lost": True,
+                 "why": "no heartbeat in 2 consecutive observations over 19s"},
+        "ok": {"misses": 0, "first_miss": None, "lost": False, "why": ""},
+        "sus": {"misses": 1, "first_miss": 5.0, "lost": False, "why": ""}}}
+    back = LossDetector.from_dict(saved)
+    assert back.to_dict() == saved
+    assert [back.verdict(n) for n in ("gone", "lost", "ok", "sus", "new")] == [
+        Verdict.LOST, Verdict.LOST, Verdict.OK, Verdict.SUSPECT, Verdict.OK]
+    assert back.reason("gone") == "the provider reports the instance gone"
+    assert back.reason("sus") == "" and back.reason("new") == ""
+    # one more miss of "sus" 10 s after its first: lost (the saved first miss counted)
+    assert back.observe("sus", seen=False, provider_gone=False, now=15.0) is Verdict.LOST
+    back.forget("nobody")  # forgetting an unknown node is no error
+    back.forget("gone")
+    assert back.lost() == ["lost", "sus"]
+
+
+def test_planner_liveness_malformed_saved_nodes_restart_their_evidence() -> None:
+    saved = {"nodes": {
+        "a": "junk",  # skipped, the rest still read
+        "b": {"misses": 2, "first_miss": "x", "lost": 1, "why": "w"},  # bad time, lost not True
+        "c": {"misses": 2},  # misses without a first miss
+        "d": {"misses": True, "first_miss": 3},  # a bool is no count
+        "e": {"misses": 1, "first_miss": 4, "lost": True},  # lost without why
+        "f": {"misses": -3, "first_miss": 4}}}
+    d = LossDetector.from_dict(saved).to_dict()["nodes"]
+    assert "a" not in d
+    assert d["b"] == {"misses": 0, "first_miss": None, "lost": False, "why": ""}
+    assert d["c"] == {"misses": 0, "first_miss": None, "lost": False, "why": ""}
+    assert d["d"] == {"misses": 0, "first_miss": 3.0, "lost": False, "why": ""}
+    assert d["e"] == {"misses": 1, "first_miss": 4.0, "lost": True, "why": ""}
+    assert d["f"] == {"misses": 0, "first_miss": 4.0, "lost": False, "why": ""}
+    assert set(d) == {"b", "c", "d", "e", "f"}
