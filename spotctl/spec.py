@@ -458,7 +458,7 @@ class ClusterSpec(_Strict):
 
 def _format_validation(err: ValidationError, source: str) -> str:
     first = err.errors()[0]
-    loc = ".".join(str(x) for x in first["loc"] if not isinstance(x, int) or True)
+    loc = ".".join(str(x) for x in first["loc"])  # list indexes too: ssh.hosts.0.key
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         msg = "unknown key"

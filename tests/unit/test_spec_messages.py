@@ -1,0 +1,134 @@
+"""Bad specs, each refused in one line that names the key and says what is wrong, word for
+word (spotctl/spec.py; found missing by mutmut). Also where load_spec looks for the file
+and how it resolves the paths in it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from spotctl.errors import SpecError
+from spotctl.spec import load_spec, parse_gpu_range
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('hi')\n")
+
+
+def _refused(overrides: dict, path: Path | None = None, **kw: bool) -> str:
+    with pytest.raises(SpecError) as e:
+        load_spec(path, overrides, **kw)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_zones() -> None:
+    load_spec(None, {"aws.zones": [f"z{i}" for i in range(256)], "gcp.zones": ["a" * 64]})
+    assert _refused({"aws.zones": [f"z{i}" for i in range(257)]}) == (
+        "flags: aws.zones: at most 256 zones (got 257)")
+    assert _refused({"gcp.zones": ["ok", ""]}) == (
+        "flags: gcp.zones: zone 1: a zone name is 1 to 64 characters (got 0)")
+    assert _refused({"gcp.zones": ["a" * 65]}) == (
+        "flags: gcp.zones: zone 0: a zone name is 1 to 64 characters (got 65)")
+
+
+def test_ssh_cidr() -> None:
+    for ok in ("", "203.0.113.7", "10.1.2.3/8", "0.0.0.0/1", "2001:db8::/32"):
+        assert load_spec(None, {"aws.ssh_cidr": ok}).aws.ssh_cidr == ok
+    assert _refused({"aws.ssh_cidr": "nope"}) == (
+        "flags: aws.ssh_cidr: 'nope' is not an IP address or CIDR")
+    long = "x" * 100
+    assert _refused({"gcp.ssh_cidr": long}) == (
+        f"flags: gcp.ssh_cidr: {'x' * 60!r} is not an IP address or CIDR")
+    for world in ("0.0.0.0/0", "::/0"):
+        assert _refused({"aws.ssh_cidr": world}) == (
+            f"flags: aws.ssh_cidr: {world!r} opens SSH to the whole internet; refused. Leave "
+            "it empty (the address spotctl runs from) or name your network, e.g. ssh_cidr = "
+            '"203.0.113.0/24"')
+
+
+def test_control_characters() -> None:
+    load_spec(None, {"train.args": ["a b", "tab\u00e9"]})  # a space is no control character
+    msg = "flags: {}: {} must not contain control characters (newline, tab...)"
+    assert _refused({"name": "a\nb"}) == msg.format("name", "name")
+    assert _refused({"train.args": ["ok", "x\ty"]}) == msg.format("train.args", "args")
+    assert _refused({"train.args": ["\x7f"]}) == msg.format("train.args", "args")
+    assert _refused({"train.args": ["\x1f"]}) == msg.format("train.args", "args")
+
+
+def test_gpu_ranges_word_for_word() -> None:
+    assert str(parse_gpu_range("10000")) == "10000"
+    assert str(parse_gpu_range("2..3")) == "2..3"
+    cases = {"1..0": "range 1..0 must be positive (at least 1 GPU)",
+             "0..0": "range 0..0 must be positive (at least 1 GPU)",
+             "3..2": "range 3..2 is inverted (MIN must be <= MAX)",
+             "1..10001": "range 1..10001 is larger than 10000 GPUs",
+             "x": "expected MIN..MAX or N (e.g. 8..64), got 'x'"}
+    for text, want in cases.items():
+        with pytest.raises(ValueError) as e:
+            parse_gpu_range(text)
+        assert str(e.value) == want
+
+
+def test_several_problems_are_counted_after_the_first() -> None:
+    assert _refused({"gpus": "0", "nmae": 1}) == (
+        "flags: gpus: range 0..0 must be positive (at least 1 GPU) (and 1 more problem)")
+    assert _refused({"gpus": "0", "nmae": 1, "foo": 2}) == (
+        "flags: gpus: range 0..0 must be positive (at least 1 GPU) (and 2 more problems)")
+    assert _refused({"ssh.hosts": [{"address": "-x"}]}).startswith(
+        "flags: ssh.hosts.0.address: '-x' is not a host name or IP address")
+
+
+def test_where_the_spec_comes_from(tmp_path: Path) -> None:
+    # no file: the defaults, unless one is required
+    assert load_spec(None).name
+    assert _refused({}, require_file=True) == (
+        "no spotctl.toml here; run `spotctl init` or pass --config")
+    assert _refused({}, tmp_path) == f"config file {tmp_path} is not a file"
+    (tmp_path / "bad.toml").write_bytes(b'name = "\xff"\n')
+    assert _refused({}, tmp_path / "bad.toml") == "bad.toml: not valid UTF-8 text"
+    # ./spotctl.toml is read when no path is given, and named in its errors
+    (tmp_path / "spotctl.toml").write_text('name = "here"\n')
+    assert load_spec(None).name == "here"
+    assert _refused({"gpus": "0"}) == (
+        "spotctl.toml: gpus: range 0..0 must be positive (at least 1 GPU)")
+    # dotted overrides make the tables they need, refuse to go through a value
+    assert load_spec(None, {"train.checkpoint_every": 5}).train.checkpoint_every == 5
+    assert _refused({"name.x": 1}) == "name.x: name must be a table"
+
+
+def test_paths_resolve_against_the_specs_folder(tmp_path: Path) -> None:
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "train.py").write_text("")
+    (proj / "id").write_text("key")
+    spec = proj / "spotctl.toml"
+    spec.write_text('provider = "ssh"\n[train]\ncheckpoint_dir = "ck"\n'
+                    '[[ssh.hosts]]\naddress = "10.0.0.1"\nkey = "id"\n')
+    s = load_spec(spec)
+    assert s.train.script == str(proj / "train.py")
+    assert s.train.checkpoint_dir == str(proj / "ck")
+    spec.write_text(spec.read_text().replace('key = "id"', 'key = "nokey"'))
+    assert _refused({}, spec) == f"ssh.hosts.0.key: key file {proj / 'nokey'} not found"
+    assert load_spec(spec, check_script=False).ssh.hosts[0].key == "nokey"
+    assert _refused({"train.script": "run.sh"}, spec) == (
+        f"train.script: {proj / 'run.sh'} is not a Python file (.py); name the training "
+        "script that spotctl.elastic runs")
+
+
+def test_cloud_checkpoints_must_be_shared(tmp_path: Path) -> None:
+    want = ("train.checkpoint_dir: on aws every node must read the checkpoints; "
+            "'/data/ck' is a local path: use an object-store URI (s3://..., gs://...) or a "
+            "path under train.shared_mount (a mount on every node)")
+    assert _refused({"provider": "aws", "train.checkpoint_dir": "/data/ck"}) == want
+    ok = load_spec(None, {"provider": "aws", "train.checkpoint_dir": "/mnt/fs/ck/",
+                          "train.shared_mount": "/mnt/fs/"})
+    assert ok.train.checkpoint_dir == "/mnt/fs/ck"  # a Path, made absolute
+    assert load_spec(None, {"provider": "gcp", "train.checkpoint_dir": "/mnt/fs",
+                            "train.shared_mount": "/mnt/fs"}).train.shared_mount == "/mnt/fs"
+    assert _refused({"provider": "gcp", "train.checkpoint_dir": "/mnt/fsx",
+                     "train.shared_mount": "/mnt/fs"}).startswith(
+        "train.checkpoint_dir: on gcp every node must read the checkpoints; '/mnt/fsx'")
