@@ -200,6 +200,27 @@ def table(results: list[ModuleResult]) -> str:
     return "\n".join(rows)
 
 
+def markdown(results: list[ModuleResult]) -> str:
+    """The per-module rows as a Markdown table (for the docs), with the totals."""
+    rows = ["| module | mutants | killed | survived (accepted) | no test reaches | score |",
+            "|---|---:|---:|---:|---:|---:|"]
+    tot: Counter[str] = Counter()
+    for r in results:
+        c = r.counts
+        acc = sum(1 for s in r.survivors if s.accepted)
+        score = "-" if r.score is None else f"{100 * r.score:.0f} %"
+        rows.append(f"| `{r.path}` | {c.get('total', 0)} | {c.get('killed', 0) + c.get('timeout', 0)} "
+                    f"| {c.get('survived', 0)} ({acc}) | {c.get('no_tests', 0)} | {score} |")
+        tot.update({k: v for k, v in c.items() if k in ("total", "killed", "timeout",
+                                                         "survived", "no_tests")})
+        tot["accepted"] += acc
+    done = tot["killed"] + tot["timeout"] + tot["survived"] + tot["no_tests"]
+    score = f"{100 * (tot['killed'] + tot['timeout']) / done:.0f} %" if done else "-"
+    rows.append(f"| all | {tot['total']} | {tot['killed'] + tot['timeout']} | "
+                f"{tot['survived']} ({tot['accepted']}) | {tot['no_tests']} | {score} |")
+    return "\n".join(rows)
+
+
 def to_json(results: list[ModuleResult]) -> list[dict[str, Any]]:
     return [{"module": r.path, "counts": r.counts, "score": r.score, "error": r.error,
              "seconds": r.seconds, "untested": r.untested,

@@ -166,3 +166,14 @@ def test_mutmut_runner_reports_survivors_and_matches_accepted_ones(
     assert mm.failing([r])  # x > 11 survives and is not accepted
     out = mm.table([r])
     assert "- return x > 10\n    + return x > 11" in out and "unused (" in out, out
+
+
+def test_mutmut_markdown_rows_and_totals() -> None:
+    a = mm.ModuleResult("a.py", counts={"total": 10, "killed": 6, "timeout": 1, "survived": 2,
+                                        "no_tests": 1},
+                        survivors=[mm.Survivor("x", "o", "n", "why"), mm.Survivor("y", "o", "m")])
+    b = mm.ModuleResult("b.py", counts={"total": 4, "killed": 4})
+    md = mm.markdown([a, b]).splitlines()
+    assert md[2] == "| `a.py` | 10 | 7 | 2 (1) | 1 | 70 % |"
+    assert md[3] == "| `b.py` | 4 | 4 | 0 (0) | 0 | 100 % |"
+    assert md[4] == "| all | 14 | 11 | 2 (1) | 1 | 79 % |"
