@@ -5,10 +5,12 @@ Both run on either engine (`engine`). On torchrun the replays are counted from t
 workers' own sample trace (scripts/chaos_lib/replays.py; the head's figure stays in
 detail). On torchft a step whose commit vote failed is run again in place, with no
 restart and no rescale event: its replays are counted from the replicas' own reports
-(failed_steps), on top of what the head's rescale events account."""
+(failed_steps), and a replica process that changed fails the row; the head's figure is
+kept in detail["head_lost_steps"] as a cross-check."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -60,12 +62,35 @@ def _snapshot(ck: Path, steps: list[int]) -> dict[int, dict[str, int]]:
     return out
 
 
+def _worker_pids(c: Cluster) -> dict[str, int]:
+    """Each node's rank-0 worker process, from its own report (status/worker-0.json)."""
+    out = {}
+    for p in sorted(c.cluster_dir.glob("nodes/n*/status/worker-0.json")):
+        try:
+            out[p.parent.parent.name] = int(json.loads(p.read_text())["pid"])
+        except (OSError, ValueError, KeyError):
+            pass
+    return out
+
+
 def _replayed_on_torchft(c: Cluster, before: dict[str, int], nodes: list[str]) -> int:
     """Steps run again (in place) by `nodes` since `before`: a failed step is run again by
-    every replica, so the most any one of them failed, not the sum. A replica whose
-    process restarted counts from 0 again (a restart is the head's rescale to account)."""
+    every replica, so the most any one of them failed, not the sum."""
     now = c.failed_steps()
     return max((max(0, now.get(n, 0) - before.get(n, 0)) for n in nodes), default=0)
+
+
+def _ft_replays(res: Result, c: Cluster, failed0: dict[str, int], pids0: dict[str, int],
+                nodes: list[str], head_lost: int | None) -> list[str]:
+    """torchft: steps_replayed from the replicas' own reports only (their failed-step
+    counts); the head's figure is kept in detail as a cross-check. Returns the nodes whose
+    replica process changed (restarted: its count began again at 0, so the count above
+    cannot see what it replayed, and the row does not pass)."""
+    res.steps_replayed = _replayed_on_torchft(c, failed0, nodes)
+    now = _worker_pids(c)
+    restarted = sorted(n for n in nodes if n in pids0 and now.get(n) != pids0[n])
+    res.detail.update(head_lost_steps=head_lost, restarted_replicas=restarted)
+    return restarted
 
 
 def disk_full(root: Path, engine: str = "torchrun") -> Result:
@@ -92,6 +117,7 @@ def disk_full(root: Path, engine: str = "torchrun") -> Result:
         before = _snapshot(mnt, kept)
         n_rescales = len(c.events("rescale"))
         failed0 = c.failed_steps()
+        pids0 = _worker_pids(c)
         window = c.replay_window()
         st0 = c.status()
         # three checkpoint intervals with no room at all
@@ -121,13 +147,16 @@ def disk_full(root: Path, engine: str = "torchrun") -> Result:
         )
         res.recover_s = round(time.time() - t0, 1)
         res.committed_steps_lost = 0 if intact else len(kept) - len(after)
-        # replays while the disk was full and after (none expected): the workers' on
-        # torchrun, the head's on torchft
-        replays.fill(res, window, sum(int(e.get("lost_steps") or 0)
-                                      for e in c.events("rescale")[n_rescales:]))
+        # replays while the disk was full and after (none expected), from the workers' own
+        # records: their sample trace on torchrun, the replicas' reports on torchft
+        head_lost = sum(int(e.get("lost_steps") or 0) for e in c.events("rescale")[n_rescales:])
+        restarted: list[str] = []
         if engine == "torchft":
-            res.steps_replayed += _replayed_on_torchft(c, failed0, ["n1"])
-        res.survived = intact and alive and not new_during and st1["world_size"] == 1
+            restarted = _ft_replays(res, c, failed0, pids0, ["n1"], head_lost)
+        else:
+            replays.fill(res, window, head_lost)
+        res.survived = (intact and alive and not new_during and st1["world_size"] == 1
+                        and not restarted)
         res.detail.update({
             "committed_before": kept,
             "committed_while_full": during,
@@ -175,6 +204,7 @@ def network_cut(root: Path, engine: str = "torchrun") -> Result:
         t0 = time.time()
         committed = c.committed_before(t0)
         failed0 = c.failed_steps()
+        pids0 = _worker_pids(c)
         window = c.replay_window()
         prov.isolate("n3")
         st = c.training(2, past=0, timeout=180)
@@ -187,13 +217,17 @@ def network_cut(root: Path, engine: str = "torchrun") -> Result:
                 raise TimeoutError(f"no failure rescale: {c.events('rescale')}")
             time.sleep(0.5)
         r = rs[0]
-        replays.fill(res, window, int(r["lost_steps"]))
+        restarted: list[str] = []
         if engine == "torchft":
             st = c.training(2, past=st["step"] + 2, timeout=60)  # the survivors' counts settled
-            res.steps_replayed += _replayed_on_torchft(c, failed0, ["n1", "n2"])
+            # the survivors went on in place: counted from their own reports
+            restarted = _ft_replays(res, c, failed0, pids0, ["n1", "n2"],
+                                    int(r.get("lost_steps") or 0))
+        else:
+            replays.fill(res, window, int(r["lost_steps"]))
         res.committed_steps_lost = max(0, committed - int(r["resume_step"]))
         unresp = c.node_events("node-unresponsive", "n3")
-        res.survived = bool(unresp) and st["world_size"] == 2
+        res.survived = bool(unresp) and st["world_size"] == 2 and not restarted
         res.notes = (f"n3's link down; unresponsive after {unresp[0]['silent_s'] if unresp else '?'}"
                      f" s; survivors re-formed at world 2 from step {r['resume_step']}")
         res.detail.update(rescale=r)

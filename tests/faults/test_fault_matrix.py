@@ -211,6 +211,8 @@ def test_checkpoint_disk_full(tmp_path: Path, engine: str) -> None:
     assert r.steps_replayed == 0, r.detail  # a failed save fails no step
     if engine == "torchrun":
         _replays_from_workers(r)
+    else:  # the replica's own reports: no failed step, the same process throughout
+        assert r.detail["restarted_replicas"] == [] and "head_lost_steps" in r.detail, r.detail
 
 
 # 14 (a node cut off from the network) runs in tests/e2e/test_network_partition.py (both
