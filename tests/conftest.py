@@ -223,8 +223,35 @@ def last_char_changed(s: str) -> str:
     return s[:-1] + ("1" if s.endswith("0") else "0")
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+PORT_SLICE = 1000  # ports per xdist worker, from 20000 up
+
+
 def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (nobody listens on it)."""
+    """A loopback TCP port that was free a moment ago (nobody listens on it). Picked below
+    the kernel's ephemeral range, where outgoing connections take their source ports, so
+    no connection of another test can take it before this test binds it; and from a slice
+    of its own per xdist worker (gw0: 20000-20999, gw1: 21000-21999, ...), so two workers
+    never pick the same. bind(0) where the ephemeral range leaves no room."""
+    import random
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    k = int(worker[2:]) if worker[2:].isdigit() else 0
+    start = 20000 + k * PORT_SLICE
+    if start + PORT_SLICE <= _ephemeral_low():
+        for port in random.sample(range(start, start + PORT_SLICE), 50):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

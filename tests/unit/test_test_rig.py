@@ -152,3 +152,32 @@ def test_cpu_log_records_each_test_and_the_summary_reads_it(tmp_path) -> None:
     bad = subprocess.run([sys.executable, str(root / "scripts" / "test-cpu"),
                           str(tmp_path / "none.jsonl")], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+
+
+def test_free_port_is_below_the_ephemeral_range_in_this_workers_slice(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    if conftest._ephemeral_low() < 20000 + 8 * conftest.PORT_SLICE:
+        pytest.skip("this kernel's ephemeral range starts too low for the slices")
+    for worker, lo in (("gw0", 20000), ("gw3", 23000), ("", 20000)):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        ports = {conftest.free_port() for _ in range(20)}
+        assert all(lo <= p < lo + conftest.PORT_SLICE for p in ports), (worker, ports)
+    # a port someone holds is never handed out
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw5")
+    held = []
+    try:
+        for p in range(25000, 25000 + conftest.PORT_SLICE - 1):
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", p))
+            except OSError:
+                s.close()
+                continue
+            held.append(s)
+        free = conftest.free_port()  # at most one left in the slice, or none: bind(0)
+        assert free not in {s.getsockname()[1] for s in held}
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", free))
+    finally:
+        for s in held:
+            s.close()
