@@ -170,6 +170,7 @@ def test_planner_liveness_malformed_saved_nodes_restart_their_evidence() -> None
         "a": "junk",  # skipped, the rest still read
         "b": {"misses": 2, "first_miss": "x", "lost": 1, "why": "w"},  # bad time, lost not True
         "c": {"misses": 2},  # misses without a first miss
+        "c1": {"misses": 1},
         "d": {"misses": True, "first_miss": 3},  # a bool is no count
         "e": {"misses": 1, "first_miss": 4, "lost": True},  # lost without why
         "f": {"misses": -3, "first_miss": 4}}}
@@ -177,7 +178,8 @@ def test_planner_liveness_malformed_saved_nodes_restart_their_evidence() -> None
     assert "a" not in d
     assert d["b"] == {"misses": 0, "first_miss": None, "lost": False, "why": ""}
     assert d["c"] == {"misses": 0, "first_miss": None, "lost": False, "why": ""}
+    assert d["c1"] == d["c"]
     assert d["d"] == {"misses": 0, "first_miss": 3.0, "lost": False, "why": ""}
     assert d["e"] == {"misses": 1, "first_miss": 4.0, "lost": True, "why": ""}
     assert d["f"] == {"misses": 0, "first_miss": 4.0, "lost": False, "why": ""}
-    assert set(d) == {"b", "c", "d", "e", "f"}
+    assert set(d) == {"b", "c", "c1", "d", "e", "f"}

@@ -14,10 +14,10 @@ def test_a_sample_is_the_status_in_short() -> None:
     status = {"world_size": 3, "step": 41, "last_checkpoint_step": 40,
               "throughput": 123.45678, "nodes": {
                   "n1": {"state": "running"}, "n2": {"state": "running"},
-                  "n3": {"state": "joining"}, "n4": {}}}
+                  "n3": {"state": "joining"}, "n4": {}, "n5": {"state": "running"}}}
     assert sample_of(status, 1000.12345) == {
         "ts": 1000.123, "world_size": 3, "step": 41, "checkpoint_step": 40,
-        "throughput": 123.457, "nodes": 2}
+        "throughput": 123.457, "nodes": 3}
     # a head that has seen nothing yet
     assert sample_of({}, 5.0) == {"ts": 5.0, "world_size": 0, "step": 0,
                                   "checkpoint_step": 0, "throughput": None, "nodes": 0}
