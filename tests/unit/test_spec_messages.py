@@ -132,3 +132,17 @@ def test_cloud_checkpoints_must_be_shared(tmp_path: Path) -> None:
     assert _refused({"provider": "gcp", "train.checkpoint_dir": "/mnt/fsx",
                      "train.shared_mount": "/mnt/fs"}).startswith(
         "train.checkpoint_dir: on gcp every node must read the checkpoints; '/mnt/fsx'")
+
+
+def test_absolute_paths_stay_and_none_overrides_are_skipped(tmp_path: Path) -> None:
+    script = tmp_path / "abs.py"
+    script.write_text("")
+    s = load_spec(None, {"name": None, "train.script": str(script),
+                         "train.checkpoint_dir": str(tmp_path / "ck")})
+    assert s.train.script == str(script) and s.train.checkpoint_dir == str(tmp_path / "ck")
+    # a None override is skipped, the ones after it still applied
+    assert load_spec(None, {"name": None, "gpus": "3"}).gpus.min == 3
+    # ssh hosts need the script here too
+    assert _refused({"provider": "ssh", "train.script": "gone.py",
+                     "ssh.hosts": [{"address": "10.0.0.1"}]}) == (
+        f"train.script: training script {tmp_path / 'gone.py'} not found")
