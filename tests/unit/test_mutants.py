@@ -128,7 +128,9 @@ def test_each_accepted_survivor_names_a_line_that_is_still_there() -> None:
     for a in ACCEPTED:
         assert a.module in paths, f"accepted survivor in a module not run: {a}"
         lines = {ln.strip() for ln in (REPO / a.module).read_text().splitlines()}
-        assert all(part in lines for part in a.old.split(" / ")), f"stale: {a}"
+        # a mutant that changed several lines shows them joined by " / "
+        assert a.old in lines or all(part in lines for part in a.old.split(" / ")), \
+            f"stale: {a}"
 
 
 def test_the_correctness_modules_of_the_issue_are_run() -> None:
