@@ -239,7 +239,8 @@ def _reduce_dtype(dtype: Any) -> torch.dtype | None:
 
 def _compressed_mean_hook(dtype, bucket):  # type: ignore[no-untyped-def]
     """DDP comm hook: the bucket's mean over the ranks, sent in `dtype` (half the bytes of
-    fp32) and written back into the bucket in its own dtype. (No annotations: DDP checks a
+    fp32) and written back into the bucket in its own dtype. torch's bf16_compress_hook
+    does the same but refuses anything but CUDA/NCCL, and this must run on gloo too. (No annotations: DDP checks a
     hook's against its own types, and this module's are strings.)"""
     buf = bucket.buffer()
     wire = buf.to(dtype).div_(dist.get_world_size())
