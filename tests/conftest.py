@@ -465,6 +465,11 @@ class LocalCluster(CliProject):
 
         return proctree.tagged_prefix(str(self.cluster_dir) + "/")
 
+    def worker_pids(self, nodes: list[str]) -> dict[str, int]:
+        """Each node's rank-0 worker process, from its own report (status/worker-0.json)."""
+        return {n: json.loads((self.cluster_dir / "nodes" / n / "status" / "worker-0.json")
+                              .read_text())["pid"] for n in nodes}
+
     def debug(self) -> str:
         out = []
         for p in sorted(self.cluster_dir.glob("nodes/*/*.log")) + [self.cluster_dir / "head" / "head.log"]:

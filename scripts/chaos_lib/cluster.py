@@ -197,6 +197,16 @@ class Cluster:
                 out.append(d.name)
         return out
 
+    def worker_pids(self) -> dict[str, int]:
+        """Each node's rank-0 worker process, from its own report (status/worker-0.json)."""
+        out = {}
+        for p in sorted(self.cluster_dir.glob("nodes/n*/status/worker-0.json")):
+            try:
+                out[p.parent.parent.name] = int(json.loads(p.read_text())["pid"])
+            except (OSError, ValueError, KeyError):
+                pass
+        return out
+
     def failed_steps(self) -> dict[str, int]:
         """torchft: each node's count of step attempts that failed the commit vote (and ran
         again), from its rank-0 worker's own report (status/worker-0.json). A replica's

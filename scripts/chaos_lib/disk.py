@@ -10,7 +10,6 @@ kept in detail["head_lost_steps"] as a cross-check."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -62,17 +61,6 @@ def _snapshot(ck: Path, steps: list[int]) -> dict[int, dict[str, int]]:
     return out
 
 
-def _worker_pids(c: Cluster) -> dict[str, int]:
-    """Each node's rank-0 worker process, from its own report (status/worker-0.json)."""
-    out = {}
-    for p in sorted(c.cluster_dir.glob("nodes/n*/status/worker-0.json")):
-        try:
-            out[p.parent.parent.name] = int(json.loads(p.read_text())["pid"])
-        except (OSError, ValueError, KeyError):
-            pass
-    return out
-
-
 def _replayed_on_torchft(c: Cluster, before: dict[str, int], nodes: list[str]) -> int:
     """Steps run again (in place) by `nodes` since `before`: a failed step is run again by
     every replica, so the most any one of them failed, not the sum."""
@@ -87,7 +75,7 @@ def _ft_replays(res: Result, c: Cluster, failed0: dict[str, int], pids0: dict[st
     replica process changed (restarted: its count began again at 0, so the count above
     cannot see what it replayed, and the row does not pass)."""
     res.steps_replayed = _replayed_on_torchft(c, failed0, nodes)
-    now = _worker_pids(c)
+    now = c.worker_pids()
     restarted = sorted(n for n in nodes if n in pids0 and now.get(n) != pids0[n])
     res.detail.update(head_lost_steps=head_lost, restarted_replicas=restarted)
     return restarted
@@ -117,7 +105,7 @@ def disk_full(root: Path, engine: str = "torchrun") -> Result:
         before = _snapshot(mnt, kept)
         n_rescales = len(c.events("rescale"))
         failed0 = c.failed_steps()
-        pids0 = _worker_pids(c)
+        pids0 = c.worker_pids()
         window = c.replay_window()
         st0 = c.status()
         # three checkpoint intervals with no room at all
@@ -204,7 +192,7 @@ def network_cut(root: Path, engine: str = "torchrun") -> Result:
         t0 = time.time()
         committed = c.committed_before(t0)
         failed0 = c.failed_steps()
-        pids0 = _worker_pids(c)
+        pids0 = c.worker_pids()
         window = c.replay_window()
         prov.isolate("n3")
         st = c.training(2, past=0, timeout=180)

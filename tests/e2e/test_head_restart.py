@@ -23,7 +23,7 @@ def test_head_killed_is_restarted_and_job_resumes(local_cluster, engine):
     c.cli("up", "--wait", "120")
     before = c.steps_advance(world=2, by=15, timeout=150)
     nodes = sorted(n["id"] for n in c.status()["nodes"] if n["state"] == "running")
-    pids = _worker_pids(c, nodes)
+    pids = c.worker_pids(nodes)
     head_json = c.cluster_dir / "head" / "head.json"
     old = json.loads(head_json.read_text())
     os.kill(old["pid"], signal.SIGKILL)
@@ -40,7 +40,7 @@ def test_head_killed_is_restarted_and_job_resumes(local_cluster, engine):
     assert starts and starts[0]["resume_step"] >= before["last_checkpoint_step"], evs[-12:]
     if engine == "torchft":
         # the replicas' own reports: the same worker processes went on from memory
-        assert _worker_pids(c, nodes) == pids, "a replica's worker restarted"
+        assert c.worker_pids(nodes) == pids, "a replica's worker restarted"
         # the new head found them training (their quorum's first step before it started),
         # taken up at the step it saw; or, on a loaded machine, one replica asked the
         # restarted Lighthouse first and went on alone, and the other joined it again
@@ -50,11 +50,5 @@ def test_head_killed_is_restarted_and_job_resumes(local_cluster, engine):
                                             for e in evs[restart:])), evs[restart:]
     else:  # torchrun restarted them from the checkpoint
         assert not any(e.get("adopted") for e in starts), starts
-        assert _worker_pids(c, nodes) != pids
+        assert c.worker_pids(nodes) != pids
     assert after["last_checkpoint_step"] >= before["last_checkpoint_step"]
-
-
-def _worker_pids(c, nodes: list[str]) -> dict[str, int]:
-    """Each node's worker process, from its own report (status/worker-0.json)."""
-    return {n: json.loads((c.cluster_dir / "nodes" / n / "status" / "worker-0.json")
-                          .read_text())["pid"] for n in nodes}

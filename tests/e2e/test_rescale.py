@@ -113,14 +113,14 @@ def test_notice_join_gcp_kill_cycle_on_torchft(local_cluster):
             leaver: str | None = None):
         """Run `action`; its rescale lost nothing and the survivors' workers went on. A
         leaver's own records say it left gracefully (not only what the head inferred)."""
-        before = _worker_pids(c, survivors + ([leaver] if leaver else []))
+        before = c.worker_pids(survivors + ([leaver] if leaver else []))
         r = c.rescale_from(action, reason)
         assert (r["from_world_size"], r["to_world_size"], r["reason"]) == (*sizes, reason)
         assert r["engine"] == "torchft" and r["lost_steps"] == 0, r
         c.steps_advance(world=sizes[1], by=10)
         if leaver:
             _left_gracefully(c, leaver, before.pop(leaver))
-        assert _worker_pids(c, survivors) == before, "a survivor's worker restarted"
+        assert c.worker_pids(survivors) == before, "a survivor's worker restarted"
         return r
 
     # 1. AWS-style notice: n1's replica commits the step in flight and leaves the quorum
@@ -138,12 +138,12 @@ def test_notice_join_gcp_kill_cycle_on_torchft(local_cluster):
     assert not c.events("drain-release") and not c.events("drain-committed")
 
     # 4. hard failure: the quorum drops n3; n4 redoes at most the step in flight, from memory
-    before = _worker_pids(c, ["n4"])
+    before = c.worker_pids(["n4"])
     r = c.rescale_from(lambda: c.cli("kill", "n3", "--name", "rescft"), "failure")
     assert (r["from_world_size"], r["to_world_size"], r["reason"]) == (2, 1, "failure")
     assert 0 <= r["lost_steps"] <= 1 and r["engine"] == "torchft", r
     st = c.steps_advance(world=1, by=5)
-    assert _worker_pids(c, ["n4"]) == before, "the survivor's worker restarted"
+    assert c.worker_pids(["n4"]) == before, "the survivor's worker restarted"
     _finish(c, st)
 
 
@@ -172,13 +172,6 @@ def _left_gracefully(c, node: str, pid: int) -> None:
     assert mine and max(int(x.split()[2]) for x in mine) == left_at, (left_at, mine[-1:])
     assert any(step == left_at + 1 for _, step in recs), f"no step after {left_at} traced"
 
-
-def _worker_pids(c, nodes: list[str]) -> dict[str, int]:
-    """Each node's worker process, from its own report (status/worker-0.json)."""
-    import json
-
-    return {n: json.loads((c.cluster_dir / "nodes" / n / "status" / "worker-0.json")
-                          .read_text())["pid"] for n in nodes}
 
 
 def _finish(c, st) -> None:
