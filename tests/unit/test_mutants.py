@@ -59,18 +59,24 @@ def _git(repo: Path, *args: str) -> None:
                     *args], check=True, capture_output=True)
 
 
-@pytest.fixture
-def fake_repo(tmp_path: Path) -> Path:
-    repo = tmp_path / "fake"
-    (repo / "fakepkg").mkdir(parents=True)
-    (repo / "tests").mkdir()
-    (repo / "pytest.ini").write_text("[pytest]\n")
-    (repo / "fakepkg" / "__init__.py").write_text("def add(a, b):\n    return a + b\n")
-    (repo / "tests" / "test_add.py").write_text(
-        "from fakepkg import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n")
+def _committed_repo(repo: Path, files: dict[str, str]) -> Path:
+    """A git repository at `repo` holding `files` (path -> text), committed."""
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
     _git(repo, "init", "-q")
     _git(repo, "add", ".")
     _git(repo, "commit", "-q", "-m", "fake")
+    return repo
+
+
+@pytest.fixture
+def fake_repo(tmp_path: Path) -> Path:
+    repo = _committed_repo(tmp_path / "fake", {
+        "pytest.ini": "[pytest]\n",
+        "fakepkg/__init__.py": "def add(a, b):\n    return a + b\n",
+        "tests/test_add.py":
+            "from fakepkg import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"})
     # uncommitted: the runner works from HEAD, so this never reaches a copy
     (repo / "fakepkg" / "__init__.py").write_text("def add(a, b):\n    return 0\n")
     return repo
@@ -142,20 +148,13 @@ def test_the_correctness_modules_of_the_issue_are_run() -> None:
 
 def test_mutmut_runner_reports_survivors_and_matches_accepted_ones(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    repo = tmp_path / "fake"
-    (repo / "fakepkg").mkdir(parents=True)
-    (repo / "tests").mkdir()
-    (repo / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
-    (repo / "fakepkg" / "__init__.py").write_text("")
-    (repo / "fakepkg" / "calc.py").write_text(
-        "def add(a, b):\n    return a + b\n\n\ndef big(x):\n    return x > 10\n\n\n"
-        "def unused(x):\n    return x * 2\n")
-    (repo / "tests" / "test_calc.py").write_text(
-        "from fakepkg.calc import add, big\n\n\ndef test_calc():\n"
-        "    assert add(2, 3) == 5\n    assert big(20) and not big(1)\n")
-    _git(repo, "init", "-q")
-    _git(repo, "add", ".")
-    _git(repo, "commit", "-q", "-m", "fake")
+    repo = _committed_repo(tmp_path / "fake", {
+        "pyproject.toml": "[tool.pytest.ini_options]\n",
+        "fakepkg/__init__.py": "",
+        "fakepkg/calc.py": "def add(a, b):\n    return a + b\n\n\ndef big(x):\n"
+                           "    return x > 10\n\n\ndef unused(x):\n    return x * 2\n",
+        "tests/test_calc.py": "from fakepkg.calc import add, big\n\n\ndef test_calc():\n"
+                              "    assert add(2, 3) == 5\n    assert big(20) and not big(1)\n"})
     m = mm.Module("fakepkg/calc.py", ("tests/test_calc.py",))
     accept = mm.Accepted("fakepkg/calc.py", "return x > 10", "return x >= 10", "10 untested")
     r = mm.run_module(repo, m, [accept], sys.executable, package="fakepkg")
