@@ -20,13 +20,13 @@ SHARD_SIZES = [72, 64, 56, 64]  # 256 samples
 SEED = 0
 
 
-def write_shards(root):
+def write_shards(root, sizes=SHARD_SIZES):
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(SEED)
     centers = 2 * torch.randn(CLASSES, FEATURES, generator=g)
     shards = []
-    for i, n in enumerate(SHARD_SIZES):
+    for i, n in enumerate(sizes):
         y = torch.randint(CLASSES, (n,), generator=g)
         x = centers[y] + torch.randn(n, FEATURES, generator=g)
         name = f"shard-{i:05d}.pt"
