@@ -27,12 +27,17 @@ def _netns_ok() -> str | None:
         return "network namespaces need root"
     if shutil.which("ip") is None:
         return "iproute2 (ip) is not installed"
-    p = subprocess.run(["ip", "netns", "add", "spotctl-probe"], capture_output=True, text=True)
-    subprocess.run(["ip", "netns", "del", "spotctl-probe"], capture_output=True)
+    # a name of this process's own: every xdist worker probes while it collects, at once
+    name = f"spotctl-probe-{os.getpid()}"
+    p = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return None if p.returncode == 0 else f"cannot create a network namespace: {p.stderr}"
 
 
-@pytest.mark.skipif(_netns_ok() is not None, reason=str(_netns_ok()))
+NETNS_MISSING = _netns_ok()
+
+
+@pytest.mark.skipif(NETNS_MISSING is not None, reason=str(NETNS_MISSING))
 @pytest.mark.parametrize("engine", ENGINES)
 def test_node_cut_off_from_the_network(local_cluster, engine):
     c = local_cluster("part")

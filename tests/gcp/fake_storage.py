@@ -19,6 +19,20 @@ without uniform bucket-level access (400), or a stale etag (412); a resumable ch
 does not start where the upload stands (400). Error bodies: storage
 {"error": {"code", "message", "errors": [{"reason", ...}]}}, IAM {"error": {"code",
 "message", "status"}}.
+
+Who calls: a request with `Authorization: Bearer <token>` acts as the service account the
+token was issued to (`issue_token`, or an `InstanceMetadata` server's token endpoint, the
+GCE metadata protocol a VM's google-auth uses); an unknown or revoked token, or one whose
+account was deleted, is a 401. Such a request is checked against the bucket's IAM policy,
+as GCS checks it: each binding's role grants its permissions (ROLE_PERMISSIONS) to its
+members where its condition holds; the condition sees `resource.name` and
+`resource.type` of what the call touches: the object (`projects/_/buckets/B/objects/N`)
+for get, insert, delete, copy and move, the bucket (`projects/_/buckets/B`) for a listing
+and the bucket's own calls. So a prefix condition never grants a listing. Writing over an
+existing object needs storage.objects.delete too. Project-level calls (bucket create,
+service accounts) are refused to a service account: none is granted a project role here.
+A refused call is a 403 naming the account and the permission. Anonymous requests act as
+the project's owner: spotctl's own calls against a test endpoint are anonymous.
 """
 
 from __future__ import annotations
@@ -28,10 +42,12 @@ import hashlib
 import itertools
 import json
 import re
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -67,6 +83,53 @@ STORAGE_ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
 BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]")
 ACCOUNT_ID_RE = re.compile(r"[a-z][a-z0-9-]{4,28}[a-z0-9]")
 SA_DOMAIN = ".iam.gserviceaccount.com"
+_OBJ_RW = {"storage.objects.create", "storage.objects.delete", "storage.objects.get",
+           "storage.objects.list", "storage.objects.update"}  # fmt: skip
+ROLE_PERMISSIONS: dict[str, set[str]] = {
+    "roles/storage.objectViewer": {"storage.objects.get", "storage.objects.list"},
+    "roles/storage.objectCreator": {"storage.objects.create"},
+    "roles/storage.objectUser": _OBJ_RW,
+    "roles/storage.objectAdmin": _OBJ_RW | {"storage.objects.getIamPolicy",
+                                            "storage.objects.setIamPolicy"},
+    "roles/storage.legacyBucketReader": {"storage.buckets.get", "storage.objects.list"},
+    "roles/storage.legacyBucketWriter": {"storage.buckets.get", "storage.objects.list",
+                                         "storage.objects.create", "storage.objects.delete"},
+    "roles/storage.legacyBucketOwner": {"storage.buckets.get", "storage.buckets.update",
+                                        "storage.buckets.getIamPolicy",
+                                        "storage.buckets.setIamPolicy", "storage.objects.list",
+                                        "storage.objects.create", "storage.objects.delete"},
+    "roles/storage.admin": _OBJ_RW | {"storage.buckets.get", "storage.buckets.delete",
+                                      "storage.buckets.update", "storage.buckets.getIamPolicy",
+                                      "storage.buckets.setIamPolicy"},
+}  # fmt: skip
+# what a route needs on a bucket, beyond what its handler checks per object
+_BUCKET_PERMISSION = {
+    "storage.buckets.get": "storage.buckets.get",
+    "storage.buckets.delete": "storage.buckets.delete",
+    "storage.buckets.getIamPolicy": "storage.buckets.getIamPolicy",
+    "storage.buckets.setIamPolicy": "storage.buckets.setIamPolicy",
+    "storage.objects.list": "storage.objects.list",
+}
+_TERM_RE = re.compile(r'resource\.(name\.startsWith\(|type\s*==\s*)"([^"]*)"\)?')
+_OBJECT_TYPE = "storage.googleapis.com/Object"
+_BUCKET_TYPE = "storage.googleapis.com/Bucket"
+
+
+def condition_holds(expression: str, name: str, type_: str) -> bool:
+    """An IAM condition of `resource.name.startsWith("...")` and `resource.type == "..."`
+    terms joined by `||`, as GCS evaluates it for the resource `name` of `type_`. Anything
+    else is refused loudly: a fake that guessed would grant what GCS might not."""
+    holds = False
+    for term in expression.split("||"):
+        m = _TERM_RE.fullmatch(term.strip())
+        if m is None:
+            raise StorageError(500, "backendError", f"the fake cannot evaluate the IAM "
+                               f"condition term {term.strip()!r}")  # fmt: skip
+        if m.group(1).startswith("name"):
+            holds = holds or name.startswith(m.group(2))
+        else:
+            holds = holds or type_ == m.group(2)
+    return holds
 
 
 class StorageError(Exception):
@@ -104,6 +167,63 @@ class FakeStorage:
         self.service_accounts: dict[str, dict[str, Any]] = {}  # email -> resource
         self._uploads: dict[str, _Upload] = {}
         self._gen = itertools.count(1_700_000_000_000_000)
+        self.tokens: dict[str, str] = {}  # bearer token -> service account email
+        self._caller: str | None = None  # the request's account; None: the project owner
+        self.callers: list[tuple[str, str | None]] = []  # (route key, account) per request
+
+    def issue_token(self, email: str) -> str:
+        """An access token for the service account `email`, as the metadata server of a VM
+        running as it hands out."""
+        with self.compute._lock:
+            if email not in self.service_accounts:
+                raise KeyError(f"no service account {email}")
+            token = f"ya29.fake-{next(self._gen)}"
+            self.tokens[token] = email
+            return token
+
+    # -------------------------------------------------------------- authorization
+
+    def _allowed(self, permission: str, bucket: str, obj: str | None = None) -> bool:
+        if self._caller is None:
+            return True
+        name, type_ = f"projects/_/buckets/{bucket}", _BUCKET_TYPE
+        if obj is not None:
+            name, type_ = f"{name}/objects/{obj}", _OBJECT_TYPE
+        member = f"serviceAccount:{self._caller}"
+        for b in self.policies.get(bucket, {}).get("bindings") or []:
+            if member not in (b.get("members") or []):
+                continue
+            if permission not in ROLE_PERMISSIONS.get(str(b.get("role")), set()):
+                continue
+            cond = b.get("condition")
+            if not cond or condition_holds(str(cond.get("expression", "")), name, type_):
+                return True
+        return False
+
+    def _need(self, permission: str, bucket: str, obj: str | None = None) -> None:
+        if self._caller is not None and bucket in self.buckets \
+                and not self._allowed(permission, bucket, obj):  # fmt: skip
+            what = "object" if obj is not None else "bucket"
+            raise StorageError(403, "forbidden", f"{self._caller} does not have {permission} "
+                               f"access to the Google Cloud Storage {what}. Permission "
+                               f"'{permission}' denied on resource (or it may not exist).")  # fmt: skip
+
+    def _need_write(self, bucket: str, name: str) -> None:
+        """Creating `name`, or writing over it: that needs delete too, as GCS says."""
+        self._need("storage.objects.create", bucket, name)
+        if name in self.objects.get(bucket, {}):
+            self._need("storage.objects.delete", bucket, name)
+
+    def _authenticate(self, headers: Any) -> None:
+        auth = str(headers.get("Authorization") or "")
+        self._caller = None
+        if not auth:
+            return
+        kind, _, token = auth.partition(" ")
+        email = self.tokens.get(token) if kind.lower() == "bearer" else None
+        if email is None or email not in self.service_accounts:
+            raise StorageError(401, "authError", "Invalid Credentials")
+        self._caller = email
 
     # -------------------------------------------------------------- dispatch
 
@@ -140,11 +260,23 @@ class FakeStorage:
             self.compute.requests.append(Recorded(method, key, url.path, query, body))
             try:
                 self.compute._inject(key)
+                self._authenticate(headers)
+                self.callers.append((key, self._caller))
+                if self._caller is not None and key in (
+                        "storage.buckets.insert", "iam.serviceAccounts.create",
+                        "iam.serviceAccounts.get", "iam.serviceAccounts.delete"):  # fmt: skip
+                    perm = key.replace("buckets.insert", "buckets.create")
+                    raise StorageError(403, "forbidden", f"{self._caller} does not have "
+                                       f"{perm} access to the project.")  # fmt: skip
+                if key in _BUCKET_PERMISSION:
+                    self._need(_BUCKET_PERMISSION[key], args["bucket"])
                 handler = getattr(self, "_" + key.split(".", 1)[1].replace(".", "_"))
                 return handler(query=query, headers=headers, raw=raw, body=body, **args)
             except StorageError as e:
                 e.iam = iam
                 return self._error(e)
+            finally:
+                self._caller = None
 
     @staticmethod
     def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Reply:
@@ -293,6 +425,7 @@ class FakeStorage:
 
     def _objects_get(self, bucket: str, obj: str, query: dict[str, str], headers: Any,
                      **_: Any) -> Reply:  # fmt: skip
+        self._need("storage.objects.get", bucket, obj)
         data, meta = self._object(bucket, obj)
         if query.get("alt") != "media":
             return self._json(meta)
@@ -313,17 +446,23 @@ class FakeStorage:
                      "Content-Range": f"bytes {start}-{end}/{size}"}, data[start : end + 1]  # fmt: skip
 
     def _objects_delete(self, bucket: str, obj: str, **_: Any) -> Reply:
+        self._need("storage.objects.delete", bucket, obj)
         self._object(bucket, obj)
         del self.objects[bucket][obj]
         return 204, {}, b""
 
     def _objects_move(self, bucket: str, obj: str, dst: str, **_: Any) -> Reply:
+        self._need("storage.objects.get", bucket, obj)
+        self._need("storage.objects.delete", bucket, obj)
+        self._need_write(bucket, dst)
         data, meta = self._object(bucket, obj)
         out = self._store(bucket, dst, data, meta["contentType"])
         del self.objects[bucket][obj]
         return self._json(out)
 
     def _objects_rewrite(self, bucket: str, obj: str, dbucket: str, dst: str, **_: Any) -> Reply:
+        self._need("storage.objects.get", bucket, obj)
+        self._need_write(dbucket, dst)
         data, meta = self._object(bucket, obj)
         self._bucket(dbucket)
         out = self._store(dbucket, dst, data, meta["contentType"])
@@ -367,9 +506,11 @@ class FakeStorage:
         kind = query.get("uploadType", "")
         ctype = str(headers.get("Content-Type") or "")
         if kind == "media":
+            self._need_write(bucket, query.get("name", ""))
             return self._json(self._store(bucket, query.get("name", ""), raw, ctype))
         if kind == "multipart":
             meta, data, dtype = _multipart(raw, ctype)
+            self._need_write(bucket, str(meta.get("name", "")))
             return self._json(self._store(bucket, str(meta.get("name", "")), data, dtype))
         if kind != "resumable":
             raise StorageError(400, "invalid", f"Invalid upload type: {kind!r}")
@@ -378,6 +519,7 @@ class FakeStorage:
             name = str((body or {}).get("name") or query.get("name", ""))
             if not name:
                 raise StorageError(400, "required", "Required parameter: name")
+            self._need_write(bucket, name)
             uid = f"up{next(self._gen)}"
             self._uploads[uid] = _Upload(bucket, name, str(headers.get("X-Upload-Content-Type")
                                                             or "application/octet-stream"))  # fmt: skip
@@ -439,6 +581,69 @@ class FakeStorage:
         self._sa(project, email)
         del self.service_accounts[email]
         return self._json({})
+
+
+class InstanceMetadata:
+    """The metadata server of one VM running as the service account `email`, on loopback:
+    the GCE protocol google-auth's compute-engine credentials speak (GCE_METADATA_HOST /
+    GCE_METADATA_IP). Every request must carry `Metadata-Flavor: Google` (403 otherwise, as
+    GCE answers); the answers carry it too. Serves the project id, the account's info and
+    an access token issued by `storage` (FakeStorage.issue_token)."""
+
+    def __init__(self, storage: FakeStorage, email: str, project: str):
+        md = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                path = urlsplit(self.path).path.rstrip("/")
+                code, ctype, out = md.answer(path, self.headers.get("Metadata-Flavor"))
+                body = out.encode()
+                self.send_response(code)
+                self.send_header("Metadata-Flavor", "Google")
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.storage, self.email, self.project = storage, email, project
+        self.tokens_issued = 0
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self._server.server_port}"
+
+    def answer(self, path: str, flavor: str | None) -> tuple[int, str, str]:
+        if path == "":
+            return 200, "application/text", "computeMetadata/\n"
+        if flavor != "Google":
+            return 403, "text/html", "Missing Metadata-Flavor:Google header."
+        sa = "/computeMetadata/v1/instance/service-accounts/default"
+        if path == "/computeMetadata/v1/project/project-id":
+            return 200, "application/text", self.project
+        if path == sa:
+            return 200, "application/json", json.dumps({
+                "aliases": ["default"], "email": self.email,
+                "scopes": ["https://www.googleapis.com/auth/cloud-platform"]})
+        if path == sa + "/email":
+            return 200, "application/text", self.email
+        if path == sa + "/token":
+            self.tokens_issued += 1
+            return 200, "application/json", json.dumps({
+                "access_token": self.storage.issue_token(self.email), "expires_in": 3599,
+                "token_type": "Bearer"})
+        if path == "/computeMetadata/v1/universe/universe-domain":
+            return 200, "application/text", "googleapis.com"
+        return 404, "text/html", "Not Found"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
 
 
 def _now() -> str:
