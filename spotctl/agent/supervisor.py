@@ -380,6 +380,7 @@ class Agent:
             SPOTCTL_CHECKPOINT_EVERY=str(cfg.checkpoint_every),
             SPOTCTL_CHECKPOINT_EVERY_S=str(cfg.checkpoint_every_s),
             SPOTCTL_KEEP_LAST=str(cfg.keep_last),
+            SPOTCTL_CHECKPOINT_WRITERS=str(cfg.checkpoint_writers),
             SPOTCTL_MAX_STEPS=str(cfg.max_steps),
             OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
             PYTHONUNBUFFERED="1",

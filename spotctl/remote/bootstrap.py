@@ -950,7 +950,7 @@ class CloudNodes:
             max_nodes=max(1, spec.gpus.max // max(1, inst.gpus)),
             checkpoint_dir=tr.checkpoint_dir or str(self.ctx.cluster_dir.checkpoints),
             checkpoint_every=tr.checkpoint_every, checkpoint_every_s=tr.checkpoint_every_s,
-            keep_last=tr.keep_last,
+            keep_last=tr.keep_last, checkpoint_writers=tr.checkpoint_writers,
             max_steps=tr.max_steps, python=tr.python,
             # what the node's network needs (e.g. FI_PROVIDER=efa on an EFA node, from the
             # provider), then the spec's own, which wins

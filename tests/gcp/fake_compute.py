@@ -254,9 +254,21 @@ class FakeCompute:
                 n = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(n) if n else b""
                 if FakeStorage.serves(self.path):
-                    code, headers, data = fake.storage.handle(
-                        self.command, self.path, self.headers, raw
-                    )
+                    upload = self.path.startswith("/upload/")
+                    if upload:
+                        with fake._lock:
+                            fake.storage.uploads_now += 1
+                            fake.storage.max_parallel_uploads = max(
+                                fake.storage.max_parallel_uploads, fake.storage.uploads_now)
+                        time.sleep(fake.storage.upload_latency_s)  # outside the lock
+                    try:
+                        code, headers, data = fake.storage.handle(
+                            self.command, self.path, self.headers, raw
+                        )
+                    finally:
+                        if upload:
+                            with fake._lock:
+                                fake.storage.uploads_now -= 1
                     self.send_response(code)
                     for k, v in headers.items():
                         self.send_header(k, v)

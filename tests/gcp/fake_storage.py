@@ -170,6 +170,10 @@ class FakeStorage:
         self.tokens: dict[str, str] = {}  # bearer token -> service account email
         self._caller: str | None = None  # the request's account; None: the project owner
         self.callers: list[tuple[str, str | None]] = []  # (route key, account) per request
+        # upload requests (/upload/...) in flight at once, at most; each waits this long
+        self.uploads_now = 0
+        self.max_parallel_uploads = 0
+        self.upload_latency_s = 0.0
 
     def issue_token(self, email: str) -> str:
         """An access token for the service account `email`, as the metadata server of a VM
@@ -694,11 +698,19 @@ _GCS_ENV = ("STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
 
 @contextmanager
 def fake_gcs(bucket: str = "ckpts", project: str = "test-proj") -> Iterator[dict[str, str]]:
+    """fake_gcs_server's environment alone."""
+    with fake_gcs_server(bucket, project) as (_, env):
+        yield env
+
+
+@contextmanager
+def fake_gcs_server(bucket: str = "ckpts", project: str = "test-proj"
+                    ) -> Iterator[tuple[FakeCompute, dict[str, str]]]:
     """Start the fake GCP server, create `bucket` in it, and set the environment (this
     process and the children it starts) so that gcsfs talks to it: STORAGE_EMULATOR_HOST
     (gcsfs's own emulator switch), anonymous credentials through spotctl's
     SPOTCTL_CHECKPOINT_STORAGE_OPTIONS, and gcsfs's gRPC bucket-layout probe off (it
-    would speak gRPC to a JSON endpoint). Yields that environment."""
+    would speak gRPC to a JSON endpoint). Yields the server and that environment."""
     import os
 
     from .fake_compute import FakeCompute
@@ -724,7 +736,7 @@ def fake_gcs(bucket: str = "ckpts", project: str = "test-proj") -> Iterator[dict
                 {"Content-Type": "application/json"}, json.dumps({"name": bucket}).encode(),
             )  # fmt: skip
             assert code == 200, out
-            yield env
+            yield fake, env
         finally:
             for k, v in saved.items():
                 if v is None:

@@ -27,7 +27,7 @@ from spotctl.elastic.checkpoint import (  # noqa: E402
 )
 from tests.elastic.harness import init_worker, spawn  # noqa: E402
 from tests.elastic.s3 import moto_s3  # noqa: E402
-from tests.gcp.fake_storage import fake_gcs  # noqa: E402
+from tests.gcp.fake_storage import fake_gcs, fake_gcs_server  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -118,6 +118,71 @@ def _commit_prune_reshard_and_fallback(tmp_path: Path, root: str) -> None:
     _corrupt(root, 20)
     _run(1, root, "load", tmp_path / "o3")
     assert (tmp_path / "o3").read_text().startswith("raised: committed checkpoints [30, 20]")
+
+
+def _writers_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    init_worker(rank, world, port)
+    pg = dist.new_group(backend="gloo")
+    ck = Checkpointer(root, keep_last=2, rank=rank, pg=pg, mode="thread")
+    # six tensors, the same on both ranks: DCP stores each once, spread over the ranks
+    state = {"model": {f"t{i}": torch.full((128, 128), float(i)) for i in range(6)}}
+    if world == 2:
+        ck.save_async(10, state, {"epoch": 0, "offset": 0})
+        ck.wait_pending()
+        assert ck.save_sync(20, state, {"epoch": 0, "offset": 0})
+    else:  # one rank loads what two saved
+        fresh = {"model": {f"t{i}": torch.zeros(128, 128) for i in range(6)}}
+        meta = ck.load_latest(fresh)
+        Path(out).write_text(f"{meta['step'] if meta else None} "
+                             + " ".join(str(float(t[0, 0])) for t in fresh["model"].values()))
+    ck.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two gloo ranks, then one
+@pytest.mark.parametrize("where", ["local", "gs"])
+def test_each_checkpoint_writer_writes_a_file_of_its_own(tmp_path, where, monkeypatch):
+    """[train] checkpoint_writers (SPOTCTL_CHECKPOINT_WRITERS): each rank's share goes to
+    that many files, written (on an object store: uploaded) at once, and loads back."""
+    monkeypatch.setenv("SPOTCTL_CHECKPOINT_WRITERS", "3")
+    out = tmp_path / "o"
+    if where == "gs":
+        pytest.importorskip("gcsfs")
+        with fake_gcs_server("ckpts") as (fake, _):
+            fake.storage.upload_latency_s = 0.3  # long enough for the writers to overlap
+            root = "gs://ckpts/run-w"
+            spawn(_writers_worker, 2, root, str(out))
+            files = sorted(n.rsplit("/", 1)[1] for n in fake.storage.objects["ckpts"]
+                           if n.startswith("run-w/step-00000020/"))  # fmt: skip
+            parallel = fake.storage.max_parallel_uploads
+            spawn(_writers_worker, 1, root, str(out))
+        # 3 writers on each of 2 ranks: up to 6 uploads at once; 1 writer: never above 2
+        assert parallel >= 3, parallel
+    else:
+        root = str(tmp_path / "ck")
+        spawn(_writers_worker, 2, root, str(out))
+        files = sorted(f.name for f in step_dir(Path(root), 20).iterdir())
+        spawn(_writers_worker, 1, root, str(out))
+    assert [f for f in files if f.endswith(".distcp")] == [
+        f"__{r}_{i}.distcp" for r in range(2) for i in range(3)], files
+    assert out.read_text() == "20 0.0 1.0 2.0 3.0 4.0 5.0"
+
+
+def test_checkpoint_writers_default_by_store_and_refuse_nonsense(tmp_path, monkeypatch):
+    from spotctl.elastic.checkpoint import writers_from_env
+
+    monkeypatch.delenv("SPOTCTL_CHECKPOINT_WRITERS", raising=False)
+    assert (writers_from_env(True), writers_from_env(False)) == (4, 1)
+    monkeypatch.setenv("SPOTCTL_CHECKPOINT_WRITERS", "0")
+    assert (writers_from_env(True), writers_from_env(False)) == (4, 1)
+    monkeypatch.setenv("SPOTCTL_CHECKPOINT_WRITERS", "8")
+    assert open_store(tmp_path).writers == 8
+    for bad in ("-1", "65", "two", "1.5"):
+        monkeypatch.setenv("SPOTCTL_CHECKPOINT_WRITERS", bad)
+        with pytest.raises(ValueError, match="SPOTCTL_CHECKPOINT_WRITERS must be a whole"):
+            open_store(tmp_path)
 
 
 def test_split_batch_covers_every_sample_once():

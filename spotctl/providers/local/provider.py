@@ -224,7 +224,7 @@ class LocalProvider:
                 max_nodes=max(1, self.spec.gpus.max // offer.gpus),
                 checkpoint_dir=tr.checkpoint_dir or str(self.cdir.checkpoints),
                 checkpoint_every=tr.checkpoint_every, checkpoint_every_s=tr.checkpoint_every_s,
-                keep_last=tr.keep_last,
+                keep_last=tr.keep_last, checkpoint_writers=tr.checkpoint_writers,
                 max_steps=tr.max_steps, python=tr.python, env=env,
                 local_addr=addr, metadata="local", poll_interval_s=0.2,
                 engine=tr.engine,

@@ -252,7 +252,7 @@ class SshProvider:
             max_nodes=max(1, self.spec.gpus.max // max(1, inst.gpus)),
             checkpoint_dir=self.checkpoint_dir(),
             checkpoint_every=tr.checkpoint_every, checkpoint_every_s=tr.checkpoint_every_s,
-            keep_last=tr.keep_last,
+            keep_last=tr.keep_last, checkpoint_writers=tr.checkpoint_writers,
             max_steps=tr.max_steps, python=tr.python, env=dict(tr.env),
             local_addr=inst.address, metadata="file" if notice else "none",
             notice_file=notice, engine=tr.engine, lighthouse=self._lighthouse(head),
