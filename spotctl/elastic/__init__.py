@@ -707,8 +707,11 @@ class Run:
         self._report(force=True)
         S = self.step
         # a step committed already (the resume step, or a periodic save just finished) is
-        # never written again; save_sync agrees on rank 0's view first
-        ok = self.ckpt.save_sync(S, self._state(), self._meta()) if S > 0 else True
+        # never written again; save_sync agrees on rank 0's view first. A periodic save
+        # still uploading is left behind: the drain saves beside it on the control group
+        # (idle from here on), not after it
+        ok = (self.ckpt.save_sync(S, self._state(), self._meta(), beside_pending=self.ctl_pg)
+              if S > 0 else True)
         self.drain_step = S
         self.phase = "drained" if ok else "drain-failed"
         self._report(force=True)

@@ -393,6 +393,8 @@ class Checkpointer:
         self._hooks: list[Any] = []
         self.last_wait_s = 0.0
         self.pending: tuple[int, Any, dict[str, Any], float] | None = None
+        self.started = 0  # the step of the newest async save started (the same on every rank)
+        self.abandoned: int | None = None  # an async save left uncommitted by a drain
         self.last_committed = 0
         self.save_failures = 0
         self.last_block_s = 0.0
@@ -402,10 +404,11 @@ class Checkpointer:
             self.last_committed = max((s for s, c in self.store.steps().items() if c), default=0)
 
     # -- agreement
-    def agreed_last_committed(self) -> int:
+    def agreed_last_committed(self, pg: Any = None) -> int:
         """Rank 0's view of the newest committed step, on every rank (collective)."""
+        pg = pg if pg is not None else self.pg
         t = torch.tensor([self.last_committed], dtype=torch.int64)
-        dist.broadcast(t, src=dist.get_global_rank(self.pg, 0), group=self.pg)
+        dist.broadcast(t, src=dist.get_global_rank(pg, 0), group=pg)
         self.last_committed = int(t.item())
         return self.last_committed
 
@@ -428,6 +431,7 @@ class Checkpointer:
 
     def save_async(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
         self.wait_pending()
+        self.started = step
         t0 = time.perf_counter()
         try:
             fut = self._async_save(step, state)
@@ -472,24 +476,41 @@ class Checkpointer:
             return
         self._commit(step, meta)
 
-    def save_sync(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> bool:
+    def save_sync(self, step: int, state: dict[str, Any], meta: dict[str, Any],
+                  beside_pending: Any = None) -> bool:
         """Collective save + commit; returns True when step is committed. A step that is
-        committed already (rank 0's view, agreed) is never written again."""
-        self.wait_pending()
-        if self.agreed_last_committed() >= step:
+        committed already (rank 0's view, agreed) is never written again.
+
+        beside_pending: a process group of the same ranks that nothing else uses now (the
+        drain's). An async save of an earlier step that is still uploading is then left
+        behind, uncommitted (it finishes or dies on its own; the next commit's pruning
+        removes what it wrote), and this save runs on that group beside it instead of
+        waiting for it: a notice leaves 30 s on GCP. The async save's own group stays
+        busy with it. An async save of this very step is waited for, as without it."""
+        pg = self.pg
+        if beside_pending is not None and self.started < step:
+            pg = beside_pending
+            if self.pending is not None:
+                self.abandoned = self.pending[0]
+                self.pending = None
+                log.info("left the upload of step %d behind to save step %d", self.abandoned,
+                         step)
+        else:
+            self.wait_pending()
+        if self.agreed_last_committed(pg) >= step:
             return True
         ok = 1
         try:
-            dcp.save(state, storage_writer=self.store.writer(step), process_group=self.pg)
+            dcp.save(state, storage_writer=self.store.writer(step), process_group=pg)
         except _CKPT_ERRORS as e:
             self._failed(step, e)
             ok = 0
         flag = torch.tensor([ok])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pg)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=pg)
         if int(flag.item()) != 1:
             return False
         self._commit(step, meta)
-        return self.agreed_last_committed() >= step
+        return self.agreed_last_committed(pg) >= step
 
     def _commit(self, step: int, meta: dict[str, Any]) -> None:
         if self.rank != 0:

@@ -260,7 +260,9 @@ class FakeCompute:
                             fake.storage.uploads_now += 1
                             fake.storage.max_parallel_uploads = max(
                                 fake.storage.max_parallel_uploads, fake.storage.uploads_now)
-                        time.sleep(fake.storage.upload_latency_s)  # outside the lock
+                        slow = fake.storage.slow_uploads
+                        if not slow or slow in self.path.encode() + raw[:8192]:
+                            time.sleep(fake.storage.upload_latency_s)  # outside the lock
                     try:
                         code, headers, data = fake.storage.handle(
                             self.command, self.path, self.headers, raw

@@ -171,9 +171,11 @@ class FakeStorage:
         self._caller: str | None = None  # the request's account; None: the project owner
         self.callers: list[tuple[str, str | None]] = []  # (route key, account) per request
         # upload requests (/upload/...) in flight at once, at most; each waits this long
+        # (only those whose path or first 8 KiB hold `slow_uploads`, when it is set)
         self.uploads_now = 0
         self.max_parallel_uploads = 0
         self.upload_latency_s = 0.0
+        self.slow_uploads = b""
 
     def issue_token(self, email: str) -> str:
         """An access token for the service account `email`, as the metadata server of a VM

@@ -8,6 +8,7 @@ committed checkpoint loads the run refuses to start over."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from pathlib import Path
@@ -168,6 +169,38 @@ def test_each_checkpoint_writer_writes_a_file_of_its_own(tmp_path, where, monkey
     assert [f for f in files if f.endswith(".distcp")] == [
         f"__{r}_{i}.distcp" for r in range(2) for i in range(3)], files
     assert out.read_text() == "20 0.0 1.0 2.0 3.0 4.0 5.0"
+
+
+def _drain_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    init_worker(rank, world, port)
+    pg = dist.new_group(backend="gloo")
+    drain_pg = dist.new_group(backend="gloo")  # the Run's control group at a drain
+    ck = Checkpointer(root, keep_last=3, rank=rank, pg=pg, mode="thread")
+    ck.save_async(10, _state(10.0), {"epoch": 0, "offset": 40})  # its uploads are slow
+    ok = ck.save_sync(20, _state(20.0), {"epoch": 0, "offset": 80}, beside_pending=drain_pg)
+    if rank == 0:
+        store = open_store(root)
+        Path(out).write_text(json.dumps({
+            "ok": ok, "abandoned": ck.abandoned, "committed": committed_steps(root),
+            "step10_metadata": store.has_metadata(10)}))
+    dist.barrier(group=drain_pg)
+    os._exit(0)  # as the agent stops a drained worker: the upload left behind dies with it
+
+
+@pytest.mark.slow  # two gloo ranks
+def test_a_drain_saves_beside_an_upload_in_flight_not_after_it(tmp_path):
+    """The torchrun engine's drain (a notice: 30 s on GCP) does not wait for a periodic
+    save still uploading: it saves and commits its own step beside it, and the earlier
+    step is left uncommitted."""
+    pytest.importorskip("gcsfs")
+    out = tmp_path / "o"
+    with fake_gcs_server("ckpts") as (fake, _):
+        fake.storage.upload_latency_s = 8.0
+        fake.storage.slow_uploads = b"step-00000010/"
+        spawn(_drain_worker, 2, "gs://ckpts/run-d", str(out))
+    r = json.loads(out.read_text())
+    assert r == {"ok": True, "abandoned": 10, "committed": [20], "step10_metadata": False}, r
 
 
 def test_checkpoint_writers_default_by_store_and_refuse_nonsense(tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ OPERATING = (REPO / "docs" / "operating.md").read_text()  # the exit codes
 INTERNAL = {"SPOTCTL_NODE_TAG", "SPOTCTL_ZYGOTE", "SPOTCTL_COMPLETE",
             # the agent's contract with its workers (tests/elastic/ft_harness.py plays it)
             "SPOTCTL_CHECKPOINT_DIR", "SPOTCTL_CHECKPOINT_EVERY", "SPOTCTL_MAX_STEPS",
-            "SPOTCTL_CHECKPOINT_EVERY_S", "SPOTCTL_KEEP_LAST",
+            "SPOTCTL_CHECKPOINT_EVERY_S", "SPOTCTL_KEEP_LAST", "SPOTCTL_CHECKPOINT_WRITERS",
             "SPOTCTL_ENGINE", "SPOTCTL_FT_REPLICA_ID", "SPOTCTL_NODE_ID", "SPOTCTL_STATUS_DIR",
             # the agent's contract with its torchrun (tests/unit/test_rdzv_gate.py plays it)
             "SPOTCTL_RDZV_GATE"}
