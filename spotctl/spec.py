@@ -166,7 +166,8 @@ class TrainSpec(_Strict):
     checkpoint_every_s: float = Field(default=0.0, ge=0, le=604_800, allow_inf_nan=False)
     keep_last: int = Field(default=3, ge=1, le=1000)  # committed checkpoints kept
     # Threads that write each rank's share of a checkpoint, each to a file of its own (on
-    # an object store, each its own upload); 0 = 4 on an object store, 1 on a path.
+    # an object store, each its own upload). 0 = by size on an object store (one per
+    # 256 MiB of the share, up to 4), 1 on a path.
     checkpoint_writers: int = Field(default=0, ge=0, le=64)
     # The job ends after this many steps (the script sees it as SPOTCTL_MAX_STEPS);
     # 0 = it runs until stopped.

@@ -30,7 +30,7 @@ class AgentConfig:
     checkpoint_every: int = 20
     checkpoint_every_s: float = 0.0
     keep_last: int = 3
-    checkpoint_writers: int = 0  # 0: the checkpoint store's default
+    checkpoint_writers: int = 0  # 0: by the size of each rank's share (see elastic.checkpoint)
     max_steps: int = 0
     python: str = ""  # interpreter for torchrun; "" = the agent's own
     env: dict[str, str] = field(default_factory=dict)

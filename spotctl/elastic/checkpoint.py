@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -54,14 +55,68 @@ def _parse_step(name: str) -> int | None:
         return None
 
 
+# with checkpoint_writers unset (0), one writer per this much of a rank's share
+AUTO_FILE_BYTES = 256 << 20
+
+
+def auto_writers(share_bytes: int, most: int) -> int:
+    """Writers for a rank's share of `share_bytes` when none were set: one per
+    AUTO_FILE_BYTES, from 1 to `most`. A small model gets one file per rank, not a few
+    empty ones."""
+    return max(1, min(most, share_bytes // AUTO_FILE_BYTES))
+
+
+class _AutoWriters:
+    """Mixed into DCP's writers: with `auto_most` set, the thread count follows the size
+    of this rank's share (auto_writers) when the data is written."""
+
+    auto_most = 0
+    thread_count: int
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        if self.auto_most:
+            share = 0
+            for item in plan.items:
+                t = item.tensor_data
+                if t is not None:  # BYTE_IO items (small values) count for nothing
+                    share += math.prod(t.size) * torch.empty(
+                        (), dtype=t.properties.dtype).element_size()
+            self.thread_count = auto_writers(share, self.auto_most)
+        return super().write_data(plan, planner)  # type: ignore[misc]
+
+
+class AutoFileSystemWriter(_AutoWriters, dcp.FileSystemWriter):
+    pass
+
+
+def __getattr__(name: str) -> Any:
+    """AutoFsspecWriter, made on first use (fsspec is optional). A module attribute all the
+    same: the process-based async saver pickles the writer, and unpickling finds it here."""
+    if name == "AutoFsspecWriter":
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        cls = type(name, (_AutoWriters, FsspecWriter), {"__module__": __name__})
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 class Store:
     """Where checkpoints live: a local (or mounted) directory. `writers`: threads that write
-    each rank's share, each to a file of its own (DCP's thread_count)."""
+    each rank's share, each to a file of its own (DCP's thread_count); 0 = by the share's
+    size (auto_writers), up to `auto_most`."""
 
-    def __init__(self, root: str | os.PathLike[str], writers: int = 1):
+    auto_most = 1  # a local disk: one writer unless set
+
+    def __init__(self, root: str | os.PathLike[str], writers: int = 0):
         r = str(root)
         self.root = Path(r[7:] if r.startswith("file://") else r)
         self.writers = writers
+
+    def _writer(self, cls: Any, step: int, **kwargs: Any) -> Any:
+        w = cls(self.step_id(step), thread_count=self.writers or 1, **kwargs)
+        w.auto_most = 0 if self.writers or self.auto_most <= 1 else self.auto_most
+        return w
 
     def step_id(self, step: int) -> str:
         return str(self.root / _step_name(step))
@@ -107,7 +162,7 @@ class Store:
         shutil.rmtree(self.root / _step_name(step), ignore_errors=True)
 
     def writer(self, step: int) -> Any:
-        return dcp.FileSystemWriter(self.step_id(step), thread_count=self.writers)
+        return self._writer(AutoFileSystemWriter, step)
 
     def reader(self, step: int) -> Any:
         return dcp.FileSystemReader(self.step_id(step))
@@ -118,12 +173,14 @@ class FsspecStore(Store):
     (an endpoint, credentials) come from SPOTCTL_CHECKPOINT_STORAGE_OPTIONS (JSON) or the
     store's usual environment (AWS_ENDPOINT_URL, GOOGLE_APPLICATION_CREDENTIALS...)."""
 
+    auto_most = 4  # each file its own upload: up to 4 in flight per rank unless set
+
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
-                 writers: int = 4):
+                 writers: int = 0):
         from fsspec.core import url_to_fs
 
         self.url = url.rstrip("/")
-        self.writers = writers  # each file its own upload: 4 at once per rank by default
+        self.writers = writers
         env_opts = os.environ.get("SPOTCTL_CHECKPOINT_STORAGE_OPTIONS")
         self.options = dict(storage_options if storage_options is not None
                             else json.loads(env_opts) if env_opts else {})
@@ -186,9 +243,8 @@ class FsspecStore(Store):
             pass
 
     def writer(self, step: int) -> Any:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        return FsspecWriter(self.step_id(step), thread_count=self.writers, **self.options)
+        cls = globals().get("AutoFsspecWriter") or __getattr__("AutoFsspecWriter")
+        return self._writer(cls, step, **self.options)
 
     def reader(self, step: int) -> Any:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -196,9 +252,8 @@ class FsspecStore(Store):
         return FsspecReader(self.step_id(step), **self.options)
 
 
-def writers_from_env(url: bool) -> int:
-    """SPOTCTL_CHECKPOINT_WRITERS ([train] checkpoint_writers): 0 or unset = 4 writers on an
-    object store (uploads are latency-bound: several in flight), 1 on a path."""
+def writers_from_env() -> int:
+    """SPOTCTL_CHECKPOINT_WRITERS ([train] checkpoint_writers); 0 or unset: by size."""
     raw = os.environ.get("SPOTCTL_CHECKPOINT_WRITERS", "").strip() or "0"
     try:
         n = int(raw)
@@ -207,17 +262,17 @@ def writers_from_env(url: bool) -> int:
     if not 0 <= n <= 64:
         raise ValueError(f"SPOTCTL_CHECKPOINT_WRITERS must be a whole number from 0 to 64, "
                          f"not {raw!r}")
-    return n or (4 if url else 1)
+    return n
 
 
 def open_store(root: str | os.PathLike[str]) -> Store:
     if is_url(root):
-        return FsspecStore(str(root), writers=writers_from_env(True))
+        return FsspecStore(str(root), writers=writers_from_env())
     if re.match(r"[a-z][a-z0-9+.-]*:/[^/]", str(root)):
         # Path("s3://b/x") is "s3:/b/x": never let that become a local folder named "s3:"
         raise ValueError(f"checkpoint dir {str(root)!r} looks like a URL that lost a '/'; "
                          "pass the URL as a string")
-    return Store(root, writers=writers_from_env(False))
+    return Store(root, writers=writers_from_env())
 
 
 # -- helpers kept for tools and tests that look at a local checkpoint directory

@@ -203,19 +203,56 @@ def test_a_drain_saves_beside_an_upload_in_flight_not_after_it(tmp_path):
     assert r == {"ok": True, "abandoned": 10, "committed": [20], "step10_metadata": False}, r
 
 
-def test_checkpoint_writers_default_by_store_and_refuse_nonsense(tmp_path, monkeypatch):
-    from spotctl.elastic.checkpoint import writers_from_env
+def test_checkpoint_writers_default_by_size_and_refuse_nonsense(tmp_path, monkeypatch):
+    import pickle
 
+    from spotctl.elastic import checkpoint as ckmod
+
+    GiB = 1 << 30
+    # unset: one writer per 256 MiB of a rank's share, up to 4 on an object store
+    assert [ckmod.auto_writers(n, 4) for n in (0, 255 << 20, GiB // 2, GiB, 64 * GiB)] == [
+        1, 1, 2, 4, 4]
+    assert ckmod.auto_writers(64 * GiB, 1) == 1
     monkeypatch.delenv("SPOTCTL_CHECKPOINT_WRITERS", raising=False)
-    assert (writers_from_env(True), writers_from_env(False)) == (4, 1)
-    monkeypatch.setenv("SPOTCTL_CHECKPOINT_WRITERS", "0")
-    assert (writers_from_env(True), writers_from_env(False)) == (4, 1)
+    w = open_store(tmp_path).writer(1)
+    assert (w.thread_count, w.auto_most) == (1, 0)  # a local disk: one, unless set
     monkeypatch.setenv("SPOTCTL_CHECKPOINT_WRITERS", "8")
-    assert open_store(tmp_path).writers == 8
+    w = open_store(tmp_path).writer(1)
+    assert (w.thread_count, w.auto_most) == (8, 0)
+    # the process-based async saver pickles the writer into its checkpoint process
+    assert type(pickle.loads(pickle.dumps(w))) is ckmod.AutoFileSystemWriter
     for bad in ("-1", "65", "two", "1.5"):
         monkeypatch.setenv("SPOTCTL_CHECKPOINT_WRITERS", bad)
         with pytest.raises(ValueError, match="SPOTCTL_CHECKPOINT_WRITERS must be a whole"):
             open_store(tmp_path)
+
+
+def test_an_object_store_writer_follows_the_share_unless_set(monkeypatch):
+    """On gs:// with no writers set, a small share is one file per rank; the writer class
+    pickles (the process-based saver sends it to its checkpoint process)."""
+    import pickle
+
+    pytest.importorskip("gcsfs")
+    from spotctl.elastic import checkpoint as ckmod
+
+    monkeypatch.delenv("SPOTCTL_CHECKPOINT_WRITERS", raising=False)
+    with fake_gcs_server("ckpts") as (fake, _):
+        store = open_store("gs://ckpts/auto")
+        w = store.writer(1)
+        assert (w.thread_count, w.auto_most) == (1, 4)
+        assert type(pickle.loads(pickle.dumps(w))) is ckmod.AutoFsspecWriter
+        assert type(store.writer(2)) is type(w)  # one class, not one per save
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            ck = Checkpointer("gs://ckpts/auto", keep_last=2, rank=0,
+                              pg=dist.new_group(backend="gloo"), mode="thread")
+            assert ck.save_sync(5, _state(5.0), {"epoch": 0, "offset": 0})
+            ck.close()
+        finally:
+            dist.destroy_process_group()
+        files = sorted(n.rsplit("/", 1)[1] for n in fake.storage.objects["ckpts"]
+                       if n.startswith("auto/step-00000005/"))  # fmt: skip
+    assert files == [".metadata", "COMMIT", "__0_0.distcp"], files
 
 
 def test_split_batch_covers_every_sample_once():
