@@ -16,6 +16,13 @@ def _cold(argv: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, *argv])
 
 
+def _reraise(signals: list[int]) -> None:
+    """Die of the first signal that came before there was a child to forward it to."""
+    for sig in signals:
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m spotctl.agent.launch SCRIPT [ARGS]", file=sys.stderr)
@@ -23,6 +30,23 @@ def main(argv: list[str]) -> int:
     path = os.environ.get("SPOTCTL_ZYGOTE", "")
     if not path:
         _cold(argv)
+    # the handlers go in before the zygote is asked: torchrun's SIGTERM may come while the
+    # child starts, and it must reach the child (not kill this process and leave the child
+    # to notice the closed socket later); it is forwarded once the child's pid is known
+    pid = 0
+    early: list[int] = []
+
+    def forward(sig: int, frame: object) -> None:
+        if not pid:
+            early.append(sig)
+            return
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect(path)
@@ -33,17 +57,13 @@ def main(argv: list[str]) -> int:
         pid = int(hello["pid"])
     except (OSError, ValueError, KeyError):
         s.close()
+        _reraise(early)
+        for sig in FORWARDED:
+            signal.signal(sig, signal.SIG_DFL)
         _cold(argv)
         return 1  # not reached
-
-    def forward(sig: int, frame: object) -> None:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-    for sig in FORWARDED:
-        signal.signal(sig, forward)
+    for sig in early:
+        forward(sig, None)
     while True:
         try:
             line = f.readline()

@@ -67,6 +67,55 @@ def test_signals_are_forwarded_and_reported(tmp_path, zygote):
     assert not proctree.alive(child)
 
 
+def test_a_signal_before_the_child_exists_is_forwarded_once_it_does(tmp_path):
+    """torchrun's SIGTERM can reach the launcher while the zygote is still forking: the
+    launcher holds it and forwards it to the child, then dies of the child's signal. (It
+    used to die at once, leaving the child to notice the closed socket some time later.)
+    A zygote of the test's own answers only after the signal was sent."""
+    import json
+    import socket
+    import threading
+
+    sock_path = str(tmp_path / "z.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(sock_path)
+    srv.listen(1)
+    victim = subprocess.Popen([PY, "-c", "import time; time.sleep(60)"])
+    accepted = threading.Event()
+    go = threading.Event()
+
+    def zygote_of_the_test() -> None:
+        conn, _ = srv.accept()
+        _msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        for fd in fds:
+            os.close(fd)
+        accepted.set()
+        go.wait(30)
+        conn.sendall(json.dumps({"pid": victim.pid}).encode() + b"\n")
+        victim.wait(30)
+        status = -victim.returncode if victim.returncode < 0 else victim.returncode << 8
+        conn.sendall(json.dumps({"status": status}).encode() + b"\n")
+        conn.close()
+
+    t = threading.Thread(target=zygote_of_the_test, daemon=True)
+    t.start()
+    try:
+        p = _launch(_script(tmp_path, "pass\n"), sock_path)
+        assert accepted.wait(30), "the launcher never asked the zygote"
+        time.sleep(0.5)  # the launcher now waits for the zygote's answer
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert p.poll() is None, "the launcher died of a signal it should hold"
+        go.set()
+        p.wait(30)
+        victim.wait(30)
+        assert victim.returncode == -signal.SIGTERM  # forwarded once the pid was known
+        assert p.returncode == -signal.SIGTERM  # then it died of the child's signal
+    finally:
+        victim.kill()
+        srv.close()
+
+
 def test_child_dies_with_its_launcher(tmp_path, zygote):
     s = _script(tmp_path, "print(os.getpid(), flush=True)\ntime.sleep(60)\n")
     p = _launch(s, zygote)
