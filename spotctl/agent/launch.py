@@ -62,8 +62,8 @@ def main(argv: list[str]) -> int:
             signal.signal(sig, signal.SIG_DFL)
         _cold(argv)
         return 1  # not reached
-    for sig in early:
-        forward(sig, None)
+    for held in early:
+        forward(held, None)
     while True:
         try:
             line = f.readline()
