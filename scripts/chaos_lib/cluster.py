@@ -197,6 +197,12 @@ class Cluster:
                 out.append(d.name)
         return out
 
+    def serving_nodes(self) -> tuple[list[str], set[str]]:
+        """(live nodes that have not left the job, the nodes that left or are draining): a
+        node from an earlier notice may still run until its hard stop."""
+        gone = {n["id"] for n in self.status()["nodes"] if n["state"] in ("left", "draining")}
+        return [n for n in self.live_nodes() if n not in gone], gone
+
     def worker_pids(self) -> dict[str, int]:
         """Each node's rank-0 worker process, from its own report (status/worker-0.json)."""
         out = {}

@@ -333,9 +333,7 @@ def cli_killed_mid_up(c: Cluster) -> Result:
     c.up()
     c.training(WORLD, past=c.status()["step"] + 3)
     res.recover_s = round(time.time() - t0, 1)
-    # a node from an earlier notice may still wait for its hard stop: it has left the job
-    gone = {n["id"] for n in c.status()["nodes"] if n["state"] in ("left", "draining")}
-    live = [n for n in c.live_nodes() if n not in gone]
+    live, gone = c.serving_nodes()
     new = sorted(set(live) - before)
     reqs: dict[str, list[str]] = {}
     for n in live:
@@ -365,10 +363,9 @@ def two_ups(c: Cluster) -> Result:
     """8: two `up` (reconcile) runs at once: one acts, the other waits on the lock."""
     res = Result("8 two up/rebalance at once")
     mark = _mark(c)
-    # what the cloud runs, less a notice victim that lingers till its stop: the head's
-    # world size may still count a node killed a moment ago (torchft's quorum runs ahead)
-    gone = {n["id"] for n in c.status()["nodes"] if n["state"] in ("left", "draining")}
-    missing = WORLD - len([n for n in c.live_nodes() if n not in gone])
+    # from what the cloud runs: the head's world size may still count a node killed a
+    # moment ago (torchft's quorum runs ahead of it)
+    missing = WORLD - len(c.serving_nodes()[0])
     t0 = time.time()
     ps = [c.popen("up", "--wait", "150", "--json") for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in ps]
