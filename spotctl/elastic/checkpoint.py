@@ -79,8 +79,7 @@ class _AutoWriters:
             for item in plan.items:
                 t = item.tensor_data
                 if t is not None:  # BYTE_IO items (small values) count for nothing
-                    share += math.prod(t.size) * torch.empty(
-                        (), dtype=t.properties.dtype).element_size()
+                    share += math.prod(t.size) * t.properties.dtype.itemsize
             self.thread_count = auto_writers(share, self.auto_most)
         return super().write_data(plan, planner)  # type: ignore[misc]
 
@@ -89,15 +88,22 @@ class AutoFileSystemWriter(_AutoWriters, dcp.FileSystemWriter):
     pass
 
 
-def __getattr__(name: str) -> Any:
-    """AutoFsspecWriter, made on first use (fsspec is optional). A module attribute all the
-    same: the process-based async saver pickles the writer, and unpickling finds it here."""
-    if name == "AutoFsspecWriter":
+def _fsspec_writer() -> type:
+    """AutoFsspecWriter, made on first use (fsspec is optional) and kept as a module
+    attribute: the process-based async saver pickles the writer, and unpickling finds
+    it there (through __getattr__ in a fresh process)."""
+    cls = globals().get("AutoFsspecWriter")
+    if cls is None:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        cls = type(name, (_AutoWriters, FsspecWriter), {"__module__": __name__})
-        globals()[name] = cls
-        return cls
+        cls = type("AutoFsspecWriter", (_AutoWriters, FsspecWriter), {"__module__": __name__})
+        globals()["AutoFsspecWriter"] = cls
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    if name == "AutoFsspecWriter":
+        return _fsspec_writer()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -243,8 +249,7 @@ class FsspecStore(Store):
             pass
 
     def writer(self, step: int) -> Any:
-        cls = globals().get("AutoFsspecWriter") or __getattr__("AutoFsspecWriter")
-        return self._writer(cls, step, **self.options)
+        return self._writer(_fsspec_writer(), step, **self.options)
 
     def reader(self, step: int) -> Any:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
