@@ -58,9 +58,7 @@ def main(argv: list[str]) -> int:
     except (OSError, ValueError, KeyError):
         s.close()
         _reraise(early)
-        for sig in FORWARDED:
-            signal.signal(sig, signal.SIG_DFL)
-        _cold(argv)
+        _cold(argv)  # exec sets the handlers back to the defaults
         return 1  # not reached
     for held in early:
         forward(held, None)
