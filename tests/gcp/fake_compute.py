@@ -41,7 +41,8 @@ import json
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -244,6 +245,20 @@ class FakeCompute:
 
     # -------------------------------------------------------------- lifecycle
 
+    @contextmanager
+    def _in_flight(self, holder: Any, now: str, most: str, delay_s: float) -> Iterator[None]:
+        """One request counted in `holder.<now>` while it runs, the most at once kept in
+        `holder.<most>`; it waits delay_s first, outside the lock, as a real API's latency."""
+        with self._lock:
+            setattr(holder, now, getattr(holder, now) + 1)
+            setattr(holder, most, max(getattr(holder, most), getattr(holder, now)))
+        try:
+            time.sleep(delay_s)
+            yield
+        finally:
+            with self._lock:
+                setattr(holder, now, getattr(holder, now) - 1)
+
     def start(self) -> FakeCompute:
         fake = self
 
@@ -254,23 +269,12 @@ class FakeCompute:
                 n = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(n) if n else b""
                 if FakeStorage.serves(self.path):
-                    upload = self.path.startswith("/upload/")
-                    if upload:
-                        with fake._lock:
-                            fake.storage.uploads_now += 1
-                            fake.storage.max_parallel_uploads = max(
-                                fake.storage.max_parallel_uploads, fake.storage.uploads_now)
-                        slow = fake.storage.slow_uploads
-                        if not slow or slow in self.path.encode() + raw[:8192]:
-                            time.sleep(fake.storage.upload_latency_s)  # outside the lock
-                    try:
-                        code, headers, data = fake.storage.handle(
-                            self.command, self.path, self.headers, raw
-                        )
-                    finally:
-                        if upload:
-                            with fake._lock:
-                                fake.storage.uploads_now -= 1
+                    st = fake.storage
+                    slow = not st.slow_uploads or st.slow_uploads in self.path.encode() + raw[:8192]
+                    with (fake._in_flight(st, "uploads_now", "max_parallel_uploads",
+                                          st.upload_latency_s if slow else 0.0)
+                          if self.path.startswith("/upload/") else nullcontext()):
+                        code, headers, data = st.handle(self.command, self.path, self.headers, raw)
                     self.send_response(code)
                     for k, v in headers.items():
                         self.send_header(k, v)
@@ -283,19 +287,9 @@ class FakeCompute:
                         pass  # a reader that stopped early (range reads), as GCS allows
                     return
                 insert = self.command == "POST" and self.path.split("?")[0].endswith("/instances")
-                if insert:
-                    with fake._lock:
-                        fake._inserts_now += 1
-                        fake.max_parallel_inserts = max(
-                            fake.max_parallel_inserts, fake._inserts_now
-                        )
-                    time.sleep(fake.insert_latency_s)  # outside the lock, as a real API's latency
-                try:
+                with (fake._in_flight(fake, "_inserts_now", "max_parallel_inserts",
+                                      fake.insert_latency_s) if insert else nullcontext()):
                     status, payload = fake.handle(self.command, self.path, raw)
-                finally:
-                    if insert:
-                        with fake._lock:
-                            fake._inserts_now -= 1
                 out = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json; charset=UTF-8")
