@@ -180,13 +180,15 @@ class Agent:
 
     def _import_torch(self) -> None:
         """Make the rendezvous leave cost no import time when it comes: import torch here,
-        or, for a root agent, start the leave server as the training user (it imports)."""
+        or, for a root agent, start the leave server as the training user (it imports).
+        The torchft engine has no rendezvous to leave: nothing to import."""
+        if self.cfg.engine == "torchft":
+            return
         if self.worker is not None:
-            if self.cfg.engine != "torchft":
-                try:
-                    self._leave_server()
-                except OSError as e:
-                    log.warning("rendezvous leave server: %s", e)
+            try:
+                self._leave_server()
+            except OSError as e:
+                log.warning("rendezvous leave server: %s", e)
             return
         try:
             import torch.distributed.elastic.rendezvous.dynamic_rendezvous  # noqa: F401

@@ -72,6 +72,8 @@ def describe(p: dict[str, Any]) -> str:
         return f"training: step {p['step']} at world size {p['world_size']}"
     if ph == "waiting":
         return p.get("message", "waiting")
+    if ph == "finished":
+        return "the job already ran to its end"
     return str(p.get("message", ph))
 
 
@@ -163,6 +165,11 @@ def watch(store: Store, name: str, timeout_s: float, emit: Emit, min_gpus: int =
                   "reporting": seen, "expected": want})
         training = bool(st.get("world_size")) and (st.get("step") or 0) > 0 and not (
             by["booting"] or by["joining"])
+        finished = bool(by["training"]) and not (by["booting"] or by["joining"]) and all(
+            (hn.get(nid) or {}).get("state") == "finished" for nid in by["training"])
+        if finished and not training:  # a short job ran to its end before a step was seen
+            emit({"phase": "finished", "after_s": round(now - start, 1)})
+            return seen, want, True
         if training:
             emit({"phase": "first-step", "step": st.get("step"), "world_size": st.get("world_size"),
                   "after_s": round(now - start, 1)})

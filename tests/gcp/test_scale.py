@@ -1,6 +1,6 @@
 """16 Spot VMs at once on the fake Compute API (which refuses what GCP refuses): parallel
 inserts, listing, a reclaimed VM replaced, and a cleanup that leaves nothing.
-(The full CLI flow with SSH bootstrap, 2 and 8 nodes, is tests/gcp/test_up_flow.py.)"""
+(The full CLI flow with SSH bootstrap, 2 and 4 nodes, is tests/gcp/test_up_flow.py.)"""
 
 from __future__ import annotations
 

@@ -221,6 +221,32 @@ def test_watch_waits_for_a_step_as_long_as_the_knob_says(
         assert next(ticks) == 1 + waited + 1
 
 
+def test_watch_ends_when_the_job_finished_before_a_step_was_seen(tmp_path: Path) -> None:
+    """A job shorter than a status poll (every node finished, no step at the head): `up`
+    returns at once instead of waiting SPOTCTL_UP_STEP_WAIT_S for a step that never comes."""
+    store = _one_node_store(tmp_path)
+    out: list[dict[str, Any]] = []
+    ticks = iter(range(1000))
+    done = {"world_size": 0, "step": 0,
+            "nodes": {"n1": {"state": "finished", "heartbeat_age_s": 0.1}}}
+    res = up_progress.watch(store, "c", 600, out.append, 1, status=lambda: done,
+                            clock=lambda: float(next(ticks)))
+    assert res == (1, 1, True)
+    assert out[-1]["phase"] == "finished" and next(ticks) == 2  # the first poll saw it
+    assert up_progress.describe(out[-1]) == "the job already ran to its end"
+    # one node finished, another still joining: not the end yet
+    both = _one_node_store(tmp_path / "two")
+    both.upsert_node(NodeRow(id="n2", cluster="c", provider="local", zone="z",
+                             instance_type="local", gpus=1, state="running", price=0.0,
+                             on_demand_price=0.0, launched_at=0.0, ended_at=None,
+                             request_id="r", address=""))
+    half = {"nodes": {**done["nodes"], "n2": {"state": "waiting", "heartbeat_age_s": 0.1}}}
+    out.clear()
+    res = up_progress.watch(both, "c", 5, out.append, 1, status=lambda: half,
+                            clock=lambda t=iter(range(1000)): float(next(t)))  # type: ignore[misc]
+    assert res == (2, 2, False) and "finished" not in [p["phase"] for p in out]
+
+
 @pytest.mark.parametrize("bad", ["soon", "-1", "nan", "inf"])
 def test_a_bad_step_wait_knob_is_one_line(monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
     from spotctl.errors import SpecError
