@@ -79,3 +79,21 @@ def test_zygote_check_forks_its_workers_from_a_real_zygote(tmp_path: Path) -> No
     assert not ok  # no GPU here
     assert not detail.startswith(("not forked by the zygote", "the zygote did not start",
                                   "rank 0 wrote no result")), detail
+
+
+@pytest.mark.parametrize("require", [False, True])
+def test_a_dependency_that_cannot_be_imported_is_one_line_per_check(
+    tmp_path: Path, require: bool
+) -> None:
+    """A node image without one of spotctl's dependencies (the H200 image lacked hpack):
+    one line per check naming the module, no traceback; a FAIL under --require."""
+    (tmp_path / "hpack.py").write_text("raise ImportError('hpack is not installed here')\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    p = subprocess.run([sys.executable, str(SCRIPT), *(["--require"] if require else [])],
+                       capture_output=True, text=True, timeout=120, env=env)
+    word = "FAIL" if require else "SKIP"
+    assert p.returncode == (1 if require else 0), (p.stdout, p.stderr)
+    assert p.stdout.splitlines() == [
+        f"{word} {c}: spotctl cannot be imported here: hpack: ImportError: hpack is not "
+        "installed here" for c in _checks()], p.stdout
+    assert "Traceback" not in p.stderr
