@@ -410,7 +410,7 @@ class LocalCluster(CliProject):
                    extra: str = "", engine: str = "torchrun") -> None:  # fmt: skip
         """spotctl.toml; `extra` goes on inside [train] (or opens sections of its own);
         `engine`: `[train] engine`, always written ("" writes none: the spec's default)."""
-        env = {"SPOTCTL_TRACE_SAMPLES": str(self.trace_dir), "TRAIN_STEP_SLEEP_S": "0.1"}
+        env = {"SPOTCTL_TRACE_SAMPLES": str(self.trace_dir), "TRAIN_STEP_SLEEP_S": "0.05"}
         env.update(train_env or {})
         env_toml = ", ".join(f'{k} = "{v}"' for k, v in env.items())
         engine_toml = f'engine = "{engine}"\n' if engine else ""
@@ -634,7 +634,7 @@ def cloud_spec_text(name: str, section: str, script: str = "train.py",
                     env: dict[str, str] | None = None, engine: str = "torchrun") -> str:  # fmt: skip
     """spotctl.toml for a cloud flow: templates/train.py, short steps, a cloud section,
     `[train] engine` written out (a torchft flow switches it: `use_torchft`)."""
-    env = {"TRAIN_STEP_SLEEP_S": "0.1", "TRAIN_DATASET_SIZE": "4096", **(env or {})}
+    env = {"TRAIN_STEP_SLEEP_S": "0.05", "TRAIN_DATASET_SIZE": "4096", **(env or {})}
     env_toml = ", ".join(f'{k} = "{v}"' for k, v in env.items())
     return (
         f'name = "{name}"\n\n'

@@ -53,7 +53,7 @@ class Cluster:
         script_name = script.name if script is not None else "train.py"
         self.env = dict(os.environ, SPOTCTL_HOME=str(self.home), NO_COLOR="1")
         self._store: Any = None  # the journal (state.db), opened on the first poll
-        env = {"TRAIN_STEP_SLEEP_S": "0.1"}
+        env = {"TRAIN_STEP_SLEEP_S": "0.05"}
         # the workers' own step records on torchrun: the template's sample trace, which
         # the fault matrix counts replayed steps from (scripts/chaos_lib/replays.py)
         self.trace_dir: Path | None = None
