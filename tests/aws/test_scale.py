@@ -1,6 +1,6 @@
 """16 spot workers at once on moto: one all-or-nothing launch, listing, a reclaimed node
 replaced, and a cleanup that leaves no instance, group, key, role or profile behind.
-(The full CLI flow with SSH bootstrap, 2 and 16 nodes, is tests/aws/test_up_flow.py.)"""
+(The full CLI flow with SSH bootstrap, 2 and 8 nodes, is tests/aws/test_up_flow.py.)"""
 
 from __future__ import annotations
 

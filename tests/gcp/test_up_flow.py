@@ -45,7 +45,7 @@ def test_four_nodes_up_status_notice_down_on_fake_compute_leave_nothing(
 ) -> None:
     """Several VMs on GCP through the whole CLI: `up --gpus 2..4` on 1-GPU g2-standard-4,
     status, a Spot preemption (instance/preempted turns TRUE) for one node, down: nothing
-    left. The same flow at 16 nodes runs on AWS (tests/aws/test_up_flow.py: the bootstrap,
+    left. The same flow at 8 nodes runs on AWS (tests/aws/test_up_flow.py: the bootstrap,
     the head and `down` are shared), and 16 GCP workers at the API in tests/gcp/test_scale.py;
     8 nodes here took 126 s of CI (16: 230 s) for nothing more."""
     flow = gcp_flow("g2-standard-4", script="idle.py")
