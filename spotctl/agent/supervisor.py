@@ -137,6 +137,7 @@ class Agent:
         self._leaver: subprocess.Popen[bytes] | None = None
         self._leaver_lock = threading.Lock()
         self._warm = threading.Thread(target=self._import_torch, daemon=True)
+        self._warm_lock = threading.Lock()
         # None while the GPU gate is probing; set once (see spotctl.agent.gpugate)
         self.gpu_gate: gpugate.GateResult | None = None
         self._gate_reported = False
@@ -177,6 +178,14 @@ class Agent:
             return False
         log.info("training workers run as %s (uid %d)", w.name, w.uid)
         return True
+
+    def _warm_up(self) -> None:
+        """Start _import_torch once, in the background: at a notice (the drain that comes
+        first takes longer than the import) or at a leave, not at every agent's start (two
+        CPU-seconds per node that most nodes never need)."""
+        with self._warm_lock:
+            if not self._warm.is_alive() and self._warm.ident is None:
+                self._warm.start()
 
     def _import_torch(self) -> None:
         """Make the rendezvous leave cost no import time when it comes: import torch here,
@@ -306,6 +315,7 @@ class Agent:
                 return
             self.notice = d
         if self.cfg.engine != "torchft":
+            self._warm_up()  # the leave's imports, while the group drains
             # Before anything else: should the group break before the drain commits (a
             # peer killed at the same moment), torchrun must not re-form with the
             # survivors, only to leave again and restart them a second time.
@@ -451,6 +461,7 @@ class Agent:
 
     def leave(self) -> None:
         """Stop torchrun without closing the rendezvous, then leave the rendezvous."""
+        self._warm_up()  # a leave the head asked for, with no notice before it
         self.state = "leaving"
         self._heartbeat()
         pid = self.torchrun.pid if self.torchrun else None
@@ -619,7 +630,6 @@ class Agent:
 
     def run(self) -> int:
         threading.Thread(target=self._run_gpu_gate, name="gpu-gate", daemon=True).start()
-        self._warm.start()
         self._zygote_socket()  # warm up while we register
         self._start_monitors()
         try:
