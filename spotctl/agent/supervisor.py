@@ -184,15 +184,13 @@ class Agent:
         first takes longer than the import) or at a leave, not at every agent's start (two
         CPU-seconds per node that most nodes never need)."""
         with self._warm_lock:
-            if not self._warm.is_alive() and self._warm.ident is None:
+            if self._warm.ident is None:  # never started
                 self._warm.start()
 
     def _import_torch(self) -> None:
         """Make the rendezvous leave cost no import time when it comes: import torch here,
         or, for a root agent, start the leave server as the training user (it imports).
-        The torchft engine has no rendezvous to leave: nothing to import."""
-        if self.cfg.engine == "torchft":
-            return
+        Only the torchrun engine gets here (_warm_up): torchft has no rendezvous to leave."""
         if self.worker is not None:
             try:
                 self._leave_server()

@@ -163,9 +163,9 @@ def watch(store: Store, name: str, timeout_s: float, emit: Emit, min_gpus: int =
             last = key
             emit({"phase": "nodes", "by_phase": by, "slowest": slowest,
                   "reporting": seen, "expected": want})
-        training = bool(st.get("world_size")) and (st.get("step") or 0) > 0 and not (
-            by["booting"] or by["joining"])
-        finished = bool(by["training"]) and not (by["booting"] or by["joining"]) and all(
+        settled = not (by["booting"] or by["joining"])
+        training = settled and bool(st.get("world_size")) and (st.get("step") or 0) > 0
+        finished = settled and bool(by["training"]) and all(
             (hn.get(nid) or {}).get("state") == "finished" for nid in by["training"])
         if finished and not training:  # a short job ran to its end before a step was seen
             emit({"phase": "finished", "after_s": round(now - start, 1)})

@@ -221,9 +221,12 @@ def test_watch_waits_for_a_step_as_long_as_the_knob_says(
         assert next(ticks) == 1 + waited + 1
 
 
-def test_watch_ends_when_the_job_finished_before_a_step_was_seen(tmp_path: Path) -> None:
+def test_watch_ends_when_the_job_finished_before_a_step_was_seen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A job shorter than a status poll (every node finished, no step at the head): `up`
     returns at once instead of waiting SPOTCTL_UP_STEP_WAIT_S for a step that never comes."""
+    monkeypatch.setattr(up_progress.time, "sleep", lambda s: None)
     store = _one_node_store(tmp_path)
     out: list[dict[str, Any]] = []
     ticks = iter(range(1000))
