@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import ipaddress
 import json
@@ -405,6 +406,33 @@ class LocalCluster(CliProject):
         super().__init__(tmp, name, env_extra)
         self.trace_dir = tmp / "samples"
         self.trace_dir.mkdir(exist_ok=True)
+
+    # What `spotctl status --json` and `spotctl events --json` print, computed in this
+    # process by the functions those commands call: the harness polls them every 0.5 s,
+    # and a CLI process per poll (0.25 CPU-s of interpreter start-up) took about a third
+    # of the machine's busy CPU-seconds from a cluster test. The commands themselves run
+    # through `cli` where a test is about them (tests/e2e/test_cli_no_name.py, ...).
+    def status(self) -> dict[str, Any]:
+        from spotctl.control.status import status_json
+
+        with self._store() as store:
+            return status_json(store, self.name)
+
+    def events(self, type_: str | None = None) -> list[dict[str, Any]]:
+        from spotctl.control.status import events_json
+
+        with self._store() as store:
+            return events_json(store, self.name, type_)
+
+    @contextlib.contextmanager
+    def _store(self) -> Iterator[Any]:
+        from spotctl.state import Store
+
+        store = Store(self.home)
+        try:
+            yield store
+        finally:
+            store.close()
 
     def write_spec(self, gpus: str, checkpoint_every: int = 20, train_env: dict[str, str] | None = None,
                    extra: str = "", engine: str = "torchrun") -> None:  # fmt: skip

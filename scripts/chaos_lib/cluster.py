@@ -113,27 +113,20 @@ class Cluster:
         return self._store
 
     def status(self) -> dict[str, Any]:
-        from spotctl.control import status as st
-        from spotctl.control.reconcile import sync_events
+        from spotctl.control.status import status_json
 
         try:
-            store = self._journal()
-            sync_events(store, self.name)
-            out = st.collect(store, self.name)
+            return status_json(self._journal(), self.name)
         except Exception as e:  # noqa: BLE001 - what a failing `spotctl status` would be
             raise AssertionError(f"status: {type(e).__name__}: {e}") from e
-        return json.loads(json.dumps(out, default=str))  # exactly what --json prints
 
     def events(self, type_: str | None = None) -> list[dict[str, Any]]:
-        from spotctl.control.reconcile import sync_events
+        from spotctl.control.status import events_json
 
         try:
-            store = self._journal()
-            sync_events(store, self.name)
-            rows = store.events(self.name, type_)
+            return events_json(self._journal(), self.name, type_)
         except Exception as e:  # noqa: BLE001
             raise AssertionError(f"events: {type(e).__name__}: {e}") from e
-        return json.loads(json.dumps(rows, default=str))  # type: ignore[no-any-return]
 
     def node_events(self, type_: str, node: str, skip: int = 0,
                     timeout: float = 15) -> list[dict[str, Any]]:

@@ -98,13 +98,11 @@ def register(app: typer.Typer) -> None:
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """The cluster's events: launches, joins, notices, drains, rescales, down."""
-        from spotctl.control.reconcile import sync_events
+        from spotctl.control.status import events_json
 
         store = open_store()
         name = resolve_name(store, name)
-        store.get_cluster(name)
-        sync_events(store, name)
-        rows = store.events(name, type_)
+        rows = events_json(store, name, type_)
         if json_out:
             return print_json(rows)
         con = console()

@@ -17,14 +17,12 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Live table of the cluster: nodes, world size, step, checkpoint, cost."""
         from spotctl.control import status as st
-        from spotctl.control.reconcile import sync_events
 
         store = open_store()
         name = resolve_name(store, name)
-        store.get_cluster(name)
         if json_out:
-            sync_events(store, name)
-            return print_json(st.collect(store, name))
+            return print_json(st.status_json(store, name))
+        store.get_cluster(name)
         con = console()
         if once or not con.is_terminal:
             con.print(st.render(st.collect(store, name), width=con.width))

@@ -3,17 +3,33 @@ pure renderer to a rich renderable (the same rows feed `--json`)."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 from rich.console import Group
 from rich.text import Text
 
-from spotctl.control.reconcile import head_client, provider_for
+from spotctl.control.reconcile import head_client, provider_for, sync_events
 from spotctl.control.tables import Col, fit_line, fit_table
 from spotctl.head.client import HeadUnavailable
 from spotctl.spec import ClusterSpec
 from spotctl.state import Store
+
+
+def status_json(store: Store, name: str) -> dict[str, Any]:
+    """What `spotctl status --json` prints: the head's events synced into the journal, then
+    one snapshot, as JSON values (a NotFoundError for an unknown cluster)."""
+    store.get_cluster(name)
+    sync_events(store, name)
+    return dict(json.loads(json.dumps(collect(store, name), default=str)))
+
+
+def events_json(store: Store, name: str, type_: str | None = None) -> list[dict[str, Any]]:
+    """What `spotctl events --json` prints: the journal's events after a sync from the head."""
+    store.get_cluster(name)
+    sync_events(store, name)
+    return list(json.loads(json.dumps(store.events(name, type_), default=str)))
 
 
 def collect(store: Store, name: str, now: float | None = None) -> dict[str, Any]:

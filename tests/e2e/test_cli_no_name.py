@@ -54,12 +54,13 @@ def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any,
         # picked by reason: on torchft the start-up quorum's growth is rescale events too
         return [e for e in evs if e["type"] == "rescale" and e["reason"] == "notice"]
 
-    while time.monotonic() < deadline:
-        evs = json.loads(c.cli("events", "--json").stdout)
-        if noticed() and status()["step"] > 0:
+    while time.monotonic() < deadline:  # the waiting polls in-process; the CLI's output is checked below
+        evs = c.events()
+        if noticed() and c.status()["step"] > 0:
             break
         time.sleep(0.5)
     rescales = noticed()
+    assert all(e in json.loads(c.cli("events", "--json").stdout) for e in rescales)
     assert rescales and (rescales[0]["from_world_size"], rescales[0]["to_world_size"]) == (2, 1)
     # n2's own record, not only the head's inference: its worker drained (a graceful leave
     # at a committed step), and the survivor went on from exactly that step
