@@ -368,14 +368,47 @@ class CliProject:
                                  f"{p.stdout}\n{p.stderr}\n{self.debug()}")  # fmt: skip
         return p
 
+    # in_process: what `spotctl status --json` and `spotctl events --json` print, computed
+    # in this process (under the project's environment) by the functions those commands
+    # call. The harness polls them every 0.5 s, and a CLI process per poll (0.25 CPU-s of
+    # start-up; 1.5 with the GCP client's imports) took about a third of the machine's busy
+    # CPU-seconds from a cluster test. Tests about the commands run them through `cli`.
+    in_process = False
+
     def status(self) -> dict[str, Any]:
-        return dict(json.loads(self.cli("status", "--name", self.name, "--json").stdout))
+        if not self.in_process:
+            return dict(json.loads(self.cli("status", "--name", self.name, "--json").stdout))
+        from spotctl.control.status import status_json
+
+        with self._journal() as store:
+            return status_json(store, self.name)
 
     def events(self, type_: str | None = None) -> list[dict[str, Any]]:
-        args = ["events", "--name", self.name, "--json"]
-        if type_:
-            args += ["--type", type_]
-        return list(json.loads(self.cli(*args).stdout))
+        if not self.in_process:
+            args = ["events", "--name", self.name, "--json"]
+            return list(json.loads(self.cli(*args, *(["--type", type_] if type_ else [])).stdout))
+        from spotctl.control.status import events_json
+
+        with self._journal() as store:
+            return events_json(store, self.name, type_)
+
+    @contextlib.contextmanager
+    def _journal(self) -> Iterator[Any]:
+        """The project's state dir, opened here with os.environ = the CLI's environment."""
+        from spotctl.state import Store
+
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(self.env)
+        store = None
+        try:
+            store = Store(self.home)
+            yield store
+        finally:
+            if store is not None:
+                store.close()
+            os.environ.clear()
+            os.environ.update(saved)
 
     def wait_for(self, what: str, pred: Callable[[dict[str, Any]], bool], timeout: float = 120,
                  interval: float = 0.5) -> dict[str, Any]:  # fmt: skip
@@ -402,37 +435,12 @@ class CliProject:
 class LocalCluster(CliProject):
     """A real local cluster (head, agents, torchrun, gloo workers) driven through the CLI."""
 
+    in_process = True
+
     def __init__(self, tmp: Path, name: str, env_extra: dict[str, str] | None = None):
         super().__init__(tmp, name, env_extra)
         self.trace_dir = tmp / "samples"
         self.trace_dir.mkdir(exist_ok=True)
-
-    # What `spotctl status --json` and `spotctl events --json` print, computed in this
-    # process by the functions those commands call: the harness polls them every 0.5 s,
-    # and a CLI process per poll (0.25 CPU-s of interpreter start-up) took about a third
-    # of the machine's busy CPU-seconds from a cluster test. The commands themselves run
-    # through `cli` where a test is about them (tests/e2e/test_cli_no_name.py, ...).
-    def status(self) -> dict[str, Any]:
-        from spotctl.control.status import status_json
-
-        with self._store() as store:
-            return status_json(store, self.name)
-
-    def events(self, type_: str | None = None) -> list[dict[str, Any]]:
-        from spotctl.control.status import events_json
-
-        with self._store() as store:
-            return events_json(store, self.name, type_)
-
-    @contextlib.contextmanager
-    def _store(self) -> Iterator[Any]:
-        from spotctl.state import Store
-
-        store = Store(self.home)
-        try:
-            yield store
-        finally:
-            store.close()
 
     def write_spec(self, gpus: str, checkpoint_every: int = 20, train_env: dict[str, str] | None = None,
                    extra: str = "", engine: str = "torchrun") -> None:  # fmt: skip
@@ -679,6 +687,8 @@ class CloudFlow(CliProject):
     SPOTCTL_METADATA_URL for the agents' notices). The bootstrap, the head (`spotctl head`)
     and the agents (torchrun + the train script) really run, from node directories under
     `remote`."""
+
+    in_process = True
 
     def __init__(self, tmp: Path, name: str, spec: str, server: Sshd, key: Path,
                  metadata: MetadataRouter | None = None,
