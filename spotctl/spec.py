@@ -242,6 +242,8 @@ class LocalSpec(_Zoned):
     # Emulated capacity over time, e.g. [{ at_s = 0, nodes = 3 }, { at_s = 60, nodes = 2 }]:
     # from at_s seconds after the cluster was created, at most that many nodes exist.
     capacity: list[CapacityStep] = Field(default_factory=list)
+    # Seconds from the notice of a node the capacity reclaims to its hard stop (GCP: 30).
+    reclaim_notice_s: float = Field(default=30.0, ge=1, le=3600)
     # each node in its own network namespace on a bridge (root + iproute2): real links,
     # which a test can cut to partition a node
     netns: bool = False

@@ -27,7 +27,8 @@ def register(app: typer.Typer) -> None:
         name: str | None = typer.Option(None, "--name", help=NAME_HELP),
         style: str = typer.Option("aws", "--style", help="aws (2 min notice) | gcp (30 s)"),
         in_s: float = typer.Option(None, "--in", min=1, max=MAX_IN_S,
-                                   help="Seconds until the hard stop (1 to 3600)."),
+                                   help="Seconds until the hard stop (1 to 3600; default the "
+                                        "style's: 120 or 30). A gcp node's agent still counts 30."),
         json_out: bool = typer.Option(False, "--json"),
     ) -> None:
         """Local clusters: send a preemption notice to a node, as the cloud would."""

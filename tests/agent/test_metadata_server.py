@@ -253,6 +253,9 @@ def test_earliest_deadline_stands(server: MetadataServer, clock: FakeClock) -> N
     first = server.preempt("aws", in_s=100)
     assert server.preempt("aws", in_s=200) == first
     assert server.preempt("gcp") == clock.now + 30 == server.deadline
+    # a gcp notice's hard stop at in_s when given (`spotctl preempt --style gcp --in`)
+    assert server.preempt("gcp", in_s=12) == clock.now + 12 == server.deadline
+    assert _gcp(server, "preempted").body == b"TRUE"
 
 
 def test_control_inject_and_clear(server: MetadataServer) -> None:

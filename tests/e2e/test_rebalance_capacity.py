@@ -40,6 +40,7 @@ cooldown_s = 900
 price_per_node = 0.9
 on_demand_price_per_node = 3.0
 capacity = [{ at_s = 0, nodes = 3 }]
+reclaim_notice_s = 15
 """
 
 
@@ -70,6 +71,11 @@ def shrink(c: Any, cdir: Path, n: int) -> float:
         assert launches(out) == [], out  # capacity short: nothing to launch
         assert time.monotonic() < deadline, f"node never gone: {c.events()[-20:]}"
         time.sleep(2)
+    # the hard stop came [local] reclaim_notice_s (15) after the reclaim's notice, not GCP's
+    # 30 (the node's agent, as on GCP, still counted 30: the metadata carries no deadline)
+    notice = [e for e in c.events("notice") if e["ts"] >= t][-1]
+    gone = c.events("preempted")[n - 1]
+    assert notice["deadline"] - notice["ts"] > 25 and gone["ts"] - notice["ts"] < 25, (notice, gone)
     return t
 
 

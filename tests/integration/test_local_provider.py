@@ -34,7 +34,7 @@ def provider(tmp_path):
                       {"url": "http://127.0.0.1:9", "store_host": "127.0.0.1", "store_port": 9})
     yield p
     p.terminate([i.id for i in p.all_instances()])
-    deadline = time.monotonic() + 15  # the node trees end on their signals, not at once
+    deadline = time.monotonic() + 60  # the node trees end on their signals, not at once (a loaded machine: seconds)
     while proctree.tagged_prefix(str(cdir.path) + "/") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert proctree.tagged_prefix(str(cdir.path) + "/") == []

@@ -1,9 +1,10 @@
 """The local "cloud" reclaiming capacity: when spec.local.capacity says fewer nodes exist
-than run, the newest nodes get a preemption notice (GCP style: 30 s to the hard stop),
-exactly as a cloud would. Run by the head process of a local cluster once a second.
+than run, the newest nodes get a preemption notice (GCP style: 30 s to the hard stop, or
+spec.local.reclaim_notice_s), exactly as a cloud would. Run by the head process of a local cluster once a second.
 
 capacity.json in the cluster dir is what both the head (reclaiming) and the provider
-(offers, launches) read: `{"created_at", "schedule": [{"at_s", "nodes"}], "override"?}`.
+(offers, launches) read: `{"created_at", "schedule": [{"at_s", "nodes"}], "notice_s",
+"override"?}`.
 `set_capacity` pins the capacity to a number from the moment it is called (tests and
 demos change capacity at a moment they choose instead of racing a wall-clock schedule);
 `prepare` keeps the override."""
@@ -87,11 +88,12 @@ def enforce(cluster_dir: Path, now: float | None = None) -> list[str]:
     if excess <= 0:
         return []
     token = (cluster_dir / "token").read_text().strip()
+    notice_s = float((read_config(cluster_dir) or {}).get("notice_s", 30.0))
     sent = []
     for vm in sorted(keep, key=lambda v: v["launched_at"], reverse=True)[:excess]:
         req = urllib.request.Request(
             vm["metadata_url"] + "/_spotctl/preempt", method="POST",
-            data=json.dumps({"style": "gcp"}).encode(),
+            data=json.dumps({"style": "gcp", "in_s": notice_s}).encode(),
         )
         req.add_header("Authorization", f"Bearer {token}")
         req.add_header("Content-Type", "application/json")

@@ -239,21 +239,22 @@ class MetadataServer:
         """Announce a preemption the way `style`'s cloud would; returns the deadline.
 
         aws: instance-action `action` at now+in_s (default 120 s). gcp: `preempted`
-        turns TRUE now and the node goes 30 s later. The earliest deadline stands;
+        turns TRUE now and the node goes in_s (default GCP's 30 s) later; GCP's metadata
+        carries no deadline, so the node's agent still counts 30 s. The earliest stands;
         `on_deadline(deadline)` runs from a timer thread when it passes.
         """
         now = self.clock()
-        if style == "aws":
-            wait = DEFAULT_AWS_NOTICE_S if in_s is None else float(in_s)
-            if wait < 0:
-                raise ValueError("in_s must be >= 0")
-            deadline = now + wait
-            self.set_aws_notice(action, deadline)
-        elif style == "gcp":
-            deadline = now + GCP_PREEMPT_GRACE_S
-            self.set_gcp_preempted(True)
-        else:
+        if style not in ("aws", "gcp"):
             raise ValueError(f"style must be 'aws' or 'gcp', got {style!r}")
+        default = DEFAULT_AWS_NOTICE_S if style == "aws" else GCP_PREEMPT_GRACE_S
+        wait = default if in_s is None else float(in_s)
+        if wait < 0:
+            raise ValueError("in_s must be >= 0")
+        deadline = now + wait
+        if style == "aws":
+            self.set_aws_notice(action, deadline)
+        else:
+            self.set_gcp_preempted(True)
         with self._cond:
             if self._deadline is not None and self._deadline <= deadline:
                 return self._deadline

@@ -307,7 +307,8 @@ class LocalProvider:
 
             old = capacity.read_config(self.cdir.path) or {}
             new = {"created_at": created,
-                   "schedule": [s.model_dump() for s in self.spec.local.capacity]}
+                   "schedule": [s.model_dump() for s in self.spec.local.capacity],
+                   "notice_s": self.spec.local.reclaim_notice_s}
             # rewritten only when the spec changed: a read-modify-write on every reconcile
             # would race capacity.set_capacity and could put back an old override
             if {k: old.get(k) for k in new} != new:
