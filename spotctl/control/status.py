@@ -17,19 +17,26 @@ from spotctl.spec import ClusterSpec
 from spotctl.state import Store
 
 
-def status_json(store: Store, name: str) -> dict[str, Any]:
-    """What `spotctl status --json` prints: the head's events synced into the journal, then
-    one snapshot, as JSON values (a NotFoundError for an unknown cluster)."""
+def _synced(store: Store, name: str) -> None:
+    """The head's events into the journal (a NotFoundError for an unknown cluster)."""
     store.get_cluster(name)
     sync_events(store, name)
-    return dict(json.loads(json.dumps(collect(store, name), default=str)))
+
+
+def _as_json(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=str))  # what --json prints
+
+
+def status_json(store: Store, name: str) -> dict[str, Any]:
+    """What `spotctl status --json` prints: one snapshot after the sync."""
+    _synced(store, name)
+    return dict(_as_json(collect(store, name)))
 
 
 def events_json(store: Store, name: str, type_: str | None = None) -> list[dict[str, Any]]:
-    """What `spotctl events --json` prints: the journal's events after a sync from the head."""
-    store.get_cluster(name)
-    sync_events(store, name)
-    return list(json.loads(json.dumps(store.events(name, type_), default=str)))
+    """What `spotctl events --json` prints: the journal's events after the sync."""
+    _synced(store, name)
+    return list(_as_json(store.events(name, type_)))
 
 
 def collect(store: Store, name: str, now: float | None = None) -> dict[str, Any]:

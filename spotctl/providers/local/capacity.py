@@ -1,6 +1,7 @@
 """The local "cloud" reclaiming capacity: when spec.local.capacity says fewer nodes exist
 than run, the newest nodes get a preemption notice (GCP style: 30 s to the hard stop, or
-spec.local.reclaim_notice_s), exactly as a cloud would. Run by the head process of a local cluster once a second.
+spec.local.reclaim_notice_s), exactly as a cloud would. Run by the head process of a local
+cluster once a second.
 
 capacity.json in the cluster dir is what both the head (reclaiming) and the provider
 (offers, launches) read: `{"created_at", "schedule": [{"at_s", "nodes"}], "notice_s",
@@ -49,7 +50,10 @@ def read_config(cluster_dir: Path) -> dict[str, Any] | None:
 
 def current(cluster_dir: Path, now: float | None = None) -> int | None:
     """Nodes the local "cloud" holds now (None = unlimited)."""
-    cfg = read_config(cluster_dir)
+    return _capacity(read_config(cluster_dir), now)
+
+
+def _capacity(cfg: dict[str, Any] | None, now: float | None) -> int | None:
     if cfg is None:
         return None
     return capacity_at(cfg.get("schedule", []), float(cfg.get("created_at", 0.0)),
@@ -72,8 +76,9 @@ def set_capacity(cluster_dir: Path, nodes: int | None) -> None:
 
 def enforce(cluster_dir: Path, now: float | None = None) -> list[str]:
     """Send notices to the newest nodes above capacity; returns the node ids notified."""
-    cap = current(cluster_dir, now)
-    if cap is None:
+    cfg = read_config(cluster_dir)
+    cap = _capacity(cfg, now)
+    if cfg is None or cap is None:
         return []
     live = []
     for vm_path in (cluster_dir / "nodes").glob("*/vm.json"):
@@ -88,12 +93,13 @@ def enforce(cluster_dir: Path, now: float | None = None) -> list[str]:
     if excess <= 0:
         return []
     token = (cluster_dir / "token").read_text().strip()
-    notice_s = float((read_config(cluster_dir) or {}).get("notice_s", 30.0))
+    # the hard stop: the spec's reclaim_notice_s, else the emulator's gcp default (30 s)
+    body = {"style": "gcp"} | ({"in_s": cfg["notice_s"]} if "notice_s" in cfg else {})
     sent = []
     for vm in sorted(keep, key=lambda v: v["launched_at"], reverse=True)[:excess]:
         req = urllib.request.Request(
             vm["metadata_url"] + "/_spotctl/preempt", method="POST",
-            data=json.dumps({"style": "gcp", "in_s": notice_s}).encode(),
+            data=json.dumps(body).encode(),
         )
         req.add_header("Authorization", f"Bearer {token}")
         req.add_header("Content-Type", "application/json")
