@@ -82,14 +82,9 @@ def serve(path: str) -> None:
     # zygote is handed to another parent (the agent died), it ends instead of lingering,
     # as soon as no worker it forked still runs (their launchers wait on it for status)
     parent = os.getppid()
-    # warm everything a worker imports; nothing here may start threads before fork
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-    import torch.distributed.checkpoint  # noqa: F401
-    import torch.nn.parallel  # noqa: F401
-
-    import spotctl.elastic  # noqa: F401
-
+    # Listen first, then import: the agent starts the zygote and torchrun together, and a
+    # launcher that found no socket yet would start its worker cold (paying the imports
+    # again, on the start-up or join path). Its request waits in the backlog instead.
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -97,7 +92,14 @@ def serve(path: str) -> None:
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     os.chmod(path, 0o600)
-    srv.listen(16)
+    srv.listen(64)
+    # warm everything a worker imports; nothing here may start threads before fork
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.nn.parallel  # noqa: F401
+
+    import spotctl.elastic  # noqa: F401
     children: dict[int, socket.socket] = {}
     while os.getppid() == parent or children:
         r, _, _ = select.select([srv], [], [], 0.05)

@@ -129,7 +129,7 @@ def _init_process_group(timeout_s: float, device_id: torch.device | None) -> Non
     """Over the worker store at MASTER_ADDR:MASTER_PORT. Rank 0 hosts that store on a
     socket bound to MASTER_ADDR only (TCPStore's own listener takes every interface, and
     the store has no authentication)."""
-    from spotctl.elastic.rdzv import listening_socket
+    from spotctl.sockets import listening_socket
 
     env = os.environ
     timeout = timedelta(seconds=timeout_s)

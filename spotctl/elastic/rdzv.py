@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
+from spotctl.sockets import listening_socket
+
 
 def leave_rendezvous(
     store_host: str, store_port: int, run_id: str, addr: str, pid: int, timeout_s: float = 10.0
@@ -202,24 +204,6 @@ def get_handler():  # type: ignore[no-untyped-def]
         return _Gated(inner, os.environ.get("SPOTCTL_RDZV_GATE", ""))
 
     return create
-
-
-def listening_socket(addr: str, port: int):  # type: ignore[no-untyped-def]
-    """A TCP listener bound to `addr` only, for a TCPStore (`master_listen_fd`): its own
-    listener takes every interface whatever host it is given, and the store has no
-    authentication."""
-    import socket
-
-    fam, _, _, _, sa = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(fam, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(sa)
-        sock.listen(512)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def get_node_handler():  # type: ignore[no-untyped-def]

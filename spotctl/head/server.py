@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from spotctl.elastic.rdzv import listening_socket
 from spotctl.head import validate
 from spotctl.head.admission import AdmittingHTTPServer
 from spotctl.head.auth import Principal, identify
 from spotctl.head.coordinator import Coordinator
+from spotctl.sockets import listening_socket
 from spotctl.spec import MAX_GPUS
 from spotctl.state import write_json_atomic
 

@@ -185,3 +185,40 @@ def test_orphaned_zygote_still_reports_its_running_workers_then_ends(tmp_path):
         time.sleep(0.1)
     assert rc.read_text().strip() == "7"  # the worker's own exit code, not "zygote died"
     assert _ends(pid, deadline), "the orphaned zygote did not end once its worker had"
+
+
+def test_a_worker_asked_for_while_the_zygote_imports_waits_and_starts_warm(tmp_path):
+    """The agent starts the zygote and torchrun together, so the first launcher can ask
+    before torch is imported: the zygote listens before it imports, and the request waits
+    for the warm fork instead of starting the worker cold (seen: 2 of 3 torchft workers
+    cold at start-up). Here the zygote's `import torch` is held at a gate (a stand-in
+    package that imports the real torch once the gate file exists)."""
+    fake = tmp_path / "gated"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text(
+        "import importlib, os, sys, time\n"
+        "while not os.path.exists(os.environ['ZYGOTE_GATE']):\n"
+        "    time.sleep(0.02)\n"
+        "sys.path.remove(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))\n"
+        "del sys.modules['torch']\n"
+        "sys.modules['torch'] = importlib.import_module('torch')\n")
+    gate = tmp_path / "gate"
+    sock = tmp_path / "z.sock"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(fake), os.environ.get("PYTHONPATH", "")]), ZYGOTE_GATE=str(gate))
+    z = subprocess.Popen([PY, "-m", "spotctl.agent.zygote", str(sock)], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            assert time.monotonic() < deadline and z.poll() is None, "no socket before the imports"
+            time.sleep(0.05)
+        p = _launch(_script(tmp_path, "print('torch' in sys.modules, flush=True)\n"), str(sock))
+        # a cold start would have run the script by now; the launcher waits on the zygote
+        with pytest.raises(subprocess.TimeoutExpired):
+            p.wait(2)
+        gate.touch()
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0 and out.strip() == "True", (out, err)
+    finally:
+        z.kill()
+        z.wait()

@@ -133,3 +133,15 @@ def test_up_dry_run_names_the_network_of_local_nodes(home):
     assert r.exit_code == 0, r.output
     (a,) = json.loads(r.stdout)["actions"]
     assert a["network"].startswith("loopback") and a["zone"] == "local-a"
+
+
+def test_the_cli_the_head_supervisor_and_the_agent_import_no_torch() -> None:
+    """Importing torch costs about two CPU-seconds: the CLI, the head's supervisor (which
+    only restarts the head) and the node agent must not pay it on every start."""
+    import subprocess
+
+    code = ("import sys, spotctl.cli.app, spotctl.cli.cmd_internal, spotctl.head.server, "
+            "spotctl.agent.supervisor; print(sorted(m for m in sys.modules if m == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
