@@ -1,5 +1,6 @@
 """The worker process torchrun supervises: runs the training script in a child forked by
-the node's warm zygote (see spotctl.agent.zygote), or execs it cold when there is none."""
+the node's warm zygote (see spotctl.agent.zygote), or execs it cold when there is none.
+`-m MODULE` runs a module the same way (the torchft engine's torchrun)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ def _reraise(signals: list[int]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if not argv:
-        print("usage: python -m spotctl.agent.launch SCRIPT [ARGS]", file=sys.stderr)
+    if not argv or argv == ["-m"]:
+        print("usage: python -m spotctl.agent.launch SCRIPT [ARGS] | -m MODULE [ARGS]",
+              file=sys.stderr)
         return 2
     path = os.environ.get("SPOTCTL_ZYGOTE", "")
     if not path:

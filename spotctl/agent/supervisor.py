@@ -45,9 +45,12 @@ def torchrun_command(cfg: AgentConfig, master_port: int = 0) -> list[str]:
     if cfg.engine == "torchft":
         # one replica group per node: its own torchrun, no shared rendezvous; torchft's
         # Manager in each worker joins the quorum through the head's Lighthouse. The
-        # group's store listens on the node's address only (spotctl.elastic.rdzv)
+        # group's store listens on the node's address only (spotctl.elastic.rdzv).
+        # torchrun itself is forked by the node's zygote like its workers (its torch
+        # imports, two CPU-seconds, are done there; cold when there is no zygote): it
+        # starts once per node, on the way to the node's first step
         return [
-            py, "-m", "torch.distributed.run", "--nnodes=1",
+            py, "-m", "spotctl.agent.launch", "-m", "torch.distributed.run", "--nnodes=1",
             f"--nproc-per-node={cfg.nproc_per_node}",
             "--rdzv-backend=spotctl-node",
             f"--rdzv-endpoint={_endpoint(cfg.local_addr, master_port)}",
@@ -440,6 +443,12 @@ class Agent:
             **(self.worker.popen_kwargs() if self.worker else {}),
         )
         log_f.close()
+        # it binds its socket before importing anything heavy: a launcher started now
+        # finds it (and waits in its backlog), rather than starting cold
+        deadline = time.monotonic() + 5.0
+        while not self.zygote_path.exists() and self.zygote.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
         return str(self.zygote_path)
 
     def stop_torchrun(self, timeout_s: float = 15.0) -> int | None:

@@ -4,6 +4,7 @@ worker, so a restart after a rescale does not pay for the interpreter and torch 
 
     zygote:   python -m spotctl.agent.zygote SOCKET     (started by the node agent)
     worker:   torchrun ... -m spotctl.agent.launch train.py ARGS
+    torchrun: python -m spotctl.agent.launch -m torch.distributed.run ...   (torchft engine)
 
 `spotctl.agent.launch` (the process torchrun supervises) hands its argv, environment,
 working directory and stdio to the zygote over a unix socket; the zygote forks a child
@@ -37,8 +38,14 @@ def _child(conn: socket.socket, req: dict, fds: list[int]) -> None:
     os.environ.update(req["env"])
     os.chdir(req["cwd"])
     argv = list(req["argv"])
-    sys.argv = argv
-    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    # `-m MODULE ARGS` (the torchft engine's torchrun) or `SCRIPT ARGS`, as python takes them
+    module = argv[1] if argv[0] == "-m" else None
+    if module is not None:
+        sys.argv = [module, *argv[2:]]  # runpy puts the module's file first
+        sys.path.insert(0, req["cwd"])
+    else:
+        sys.argv = argv
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD):
         signal.signal(sig, signal.SIG_DFL)
 
@@ -53,7 +60,10 @@ def _child(conn: socket.socket, req: dict, fds: list[int]) -> None:
     threading.Thread(target=watch_launcher, daemon=True).start()
     code = 0
     try:
-        runpy.run_path(argv[0], run_name="__main__")
+        if module is not None:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:

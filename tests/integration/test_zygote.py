@@ -56,6 +56,27 @@ def test_forked_worker_gets_argv_env_cwd_stdio_and_exit_code(tmp_path, zygote):
     assert "err" in err
 
 
+def test_a_module_is_forked_warm_as_python_m_runs_it(tmp_path, zygote):
+    """`launch -m MODULE ARGS` (the torchft engine's torchrun): the module runs as
+    __main__ in a forked child, found from the working directory, with python -m's argv."""
+    (tmp_path / "mymod.py").write_text(
+        "import os, sys\n"
+        "print(__name__, os.path.basename(sys.argv[0]), sys.argv[1:], 'torch' in sys.modules,"
+        " os.getppid() != int(sys.argv[1]))\n"
+        "sys.exit(5)\n")
+    env = dict(os.environ, SPOTCTL_ZYGOTE=zygote)
+    p = subprocess.run([PY, "-m", "spotctl.agent.launch", "-m", "mymod", str(os.getpid()), "b"],
+                       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 5, p.stderr
+    assert p.stdout.strip() == f"__main__ mymod.py [{str(os.getpid())!r}, 'b'] True True"
+    # the same line cold (no zygote): python -m in the launcher's own process
+    del env["SPOTCTL_ZYGOTE"]
+    p = subprocess.run([PY, "-m", "spotctl.agent.launch", "-m", "mymod", str(os.getpid()), "b"],
+                       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 5 and p.stdout.strip() == (
+        f"__main__ mymod.py [{str(os.getpid())!r}, 'b'] False False"), p.stderr
+
+
 def test_signals_are_forwarded_and_reported(tmp_path, zygote):
     s = _script(tmp_path, "print(os.getpid(), flush=True)\ntime.sleep(60)\n")
     p = _launch(s, zygote)

@@ -63,6 +63,8 @@ def test_torchft_node_is_one_replica_group_with_its_own_torchrun() -> None:
     assert "--rdzv-backend=spotctl-node" in cmd and "--rdzv-endpoint=127.0.0.5:4242" in cmd
     assert not any(a.startswith("--master") for a in cmd)
     assert cmd[-4:] == ["-m", "spotctl.agent.launch", "/p/train.py", "--x"]  # warm zygote
+    # and torchrun itself is forked by the zygote too (started through the launcher)
+    assert cmd[1:5] == ["-m", "spotctl.agent.launch", "-m", "torch.distributed.run"]
     # the restart path is unchanged
     old = torchrun_command(_cfg())
     assert "--rdzv-backend=spotctl" in old and "--rdzv-endpoint=127.0.0.1:2" in old
