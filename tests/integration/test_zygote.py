@@ -19,15 +19,24 @@ pytestmark = pytest.mark.timeout(120)
 PY = sys.executable
 
 
+def _start_zygote(sock: Path, env: dict[str, str] | None = None,
+                  timeout: float = 60) -> subprocess.Popen:
+    """A zygote on `sock`, once its socket exists (it binds before it imports)."""
+    p = subprocess.Popen([PY, "-m", "spotctl.agent.zygote", str(sock)], env=env)
+    deadline = time.monotonic() + timeout
+    while not sock.exists():
+        if time.monotonic() > deadline or p.poll() is not None:
+            p.kill()
+            p.wait()
+            raise AssertionError(f"no zygote socket after {timeout} s")
+        time.sleep(0.05)
+    return p
+
+
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory):
-    d = tmp_path_factory.mktemp("zy")
-    sock = d / "z.sock"
-    p = subprocess.Popen([PY, "-m", "spotctl.agent.zygote", str(sock)])
-    deadline = time.monotonic() + 60
-    while not sock.exists():
-        assert time.monotonic() < deadline and p.poll() is None, "zygote did not start"
-        time.sleep(0.1)
+    sock = tmp_path_factory.mktemp("zy") / "z.sock"
+    p = _start_zygote(sock)
     yield str(sock)
     p.kill()
     p.wait()
@@ -227,12 +236,8 @@ def test_a_worker_asked_for_while_the_zygote_imports_waits_and_starts_warm(tmp_p
     sock = tmp_path / "z.sock"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(fake), os.environ.get("PYTHONPATH", "")]), ZYGOTE_GATE=str(gate))
-    z = subprocess.Popen([PY, "-m", "spotctl.agent.zygote", str(sock)], env=env)
+    z = _start_zygote(sock, env, timeout=30)  # the socket comes before the (held) imports
     try:
-        deadline = time.monotonic() + 30
-        while not sock.exists():
-            assert time.monotonic() < deadline and z.poll() is None, "no socket before the imports"
-            time.sleep(0.05)
         p = _launch(_script(tmp_path, "print('torch' in sys.modules, flush=True)\n"), str(sock))
         # a cold start would have run the script by now; the launcher waits on the zygote
         with pytest.raises(subprocess.TimeoutExpired):
