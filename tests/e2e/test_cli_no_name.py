@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ENGINES
+from tests.conftest import ENGINES, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -68,6 +68,17 @@ def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any,
     assert rep["phase"] == "drained" and rep["drain_step"] == rep["step"] > 0, rep
     assert rescales[0]["resume_step"] == rep["drain_step"], (rescales[0], rep)
     c.steps_advance(world=1, by=2, timeout=60)  # a couple of samples at the new size
+    # the report counts as training the intervals between two of the head's samples (every
+    # 2 s) in which the step advanced: wait until there is one (a fast start-up can put the
+    # whole run before the notice inside one interval)
+    from spotctl.head.samples import SAMPLES_FILE, read_samples
+
+    def sampled_training() -> bool:
+        s = read_samples(c.cluster_dir / "head" / SAMPLES_FILE)
+        return any(int(b.get("step") or 0) > int(a.get("step") or 0) and a.get("world_size")
+                   for a, b in zip(s, s[1:], strict=False))
+
+    wait_until(sampled_training, 60, "a sampled interval in which the step advanced", 0.5)
 
     ev = c.cli("events").stdout
     # torchrun resumes from the drain's checkpoint; torchft goes on from memory
