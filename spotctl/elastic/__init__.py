@@ -409,6 +409,9 @@ class Run:
             raise ValueError(f"checkpoint_every_s must be >= 0 seconds, not {self.every_s}")
         self._last_save_t = time.monotonic()
         self._time_due = False
+        self._save_owed = False  # a due save put off while the one before it uploads
+        self._upload_busy = False  # (agreed) some rank's last save is still uploading
+        self._flags_after = 0
         root = checkpoint_dir or env.get("SPOTCTL_CHECKPOINT_DIR") or "checkpoints"
         self.ckpt = Checkpointer(root, keep_last or int(env.get("SPOTCTL_KEEP_LAST", "3")),
                                  self.rank, self.ckpt_pg)
@@ -427,7 +430,7 @@ class Run:
         self.drain_step: int | None = None
         self._perm = PermutationCache(dataset_size, seed)
         self._drain_work: Any = None
-        self._drain_flag = torch.zeros(2, dtype=torch.int32)
+        self._drain_flag = torch.zeros(3, dtype=torch.int32)
         return t_init
 
     def _control_flags(self) -> torch.Tensor:
@@ -435,15 +438,28 @@ class Run:
         came, a timed checkpoint is due]. Only rank 0's clock counts."""
         due = (self.every_s > 0 and self.rank == 0
                and time.monotonic() - self._last_save_t >= self.every_s)
-        return torch.tensor([1 if self.drain_requested else 0, 1 if due else 0],
-                            dtype=torch.int32)
+        self._flags_after = self.ckpt.started  # the newest save these flags know of
+        return torch.tensor([1 if self.drain_requested else 0, 1 if due else 0,
+                             1 if self.ckpt.uploading() else 0], dtype=torch.int32)
 
     def _save_now(self) -> bool:
         """Whether the step just finished is saved: every `every` steps, or when the
         agreed timer says so; either resets the timer."""
-        due = self.step % self.every == 0 or self._time_due
-        if due:
+        due = self.step % self.every == 0 or self._time_due or self._save_owed
+        # agreed flags from before the newest save started cannot speak for its upload
+        busy = self._upload_busy or self._flags_after != self.ckpt.started
+        if due and busy:
+            # the previous save is still uploading on some rank: waiting for it here would
+            # stall every rank for the rest of that upload. The save is owed instead and
+            # made at the first step at which every rank's upload has finished.
+            if not self._save_owed and self.rank == 0:
+                log.info("step %d: the save of step %d is still uploading; saving later",
+                         self.step, self.ckpt.started)
+            self._save_owed = True
             self._time_due = False
+            return False
+        if due:
+            self._time_due = self._save_owed = False
             self._last_save_t = time.monotonic()
         return due
 
@@ -672,6 +688,7 @@ class Run:
             self._drain_work.wait()
             self._drain_work = None
             self._time_due = bool(self._drain_flag[1].item())
+            self._upload_busy = bool(self._drain_flag[2].item())
             if int(self._drain_flag[0].item()):
                 self._drain()
         if self.max_steps and self.step >= self.max_steps:

@@ -518,6 +518,10 @@ class Checkpointer:
     def _upload(fut: Any) -> Future[Any]:
         return getattr(fut, "upload_completion", fut)
 
+    def uploading(self) -> bool:
+        """Whether this rank's part of the last async save is still being written."""
+        return self.pending is not None and not self._upload(self.pending[1]).done()
+
     def poll(self) -> None:
         """Commit a finished async save (rank 0). Cheap: called every step."""
         if self.pending is not None and self._upload(self.pending[1]).done():

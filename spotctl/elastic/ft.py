@@ -698,6 +698,7 @@ class FtRun(Run):
         if self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctl_pg)
         self._time_due = bool(flag[1].item())
+        self._upload_busy = bool(flag[2].item())
         return bool(flag[0].item())
 
     def _gated(self, step_fn: Any) -> Any:

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 class FtReplicas:
     def __init__(self, tmp: Path, max_steps: int, every: int = 25, delay: float = 0.03,
                  engine: str = "torchft", timing: LighthouseTiming | None = None,
-                 script: Path = SCRIPT, nproc: int = 1):
+                 script: Path = SCRIPT, nproc: int = 1, ckpt_url: str | None = None):
         self.tmp = Path(tmp)
         self.nproc = nproc
         self.max_steps, self.every, self.delay, self.engine = max_steps, every, delay, engine
@@ -33,6 +33,7 @@ class FtReplicas:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.killed: set[str] = set()
         self.ckpt = self.tmp / "ckpt"
+        self.ckpt_dir = ckpt_url or str(self.ckpt)  # an object store's URL instead
         self.script = script
 
     def log(self, name: str, local_rank: int = 0) -> Path:
@@ -44,7 +45,7 @@ class FtReplicas:
         env = dict(os.environ)
         env.update(
             SPOTCTL_ENGINE=self.engine, SPOTCTL_FT_REPLICA_ID=name,
-            SPOTCTL_CHECKPOINT_DIR=str(self.ckpt), SPOTCTL_MAX_STEPS=str(self.max_steps),
+            SPOTCTL_CHECKPOINT_DIR=self.ckpt_dir, SPOTCTL_MAX_STEPS=str(self.max_steps),
             SPOTCTL_CHECKPOINT_EVERY=str(self.every), OMP_NUM_THREADS="1",
             FT_STEP_LOG=str(self.log(name)), FT_STEP_DELAY=str(self.delay), RUST_LOG="warn",
             PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
