@@ -45,7 +45,9 @@ def test_each_checkpoint_is_the_state_at_its_step(tmp_path: Path,
         c.stop()
     x, y = _data()
     committed = sorted(p.parent for p in (tmp_path / "ckpt").glob("step-*/COMMIT"))
-    assert len(committed) >= 10, committed
+    # up to 13 saves (and the final one); fewer under load, where a save that falls due
+    # while the one before it still writes is put off to the step after that write
+    assert len(committed) >= 5, committed
     for d in committed:
         step = int(d.name.removeprefix("step-"))
         model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 1))
