@@ -89,14 +89,18 @@ class AutoFileSystemWriter(_AutoWriters, dcp.FileSystemWriter):
 
 
 def _fsspec_writer() -> type:
-    """AutoFsspecWriter, made on first use (fsspec is optional) and kept as a module
+    """AutoFsspecWriter (on S3: files in concurrent parts, spotctl.elastic.s3parts), made
+    on first use (fsspec is optional) and kept as a module
     attribute: the process-based async saver pickles the writer, and unpickling finds
     it there (through __getattr__ in a fresh process)."""
     cls = globals().get("AutoFsspecWriter")
     if cls is None:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        cls = type("AutoFsspecWriter", (_AutoWriters, FsspecWriter), {"__module__": __name__})
+        from spotctl.elastic.s3parts import PartsWriterMixin
+
+        cls = type("AutoFsspecWriter", (_AutoWriters, PartsWriterMixin, FsspecWriter),
+                   {"__module__": __name__})
         globals()["AutoFsspecWriter"] = cls
     return cls
 
@@ -249,7 +253,9 @@ class FsspecStore(Store):
             pass
 
     def writer(self, step: int) -> Any:
-        return self._writer(_fsspec_writer(), step, **self.options)
+        # sync_files off: an object is stored once its upload returns, and DCP's fsync of a
+        # stream without a file descriptor falls back to os.sync() of the whole machine
+        return self._writer(_fsspec_writer(), step, sync_files=False, **self.options)
 
     def reader(self, step: int) -> Any:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -272,6 +278,10 @@ def writers_from_env() -> int:
 
 def open_store(root: str | os.PathLike[str]) -> Store:
     if is_url(root):
+        if str(root).startswith("s3://"):
+            from spotctl.elastic.s3parts import part_bytes
+
+            part_bytes()  # a bad SPOTCTL_CHECKPOINT_PART_MB is refused here, not at a save
         return FsspecStore(str(root), writers=writers_from_env())
     if re.match(r"[a-z][a-z0-9+.-]*:/[^/]", str(root)):
         # Path("s3://b/x") is "s3:/b/x": never let that become a local folder named "s3:"

@@ -31,8 +31,8 @@ OTHER_SERVICES = {"ssm:GetParameter", "servicequotas:GetServiceQuota"} | {
                            "CreateInstanceProfile", "TagInstanceProfile",
                            "AddRoleToInstanceProfile", "RemoveRoleFromInstanceProfile",
                            "DeleteInstanceProfile", "PassRole")),
-    *(f"s3:{a}" for a in ("CreateBucket", "PutBucketPublicAccessBlock", "ListBucket",
-                          "DeleteObject")),
+    *(f"s3:{a}" for a in ("CreateBucket", "PutBucketPublicAccessBlock",
+                          "PutLifecycleConfiguration", "ListBucket", "DeleteObject")),
 }  # fmt: skip
 
 

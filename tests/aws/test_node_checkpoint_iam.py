@@ -87,13 +87,15 @@ def test_node_role_saves_commits_and_loads_a_checkpoint_under_iam(
     for k, v in node_env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("SPOTCTL_CHECKPOINT_STORAGE_OPTIONS", raising=False)
-    state = {"model": {"w": torch.full((64, 64), 3.0), "b": torch.arange(4.0)}}
+    # parts of 5 MiB: the 6.25 MiB tensor's file goes up as a multipart upload
+    monkeypatch.setenv("SPOTCTL_CHECKPOINT_PART_MB", "5")
+    state = {"model": {"w": torch.full((1600, 1024), 3.0), "b": torch.arange(4.0)}}
     with iam_enforced(moto_url), single_rank_group() as pg:
         ck = Checkpointer(root, keep_last=2, rank=0, pg=pg, mode="thread")
         assert ck.save_sync(10, state, {"epoch": 0, "offset": 40})
         ck.close()
         assert open_store(root).committed(10)
-        fresh = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(4)}}
+        fresh = {"model": {"w": torch.zeros(1600, 1024), "b": torch.zeros(4)}}
         again = Checkpointer(root, keep_last=2, rank=0, pg=pg, mode="thread")
         meta = again.load_latest(fresh)
         again.close()
@@ -105,6 +107,10 @@ def test_node_role_saves_commits_and_loads_a_checkpoint_under_iam(
                           aws_access_key_id=node_env["AWS_ACCESS_KEY_ID"],
                           aws_secret_access_key=node_env["AWS_SECRET_ACCESS_KEY"],
                           aws_session_token=node_env["AWS_SESSION_TOKEN"])  # fmt: skip
+        # a failed save aborts its multipart upload (no parts left stored and billed)
+        up = s3.create_multipart_upload(Bucket=bucket, Key=f"{p.ctx.cluster}/checkpoints/y")
+        s3.abort_multipart_upload(Bucket=bucket, Key=f"{p.ctx.cluster}/checkpoints/y",
+                                  UploadId=up["UploadId"])
         for call, kwargs in (
             (s3.put_object, {"Bucket": bucket, "Key": f"other-{p.ctx.cluster}/x", "Body": b"x"}),
             (s3.get_object, {"Bucket": bucket, "Key": f"other-{p.ctx.cluster}/x"}),

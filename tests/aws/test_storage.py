@@ -40,6 +40,10 @@ def test_cluster_prefix_profile_and_down_keeps_checkpoints(
     assert p.ctx.spec.train.checkpoint_dir == f"s3://{bucket}/{name}/checkpoints"
     block = s3.get_public_access_block(Bucket=bucket)["PublicAccessBlockConfiguration"]
     assert all(block.values())
+    # a save's multipart upload left open by a killed node is aborted by S3 after a day
+    [rule] = s3.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]
+    assert rule["Status"] == "Enabled" and rule["Filter"] == {"Prefix": ""}, rule
+    assert rule["AbortIncompleteMultipartUpload"] == {"DaysAfterInitiation": 1}, rule
     # The worker runs with the cluster's instance profile, whose role reaches only the prefix.
     raw = ec2.describe_instances(InstanceIds=[inst.id])["Reservations"][0]["Instances"][0]
     assert raw["IamInstanceProfile"]["Arn"].endswith(f"instance-profile/spotctl-{name}-node")

@@ -225,6 +225,11 @@ def test_checkpoint_writers_default_by_size_and_refuse_nonsense(tmp_path, monkey
         monkeypatch.setenv("SPOTCTL_CHECKPOINT_WRITERS", bad)
         with pytest.raises(ValueError, match="SPOTCTL_CHECKPOINT_WRITERS must be a whole"):
             open_store(tmp_path)
+    monkeypatch.delenv("SPOTCTL_CHECKPOINT_WRITERS")
+    for bad in ("4", "5121", "32MB", ""):  # S3 takes parts of 5 MiB to 5 GiB
+        monkeypatch.setenv("SPOTCTL_CHECKPOINT_PART_MB", bad or " x ")
+        with pytest.raises(ValueError, match="SPOTCTL_CHECKPOINT_PART_MB must be a whole"):
+            open_store("s3://b/run")
 
 
 def test_an_object_store_writer_follows_the_share_unless_set(monkeypatch):
@@ -253,6 +258,77 @@ def test_an_object_store_writer_follows_the_share_unless_set(monkeypatch):
         files = sorted(n.rsplit("/", 1)[1] for n in fake.storage.objects["ckpts"]
                        if n.startswith("auto/step-00000005/"))  # fmt: skip
     assert files == [".metadata", "COMMIT", "__0_0.distcp"], files
+
+
+class _SlowParts:
+    """moto's S3 backend (the server runs in this process) with each upload_part taking
+    0.3 s, counting how many run at once; `fail_part`: that part number raises."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail_part: int = 0):
+        import time
+
+        from moto.s3.exceptions import NoSuchUpload
+        from moto.s3.models import S3Backend
+
+        self.now = self.most = self.calls = 0
+        lock = threading.Lock()
+        real = S3Backend.upload_part
+
+        def upload_part(backend, bucket_name, multipart_id, part_id, value):  # type: ignore[no-untyped-def]
+            with lock:
+                self.now += 1
+                self.calls += 1
+                self.most = max(self.most, self.now)
+            try:
+                time.sleep(0.3)
+                if part_id == fail_part:  # a 404, which s3fs does not retry
+                    raise NoSuchUpload(upload_id=multipart_id)
+                return real(backend, bucket_name, multipart_id, part_id, value)
+            finally:
+                with lock:
+                    self.now -= 1
+
+        monkeypatch.setattr(S3Backend, "upload_part", upload_part)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_s3_checkpoint_files_upload_their_parts_at_once(monkeypatch, fail):
+    """On s3:// a checkpoint file goes up in parts of SPOTCTL_CHECKPOINT_PART_MB, several at
+    once (s3fs's own files send one after another); it loads back whole. A part that fails
+    fails the save: no COMMIT, no object, and no multipart upload left on the bucket."""
+    s3fs = pytest.importorskip("s3fs")
+    import boto3
+
+    monkeypatch.setenv("SPOTCTL_CHECKPOINT_PART_MB", "5")
+    monkeypatch.setenv("SPOTCTL_CHECKPOINT_WRITERS", "1")
+    big = torch.arange(6 << 20, dtype=torch.float32)  # 24 MiB: 5 parts of 5 MiB
+    with moto_s3("ckpts"):
+        s3fs.S3FileSystem.clear_instance_cache()  # one made for an earlier test's server
+        slow = _SlowParts(monkeypatch, fail_part=3 if fail else 0)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            # (moto's state outlives its server in this process: a prefix per case)
+            ck = Checkpointer(f"s3://ckpts/parts-{fail}", keep_last=2, rank=0,
+                              pg=dist.new_group(backend="gloo"), mode="thread")
+            ok = ck.save_sync(7, {"model": {"w": big}}, {"epoch": 0, "offset": 0})
+            back = {"model": {"w": torch.zeros_like(big)}}
+            meta = None if fail else ck.load_latest(back)
+            ck.close()
+        finally:
+            dist.destroy_process_group()
+        s3 = boto3.client("s3")
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket="ckpts").get("Contents", [])]
+        pending = s3.list_multipart_uploads(Bucket="ckpts").get("Uploads", [])
+    assert pending == [], pending
+    keys = [k for k in keys if k.startswith(f"parts-{fail}/")]
+    assert slow.most >= 2, (slow.most, slow.calls, ok, keys)
+    if fail:
+        assert not ok and keys == [], keys
+    else:
+        assert ok and meta is not None and meta["step"] == 7
+        assert torch.equal(back["model"]["w"], big)
+        assert slow.calls == 5 and "parts-False/step-00000007/__0_0.distcp" in keys, (
+            slow.calls, keys)
 
 
 def test_split_batch_covers_every_sample_once():

@@ -88,6 +88,18 @@ class AwsStorage(ClusterCheckpoints, AwsApi):
                 "RestrictPublicBuckets": True,
             },
         )
+        # a node preempted or killed mid-save leaves its multipart upload open, and its parts
+        # are stored (and billed) until someone aborts it: S3 does so after a day
+        self._call(
+            f"expire unfinished uploads in {bucket}",
+            s3.put_bucket_lifecycle_configuration,
+            Bucket=bucket,
+            LifecycleConfiguration={"Rules": [{
+                "ID": "spotctl-abort-unfinished-uploads", "Status": "Enabled",
+                "Filter": {"Prefix": ""},
+                "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1},
+            }]},
+        )  # fmt: skip
 
     def purge_checkpoints(self) -> int:
         """Delete every object under the cluster's prefix; how many were deleted."""
@@ -132,7 +144,10 @@ class AwsStorage(ClusterCheckpoints, AwsApi):
             "Statement": [
                 {
                     "Effect": "Allow",
-                    "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
+                    # (a save's multipart upload is s3:PutObject; aborting a failed one
+                    # is an action of its own)
+                    "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject",
+                               "s3:AbortMultipartUpload"],
                     "Resource": f"arn:aws:s3:::{bucket}/{self.prefix}*",
                 },
                 {
