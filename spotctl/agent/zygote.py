@@ -87,6 +87,9 @@ def _cuda_initialized() -> bool:
         return False
 
 
+ACCEPT_WAIT_S = 5.0  # for a connected client's request
+
+
 def serve(path: str) -> None:
     # the agent that starts the zygote is the only one that asks it for workers: once the
     # zygote is handed to another parent (the agent died), it ends instead of lingering,
@@ -115,12 +118,16 @@ def serve(path: str) -> None:
         r, _, _ = select.select([srv], [], [], 0.05)
         if r:
             conn, _ = srv.accept()
+            # a launcher sends its request as soon as it connects; a client that sends
+            # nothing must not hold every later launcher behind it
+            conn.settimeout(ACCEPT_WAIT_S)
             try:
                 msg, fds, _, _ = socket.recv_fds(conn, MAX_MSG, 8)
                 req = json.loads(msg)
             except (OSError, ValueError):
                 conn.close()
                 continue
+            conn.settimeout(None)
             if _cuda_initialized():
                 # a forked child cannot use CUDA its parent initialised: the launcher
                 # reads this refusal and starts the worker cold instead

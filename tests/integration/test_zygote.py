@@ -86,6 +86,22 @@ def test_a_module_is_forked_warm_as_python_m_runs_it(tmp_path, zygote):
         f"__main__ mymod.py [{str(os.getpid())!r}, 'b'] False False"), p.stderr
 
 
+def test_a_client_that_sends_nothing_holds_no_launcher_for_long(tmp_path, zygote):
+    """A process that connects to the zygote's socket and says nothing is dropped after a
+    few seconds; the launcher that asks next still gets its worker forked warm."""
+    import socket
+
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.connect(zygote)
+    try:
+        s = _script(tmp_path, "print('torch' in sys.modules, os.getppid() != int(sys.argv[1]))\n")
+        p = _launch(s, zygote, str(os.getpid()))
+        out, err = p.communicate(timeout=60)
+    finally:
+        silent.close()
+    assert (p.returncode, out.strip()) == (0, "True True"), err
+
+
 def test_signals_are_forwarded_and_reported(tmp_path, zygote):
     s = _script(tmp_path, "print(os.getpid(), flush=True)\ntime.sleep(60)\n")
     p = _launch(s, zygote)
