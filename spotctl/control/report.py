@@ -199,7 +199,14 @@ def build(store: Store, name: str, now: float | None = None) -> Report:
         trained = 0.0
         for a, b in zip(samples, samples[1:], strict=False):
             if int(b.get("step") or 0) > int(a.get("step") or 0):
-                trained += (b["ts"] - a["ts"]) * int(a.get("world_size") or 0)
+                t0, w = a["ts"], int(a.get("world_size") or 0)
+                if not w:
+                    # no group yet at the first sample: training began inside the interval,
+                    # at the journal's last start in it, with the size of the second sample
+                    w = int(b.get("world_size") or 0)
+                    t0 = max((t for t, v in world if a["ts"] <= t <= b["ts"] and v > 0),
+                             default=a["ts"])
+                trained += (b["ts"] - t0) * w
     else:
         trained = _integral([(t, float(v)) for t, v in world], end)
     # world size counts GPUs (one rank per GPU), as the offered series does

@@ -70,3 +70,25 @@ def test_goodput_from_the_journal_cuts_the_rescale_pause(tmp_path: Path) -> None
     # 4 x 180 + 0 x 20 + 2 x 200 = 1120 GPU-s
     assert t.gpu_hours_training == pytest.approx(1120 / 3600, abs=1e-6)
     assert t.goodput_pct == 93.3  # 1120 / 1200
+
+
+def test_a_run_that_starts_between_two_samples_counts_from_its_start(tmp_path: Path) -> None:
+    """The head samples every 2 s: a short run can begin and reach its notice between two
+    samples, the first of which saw no worker group (world size 0). That interval trained,
+    from the journal's train-start on, at the second sample's size."""
+    s = Store(tmp_path / "home")
+    s.upsert_cluster("g", "local", {"name": "g"}, "down")
+    s.upsert_node(_node("a", 0, 60, 2))
+    s.upsert_node(_node("b", 0, 60, 2))
+    s.add_event("g", "train-start", {"world_size": 4, "resume_step": 0}, ts=T0 + 10)
+    s.add_event("g", "down", {"leaks": []}, ts=T0 + 60)
+    head = s.cluster_dir("g").head_dir
+    head.mkdir(parents=True)
+    (head / SAMPLES_FILE).write_text("".join(
+        json.dumps({"ts": T0 + t, "world_size": w, "step": step, "throughput": 1.0,
+                    "checkpoint_step": 0, "nodes": 2}) + "\n"
+        for t, w, step in [(0, 0, 0), (40, 4, 30), (50, 4, 30)]))
+    t = rp.build(s, "g").totals
+    # 4 GPUs from the start at 10 s to the sample at 40 s; 40-50 stalled
+    assert t.gpu_hours_training == pytest.approx(4 * 30 / 3600, abs=1e-6)
+    assert t.gpu_hours_offered == pytest.approx(4 * 60 / 3600, abs=1e-6)
