@@ -58,8 +58,10 @@ def torchrun_command(cfg: AgentConfig, master_port: int = 0) -> list[str]:
             "--max-restarts=0", "--monitor-interval=0.2",
             "-m", "spotctl.agent.launch", cfg.script, *cfg.args,
         ]
+    # torchrun forked by the zygote, as on torchft; it writes the pid it is listed under in
+    # the rendezvous beside the gate, for the leave (spotctl.elastic.rdzv)
     return [
-        py, "-m", "torch.distributed.run",
+        py, "-m", "spotctl.agent.launch", "-m", "torch.distributed.run",
         f"--nnodes=1:{max(1, cfg.max_nodes)}",
         f"--nproc-per-node={cfg.nproc_per_node}",
         "--rdzv-backend=spotctl",  # c10d behind a gate (spotctl.elastic.rdzv)
@@ -225,20 +227,24 @@ class Agent:
             return srv
 
     def _leave_rendezvous(self, pid: int) -> bool:
-        """Take this node's stopped torchrun (pid) out of the rendezvous: here, or through
-        the leave server when the agent is root. Reads at most one short line back."""
+        """Take this node's stopped torchrun out of the rendezvous: here, or through the
+        leave server when the agent is root. `pid`: the process the agent started; the pid
+        torchrun is listed under is the one it wrote beside the gate (forked by the
+        zygote, it is another process). Reads at most one short line back."""
         cfg = self.cfg
+        pid_file = str(self.gate) + ".pid"
         if self.worker is None:
-            from spotctl.elastic.rdzv import leave_rendezvous
+            from spotctl.elastic.rdzv import leave_rendezvous, listed_pid
 
             return leave_rendezvous(cfg.store_host, cfg.store_port, cfg.cluster,
-                                    cfg.local_addr, pid)
+                                    cfg.local_addr, listed_pid(pid_file, pid))
         from spotctl.elastic.rdzv import LEAVE_ANSWERS
 
         srv = self._leave_server()
         assert srv.stdin is not None and srv.stdout is not None
+        # the training user wrote the pid file: the leave server reads it, root does not
         req = {"host": cfg.store_host, "port": cfg.store_port, "run_id": cfg.cluster,
-               "addr": cfg.local_addr, "pid": pid}
+               "addr": cfg.local_addr, "pid": pid, "pid_file": pid_file}
         srv.stdin.write((json.dumps(req) + "\n").encode())
         srv.stdin.flush()
         # one word back, compared, never parsed (the server runs as the training user)
@@ -381,6 +387,7 @@ class Agent:
             p.unlink(missing_ok=True)
         self.gate.unlink(missing_ok=True)
         Path(str(self.gate) + ".ready").unlink(missing_ok=True)
+        Path(str(self.gate) + ".pid").unlink(missing_ok=True)
         env = worker_env(os.environ, self.head.token)
         env.update(cfg.env)
         env.update(

@@ -10,6 +10,7 @@ tests/e2e cover it).
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import timedelta
 
@@ -57,13 +58,31 @@ def leave_rendezvous(
             return _Action.REMOVE_FROM_REDUNDANCY_LIST
         return _Action.FINISH
 
+    holder.sync()
+    st = holder.state
+    listed = node in st.participants or node in st.wait_list or node in st.redundancy_list
     executor.run(leave_op, time.monotonic() + timeout_s)
     holder.sync()
     st = holder.state
-    return node not in st.participants and node not in st.wait_list
+    gone = node not in st.participants and node not in st.wait_list
+    logging.getLogger("spotctl.rdzv").info(
+        "rendezvous leave of %s pid %d: listed before %s, gone after %s", addr, pid, listed, gone)
+    return gone
 
 
 MAX_LEAVE_LINE = 4096
+
+
+def listed_pid(pid_file: str, started: int) -> int:
+    """The pid a node's torchrun is listed under: what it wrote in `pid_file` (see
+    get_handler), or `started` (the process the agent started: torchrun itself when it
+    ran cold) when there is no such file."""
+    try:
+        with open(pid_file) as f:
+            raw = f.read(32).strip()
+    except OSError:
+        return started
+    return int(raw) if raw.isdigit() else started
 
 
 LEAVE_ANSWERS = (b"left", b"listed", b"error")
@@ -74,7 +93,9 @@ def serve_leaves() -> int:
     runs as root. The rendezvous state in the store is a pickle anyone who reaches the
     store can write, so root never loads it: the agent starts this server as the training
     user (torch imported ahead, off the critical path) and sends one JSON line per leave,
-    {"host", "port", "run_id", "addr", "pid"}. The answer is one word of LEAVE_ANSWERS on a
+    {"host", "port", "run_id", "addr", "pid", "pid_file"}: the pid torchrun wrote in
+    pid_file when there is one (the training user wrote it: read here, not by root), else
+    "pid". The answer is one word of LEAVE_ANSWERS on a
     line (the agent compares it, parsing nothing the training user wrote); an error's
     detail goes to stderr, the server's log. Ends at end of input."""
     import json
@@ -85,8 +106,9 @@ def serve_leaves() -> int:
     for line in sys.stdin:
         try:
             req = json.loads(line[:MAX_LEAVE_LINE])
+            pid = listed_pid(str(req.get("pid_file") or ""), int(req["pid"]))
             ok = leave_rendezvous(str(req["host"]), int(req["port"]), str(req["run_id"]),
-                                  str(req["addr"]), int(req["pid"]))
+                                  str(req["addr"]), pid)
             ans = LEAVE_ANSWERS[0] if ok else LEAVE_ANSWERS[1]
         except Exception as e:  # noqa: BLE001 - logged here; the agent goes on
             print(f"leave failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
@@ -201,7 +223,16 @@ def get_handler():  # type: ignore[no-untyped-def]
         if holder is not None and hasattr(holder, "_cache_duration"):
             # the state is re-read at most this often (torch: 1 s)
             holder._cache_duration = RDZV_POLL_S
-        return _Gated(inner, os.environ.get("SPOTCTL_RDZV_GATE", ""))
+        gate = os.environ.get("SPOTCTL_RDZV_GATE", "")
+        if gate:
+            # the pid this torchrun is listed under in the rendezvous, for the agent's leave:
+            # forked by the zygote, torchrun is not the process the agent started
+            node = getattr(inner, "_this_node", None)
+            tmp = f"{gate}.pid.tmp"
+            with open(tmp, "w") as f:
+                f.write(str(getattr(node, "pid", os.getpid())))
+            os.replace(tmp, f"{gate}.pid")
+        return _Gated(inner, gate)
 
     return create
 

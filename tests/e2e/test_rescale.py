@@ -58,6 +58,10 @@ def test_notice_join_gcp_kill_cycle(local_cluster):
               and e["type"] in ("leave", "node-unresponsive"))
     release = next(e for e in evs if e["type"] == "drain-release" and e["ts"] >= notice1["ts"])
     assert out <= release["ts"] and release["why"] == "leavers gone", (out, release, evs[-20:])
+    # its agent took its torchrun out of the rendezvous under the pid it is listed with
+    # (forked by the zygote, torchrun is not the process the agent started)
+    agent_log = (c.cluster_dir / "nodes" / "n1" / "agent.log").read_text()
+    assert "listed before True, gone after True" in agent_log, agent_log[-3000:]
     # Each survivor's torchrun restarted its workers: because they exited non-zero, or
     # (the first survivor back in the rendezvous makes the other's torchrun see a new
     # round) because of that membership change; no worker ever exited 0 (done).

@@ -65,9 +65,10 @@ def test_torchft_node_is_one_replica_group_with_its_own_torchrun() -> None:
     assert cmd[-4:] == ["-m", "spotctl.agent.launch", "/p/train.py", "--x"]  # warm zygote
     # and torchrun itself is forked by the zygote too (started through the launcher)
     assert cmd[1:5] == ["-m", "spotctl.agent.launch", "-m", "torch.distributed.run"]
-    # the restart path is unchanged
+    # the restart path: the shared rendezvous, torchrun forked by the zygote as well
     old = torchrun_command(_cfg())
     assert "--rdzv-backend=spotctl" in old and "--rdzv-endpoint=127.0.0.1:2" in old
+    assert old[1:5] == ["-m", "spotctl.agent.launch", "-m", "torch.distributed.run"]
 
 
 @pytest.mark.skipif(not HAVE_FT, reason="torchft is not installed (the 'ft' extra)")
