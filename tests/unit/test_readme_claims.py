@@ -26,7 +26,7 @@ INTERNAL = {"SPOTCTL_NODE_TAG", "SPOTCTL_ZYGOTE", "SPOTCTL_COMPLETE",
             "SPOTCTL_RDZV_GATE"}
 # Tuning knobs a test sets, documented with the concepts they tune rather than as seams.
 KNOBS = {"SPOTCTL_FT_JOIN_TIMEOUT_MS", "SPOTCTL_FT_HEARTBEAT_TIMEOUT_MS", "SPOTCTL_FT_START_REPLICAS",
-         "SPOTCTL_CHECKPOINT_STORAGE_OPTIONS",
+         "SPOTCTL_CHECKPOINT_STORAGE_OPTIONS", "SPOTCTL_CHECKPOINT_PART_MB",
          "SPOTCTL_UP_STEP_WAIT_S", "SPOTCTL_FT_MIN_REPLICAS",
          # the controller's address for an unset ssh_cidr (docs/getting-started/aws.md)
          "SPOTCTL_CONTROLLER_ADDRESS"}
