@@ -32,13 +32,14 @@ def main(node_dir: Path) -> int:
     dead = threading.Event()
 
     def reclaim(*_: object) -> None:
-        vm["state"] = "preempted"
-        vm["ended_at"] = time.time()
-        write_json_atomic(vm_path, vm)
         dead.set()
+        vm["ended_at"] = time.time()
         tag = os.environ.get(proctree.TAG_VAR, "")
-        # SIGKILL the agent, torchrun and workers; then ourselves
+        # SIGKILL the agent, torchrun, the zygote and workers; record the preemption once
+        # they are gone (as a cloud shows an instance terminated); then ourselves
         proctree.kill_tag(tag, root=os.getpid(), timeout_s=5) if tag else None
+        vm["state"] = "preempted"
+        write_json_atomic(vm_path, vm)
         os.kill(os.getpid(), signal.SIGKILL)
 
     md = MetadataServer(
