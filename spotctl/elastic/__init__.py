@@ -411,7 +411,7 @@ class Run:
         self._time_due = False
         self._save_owed = False  # a due save put off while the one before it uploads
         self._upload_busy = False  # (agreed) some rank's last save is still uploading
-        self._flags_after = 0
+        self._flags_after = self._flags_made_after = 0  # (of the flags read, of those sent)
         root = checkpoint_dir or env.get("SPOTCTL_CHECKPOINT_DIR") or "checkpoints"
         self.ckpt = Checkpointer(root, keep_last or int(env.get("SPOTCTL_KEEP_LAST", "3")),
                                  self.rank, self.ckpt_pg)
@@ -438,7 +438,7 @@ class Run:
         came, a timed checkpoint is due]. Only rank 0's clock counts."""
         due = (self.every_s > 0 and self.rank == 0
                and time.monotonic() - self._last_save_t >= self.every_s)
-        self._flags_after = self.ckpt.started  # the newest save these flags know of
+        self._flags_made_after = self.ckpt.started  # the newest save these flags know of
         return torch.tensor([1 if self.drain_requested else 0, 1 if due else 0,
                              1 if self.ckpt.uploading() else 0], dtype=torch.int32)
 
@@ -689,6 +689,7 @@ class Run:
             self._drain_work = None
             self._time_due = bool(self._drain_flag[1].item())
             self._upload_busy = bool(self._drain_flag[2].item())
+            self._flags_after = self._flags_made_after
             if int(self._drain_flag[0].item()):
                 self._drain()
         if self.max_steps and self.step >= self.max_steps:

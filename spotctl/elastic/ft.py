@@ -699,6 +699,7 @@ class FtRun(Run):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctl_pg)
         self._time_due = bool(flag[1].item())
         self._upload_busy = bool(flag[2].item())
+        self._flags_after = self._flags_made_after
         return bool(flag[0].item())
 
     def _gated(self, step_fn: Any) -> Any:
