@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import boto3
 import pytest
@@ -34,6 +33,7 @@ from .conftest import REGION
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("s3fs")
+from tests.elastic.harness import single_rank_group  # noqa: E402
 
 pytestmark = pytest.mark.aws
 
@@ -47,18 +47,6 @@ def iam_enforced(moto_url: str) -> Iterator[None]:
         yield
     finally:
         requests.post(f"{moto_url}/moto-api/reset-auth", data=b"inf", timeout=10)
-
-
-@contextmanager
-def single_rank_group() -> Iterator[Any]:
-    import torch.distributed as dist
-
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.new_group(backend="gloo")
-    finally:
-        dist.destroy_process_group()
 
 
 def _assume_node_role(moto_url: str, role: str) -> dict[str, str]:

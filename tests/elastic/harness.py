@@ -8,7 +8,8 @@ import gc
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,18 @@ def worker_store(world: int) -> dist.TCPStore:
     connection elsewhere can take in between). Keep it referenced until the workers end."""
     return dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=60))
+
+
+@contextmanager
+def single_rank_group() -> Iterator[Any]:
+    """A one-process gloo job in this process (no store to host), and a second gloo group
+    of it (the Checkpointer's); destroyed when the block ends."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.new_group(backend="gloo")
+    finally:
+        dist.destroy_process_group()
 
 
 def init_worker(rank: int, world: int, port: int) -> None:

@@ -26,7 +26,7 @@ from spotctl.elastic.checkpoint import (  # noqa: E402
     read_commit,
     step_dir,
 )
-from tests.elastic.harness import init_worker, spawn  # noqa: E402
+from tests.elastic.harness import init_worker, single_rank_group, spawn  # noqa: E402
 from tests.elastic.s3 import moto_s3  # noqa: E402
 from tests.gcp.fake_storage import fake_gcs, fake_gcs_server  # noqa: E402
 
@@ -247,14 +247,10 @@ def test_an_object_store_writer_follows_the_share_unless_set(monkeypatch):
         assert (w.thread_count, w.auto_most) == (1, 4)
         assert type(pickle.loads(pickle.dumps(w))) is ckmod.AutoFsspecWriter
         assert type(store.writer(2)) is type(w)  # one class, not one per save
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        try:
-            ck = Checkpointer("gs://ckpts/auto", keep_last=2, rank=0,
-                              pg=dist.new_group(backend="gloo"), mode="thread")
+        with single_rank_group() as pg:
+            ck = Checkpointer("gs://ckpts/auto", keep_last=2, rank=0, pg=pg, mode="thread")
             assert ck.save_sync(5, _state(5.0), {"epoch": 0, "offset": 0})
             ck.close()
-        finally:
-            dist.destroy_process_group()
         files = sorted(n.rsplit("/", 1)[1] for n in fake.storage.objects["ckpts"]
                        if n.startswith("auto/step-00000005/"))  # fmt: skip
     assert files == [".metadata", "COMMIT", "__0_0.distcp"], files
@@ -305,20 +301,19 @@ def test_s3_checkpoint_files_upload_their_parts_at_once(monkeypatch, fail):
     with moto_s3("ckpts"):
         s3fs.S3FileSystem.clear_instance_cache()  # one made for an earlier test's server
         slow = _SlowParts(monkeypatch, fail_part=3 if fail else 0)
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        try:
+        with single_rank_group() as pg:
             # (moto's state outlives its server in this process: a prefix per case)
-            ck = Checkpointer(f"s3://ckpts/parts-{fail}", keep_last=2, rank=0,
-                              pg=dist.new_group(backend="gloo"), mode="thread")
+            ck = Checkpointer(f"s3://ckpts/parts-{fail}", keep_last=2, rank=0, pg=pg,
+                              mode="thread")
             ok = ck.save_sync(7, {"model": {"w": big}}, {"epoch": 0, "offset": 0})
             back = {"model": {"w": torch.zeros_like(big)}}
             meta = None if fail else ck.load_latest(back)
             ck.close()
-        finally:
-            dist.destroy_process_group()
         s3 = boto3.client("s3")
         keys = [o["Key"] for o in s3.list_objects_v2(Bucket="ckpts").get("Contents", [])]
         pending = s3.list_multipart_uploads(Bucket="ckpts").get("Uploads", [])
+        # the s3fs instance cached here is bound to this server: none for a later test
+        s3fs.S3FileSystem.clear_instance_cache()
     assert pending == [], pending
     keys = [k for k in keys if k.startswith(f"parts-{fail}/")]
     assert slow.most >= 2, (slow.most, slow.calls, ok, keys)
