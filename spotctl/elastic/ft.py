@@ -57,6 +57,7 @@ from spotctl.elastic import (
     _rng_state,
     _set_rng_state,
     micro_slices,
+    peerload,
 )
 
 log = logging.getLogger("spotctl.elastic.ft")
@@ -392,6 +393,8 @@ class FtRun(Run):
         # that is then copied to the device
         self.healed_in_place: tuple[int, int] | None = None
         self._heal_storages: set[int] | None = None
+        # what a peer sends beside the tensors is loaded as metadata, never as code
+        peerload.install()
         transport = PGTransport(self._ft_pg, timeout=timedelta(seconds=FT_TIMEOUT_S),
                                 device=self.device if backend == "nccl" else torch.device("cpu"),
                                 state_dict=self._heal_target)

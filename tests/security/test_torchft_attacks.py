@@ -10,20 +10,28 @@ and step of every committed step), not by the head's view:
 - a replica's Manager: torchft has no way not to serve its `Kill` RPC, and the Manager
   binds the node's cluster address; a cluster member can call it (the documented limit,
   docs/security.md). What it gets: that one replica's worker exits; the other replica
-  trains on without a restart (the hot path)."""
+  trains on without a restart (the hot path).
+- a fake replica (tests/security/fake_replica.py: torchft's own Manager, run by a cluster
+  member) joins the Lighthouse at a very high step, so the real replicas heal from it, and
+  its state carries a pickle that runs a command when loaded. Before spotctl.elastic
+  loaded heal metadata with its own loader (spotctl.elastic.peerload) the command ran in
+  every replica; now each refuses the heal, and once the fake is gone the replicas train
+  on from where they were, never at its step."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import shutil
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import last_step, node_steps, wait_until
+from tests.conftest import free_port, last_step, node_steps, wait_until
 from tests.security.torchft_attacks import (
     grpc_call,
     http1,
@@ -91,6 +99,49 @@ def test_torchft_kill_routes(local_cluster: Any) -> None:
     assert {s["pid"] for s in node_steps(logs, other)} == {pids[other]}, \
         f"{other}'s worker was restarted by another replica's kill"
     c.cli("down", "--name", "ftk", "--yes")
+
+
+def test_a_fake_replica_runs_no_code_in_the_replicas_it_heals(local_cluster: Any) -> None:
+    c = local_cluster("ftf")
+    shutil.copy(REPO / "tests" / "elastic" / "ft_train.py", c.project / "train.py")
+    logs = c.tmp / "steps"
+    logs.mkdir()
+    c.write_spec("2", checkpoint_every=25, engine="torchft",
+                 train_env={"FT_STEP_LOG": f"{logs}/{{node}}.jsonl", "FT_STEP_DELAY": "0.05"})
+    c.cli("up", "--wait", "120")
+    wait_until(lambda: all(any(s["replicas"] == 2 for s in node_steps(logs, n)) for n in NODES),
+               240, "2 replicas in one quorum", 0.5, c.debug)
+    lighthouse = json.loads((c.cluster_dir / "head" / "head.json").read_text())["lighthouse"]
+    marker = c.tmp / "payload-ran"
+    out = c.tmp / "fake.log"
+    with open(out, "wb") as f:
+        fake = subprocess.Popen([sys.executable, str(REPO / "tests" / "security" / "fake_replica.py"),
+                                 lighthouse, str(marker), str(free_port())],
+                                stdout=f, stderr=subprocess.STDOUT, env=dict(c.env, RUST_LOG="warn"))
+    try:
+        # the real replicas were told to heal from it, and refused what it sent
+        def refused() -> bool:
+            text = "".join(p.read_text(errors="replace")
+                           for p in c.cluster_dir.glob("nodes/*/*.log"))
+            return text.count("a peer's heal named posix.system") >= 2 or marker.exists()
+
+        wait_until(refused, 120, "both replicas to refuse the fake's heal", 0.5,
+                   lambda: out.read_text(errors="replace")[-3000:] + c.debug())
+    finally:
+        fake.kill()
+        fake.wait()
+    assert not marker.exists(), "the fake replica's payload ran in a replica"
+    pids = {n: node_steps(logs, n)[0]["pid"] for n in NODES}
+    marks = {n: last_step(logs, n) for n in NODES}
+    wait_until(lambda: all(last_step(logs, n) >= marks[n] + 10 for n in NODES), 180,
+               "both replicas 10 steps past the fake's exit", 0.5, c.debug)
+    for n in NODES:  # every step once, in order, by the worker started with the cluster
+        rows = node_steps(logs, n)
+        steps = [s["step"] for s in rows]
+        assert steps == list(range(1, len(steps) + 1)), (n, steps)  # never the fake's step
+        assert {s["pid"] for s in rows} == {pids[n]}, f"{n}'s worker was restarted"
+    assert not marker.exists()
+    c.cli("down", "--name", "ftf", "--yes")
 
 
 def _proc_gone(pid: int) -> bool:

@@ -28,6 +28,8 @@ INTERNAL = {"SPOTCTL_NODE_TAG", "SPOTCTL_ZYGOTE", "SPOTCTL_COMPLETE",
 KNOBS = {"SPOTCTL_FT_JOIN_TIMEOUT_MS", "SPOTCTL_FT_HEARTBEAT_TIMEOUT_MS", "SPOTCTL_FT_START_REPLICAS",
          "SPOTCTL_CHECKPOINT_STORAGE_OPTIONS", "SPOTCTL_CHECKPOINT_PART_MB",
          "SPOTCTL_UP_STEP_WAIT_S", "SPOTCTL_FT_MIN_REPLICAS",
+         # a user's own class in a torchft heal (docs/concepts.md, docs/operating.md)
+         "SPOTCTL_FT_HEAL_ALLOW",
          # the controller's address for an unset ssh_cidr (docs/getting-started/aws.md)
          "SPOTCTL_CONTROLLER_ADDRESS"}
 
