@@ -26,7 +26,9 @@ from spotctl import elastic
 
 DATASET_SIZE = int(os.environ.get("TRAIN_DATASET_SIZE", "8192"))
 GLOBAL_BATCH = int(os.environ.get("TRAIN_GLOBAL_BATCH", "32"))
-MICRO_BATCH = int(os.environ.get("TRAIN_MICRO_BATCH", "0")) or None
+# a number, or "auto" (each rank's share at the cluster's largest size; the default on CUDA)
+_MB = os.environ.get("TRAIN_MICRO_BATCH", "")
+MICRO_BATCH = "auto" if _MB == "auto" else (int(_MB or 0) or None)
 SEQ_LEN = int(os.environ.get("TRAIN_SEQ_LEN", "16"))
 VOCAB = int(os.environ.get("TRAIN_VOCAB", "32"))
 DIM = int(os.environ.get("TRAIN_DIM", "32"))

@@ -402,6 +402,8 @@ class Agent:
             SPOTCTL_KEEP_LAST=str(cfg.keep_last),
             SPOTCTL_CHECKPOINT_WRITERS=str(cfg.checkpoint_writers),
             SPOTCTL_MAX_STEPS=str(cfg.max_steps),
+            # every rank of the cluster at its largest: micro_batch "auto" (spotctl.elastic)
+            SPOTCTL_MAX_WORLD=str(max(1, cfg.max_nodes) * max(1, cfg.nproc_per_node)),
             OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
             PYTHONUNBUFFERED="1",
         )

@@ -63,8 +63,10 @@ from spotctl.elastic.checkpoint import Checkpointer  # noqa: E402
 from spotctl.elastic.data import (  # noqa: E402
     ElasticBatchSampler,
     PermutationCache,
+    auto_micro_batch,
     empty_like_batch,
     epoch_permutation,
+    largest_dp_world,
     micro_slices,
     split_batch,
 )
@@ -265,7 +267,11 @@ class Run:
     micro_batch: at most this many samples per forward/backward on a rank; every rank runs
       the same number of micro-batches per step (empty ones where it has fewer samples) and
       gradients are synchronised on the last one only. Memory stays bounded at any world
-      size; the update is still the mean over the fixed global batch.
+      size; the update is still the mean over the fixed global batch. "auto" (what an
+      unset micro_batch means on CUDA): each rank's share of global_batch at the cluster's
+      largest size (the spec's gpus max, passed by the agent), so a smaller cluster runs
+      more micro-batches of that same size, never bigger ones: a rescale that takes nodes
+      away does not raise the memory a step needs. Unset on CPU: one micro-batch per step.
     schedulers, scaler, state: LR schedulers, a GradScaler, and named user objects with
       state_dict()/load_state_dict(): checkpointed and restored with the model.
     reduce_dtype: torch.bfloat16 (or torch.float16) to average gradients across
@@ -300,7 +306,7 @@ class Run:
         checkpoint_dir: str | None = None,
         keep_last: int | None = None,
         *,
-        micro_batch: int | None = None,
+        micro_batch: int | str | None = None,
         mesh: Any = None,
         dp_dim: str | tuple[str, ...] | None = None,
         schedulers: Any = (),
@@ -350,7 +356,7 @@ class Run:
         checkpoint_dir: str | None = None,
         keep_last: int | None = None,
         *,
-        micro_batch: int | None = None,
+        micro_batch: int | str | None = None,
         mesh: Any = None,
         dp_dim: str | tuple[str, ...] | None = None,
         schedulers: Any = (),
@@ -365,8 +371,11 @@ class Run:
         env = os.environ
         if dataset_size < 1 or global_batch < 1:
             raise ValueError("dataset_size and global_batch must be >= 1")
-        if micro_batch is not None and micro_batch < 1:
-            raise ValueError(f"micro_batch must be >= 1, not {micro_batch}")
+        if micro_batch is not None and micro_batch != "auto" and (
+                isinstance(micro_batch, bool) or not isinstance(micro_batch, int)
+                or micro_batch < 1):
+            raise ValueError(f"micro_batch must be a whole number >= 1 or \"auto\", "
+                             f"not {micro_batch!r}")
         self.drain_requested = False
         signal.signal(signal.SIGUSR1, self._on_drain_signal)
         t_init = time.time()
@@ -396,7 +405,10 @@ class Run:
         self.user_state = dict(state or {})
         self.dataset_size = dataset_size
         self.global_batch = global_batch
-        self.micro_batch = micro_batch
+        self._told_indices = False
+        auto = micro_batch == "auto" or (micro_batch is None and self.device.type == "cuda")
+        self.micro_batch: int | None = (self._auto_micro_batch() if auto else
+                                        micro_batch if isinstance(micro_batch, int) else None)
         self.seed = seed
         self.epochs = epochs
         self.max_steps = max_steps if max_steps is not None else int(env.get("SPOTCTL_MAX_STEPS", "0"))
@@ -607,6 +619,22 @@ class Run:
         if self.world != self.local_dp_world:  # non-data-parallel peers hold copies
             t /= self.world // self.local_dp_world
 
+    def _auto_micro_batch(self) -> int:
+        """micro_batch="auto": this rank's share of the global batch at the cluster's
+        largest size (SPOTCTL_MAX_WORLD, every rank of every node; the agent sets it), or
+        at this size when run without an agent."""
+        largest = int(os.environ.get("SPOTCTL_MAX_WORLD") or 0)
+        size = largest or self.world
+        mb = auto_micro_batch(self.global_batch, self.world, self.local_dp_world, size)
+        if self.rank == 0:
+            log.info("micro_batch: %d samples (global_batch %d over the %d data-parallel "
+                     "ranks of the %s); a smaller cluster runs more micro-batches of this "
+                     "size", mb, self.global_batch,
+                     largest_dp_world(self.world, self.local_dp_world, size),
+                     "cluster's largest size" if largest else
+                     "size it started at (SPOTCTL_MAX_WORLD not set)")
+        return mb
+
     def sync_grads(self) -> None:
         """Gradients are averaged over every data-parallel rank during backward (DDP,
         FSDP2): nothing to do. Kept for scripts that call it on either engine."""
@@ -629,6 +657,11 @@ class Run:
         """This rank's dataset indices for the current step (all its micro-batches)."""
         perm = self._perm.get(self.epoch)
         a, b = split_batch(self.step_samples, self.dp_world, self.dp_rank)
+        if self.micro_batch is not None and b - a > self.micro_batch and not self._told_indices:
+            self._told_indices = True
+            log.warning("batch_indices() gives this rank's whole share (%d samples) at once, "
+                        "more than micro_batch (%d): loop over run.micro_batches() to keep "
+                        "each forward/backward within it", b - a, self.micro_batch)
         return perm[self.offset + a : self.offset + b]
 
     def micro_batches(self, batches: Any = None) -> Any:
@@ -775,7 +808,7 @@ class Run:
             "last_ckpt": self.ckpt.last_committed, "loss": self.loss,
             "throughput": self.throughput, "drain_step": self.drain_step, "pid": os.getpid(),
             "epoch": self.epoch, "offset": self.offset,
-            "startup": getattr(self, "startup", None),
+            "startup": getattr(self, "startup", None), "micro_batch": self.micro_batch,
         }
         path = self.status_dir / f"worker-{self.local_rank}.json"
         tmp = path.with_suffix(".tmp")

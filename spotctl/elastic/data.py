@@ -56,6 +56,18 @@ def micro_slices(count: int, world: int, rank: int, micro_batch: int | None
     return [(min(a + i * m, b), min(a + (i + 1) * m, b)) for i in range(k)]
 
 
+def largest_dp_world(world: int, dp_world: int, max_world: int) -> int:
+    """Data-parallel ranks at the cluster's largest size: `max_world` ranks in all, of
+    which this process group's `world` hold `dp_world` data-parallel ranks (the rest share
+    data: tensor-parallel peers)."""
+    return max(1, max_world // max(1, world // max(1, dp_world)))
+
+
+def auto_micro_batch(global_batch: int, world: int, dp_world: int, max_world: int) -> int:
+    """micro_batch "auto": a rank's share of `global_batch` at the largest size."""
+    return max(1, -(-global_batch // largest_dp_world(world, dp_world, max_world)))
+
+
 class ElasticBatchSampler(Sampler[list[int]]):
     """Batch sampler for a standard DataLoader (worker processes welcome): yields this
     rank's index list for every micro-batch of every step, from a saved (epoch, offset) on,

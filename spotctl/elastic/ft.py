@@ -328,7 +328,7 @@ class FtRun(Run):
         checkpoint_dir: str | None = None,
         keep_last: int | None = None,
         *,
-        micro_batch: int | None = None,
+        micro_batch: int | str | None = None,
         mesh: Any = None,
         dp_dim: str | tuple[str, ...] | None = None,
         schedulers: Any = (),
@@ -834,7 +834,7 @@ class FtRun(Run):
             "throughput": self.throughput, "drain_step": self.drain_step, "pid": os.getpid(),
             "epoch": self.epoch, "offset": self.offset,
             "startup": getattr(self, "startup", None), "engine": "torchft",
-            "replicas": self.replicas, "failed_steps": self.failed_steps,
+            "replicas": self.replicas, "failed_steps": self.failed_steps, "micro_batch": self.micro_batch,
         }
         path = self.status_dir / f"worker-{self.local_rank}.json"
         tmp = path.with_suffix(".tmp")

@@ -7,6 +7,7 @@ On both engines (issue 17): on torchft the notices and the join are hot."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 from collections import defaultdict
@@ -110,9 +111,15 @@ def test_notice_join_gcp_kill_cycle_on_torchft(local_cluster):
     c = local_cluster("rescft")
     c.write_spec("2..3", checkpoint_every=EVERY, engine="torchft",
                  train_env={"TRAIN_DATASET_SIZE": str(N), "TRAIN_GLOBAL_BATCH": str(G),
-                            "TRAIN_OPTIM": OPTIM, "TRAIN_LR": LR, "TRAIN_CLIP": CLIP})
+                            "TRAIN_OPTIM": OPTIM, "TRAIN_LR": LR, "TRAIN_CLIP": CLIP,
+                            "TRAIN_MICRO_BATCH": "auto"})
     c.cli("up", "--wait", "120")
     _started(c, c.steps_advance(world=3, by=10, timeout=180))
+    # micro_batch "auto": each rank's share at the cluster's largest size (3 ranks), told
+    # by the agent; at 2 ranks a step runs 2 micro-batches of that size
+    for n in ("n1", "n2", "n3"):  # each worker's own report
+        rep = json.loads((c.cluster_dir / "nodes" / n / "status" / "worker-0.json").read_text())
+        assert rep["micro_batch"] == -(-G // 3), (n, rep)
 
     def hot(action, reason: str, survivors: list[str], sizes: tuple[int, int],
             leaver: str | None = None):

@@ -205,8 +205,10 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any]) -> None:
                 break
             total = torch.zeros(1)
             opt.zero_grad()
+            sizes = rec.setdefault("micro", {})[run.step + 1] = []
             for mb in run.micro_batches(loader):
                 xb, yb = (x[mb], y[mb]) if loader is None else mb
+                sizes.append(len(xb))
                 loss_sum = nn.functional.mse_loss(model(xb) if mesh is not None
                                                   else run.model(xb), yb, reduction="sum")
                 scaled = loss_sum * run.loss_scale
