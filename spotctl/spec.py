@@ -371,6 +371,23 @@ class SshSpec(_Strict):
     # The hosts' interpreter that each node's venv is made from (its torch is reused);
     # used when [train] python is empty, which makes spotctl ship itself to the hosts.
     base_python: str = "python3"
+    # The training processes' listeners (torch's stores and gloo; on torchft each replica's
+    # Manager and store) accept anyone who reaches a host's address, and torch loads what
+    # its stores are sent. With one host they listen on its loopback. With several they
+    # listen on the hosts' addresses: set true once only this cluster's hosts can reach
+    # those (a network of their own, or a firewall). Hosts on loopback need nothing.
+    trusted_network: StrictBool = False
+
+
+def _is_loopback(address: str) -> bool:
+    import ipaddress
+
+    if address.lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 class RebalanceSpec(_Strict):
@@ -438,6 +455,16 @@ class ClusterSpec(_Strict):
     def _provider_fields(self) -> ClusterSpec:
         if self.provider == "ssh" and not self.ssh.hosts:
             raise ValueError("provider 'ssh' needs at least one [[ssh.hosts]] entry")
+        exposed = [h.address for h in self.ssh.hosts if not _is_loopback(h.address)]
+        if (self.provider == "ssh" and len(self.ssh.hosts) > 1 and exposed
+                and not self.ssh.trusted_network):
+            raise ValueError(
+                f"{len(self.ssh.hosts)} ssh hosts: their training processes listen on "
+                f"{', '.join(sorted(set(exposed))[:3])} with no authentication (torch's "
+                "stores run what they are sent); set [ssh] trusted_network = true once only "
+                "these hosts can reach those addresses (a network of their own or a "
+                "firewall; see docs/security.md)"
+            )
         sizes = sorted({h.gpus for h in self.ssh.hosts}) if self.provider == "ssh" else []
         if self.train.engine == "torchft" and len(sizes) > 1:
             # each node is one replica group, and the global batch is split by replica

@@ -110,7 +110,8 @@ def test_ssh_hosts_are_not_zones() -> None:
     # each ssh host is offered as its own "zone": a cluster of hosts uses them all
     s = ClusterSpec.model_validate({"name": "t", "provider": "ssh", "gpus": "2..2",
                                     "train": {"engine": "torchrun"},
-                                    "ssh": {"hosts": [{"address": "h1"}, {"address": "h2"}]}})
+                                    "ssh": {"hosts": [{"address": "h1"}, {"address": "h2"}],
+                                            "trusted_network": True}})
     offers = [offer("ssh-h1", 0.0, available=1, provider="ssh"),
               offer("ssh-h2", 0.0, available=1, provider="ssh")]
     assert sorted(zones(plan(s, Observed(), offers, {}, NOW))) == [("ssh-h1", 1), ("ssh-h2", 1)]

@@ -166,3 +166,24 @@ def test_up_progress_shows_what_was_uploaded() -> None:
     p = up_progress.reconcile_phase("bootstrapped n1 in 3.0s, sent 12.1 MiB (1/2, ok)")
     assert p["sent"] == "12.1 MiB" and p["done"] == 1 and p["ok"]
     assert up_progress.describe(p) == "bootstrapped n1 in 3.0s, sent 12.1 MiB (1/2)"
+
+
+def test_training_listeners_bind_loopback_on_a_single_host(tmp_path: Path) -> None:
+    """One host: its workers' stores, gloo and torchft's Manager bind its loopback, out of
+    its network's reach. Several (on a network the spec says is trusted): the host's
+    address, where the other hosts reach them."""
+    from spotctl.providers.base import HeadInfo, Instance
+
+    head = HeadInfo(url="http://127.0.0.1:7470", store_host="127.0.0.1", store_port=29400)
+
+    def vm(address: str) -> Instance:
+        return Instance(id="ssh-x", cluster="c1", role="worker", zone="ssh-x",
+                        instance_type="ssh", gpus=1, state="running", request_id="",
+                        address=address)  # fmt: skip
+
+    train = {"engine": "torchrun", "checkpoint_dir": "s3://b/c"}
+    one = _provider(tmp_path, {"hosts": [{"address": "10.0.0.11"}]}, train)
+    assert one.agent_config(vm("10.0.0.11"), head).local_addr == "127.0.0.1"
+    two = _provider(tmp_path, {"hosts": [{"address": "10.0.0.11"}, {"address": "10.0.0.12"}],
+                               "trusted_network": True}, train)
+    assert two.agent_config(vm("10.0.0.12"), head).local_addr == "10.0.0.12"

@@ -69,11 +69,31 @@ def test_missing_script_and_file(tmp_path):
         load_spec(tmp_path / "nope.toml")
 
 
+def test_ssh_hosts_on_a_network_need_it_said_to_be_trusted(tmp_path):
+    """Several hosts' training listeners bind their addresses, unauthenticated: refused
+    in one line until the spec says only they reach those addresses. Hosts on loopback,
+    and a single host (its listeners bind loopback), need nothing."""
+    two = ('[[ssh.hosts]]\naddress = "10.0.0.1"\n[[ssh.hosts]]\naddress = "gpu2.lab"\n')
+    with pytest.raises(SpecError) as e:
+        load_spec(_write(tmp_path, f'provider = "ssh"\n{two}'))
+    msg = str(e.value)
+    assert "\n" not in msg and "10.0.0.1, gpu2.lab" in msg and "trusted_network = true" in msg, msg
+    ok = load_spec(_write(tmp_path, f'provider = "ssh"\n[ssh]\ntrusted_network = true\n{two}'))
+    assert ok.ssh.trusted_network
+    loop = '[[ssh.hosts]]\naddress = "127.0.0.1"\n[[ssh.hosts]]\naddress = "localhost"\n'
+    assert len(load_spec(_write(tmp_path, f'provider = "ssh"\n{loop}')).ssh.hosts) == 2
+    one = '[[ssh.hosts]]\naddress = "10.0.0.1"\n'
+    assert not load_spec(_write(tmp_path, f'provider = "ssh"\n{one}')).ssh.trusted_network
+    with pytest.raises(SpecError, match="trusted_network: Input should be a valid boolean"):
+        load_spec(_write(tmp_path, f'provider = "ssh"\n[ssh]\ntrusted_network = "yes"\n{one}'))
+
+
 def test_torchft_refuses_ssh_hosts_of_unequal_gpus(tmp_path):
     """Each node is one torchft replica group and the global batch is split by replica
     rank times the group's size: hosts of 1 and 2 GPUs would train the wrong data. The
     torchrun engine takes them (its rendezvous numbers every rank)."""
-    hosts = ('[[ssh.hosts]]\naddress = "10.0.0.1"\ngpus = 1\n'
+    hosts = ('[ssh]\ntrusted_network = true\n'
+             '[[ssh.hosts]]\naddress = "10.0.0.1"\ngpus = 1\n'
              '[[ssh.hosts]]\naddress = "10.0.0.2"\ngpus = 2\n')
     p = _write(tmp_path, f'provider = "ssh"\n{hosts}')
     with pytest.raises(SpecError) as e:

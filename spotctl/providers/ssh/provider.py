@@ -254,9 +254,15 @@ class SshProvider:
             checkpoint_every=tr.checkpoint_every, checkpoint_every_s=tr.checkpoint_every_s,
             keep_last=tr.keep_last, checkpoint_writers=tr.checkpoint_writers,
             max_steps=tr.max_steps, python=tr.python, env=dict(tr.env),
-            local_addr=inst.address, metadata="file" if notice else "none",
+            local_addr=self.listen_address(inst), metadata="file" if notice else "none",
             notice_file=notice, engine=tr.engine, lighthouse=self._lighthouse(head),
         )  # fmt: skip
+
+    def listen_address(self, inst: Instance) -> str:
+        """Where a node's training listeners bind: loopback when the cluster is one host
+        (nothing of it is reachable from the host's network), else the host's address
+        (the spec then says the network is trusted, or every host is on loopback)."""
+        return "127.0.0.1" if len(self.spec.ssh.hosts) == 1 else inst.address
 
     def _lighthouse(self, head: HeadInfo) -> str:
         """The head's Lighthouse as this host reaches it; "" on torchrun."""
