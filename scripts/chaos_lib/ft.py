@@ -20,9 +20,10 @@ Scenario by scenario (keys as in scripts/chaos):
  1/2 notice: the replica commits the step in flight and leaves; survivors never restart.
  3   kill: the quorum drops the replica; the failed step is the replay.
  4   notice + kill at once: 3 -> 1 replica.
- 5   SIGSTOP: the frozen replica stops heartbeating; survivors' collective times out
-     (SPOTCTL_FT_TIMEOUT_S) and they fail that step, or, frozen outside a collective, it
-     is just not in the next quorum; either way the others re-form without it.
+ 5   SIGSTOP: the frozen replica stops heartbeating; survivors give their collective up
+     once its heartbeats are 2 s stale (spotctl.elastic.ftwatch) and fail that step, or,
+     frozen outside a collective, it is just not in the next quorum; either way the
+     others re-form without it.
  6   head (and with it the Lighthouse) killed and restarted by `up`: the replicas' managers
      ask again until the restarted Lighthouse answers, and go on from memory.
  7/8 joins (CLI killed mid-up; two `up` at once): the joiner heals from a live peer.

@@ -59,10 +59,22 @@ from spotctl.elastic import (
     micro_slices,
     peerload,
 )
+from spotctl.elastic.ftwatch import Watch
 
 log = logging.getLogger("spotctl.elastic.ft")
-# cross-replica collectives and commit votes: a vanished replica must not hold the others
-FT_TIMEOUT_S = float(os.environ.get("SPOTCTL_FT_TIMEOUT_S", "10"))
+# cross-replica collectives and heals: a live replica held up (a first torch.compile step,
+# a save's copy, a heal) must not fail the step for everyone, which on a GPU takes minutes;
+# a vanished one is found by its heartbeats (spotctl.elastic.ftwatch), not by this bound
+FT_TIMEOUT_S = float(os.environ.get("SPOTCTL_FT_TIMEOUT_S") or 0)  # 0: by device
+FT_TIMEOUT_DEFAULT_S = {"cuda": 300.0}
+FT_TIMEOUT_CPU_S = 10.0
+# connecting to the replica group's Manager and store
+FT_CONNECT_TIMEOUT_S = 10.0
+
+
+def ft_timeout_s(device: torch.device) -> float:
+    """The cross-replica timeout: SPOTCTL_FT_TIMEOUT_S, else 300 s on CUDA, 10 s on CPU."""
+    return FT_TIMEOUT_S or FT_TIMEOUT_DEFAULT_S.get(device.type, FT_TIMEOUT_CPU_S)
 FT_QUORUM_TIMEOUT_S = float(os.environ.get("SPOTCTL_FT_QUORUM_TIMEOUT_S", "120"))
 # how often a replica group's manager asks the Lighthouse again after a failed quorum call
 # (torchft spreads its retries over the quorum timeout: one every timeout / (retries + 1)).
@@ -102,6 +114,7 @@ class UniqueQuorums:
     def __init__(self, client: Any):
         self._client = client
         self._key: tuple[int, tuple[str, ...]] | None = None
+        self.replica_ids: tuple[str, ...] = ()  # the current quorum's members
         self.quorum_id = -1
         self.lighthouse_quorum_id = -1
 
@@ -111,6 +124,7 @@ class UniqueQuorums:
     def _quorum(self, **kw: Any) -> Any:
         q = self._client._quorum(**kw)
         key = (int(q.quorum_id), tuple(q.replica_ids))
+        self.replica_ids = key[1]
         if key != self._key:
             seed = f"{key[0]}|{','.join(key[1])}|{int(q.max_step)}".encode()
             self._key = key
@@ -149,6 +163,26 @@ def _await_start_peers(lighthouse: str, n: int, bound_s: float) -> None:
             return
         time.sleep(0.05)
     log.warning("started with %d of the %d replicas expected after %.0f s", seen, n, bound_s)
+
+
+def _gloo_group(timeout_s: float) -> Any:
+    """torchft's reconfigurable gloo group, except that an abort (the next quorum's
+    reconfiguration) does not wait for a collective still in flight: c10d's gloo waits for
+    it, and one a vanished peer never finishes holds the next quorum until the gloo
+    timeout. The old group is kept (its threads, stuck in that collective, are joined
+    when it is freed) and ends at its own timeout."""
+    from torchft import ProcessGroupGloo
+
+    class Gloo(ProcessGroupGloo):  # type: ignore[misc]
+        abandoned: list[Any] = []
+
+        def abort(self, errored: bool = True) -> None:
+            if self._pg is not None:
+                Gloo.abandoned.append(self._pg)
+                del Gloo.abandoned[:-8]
+            self._pg = None
+
+    return Gloo(timeout=timedelta(seconds=timeout_s))
 
 
 def _bound_manager_server(host: str) -> Any:
@@ -339,7 +373,7 @@ class FtRun(Run):
         reduce_dtype: torch.dtype | None = None,
     ):
 
-        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+        from torchft import Manager, ProcessGroupNCCL
         from torchft import manager as ft_manager
         from torchft.checkpointing.pg_transport import PGTransport
 
@@ -379,12 +413,13 @@ class FtRun(Run):
         # across replicas: NCCL with CUDA (torchft's abortable, reconfigurable wrapper),
         # gloo on CPU; SPOTCTL_FT_PG overrides
         backend = env.get("SPOTCTL_FT_PG") or ("nccl" if self.device.type == "cuda" else "gloo")
+        self.ft_timeout_s = timeout = ft_timeout_s(self.device)
         if backend == "nccl":
             # torchft warns and sets it itself when unset: its bound on a non-blocking op
-            env.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(FT_TIMEOUT_S))
-            self._ft_pg = ProcessGroupNCCL(timeout=timedelta(seconds=FT_TIMEOUT_S))
+            env.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(timeout))
+            self._ft_pg = ProcessGroupNCCL(timeout=timedelta(seconds=timeout))
         elif backend == "gloo":
-            self._ft_pg = ProcessGroupGloo(timeout=timedelta(seconds=FT_TIMEOUT_S))
+            self._ft_pg = _gloo_group(timeout)
         else:
             raise SystemExit(f"spotctl.elastic: SPOTCTL_FT_PG must be nccl or gloo, not {backend!r}")
         self._ft_device = self.device if backend == "nccl" else torch.device("cpu")
@@ -395,7 +430,7 @@ class FtRun(Run):
         self._heal_storages: set[int] | None = None
         # what a peer sends beside the tensors is loaded as metadata, never as code
         peerload.install()
-        transport = PGTransport(self._ft_pg, timeout=timedelta(seconds=FT_TIMEOUT_S),
+        transport = PGTransport(self._ft_pg, timeout=timedelta(seconds=timeout),
                                 device=self.device if backend == "nccl" else torch.device("cpu"),
                                 state_dict=self._heal_target)
         self.manager = Manager(
@@ -405,10 +440,10 @@ class FtRun(Run):
             min_replica_size=int(env.get("SPOTCTL_FT_MIN_REPLICAS", "1")),
             # the quorum decides this step's data split: wait for it before the batch
             use_async_quorum=False,
-            timeout=timedelta(seconds=FT_TIMEOUT_S),
+            timeout=timedelta(seconds=timeout),
             quorum_timeout=timedelta(seconds=FT_QUORUM_TIMEOUT_S),
             quorum_retries=max(0, int(FT_QUORUM_TIMEOUT_S / max(FT_QUORUM_RETRY_S, 0.1)) - 1),
-            connect_timeout=timedelta(seconds=FT_TIMEOUT_S),
+            connect_timeout=timedelta(seconds=FT_CONNECT_TIMEOUT_S),
             # its Rust side heartbeats the Lighthouse this often: a silent replica is gone
             # after the Lighthouse's heartbeat timeout (250 ms), a heartbeating one is
             # waited for (spotctl.head.lighthouse)
@@ -420,6 +455,10 @@ class FtRun(Run):
         )
         self._quorums = UniqueQuorums(self.manager._client)
         self.manager._client = self._quorums
+        # a quorum member that stops heartbeating while a collective waits for it fails
+        # the step at once, not after the timeout above
+        self._watch = Watch(env["TORCHFT_LIGHTHOUSE"], self.manager._replica_id or "",
+                            lambda: self._quorums.replica_ids, self._replica_gone)
         self.manager.load_state_dict({"step": self.step, "batches_committed": 0})
         for o in self.optimizers:
             o.step = self._gated(o.step)  # type: ignore[method-assign]
@@ -553,13 +592,33 @@ class FtRun(Run):
             f.value()  # raises the collective's error, for wrap_future to report
             return t.div_(n)
 
-        return self.manager.wrap_future(inner.get_future().then(average), t)
+        return self.manager.wrap_future(self._watch.guard(inner.get_future()).then(average), t)
 
     def _cross_replica_mean(self, t: torch.Tensor) -> None:
         """Average `t` in place over the quorum's participating replicas. On an error the
         values are garbage and the step's vote fails: everyone runs the step again."""
-        self.manager.allreduce(t).wait()
+        self._wait(self.manager.allreduce(t))
         self._grads_synced = True
+
+    def _wait(self, work: Any) -> None:
+        """Wait for a cross-replica collective: until it completes, or until the watch
+        finds a member of the quorum gone (the step then fails, as on a timeout). On
+        NCCL the watch aborts the group, which ends the wait."""
+        inner = getattr(work, "_work", None)
+        if inner is None or self._ft_device.type == "cuda":
+            work.wait()
+            return
+        try:
+            self._watch.guard(inner.get_future()).wait()
+        except Exception as e:  # noqa: BLE001 - reported: the step's vote fails
+            self.manager.report_error(e)
+            return
+        work.wait()  # done: runs torchft's own continuation (an average's division)
+
+    def _replica_gone(self, err: Exception) -> None:
+        self.manager.report_error(err)
+        if self._ft_device.type == "cuda":
+            self._ft_pg.abort()  # NCCL: ends the collective the host waits on
 
     # -- live recovery: what a joiner receives from a peer (same local rank)
     def _live_state(self) -> dict[str, Any]:
@@ -678,7 +737,7 @@ class FtRun(Run):
         x = t.to(self._ft_device)
         rop = {"sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "max": ReduceOp.MAX,
                "min": ReduceOp.MIN}[op]
-        self.manager.allreduce(x, reduce_op=rop).wait()
+        self._wait(self.manager.allreduce(x, reduce_op=rop))
         t.copy_(x.to(dev))
 
     def all_reduce(self, value: Any, op: str = "sum") -> Any:
@@ -742,7 +801,7 @@ class FtRun(Run):
             flat = self._on_wire(torch.cat([g.reshape(-1) for g in gs]))
             works.append((gs, flat, self.manager.allreduce(flat)))
         for gs, flat, w in works:
-            w.wait()
+            self._wait(w)
             if self.manager.errored():
                 continue
             i = 0

@@ -9,12 +9,15 @@ from run.dataloader() with k DataLoader workers (the dataset yields each sample'
 FT_USER=1: what training scripts do between backward() and step(): a GradScaler (scale,
 unscale_, step, update), gradient clipping to FT_CLIP (default 0.05, so it always clips),
 the gradient norm logged, and the step's global mean loss from run.all_reduce; each is
-logged ("norm", "scale", "gloss") to compare with an uninterrupted one-process run."""
+logged ("norm", "scale", "gloss") to compare with an uninterrupted one-process run.
+FT_FREEZE=<node>:k: that node's worker stops itself (SIGSTOP) at the start of step k,
+inside its quorum."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 import torch
@@ -60,8 +63,14 @@ def main() -> None:
     if int(os.environ.get("LOCAL_RANK", "0")):
         log += "." + os.environ["LOCAL_RANK"]
     out = open(log, "a", buffering=1)
+    node, _, at = os.environ.get("FT_FREEZE", "").partition(":")
+    freeze_at = int(at) if node and node == os.environ.get("SPOTCTL_NODE_ID") else 0
     while run.next_step():
         before = run.step
+        if freeze_at and run.step + 1 == freeze_at:
+            # inside this step's quorum, before its collectives: as a VM that vanishes
+            # mid-step (no socket closed, no heartbeat sent), until a SIGCONT or SIGKILL
+            os.kill(os.getpid(), signal.SIGSTOP)
         opt.zero_grad()
         idx: list[int] = []
         loss_sum = 0.0

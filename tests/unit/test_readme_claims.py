@@ -32,6 +32,8 @@ KNOBS = {"SPOTCTL_FT_JOIN_TIMEOUT_MS", "SPOTCTL_FT_HEARTBEAT_TIMEOUT_MS", "SPOTC
          "SPOTCTL_UP_STEP_WAIT_S", "SPOTCTL_FT_MIN_REPLICAS",
          # a user's own class in a torchft heal (docs/concepts.md, docs/operating.md)
          "SPOTCTL_FT_HEAL_ALLOW",
+         # the cross-replica timeout (docs/concepts.md, docs/reference/spec.md)
+         "SPOTCTL_FT_TIMEOUT_S",
          # the controller's address for an unset ssh_cidr (docs/getting-started/aws.md)
          "SPOTCTL_CONTROLLER_ADDRESS"}
 

@@ -1,0 +1,131 @@
+"""A replica that vanished mid-step, found by its heartbeats instead of a timeout.
+
+On the torchft engine each cross-replica collective is bounded by the cross-replica
+timeout (SPOTCTL_FT_TIMEOUT_S). That bound has to be long on GPUs: a first
+`torch.compile` step, a save's copy or a heal can keep a live replica out of a collective
+for minutes, and a timeout would fail the step for everyone. A replica that is really
+gone (its VM vanished, its network cut: nothing closes its connections) would then hold
+the others for that long.
+
+Every replica's Manager heartbeats the Lighthouse (every 50 ms). While a collective of
+this worker has waited more than `after_s`, `Watch` reads the Lighthouse's status page
+(every `poll_s`) and, when a member of the current quorum has not been seen for
+`stale_s`, fails what waits: the step is not committed, and the next quorum, formed
+without the vanished replica, goes on. Nothing is read while collectives finish in time.
+
+What waits on a collective does so through `guard(fut)`: a future completed by `fut`,
+or failed by the watch, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+log = logging.getLogger("spotctl.elastic.ft")
+
+_BEAT = re.compile(r"^\s*([^\s<>]+): seen ([0-9.eE+-]+)s ago", re.M)
+
+
+def heartbeats(status_page: str) -> dict[str, float]:
+    """Replica id -> seconds since its last heartbeat, from torchft 0.2.0's status page."""
+    out: dict[str, float] = {}
+    for rid, age in _BEAT.findall(status_page):
+        try:
+            out[rid] = float(age)
+        except ValueError:
+            continue
+    return out
+
+
+def vanished(members: Iterable[str], own: str, beats: dict[str, float],
+             stale_s: float) -> str | None:
+    """The first member of the quorum (not this replica, `own` or `own:<uuid>`) the
+    Lighthouse has not heard from for `stale_s`, or that it no longer lists."""
+    for m in members:
+        if m == own or m.startswith(own + ":"):
+            continue
+        if beats.get(m, float("inf")) > stale_s:
+            return m
+    return None
+
+
+class Watch:
+    def __init__(self, lighthouse: str, own: str, members: Callable[[], Iterable[str]],
+                 on_gone: Callable[[Exception], None], *, after_s: float = 1.0,
+                 poll_s: float = 0.5, stale_s: float = 2.0):
+        self.url = f"{lighthouse.rstrip('/')}/status"
+        self.own = own
+        self.members = members
+        self.on_gone = on_gone
+        self.after_s, self.poll_s, self.stale_s = after_s, poll_s, stale_s
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple[float, torch.futures.Future[Any]]] = {}
+        self._next = 0
+        self._thread: threading.Thread | None = None
+        self.found: list[str] = []  # replicas found gone, in order
+
+    def guard(self, fut: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
+        g: torch.futures.Future[Any] = torch.futures.Future()
+        with self._lock:
+            key = self._next
+            self._next += 1
+            self._pending[key] = (time.monotonic(), g)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                name="spotctl-ft-watch")
+                self._thread.start()
+
+        def done(f: torch.futures.Future[Any]) -> None:
+            with self._lock:
+                mine = self._pending.pop(key, None) is not None
+            if not mine:
+                return  # failed by the watch already
+            try:
+                g.set_result(f.value())
+            except Exception as e:  # noqa: BLE001 - the collective's own error, passed on
+                g.set_exception(e)
+
+        fut.add_done_callback(done)
+        return g
+
+    def _oldest(self) -> float | None:
+        with self._lock:
+            return min((t for t, _ in self._pending.values()), default=None)
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.poll_s)
+            t0 = self._oldest()
+            if t0 is None or time.monotonic() - t0 < self.after_s:
+                continue
+            try:
+                with urllib.request.urlopen(self.url, timeout=2) as r:
+                    page = r.read(1 << 20).decode(errors="replace")
+            except OSError:
+                continue  # the Lighthouse unreachable says nothing about a peer
+            gone = vanished(list(self.members()), self.own, heartbeats(page), self.stale_s)
+            if gone is None:
+                continue
+            with self._lock:
+                waiting = [g for _, g in self._pending.values()]
+                self._pending.clear()
+            if not waiting:
+                continue
+            err = RuntimeError(f"replica {gone} stopped heartbeating to the Lighthouse "
+                               f"(not seen for over {self.stale_s:g} s) during a collective")
+            self.found.append(gone)
+            log.warning("%s: this step is given up", err)
+            try:
+                self.on_gone(err)
+            except Exception:  # noqa: BLE001 - the futures below must still fail
+                log.exception("giving up the step")
+            for g in waiting:
+                g.set_exception(err)

@@ -1,0 +1,98 @@
+"""spotctl.elastic.ftwatch against a real torchft Lighthouse (spotctl's, behind its
+filter) and real heartbeats (torchft's own client): a collective waiting on a replica
+that stopped heartbeating fails in seconds, not at the cross-replica timeout; one that
+completes passes its value on; a quorum whose members all heartbeat is left to wait."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+if importlib.util.find_spec("torchft") is None:
+    pytest.skip("torchft is not installed (the 'ft' extra)", allow_module_level=True)
+
+from spotctl.elastic.ftwatch import Watch, heartbeats, vanished  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def lighthouse() -> Any:
+    from spotctl.head.lighthouse import Lighthouse, LighthouseTiming
+
+    lh = Lighthouse("127.0.0.1", 0, LighthouseTiming(heartbeat_timeout_ms=250))
+    yield lh
+    lh.stop()
+
+
+class Beats:
+    """A replica's heartbeats, as its Manager's Rust side sends them (every 50 ms)."""
+
+    def __init__(self, address: str, rid: str):
+        from torchft._torchft import LighthouseClient
+
+        self.client = LighthouseClient(address, connect_timeout=timedelta(seconds=5))
+        self.rid = rid
+        self.on = True
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def _loop(self) -> None:
+        while self.on:
+            self.client.heartbeat(self.rid)
+            time.sleep(0.05)
+
+
+def test_the_status_page_gives_each_replicas_heartbeat_age(lighthouse: Any) -> None:
+    import urllib.request
+
+    b = Beats(lighthouse.address, "n1:abc")
+    time.sleep(0.3)
+    with urllib.request.urlopen(f"{lighthouse.address}/status", timeout=5) as r:
+        ages = heartbeats(r.read().decode())
+    b.on = False
+    assert list(ages) == ["n1:abc"] and 0 <= ages["n1:abc"] < 1, ages
+    # this replica (with or without torchft's uuid) is never the one gone
+    assert vanished(["n1:x", "n2:y"], "n1", {"n2:y": 0.1}, 2.0) is None
+    assert vanished(["n1:x", "n2:y"], "n1", {"n2:y": 3.0}, 2.0) == "n2:y"
+    assert vanished(["n1:x", "n2:y"], "n1", {}, 2.0) == "n2:y"  # no longer listed
+
+
+def test_a_wait_on_a_replica_that_stopped_heartbeating_fails_in_seconds(lighthouse: Any) -> None:
+    a = Beats(lighthouse.address, "n1:aaa")
+    b = Beats(lighthouse.address, "n2:bbb")
+    gone: list[Exception] = []
+    w = Watch(lighthouse.address, "n1", lambda: ["n1:aaa", "n2:bbb"], gone.append,
+              after_s=0.5, poll_s=0.2, stale_s=1.0)
+    try:
+        # a collective that completes: its value passes, nothing is failed
+        done: torch.futures.Future[Any] = torch.futures.Future()
+        g = w.guard(done)
+        done.set_result(7)
+        assert g.wait() == 7
+        # every member heartbeats: a slow collective is waited for
+        slow: torch.futures.Future[Any] = torch.futures.Future()
+        g = w.guard(slow)
+        time.sleep(2.5)
+        assert not g.done() and not gone
+        slow.set_result("late")
+        assert g.wait() == "late"
+        # n2 stops heartbeating (frozen, or its VM gone) with a collective in flight
+        stuck: torch.futures.Future[Any] = torch.futures.Future()
+        g = w.guard(stuck)
+        b.on = False
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="replica n2:bbb stopped heartbeating"):
+            g.wait()
+        took = time.monotonic() - t0
+        assert took < 10, took  # the heartbeat's staleness (1 s) and a poll, not a timeout
+        assert w.found == ["n2:bbb"] and len(gone) == 1
+        stuck.set_result(None)  # the collective ending later changes nothing
+        assert g.done()
+    finally:
+        a.on = b.on = False
