@@ -120,12 +120,13 @@ ENGINE_DEFAULTS: dict[str, dict[str, float]] = {
         "notice_recovery_s": 0.3,
         "join_pause_s": 0.2,
         # A preempted VM without notice vanishes: no RST closes its sockets (a SIGKILL
-        # does, hence the bench's 0.17 s). Cut off mid-collective, the survivors wait out
-        # the cross-replica timeout (spotctl.elastic.ft's FT_TIMEOUT_S, 10 s): measured
-        # 10.1 s with a netns link taken down under a compute-bound step; cut off between
-        # collectives, the next quorum leaves it out (0.21 s, tiny model). With a GPU's
-        # gradient all-reduce spread over most of the step, the first is the usual case.
-        "hard_recovery_s": 10.0,
+        # does, hence the bench's 0.17 s). Cut off mid-collective, the survivors give the
+        # collective up once its heartbeats are 2 s stale (spotctl.elastic.ftwatch):
+        # measured 2.47-2.48 s with a netns link taken down under a compute-bound step
+        # (`scripts/ft-partition --compute-bound --join-timeout-ms 2000`); cut off between
+        # collectives, the next quorum leaves it out (0.01-0.21 s). With a GPU's gradient
+        # all-reduce spread over most of the step, the first is the usual case.
+        "hard_recovery_s": 2.5,
     },
 }
 MODEL_FIELDS = tuple(f.name for f in fields(SimModel) if f.name != "engine")

@@ -38,7 +38,7 @@ def test_json_shape() -> None:
     # the default engine's model (torchft): sub-second pauses, a vanished VM's timeout
     m = doc["model"]
     assert (m["engine"], m["notice_recovery_s"], m["join_pause_s"], m["hard_recovery_s"]) == (
-        "torchft", 0.3, 0.2, 10.0)
+        "torchft", 0.3, 0.2, 2.5)
 
 
 def test_engine_flag_picks_the_model_and_a_bad_one_is_refused() -> None:

@@ -125,7 +125,7 @@ def test_torchft_loses_the_step_in_flight_not_the_interval_and_writes_no_drain_c
     ft = SimModel.for_engine("torchft", **kw)
     tr_ = SimModel.for_engine("torchrun", **kw)
     assert (ft.engine, ft.notice_recovery_s, ft.hard_recovery_s, ft.join_pause_s) == (
-        "torchft", 0.3, 10.0, 0.2)
+        "torchft", 0.3, 2.5, 0.2)
     assert SimModel.for_engine("torchrun") == SimModel()
     a = run_policy("spotctl", tr, ft, PRICES, 4)
     b = run_policy("spotctl", tr, tr_, PRICES, 4)
