@@ -167,19 +167,20 @@ def _await_start_peers(lighthouse: str, n: int, bound_s: float) -> None:
 
 def _gloo_group(timeout_s: float) -> Any:
     """torchft's reconfigurable gloo group, except that an abort (the next quorum's
-    reconfiguration) does not wait for a collective still in flight: c10d's gloo waits for
-    it, and one a vanished peer never finishes holds the next quorum until the gloo
-    timeout. The old group is kept (its threads, stuck in that collective, are joined
-    when it is freed) and ends at its own timeout."""
+    reconfiguration) does not wait for a collective still in flight: c10d's gloo abort
+    waits for it, and one a vanished peer never finishes held the next quorum until the
+    gloo timeout (aborting it in another thread held the new group's creation too: tried).
+    The old group is dropped without an abort and kept referenced (freeing it joins its
+    threads, which wait in that collective until the gloo timeout): the last 8 are kept."""
     from torchft import ProcessGroupGloo
 
     class Gloo(ProcessGroupGloo):  # type: ignore[misc]
-        abandoned: list[Any] = []
+        dropped: list[Any] = []
 
         def abort(self, errored: bool = True) -> None:
             if self._pg is not None:
-                Gloo.abandoned.append(self._pg)
-                del Gloo.abandoned[:-8]
+                Gloo.dropped.append(self._pg)
+                del Gloo.dropped[:-8]
             self._pg = None
 
     return Gloo(timeout=timedelta(seconds=timeout_s))
@@ -581,7 +582,8 @@ class FtRun(Run):
         # step failed already: its work is done, and waiting on it returns at once)
         inner = getattr(work, "_work", None)
         if t.device.type == "cuda" or inner is None:
-            work.wait()
+            with self._watch.watching():
+                work.wait()
             fut = work.get_future()
             return getattr(fut, "_fut", None) or fut  # type: ignore[return-value]
         # torchft's Work builds its averaging chain only once the collective is done (its
@@ -606,7 +608,8 @@ class FtRun(Run):
         NCCL the watch aborts the group, which ends the wait."""
         inner = getattr(work, "_work", None)
         if inner is None or self._ft_device.type == "cuda":
-            work.wait()
+            with self._watch.watching():
+                work.wait()
             return
         try:
             self._watch.guard(inner.get_future()).wait()

@@ -14,7 +14,8 @@ this worker has waited more than `after_s`, `Watch` reads the Lighthouse's statu
 without the vanished replica, goes on. Nothing is read while collectives finish in time.
 
 What waits on a collective does so through `guard(fut)`: a future completed by `fut`,
-or failed by the watch, whichever comes first.
+or failed by the watch, whichever comes first (gloo); or inside `watching()`, where the
+watch's `on_gone` ends the wait (NCCL: it aborts the group).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import re
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -72,8 +74,7 @@ class Watch:
         self._thread: threading.Thread | None = None
         self.found: list[str] = []  # replicas found gone, in order
 
-    def guard(self, fut: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
-        g: torch.futures.Future[Any] = torch.futures.Future()
+    def _add(self, g: torch.futures.Future[Any]) -> int:
         with self._lock:
             key = self._next
             self._next += 1
@@ -82,6 +83,22 @@ class Watch:
                 self._thread = threading.Thread(target=self._loop, daemon=True,
                                                 name="spotctl-ft-watch")
                 self._thread.start()
+        return key
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """For a wait that only `on_gone` can end (NCCL: its abort ends the collective):
+        the watch looks while the block runs."""
+        key = self._add(torch.futures.Future())
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pending.pop(key, None)
+
+    def guard(self, fut: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
+        g: torch.futures.Future[Any] = torch.futures.Future()
+        key = self._add(g)
 
         def done(f: torch.futures.Future[Any]) -> None:
             with self._lock:

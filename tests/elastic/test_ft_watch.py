@@ -96,3 +96,23 @@ def test_a_wait_on_a_replica_that_stopped_heartbeating_fails_in_seconds(lighthou
         assert g.done()
     finally:
         a.on = b.on = False
+
+
+def test_a_wait_only_the_watch_can_end_is_ended_by_it(lighthouse: Any) -> None:
+    """NCCL's case: the host blocks in the collective's own wait, which the watch ends
+    through on_gone (there, the group's abort; here, an event the wait is on)."""
+    a = Beats(lighthouse.address, "n1:aaa")
+    b = Beats(lighthouse.address, "n2:bbb")
+    aborted = threading.Event()
+    w = Watch(lighthouse.address, "n1", lambda: ["n1:aaa", "n2:bbb"], lambda e: aborted.set(),
+              after_s=0.5, poll_s=0.2, stale_s=1.0)
+    try:
+        with w.watching():
+            b.on = False
+            assert aborted.wait(20), "the watch did not end the wait"
+        assert w.found == ["n2:bbb"]
+        with w.watching():  # nothing pending after the block: the watch stays quiet
+            pass
+        assert not w._pending
+    finally:
+        a.on = b.on = False

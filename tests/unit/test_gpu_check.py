@@ -60,6 +60,22 @@ def test_ft_nccl_check_logic_passes_on_cpu_with_gloo(tmp_path: Path) -> None:
     assert detail.startswith("torchft-gloo on {'cpu'} (CPU): joiner healed"), detail
 
 
+@pytest.mark.slow  # two replica groups in fresh processes, a join, one frozen
+def test_ft_vanish_check_logic_passes_on_cpu_with_gloo(tmp_path: Path) -> None:
+    """ft-vanish with gloo: the first replica group freezes mid-step (SIGSTOP) with a
+    cross-replica timeout of 120 s; the second gives the step up on its stale heartbeats
+    and trains on alone within the check's bound."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchft") is None:
+        pytest.skip("torchft is not installed (the 'ft' extra)")
+    check = runpy.run_path(str(SCRIPT), run_name="gpu_check")
+    ok, detail = check["ft_check"](str(tmp_path), cuda=False, vanish=True)
+    assert ok, detail
+    waited = float(detail.rsplit("waited ", 1)[1].split(" s")[0])
+    assert waited < 30, detail
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the real checks")
 def test_require_makes_a_machine_without_cuda_fail() -> None:
     """On the GPU machine the checks run with --require: a check that cannot run fails."""
