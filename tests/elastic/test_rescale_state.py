@@ -22,29 +22,28 @@ def _check(recorded: dict, ref: list[float]) -> None:
 
 def test_auto_micro_batches_keep_their_size_when_the_cluster_shrinks(tmp_path, monkeypatch):
     """micro_batch="auto" (what an unset one means on CUDA) in a cluster of at most 4
-    ranks (the agent's SPOTCTL_MAX_WORLD), trained at 4, then 2, then 3 through drains:
-    every forward/backward holds at most the 4-rank share (3 samples of 10), a smaller
+    ranks (the agent's SPOTCTL_MAX_WORLD), trained at 4 then, through a drain, at 2:
+    every forward/backward holds at most the 4-rank share (3 samples of 10), the smaller
     world runs more of them, and the losses are plain training's."""
     monkeypatch.setenv("SPOTCTL_MAX_WORLD", "4")
-    cfg = {"n": 64, "batch": 10, "seed": 3, "steps": 12, "every": 4, "micro": "auto",
+    cfg = {"n": 64, "batch": 10, "seed": 3, "steps": 9, "every": 4, "micro": "auto",
            "root": str(tmp_path / "ck"), "fsdp": True, "user": True}
     ref = plain_losses(cfg)
     a = launch(4, {**cfg, "out": str(tmp_path / "a"), "drain_at": 3})
-    b = launch(2, {**cfg, "out": str(tmp_path / "b"), "drain_at": 7})
-    c = launch(3, {**cfg, "out": str(tmp_path / "c")})
-    assert [a[0]["end"], b[0]["end"], c[0]["end"]] == ["drained@4", "drained@8", "finished"]
+    b = launch(2, {**cfg, "out": str(tmp_path / "b")})
+    assert [a[0]["end"], b[0]["end"]] == ["drained@4", "finished"]
     counts, offset = {}, 0  # each step's samples: 10, but 4 at the end of an epoch of 64
-    for step in range(1, 13):
+    for step in range(1, 10):
         counts[step] = min(10, 64 - offset)
         offset = (offset + counts[step]) % 64
-    for part, world in ((a, 4), (b, 2), (c, 3)):
+    for part, world in ((a, 4), (b, 2)):
         for rec in part:
             for step, sizes in rec["micro"].items():
                 share = -(-counts[int(step)] // world)
                 assert max(sizes) <= 3, (world, step, sizes)  # ceil(10 / 4)
                 assert len(sizes) == -(-share // 3), (world, step, sizes)
     assert b[0]["micro"]["6"] == [3, 2]  # a full step at 2 ranks: two of at most 3
-    _check({**a[0]["losses"], **b[0]["losses"], **c[0]["losses"]}, ref)
+    _check({**a[0]["losses"], **b[0]["losses"]}, ref)
 
 
 def test_fsdp2_rescale_3_2_3_matches_plain_training(tmp_path):
