@@ -29,6 +29,8 @@ Scenario by scenario (keys as in scripts/chaos):
  7/8 joins (CLI killed mid-up; two `up` at once): the joiner heals from a live peer.
  11/15/16/18 must not disturb training: no new quorum, no failed step (18: the
      Lighthouse dashboard's kill route, POSTed for every replica over HTTP/1.1 and HTTP/2).
+ 19  a fake replica (torchft's own Manager) at a very high step with a pickle payload:
+     every replica refuses its heal, the payload never runs, no worker restarts.
  12  every replica's workers killed at once (the only case torchft reads a checkpoint)
      with the newest checkpoint corrupted: resume from the one before it.
  17  rebalance racing down: engine-independent, run as on torchrun.
@@ -50,7 +52,7 @@ from .result import Result
 WORLD = local.WORLD
 EVERY = local.EVERY
 SCRIPT = Path(__file__).resolve().parent / "ft_train.py"
-KEYS = ("11", "15", "16", "18", "1", "7", "2", "8", "3", "4", "5", "6", "12", "17")
+KEYS = ("11", "15", "16", "18", "19", "1", "7", "2", "8", "3", "4", "5", "6", "12", "17")
 
 
 def make_cluster(root: Path) -> Cluster:
@@ -435,6 +437,20 @@ def calm(c: Cluster, key: str, run: Callable[[], Result]) -> Result:
     return res
 
 
+def fake(c: Cluster) -> Result:
+    """19: a fake replica with a pickle (trust.fake_replica); afterwards the job trains at
+    WORLD replicas again, which is its recovery."""
+    head_settled(c)
+    t0 = time.time()
+    ckpt = ckpts(c, t0)
+    res = trust.fake_replica(c, WORLD)
+    survived = res.survived
+    m = wait_world(c, t0, WORLD)
+    fill(res, m, ckpt, t0, recover=False)
+    res.survived = survived and res.committed_steps_lost == 0
+    return res
+
+
 def members(c: Cluster) -> dict[str, int]:
     """The replicas of the newest quorum: node -> its process (local rank 0, the only
     worker of a 1-GPU node)."""
@@ -509,6 +525,7 @@ def run_ft_cluster_scenarios(
         ("15", lambda: calm(c, "15", lambda: trust.forged_notice(c, WORLD)), False),
         ("16", lambda: calm(c, "16", lambda: trust.head_garbage(c, WORLD, garbage_s)), False),
         ("18", lambda: calm(c, "18", lambda: trust.torchft_kill_route(c)), False),
+        ("19", lambda: fake(c), False),
         ("1", lambda: notice(c, "aws"), True),
         ("7", lambda: join(c, "7"), False),
         ("3", lambda: sigkill(c), True),

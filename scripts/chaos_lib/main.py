@@ -19,7 +19,7 @@ def run_all(
 
     rows: list[Result] = []
     cluster_keys = {"1", "2", "3", "4", "5", "6", "7", "8", "11", "12", "15", "16", "17",
-                    "18"}
+                    "18", "19"}
     if not only or only & cluster_keys:  # one shared 3-node cluster on the engine asked for
         if engine == "torchft":
             from . import ft

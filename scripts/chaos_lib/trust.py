@@ -264,3 +264,58 @@ def torchft_kill_route(c: Cluster) -> Result:
     res.notes = f"{len(replicas)} replicas: " + ", ".join(
         f"{k} {v['http1']}/{v['http2']}" for k, v in answers.items())
     return res
+
+
+def fake_replica(c: Cluster, world: int) -> Result:
+    """19 (engine torchft): a fake replica (torchft's own Manager, run by a cluster member:
+    tests/security/fake_replica.py) joins the Lighthouse at a very high step, so the real
+    replicas are told to heal from it, with a pickle that creates a file when loaded. They
+    refuse the heal (spotctl.elastic.peerload); once the fake is killed they train on at
+    `world` replicas. Survived: the file never appeared, every replica refused, and no
+    replica took the fake's step or restarted."""
+    import subprocess
+    import sys
+    import time as _time
+
+    from .ft import records
+
+    res = Result("19 torchft fake replica with a pickle", not_applicable=["recover_s"])
+    lighthouse = _head(c)["lighthouse"]
+    marker = c.root / "fake-payload-ran"
+    marker.unlink(missing_ok=True)
+    script = Path(__file__).resolve().parents[2] / "tests" / "security" / "fake_replica.py"
+    pids = c.worker_pids()
+    with socket.socket() as sk:  # the fake replica group's own store
+        sk.bind(("127.0.0.1", 0))
+        store_port = sk.getsockname()[1]
+    needle = "a peer's heal named posix.system"
+
+    def refusals() -> int:
+        return sum(p.read_text(errors="replace").count(needle)
+                   for p in c.cluster_dir.glob("nodes/*/torchrun.log"))
+
+    before = refusals()
+    t0 = _time.time()
+    with open(c.root / "fake-replica.log", "ab") as log:
+        fake = subprocess.Popen([sys.executable, str(script), lighthouse, str(marker),
+                                 str(store_port)],
+                                stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, RUST_LOG="warn"))
+    try:
+        deadline = _time.monotonic() + 120
+        while refusals() - before < world and not marker.exists() and _time.monotonic() < deadline:
+            _time.sleep(0.5)
+    finally:
+        fake.kill()
+        fake.wait()
+    refused = refusals() - before
+    res.detail.update(victim=None, refusals=refused, payload_ran=marker.exists(),
+                      seconds_to_refuse=round(_time.time() - t0, 1))
+    after = c.worker_pids()
+    same = all(after.get(n) == p for n, p in pids.items())
+    top = max((int(r.get("step") or 0) for r in records(c)), default=0)
+    res.survived = refused >= world and not marker.exists() and same and top < 10**6
+    res.committed_steps_lost = 0
+    res.notes = (f"{refused} refused heals, payload ran: {marker.exists()}, workers kept: "
+                 f"{same}")
+    return res
