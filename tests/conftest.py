@@ -1173,6 +1173,27 @@ def node_steps(logs: Path, node: str) -> list[dict[str, Any]]:
     return out
 
 
+def up_ft_train(c: Any, nodes: int, together: bool = True, **env: str) -> Path:
+    """`up` a local cluster of `nodes` on the torchft engine training
+    tests/elastic/ft_train.py (FT_STEP_DELAY 0.05 s, a checkpoint every 25 steps, `env`
+    added to the workers'), each node logging its steps to `<tmp>/steps/<node>.jsonl`;
+    with `together`, wait until every node has trained in one quorum of all. Returns the
+    logs' directory."""
+    shutil.copy(REPO / "tests" / "elastic" / "ft_train.py", c.project / "train.py")
+    logs = c.tmp / "steps"
+    logs.mkdir()
+    c.write_spec(str(nodes), checkpoint_every=25, engine="torchft",
+                 train_env={"FT_STEP_LOG": f"{logs}/{{node}}.jsonl", "FT_STEP_DELAY": "0.05",
+                            **env})
+    c.cli("up", "--wait", "120")
+    if together:
+        names = [f"n{i}" for i in range(1, nodes + 1)]
+        wait_until(lambda: all(any(s["replicas"] == nodes for s in node_steps(logs, n))
+                               for n in names), 240, f"{nodes} replicas in one quorum", 0.5,
+                   c.debug)
+    return logs
+
+
 def last_step(logs: Path, node: str) -> int:
     """The last step a node logged (0 before its first)."""
     s = node_steps(logs, node)

@@ -7,31 +7,20 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import shutil
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import last_step, node_steps, wait_until
+from tests.conftest import last_step, node_steps, up_ft_train, wait_until
 
 if importlib.util.find_spec("torchft") is None:
     pytest.skip("torchft is not installed (the 'ft' extra)", allow_module_level=True)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
-REPO = Path(__file__).resolve().parents[2]
 
 
 def test_torchft_notice_kill_join(local_cluster):
     c = local_cluster("ftr")
-    shutil.copy(REPO / "tests" / "elastic" / "ft_train.py", c.project / "train.py")
-    logs = c.tmp / "steps"
-    logs.mkdir()
-    c.write_spec("3", checkpoint_every=25, engine="torchft",
-                 train_env={"FT_STEP_LOG": f"{logs}/{{node}}.jsonl", "FT_STEP_DELAY": "0.05"})
-    c.cli("up", "--wait", "120")
-    wait_until(lambda: all(any(s["replicas"] == 3 for s in node_steps(logs, n))
-                           for n in ("n1", "n2", "n3")), 240, "3 replicas in one quorum",
-               0.5, c.debug)
+    logs = up_ft_train(c, 3)
 
     # notice: n1's replica commits its step and leaves; the others go on from memory
     c.cli("preempt", "n1", "--name", "ftr", "--style", "aws")

@@ -10,31 +10,24 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import signal
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import node_steps, wait_until
+from tests.conftest import node_steps, up_ft_train, wait_until
 
 if importlib.util.find_spec("torchft") is None:
     pytest.skip("torchft is not installed (the 'ft' extra)", allow_module_level=True)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
-REPO = Path(__file__).resolve().parents[2]
 FREEZE_AT = 30
 
 
 def test_a_replica_gone_mid_step_is_found_by_its_heartbeats(local_cluster):
     c = local_cluster("ftv")
-    shutil.copy(REPO / "tests" / "elastic" / "ft_train.py", c.project / "train.py")
-    logs = c.tmp / "steps"
-    logs.mkdir()
-    c.write_spec("2", checkpoint_every=25, engine="torchft",
-                 train_env={"FT_STEP_LOG": f"{logs}/{{node}}.jsonl", "FT_STEP_DELAY": "0.05",
-                            "SPOTCTL_FT_TIMEOUT_S": "120", "FT_FREEZE": f"n2:{FREEZE_AT}"})
-    c.cli("up", "--wait", "120")
+    logs = up_ft_train(c, 2, together=False, SPOTCTL_FT_TIMEOUT_S="120",
+                       FT_FREEZE=f"n2:{FREEZE_AT}")
     frozen = wait_until(lambda: _stopped(c.worker_pids(["n2"])["n2"]), 240,
                         "n2's worker to freeze itself at its step 30", 0.5, c.debug)
     assert max(s["step"] for s in node_steps(logs, "n2")) == FREEZE_AT - 1

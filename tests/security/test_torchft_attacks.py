@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 import subprocess
 import sys
 import urllib.request
@@ -31,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import free_port, last_step, node_steps, wait_until
+from tests.conftest import free_port, last_step, node_steps, up_ft_train, wait_until
 from tests.security.torchft_attacks import (
     grpc_call,
     http1,
@@ -49,14 +48,7 @@ NODES = ("n1", "n2")
 
 def test_torchft_kill_routes(local_cluster: Any) -> None:
     c = local_cluster("ftk")
-    shutil.copy(REPO / "tests" / "elastic" / "ft_train.py", c.project / "train.py")
-    logs = c.tmp / "steps"
-    logs.mkdir()
-    c.write_spec("2", checkpoint_every=25, engine="torchft",
-                 train_env={"FT_STEP_LOG": f"{logs}/{{node}}.jsonl", "FT_STEP_DELAY": "0.05"})
-    c.cli("up", "--wait", "120")
-    wait_until(lambda: all(any(s["replicas"] == 2 for s in node_steps(logs, n)) for n in NODES),
-               240, "2 replicas in one quorum", 0.5, c.debug)
+    logs = up_ft_train(c, 2)
     lighthouse = json.loads((c.cluster_dir / "head" / "head.json").read_text())["lighthouse"]
     assert lighthouse
 
@@ -103,14 +95,7 @@ def test_torchft_kill_routes(local_cluster: Any) -> None:
 
 def test_a_fake_replica_runs_no_code_in_the_replicas_it_heals(local_cluster: Any) -> None:
     c = local_cluster("ftf")
-    shutil.copy(REPO / "tests" / "elastic" / "ft_train.py", c.project / "train.py")
-    logs = c.tmp / "steps"
-    logs.mkdir()
-    c.write_spec("2", checkpoint_every=25, engine="torchft",
-                 train_env={"FT_STEP_LOG": f"{logs}/{{node}}.jsonl", "FT_STEP_DELAY": "0.05"})
-    c.cli("up", "--wait", "120")
-    wait_until(lambda: all(any(s["replicas"] == 2 for s in node_steps(logs, n)) for n in NODES),
-               240, "2 replicas in one quorum", 0.5, c.debug)
+    logs = up_ft_train(c, 2)
     lighthouse = json.loads((c.cluster_dir / "head" / "head.json").read_text())["lighthouse"]
     marker = c.tmp / "payload-ran"
     out = c.tmp / "fake.log"
