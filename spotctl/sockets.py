@@ -1,9 +1,23 @@
-"""Listening sockets for spotctl's TCPStores, in a module that imports no torch (the head
-and its supervisor import it; `spotctl.elastic` costs seconds of CPU to import)."""
+"""Listening sockets for spotctl's TCPStores, and what counts as a loopback address, in a
+module that imports no torch (the head and its supervisor import it; `spotctl.elastic`
+costs seconds of CPU to import)."""
 
 from __future__ import annotations
 
+import ipaddress
 import socket
+
+
+def is_loopback(address: str) -> bool:
+    """A loopback address (127.0.0.0/8, ::1, `[::1]`) or `localhost`: reachable from this
+    machine only. Any other host name is not."""
+    a = address.strip("[]").lower()
+    if a in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(a).is_loopback
+    except ValueError:
+        return False
 
 
 def listening_socket(addr: str, port: int) -> socket.socket:

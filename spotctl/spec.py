@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from spotctl.errors import SpecError
+from spotctl.sockets import is_loopback
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -379,17 +380,6 @@ class SshSpec(_Strict):
     trusted_network: StrictBool = False
 
 
-def _is_loopback(address: str) -> bool:
-    import ipaddress
-
-    if address.lower() in ("localhost", "localhost.localdomain"):
-        return True
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
-
-
 class RebalanceSpec(_Strict):
     # A zone that preempted a node or refused a launch is tried last for this long.
     cooldown_s: float = Field(default=900.0, ge=0, le=1e7)
@@ -455,7 +445,7 @@ class ClusterSpec(_Strict):
     def _provider_fields(self) -> ClusterSpec:
         if self.provider == "ssh" and not self.ssh.hosts:
             raise ValueError("provider 'ssh' needs at least one [[ssh.hosts]] entry")
-        exposed = [h.address for h in self.ssh.hosts if not _is_loopback(h.address)]
+        exposed = [h.address for h in self.ssh.hosts if not is_loopback(h.address)]
         if (self.provider == "ssh" and len(self.ssh.hosts) > 1 and exposed
                 and not self.ssh.trusted_network):
             raise ValueError(

@@ -275,7 +275,6 @@ def fake_replica(c: Cluster, world: int) -> Result:
     replica took the fake's step or restarted."""
     import subprocess
     import sys
-    import time as _time
 
     from .ft import records
 
@@ -295,22 +294,22 @@ def fake_replica(c: Cluster, world: int) -> Result:
                    for p in c.cluster_dir.glob("nodes/*/torchrun.log"))
 
     before = refusals()
-    t0 = _time.time()
+    t0 = time.time()
     with open(c.root / "fake-replica.log", "ab") as log:
         fake = subprocess.Popen([sys.executable, str(script), lighthouse, str(marker),
                                  str(store_port)],
                                 stdout=log, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, RUST_LOG="warn"))
     try:
-        deadline = _time.monotonic() + 120
-        while refusals() - before < world and not marker.exists() and _time.monotonic() < deadline:
-            _time.sleep(0.5)
+        deadline = time.monotonic() + 120
+        while refusals() - before < world and not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
     finally:
         fake.kill()
         fake.wait()
     refused = refusals() - before
     res.detail.update(victim=None, refusals=refused, payload_ran=marker.exists(),
-                      seconds_to_refuse=round(_time.time() - t0, 1))
+                      seconds_to_refuse=round(time.time() - t0, 1))
     after = c.worker_pids()
     same = all(after.get(n) == p for n, p in pids.items())
     top = max((int(r.get("step") or 0) for r in records(c)), default=0)

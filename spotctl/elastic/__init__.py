@@ -454,6 +454,15 @@ class Run:
         return torch.tensor([1 if self.drain_requested else 0, 1 if due else 0,
                              1 if self.ckpt.uploading() else 0], dtype=torch.int32)
 
+    def _take_flags(self, flag: torch.Tensor) -> bool:
+        """Read the agreed control flags (reduced with MAX over the group): note whether a
+        timed save is due and whether some rank still uploads, as of the flags' sending;
+        return whether to drain."""
+        self._time_due = bool(flag[1].item())
+        self._upload_busy = bool(flag[2].item())
+        self._flags_after = self._flags_made_after
+        return bool(flag[0].item())
+
     def _save_now(self) -> bool:
         """Whether the step just finished is saved: every `every` steps, or when the
         agreed timer says so; either resets the timer."""
@@ -720,10 +729,7 @@ class Run:
         if self._drain_work is not None:
             self._drain_work.wait()
             self._drain_work = None
-            self._time_due = bool(self._drain_flag[1].item())
-            self._upload_busy = bool(self._drain_flag[2].item())
-            self._flags_after = self._flags_made_after
-            if int(self._drain_flag[0].item()):
+            if self._take_flags(self._drain_flag):
                 self._drain()
         if self.max_steps and self.step >= self.max_steps:
             return False

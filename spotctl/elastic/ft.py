@@ -59,22 +59,20 @@ from spotctl.elastic import (
     micro_slices,
     peerload,
 )
-from spotctl.elastic.ftwatch import Watch
+from spotctl.elastic.ftwatch import Watch, status_page
 
 log = logging.getLogger("spotctl.elastic.ft")
 # cross-replica collectives and heals: a live replica held up (a first torch.compile step,
 # a save's copy, a heal) must not fail the step for everyone, which on a GPU takes minutes;
 # a vanished one is found by its heartbeats (spotctl.elastic.ftwatch), not by this bound
 FT_TIMEOUT_S = float(os.environ.get("SPOTCTL_FT_TIMEOUT_S") or 0)  # 0: by device
-FT_TIMEOUT_DEFAULT_S = {"cuda": 300.0}
-FT_TIMEOUT_CPU_S = 10.0
 # connecting to the replica group's Manager and store
 FT_CONNECT_TIMEOUT_S = 10.0
 
 
 def ft_timeout_s(device: torch.device) -> float:
     """The cross-replica timeout: SPOTCTL_FT_TIMEOUT_S, else 300 s on CUDA, 10 s on CPU."""
-    return FT_TIMEOUT_S or FT_TIMEOUT_DEFAULT_S.get(device.type, FT_TIMEOUT_CPU_S)
+    return FT_TIMEOUT_S or (300.0 if device.type == "cuda" else 10.0)
 FT_QUORUM_TIMEOUT_S = float(os.environ.get("SPOTCTL_FT_QUORUM_TIMEOUT_S", "120"))
 # how often a replica group's manager asks the Lighthouse again after a failed quorum call
 # (torchft spreads its retries over the quorum timeout: one every timeout / (retries + 1)).
@@ -141,7 +139,6 @@ def _await_start_peers(lighthouse: str, n: int, bound_s: float) -> None:
     that has formed a quorum (a joiner, a restart) is not waited for. Read from its status
     page (torchft 0.2.0's: no API gives the heartbeat count)."""
     import re
-    import urllib.request
 
     if n <= 1:
         return
@@ -149,8 +146,7 @@ def _await_start_peers(lighthouse: str, n: int, bound_s: float) -> None:
     seen = -1
     while time.monotonic() < end:
         try:
-            with urllib.request.urlopen(f"{lighthouse.rstrip('/')}/status", timeout=2) as r:
-                page = r.read(1 << 20).decode(errors="replace")
+            page = status_page(lighthouse)
         except OSError:
             time.sleep(0.1)
             continue
@@ -762,10 +758,7 @@ class FtRun(Run):
         flag = self._control_flags()
         if self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctl_pg)
-        self._time_due = bool(flag[1].item())
-        self._upload_busy = bool(flag[2].item())
-        self._flags_after = self._flags_made_after
-        return bool(flag[0].item())
+        return self._take_flags(flag)
 
     def _gated(self, step_fn: Any) -> Any:
         def step(*a: Any, **kw: Any) -> Any:

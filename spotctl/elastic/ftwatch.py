@@ -36,10 +36,17 @@ log = logging.getLogger("spotctl.elastic.ft")
 _BEAT = re.compile(r"^\s*([^\s<>]+): seen ([0-9.eE+-]+)s ago", re.M)
 
 
-def heartbeats(status_page: str) -> dict[str, float]:
+def status_page(lighthouse: str) -> str:
+    """torchft's Lighthouse status page (through the head's filter, which passes it),
+    at most 1 MiB of it; OSError when it cannot be read."""
+    with urllib.request.urlopen(f"{lighthouse.rstrip('/')}/status", timeout=2) as r:
+        return r.read(1 << 20).decode(errors="replace")
+
+
+def heartbeats(page: str) -> dict[str, float]:
     """Replica id -> seconds since its last heartbeat, from torchft 0.2.0's status page."""
     out: dict[str, float] = {}
-    for rid, age in _BEAT.findall(status_page):
+    for rid, age in _BEAT.findall(page):
         try:
             out[rid] = float(age)
         except ValueError:
@@ -63,7 +70,7 @@ class Watch:
     def __init__(self, lighthouse: str, own: str, members: Callable[[], Iterable[str]],
                  on_gone: Callable[[Exception], None], *, after_s: float = 1.0,
                  poll_s: float = 0.5, stale_s: float = 2.0):
-        self.url = f"{lighthouse.rstrip('/')}/status"
+        self.lighthouse = lighthouse
         self.own = own
         self.members = members
         self.on_gone = on_gone
@@ -124,8 +131,7 @@ class Watch:
             if t0 is None or time.monotonic() - t0 < self.after_s:
                 continue
             try:
-                with urllib.request.urlopen(self.url, timeout=2) as r:
-                    page = r.read(1 << 20).decode(errors="replace")
+                page = status_page(self.lighthouse)
             except OSError:
                 continue  # the Lighthouse unreachable says nothing about a peer
             gone = vanished(list(self.members()), self.own, heartbeats(page), self.stale_s)

@@ -59,6 +59,7 @@ from spotctl.remote.package import (
     project_files,
 )
 from spotctl.remote.ssh import HostTarget
+from spotctl.sockets import is_loopback
 from spotctl.spec import SshHost
 from spotctl.state import write_json_atomic
 
@@ -69,9 +70,6 @@ TUNNELS_DIR = "tunnels"
 _URI = re.compile(r"^[a-z][a-z0-9+.-]*://")
 
 
-def is_loopback(address: str) -> bool:
-    a = address.strip("[]").lower()
-    return a == "localhost" or a == "::1" or a.startswith("127.")
 # the class defines a method named `list`, which shadows the builtin in its annotations
 _HostResults = list[HostResult]
 _Strs = list[str]
