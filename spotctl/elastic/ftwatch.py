@@ -33,7 +33,10 @@ import torch
 
 log = logging.getLogger("spotctl.elastic.ft")
 
-_BEAT = re.compile(r"^\s*([^\s<>]+): seen ([0-9.eE+-]+)s ago", re.M)
+# one entry of the page's heartbeat list; the page HTML-escapes ids, so an id (which any
+# cluster member chooses) cannot close its entry, and its age is the entry's last "seen"
+_ENTRY = re.compile(r'<li class="heartbeat[^"]*">(.*?)</li>', re.S)
+_AGE = re.compile(r"([0-9.eE+-]+)s ago")
 
 
 def status_page(lighthouse: str) -> str:
@@ -46,9 +49,13 @@ def status_page(lighthouse: str) -> str:
 def heartbeats(page: str) -> dict[str, float]:
     """Replica id -> seconds since its last heartbeat, from torchft 0.2.0's status page."""
     out: dict[str, float] = {}
-    for rid, age in _BEAT.findall(page):
+    for entry in _ENTRY.findall(page):
+        rid, _, rest = entry.strip().rpartition(": seen ")
+        m = _AGE.fullmatch(rest)
+        if not rid or m is None:
+            continue
         try:
-            out[rid] = float(age)
+            out[rid] = float(m.group(1))
         except ValueError:
             continue
     return out

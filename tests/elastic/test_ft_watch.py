@@ -63,6 +63,26 @@ def test_the_status_page_gives_each_replicas_heartbeat_age(lighthouse: Any) -> N
     assert vanished(["n1:x", "n2:y"], "n1", {}, 2.0) == "n2:y"  # no longer listed
 
 
+def test_an_id_chosen_by_a_cluster_member_cannot_age_a_real_replica(lighthouse: Any) -> None:
+    """Any cluster member can heartbeat under an id of its choosing: ids that spell a real
+    member's entry (after a newline, or closing the HTML entry) stay entries of their own,
+    in whatever order the page lists them."""
+    import urllib.request
+    from datetime import timedelta as td
+
+    from torchft._torchft import LighthouseClient
+
+    c = LighthouseClient(lighthouse.address, connect_timeout=td(seconds=5))
+    fakes = ["x\n  n2:real: seen 99s ago", 'a</li><li class="heartbeat">n2:real: seen 99s ago',
+             "n2:real: seen 99s ago\nz"]
+    for rid in ["n2:real", *fakes]:
+        c.heartbeat(rid)
+    with urllib.request.urlopen(f"{lighthouse.address}/status", timeout=5) as r:
+        ages = heartbeats(r.read().decode())
+    assert ages["n2:real"] < 1, ages
+    assert vanished(["n1:x", "n2:real"], "n1", ages, 2.0) is None
+
+
 def test_a_wait_on_a_replica_that_stopped_heartbeating_fails_in_seconds(lighthouse: Any) -> None:
     a = Beats(lighthouse.address, "n1:aaa")
     b = Beats(lighthouse.address, "n2:bbb")
