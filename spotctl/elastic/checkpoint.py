@@ -89,7 +89,7 @@ class AutoFileSystemWriter(_AutoWriters, dcp.FileSystemWriter):
 
 
 def _fsspec_writer() -> type:
-    """AutoFsspecWriter (on S3: files in concurrent parts, spotctl.elastic.s3parts), made
+    """AutoFsspecWriter (on S3 and GCS: files in concurrent parts, spotctl.elastic.parts), made
     on first use (fsspec is optional) and kept as a module
     attribute: the process-based async saver pickles the writer, and unpickling finds
     it there (through __getattr__ in a fresh process)."""
@@ -97,7 +97,7 @@ def _fsspec_writer() -> type:
     if cls is None:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        from spotctl.elastic.s3parts import PartsWriterMixin
+        from spotctl.elastic.parts import PartsWriterMixin
 
         cls = type("AutoFsspecWriter", (_AutoWriters, PartsWriterMixin, FsspecWriter),
                    {"__module__": __name__})
@@ -278,8 +278,8 @@ def writers_from_env() -> int:
 
 def open_store(root: str | os.PathLike[str]) -> Store:
     if is_url(root):
-        if str(root).startswith("s3://"):
-            from spotctl.elastic.s3parts import part_bytes
+        if str(root).startswith(("s3://", "gs://", "gcs://")):
+            from spotctl.elastic.parts import part_bytes
 
             part_bytes()  # a bad SPOTCTL_CHECKPOINT_PART_MB is refused here, not at a save
         return FsspecStore(str(root), writers=writers_from_env())

@@ -1,7 +1,8 @@
 """Issue 15: the CLI as a new user types it. `init`, `up`, then plain `status --once`,
 `events`, `logs`, `report --plot` and `down`, with no --name anywhere (the cluster comes
-from ./spotctl.toml, then from being the only one), on a real local cluster: on the default
-engine (torchft, from a plain `init`) and on `init --engine torchrun`."""
+from ./spotctl.toml, then from being the only one), on a real local cluster, on the engine
+a plain `init` writes (torchft). `init --engine torchrun` and the torchrun engine's CLI
+cycle: tests/unit (init) and tests/e2e/test_rescale.py."""
 
 from __future__ import annotations
 
@@ -11,19 +12,16 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ENGINES, wait_until
+from tests.conftest import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any,
-                                                             engine: str) -> None:
+def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any) -> None:
     c = local_cluster("demo")  # the name `spotctl init` writes; the harness tears it down
-    # the default engine as a new user gets it: plain `init`; the other one by its flag
-    c.cli("init", ".", "--force", *(() if engine == "torchft" else ("--engine", engine)))
+    c.cli("init", ".", "--force")  # the default engine, as a new user gets it
     spec = (c.project / "spotctl.toml").read_text()
-    assert 'name = "demo"' in spec and f'engine = "{engine}"' in spec
+    assert 'name = "demo"' in spec and 'engine = "torchft"' in spec
 
     up = c.cli("up", "--gpus", "1..2", "--wait", "150")
     assert "cluster demo: 2 node(s) launched, 2/2 reporting, training" in up.stdout
@@ -81,9 +79,8 @@ def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any,
     wait_until(sampled_training, 60, "a sampled interval in which the step advanced", 0.5)
 
     ev = c.cli("events").stdout
-    # torchrun resumes from the drain's checkpoint; torchft goes on from memory
-    at = "checkpoint step" if engine == "torchrun" else "in memory from step"
-    assert f"world 2 -> 1, notice, {at}" in ev and "{" not in ev
+    # torchft goes on from memory (torchrun: from the drain's checkpoint step)
+    assert "world 2 -> 1, notice, in memory from step" in ev and "{" not in ev
     assert any(x.split()[1:2] == ["notice"] and "n2" in x for x in ev.splitlines())
 
     one = c.cli("logs", "n1", "-n", "5").stdout

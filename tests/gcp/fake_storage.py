@@ -73,6 +73,7 @@ STORAGE_ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
             "storage.objects.rewrite",
             _B + r"/o/(?P<obj>[^/]+)/rewriteTo/b/(?P<dbucket>[^/]+)/o/(?P<dst>[^/]+)",
         ),
+        ("POST", "storage.objects.compose", _B + r"/o/(?P<dst>[^/]+)/compose"),
         ("POST", "storage.objects.insert", r"/upload" + _B + r"/o"),
         ("PUT", "storage.objects.insert", r"/upload" + _B + r"/o"),
         ("POST", "iam.serviceAccounts.create", _SA),
@@ -176,6 +177,8 @@ class FakeStorage:
         self.max_parallel_uploads = 0
         self.upload_latency_s = 0.0
         self.slow_uploads = b""
+        # object names holding one of these are refused (403) when uploaded: a failing part
+        self.refuse_names: set[str] = set()
 
     def issue_token(self, email: str) -> str:
         """An access token for the service account `email`, as the metadata server of a VM
@@ -216,6 +219,8 @@ class FakeStorage:
 
     def _need_write(self, bucket: str, name: str) -> None:
         """Creating `name`, or writing over it: that needs delete too, as GCS says."""
+        if any(r in name for r in self.refuse_names):
+            raise StorageError(403, "forbidden", f"writing {name} is refused (injected)")
         self._need("storage.objects.create", bucket, name)
         if name in self.objects.get(bucket, {}):
             self._need("storage.objects.delete", bucket, name)
@@ -475,6 +480,22 @@ class FakeStorage:
         return self._json({"kind": "storage#rewriteResponse", "done": True,
                            "totalBytesRewritten": str(len(data)),
                            "objectSize": str(len(data)), "resource": out})  # fmt: skip
+
+    def _objects_compose(self, bucket: str, dst: str, body: Any, **_: Any) -> Reply:
+        """Concatenate up to 32 objects of the bucket into `dst` (GCS's limit)."""
+        sources = [str(o.get("name", "")) for o in (body or {}).get("sourceObjects") or []]
+        if not sources:
+            raise StorageError(400, "required", "Required parameter: sourceObjects")
+        if len(sources) > 32:
+            raise StorageError(400, "invalid", f"The number of source components provided "
+                               f"({len(sources)}) exceeds the maximum (32)")  # fmt: skip
+        for name in sources:
+            self._need("storage.objects.get", bucket, name)
+        self._need_write(bucket, dst)
+        got = [self._object(bucket, name) for name in sources]
+        ctype = str(((body or {}).get("destination") or {}).get("contentType")
+                    or got[0][1]["contentType"])  # fmt: skip
+        return self._json(self._store(bucket, dst, b"".join(d for d, _ in got), ctype))
 
     def _objects_list(self, bucket: str, query: dict[str, str], **_: Any) -> Reply:
         self._bucket(bucket)

@@ -43,12 +43,12 @@ from spotctl.elastic.checkpoint import Checkpointer, open_store
 root, bucket = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 pg = dist.new_group(backend="gloo")
-state = {"model": {"w": torch.full((64, 64), 3.0), "b": torch.arange(4.0)}}
+state = {"model": {"w": torch.full((1600, 1024), 3.0), "b": torch.arange(4.0)}}
 ck = Checkpointer(root, keep_last=2, rank=0, pg=pg, mode="thread")
 out = {"saved": bool(ck.save_sync(10, state, {"epoch": 0, "offset": 40}))}
 ck.close()
 out["committed"] = bool(open_store(root).committed(10))
-fresh = {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(4)}}
+fresh = {"model": {"w": torch.zeros(1600, 1024), "b": torch.zeros(4)}}
 again = Checkpointer(root, keep_last=2, rank=0, pg=pg, mode="thread")
 meta = again.load_latest(fresh)
 again.close()
@@ -80,7 +80,9 @@ def _worker_env(fake, md: InstanceMetadata, home: Path) -> dict[str, str]:
            if not k.startswith(("GOOGLE_", "CLOUDSDK_", "SPOTCTL_CHECKPOINT_"))}  # fmt: skip
     env.update(STORAGE_EMULATOR_HOST=fake.endpoint, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
                GCE_METADATA_HOST=md.host, GCE_METADATA_IP=md.host, HOME=str(home),
-               CLOUDSDK_CONFIG=str(home / "gcloud"))  # fmt: skip
+               CLOUDSDK_CONFIG=str(home / "gcloud"),
+               # parts of 5 MiB: the 6.25 MiB tensor's file goes up as parts, composed
+               SPOTCTL_CHECKPOINT_PART_MB="5")  # fmt: skip
     return env
 
 
@@ -115,6 +117,9 @@ def test_node_account_saves_commits_and_loads_a_checkpoint_under_bucket_iam(
     assert out["loaded"] == [10, 40] and out["same"], out
     assert any(n.startswith("demo/checkpoints/step-00000010/")
                for n in fake.storage.objects[bucket])  # fmt: skip
+    # the big file went up in parts, composed by the node's own account, none left
+    assert ("storage.objects.compose", email) in fake.storage.callers, fake.storage.callers
+    assert not [n for n in fake.storage.objects[bucket] if ".part-" in n]
     # other clusters' names in a shared bucket are visible, their contents are not
     assert out["listed"] == [f"{bucket}/other/checkpoints"], out
     for what, err in out["refused"].items():

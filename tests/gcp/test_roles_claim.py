@@ -64,6 +64,7 @@ PERMISSIONS: dict[str, set[str]] = {
     "storage.objects.move": {"storage.objects.get", "storage.objects.create",
                              "storage.objects.delete"},
     "storage.objects.rewrite": {"storage.objects.get", "storage.objects.create"},
+    "storage.objects.compose": {"storage.objects.get", "storage.objects.create"},
     "iam.serviceAccounts.create": {"iam.serviceAccounts.create"},
     "iam.serviceAccounts.get": {"iam.serviceAccounts.get"},
     "iam.serviceAccounts.delete": {"iam.serviceAccounts.delete"},

@@ -41,8 +41,8 @@ def _worker(rank: int, world: int, port: int, root: str, mode: str, out: str) ->
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     init_worker(rank, world, port)  # the parent's store (no port picked, then bound later)
     pg = dist.new_group(backend="gloo")
-    ck = Checkpointer(root, keep_last=2, rank=rank, pg=pg)
     if mode == "save":
+        ck = Checkpointer(root, keep_last=2, rank=rank, pg=pg)
         for step in (10, 20):
             ck.save_async(step, _state(step), {"epoch": 0, "offset": step * 4})
             ck.wait_pending()
@@ -61,15 +61,20 @@ def _worker(rank: int, world: int, port: int, root: str, mode: str, out: str) ->
                 d.mkdir()
                 (d / "__0_0.distcp").write_bytes(b"partial")
         ck.close()
-    else:
-        st = _state(0.0)
-        try:
-            meta = ck.load_latest(st)
-            res = f"{meta['step'] if meta else None} {float(st['model']['w'][0, 0])}"
-        except RuntimeError as e:
-            res = f"raised: {e}"
-        if rank == 0:
-            Path(out).write_text(res)
+    else:  # one rank: load; then, before each next load, the newest step's files truncated
+        res = []
+        for corrupt in (None, 30, 20):
+            if corrupt is not None:
+                _corrupt(root, corrupt)
+            ck = Checkpointer(root, keep_last=2, rank=rank, pg=pg)
+            st = _state(0.0)
+            try:
+                meta = ck.load_latest(st)
+                res.append(f"{meta['step'] if meta else None} {float(st['model']['w'][0, 0])}")
+            except RuntimeError as e:
+                res.append(f"raised: {e}")
+            ck.close()
+        Path(out).write_text("\n".join(res))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -108,17 +113,15 @@ def _commit_prune_reshard_and_fallback(tmp_path: Path, root: str) -> None:
     assert committed_steps(root) == [30, 20]  # keep_last=2 pruned step 10
     steps = open_store(root).steps()
     assert 10 not in steps and steps[40] is False  # 40: data without COMMIT
-    # 2 ranks saved, 1 rank loads: newest committed step, never the uncommitted 40
+    # 2 ranks saved, 1 rank loads (one process, three loads)
     _run(1, root, "load", tmp_path / "o1")
-    assert (tmp_path / "o1").read_text() == "30 30.0"
-    # corrupt the newest: every data file of step 30 truncated
-    _corrupt(root, 30)
-    _run(1, root, "load", tmp_path / "o2")
-    assert (tmp_path / "o2").read_text() == "20 20.0"
+    newest, fallback, none = (tmp_path / "o1").read_text().split("\n", 2)
+    # the newest committed step, never the uncommitted 40
+    assert newest == "30 30.0"
+    # the newest corrupted (every data file of step 30 truncated): the one before it
+    assert fallback == "20 20.0"
     # nothing loads: a loud error, never a silent restart from step 0
-    _corrupt(root, 20)
-    _run(1, root, "load", tmp_path / "o3")
-    assert (tmp_path / "o3").read_text().startswith("raised: committed checkpoints [30, 20]")
+    assert none.startswith("raised: committed checkpoints [30, 20]"), none
 
 
 def _writers_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
@@ -324,6 +327,64 @@ def test_s3_checkpoint_files_upload_their_parts_at_once(monkeypatch, fail):
         assert torch.equal(back["model"]["w"], big)
         assert slow.calls == 5 and "parts-False/step-00000007/__0_0.distcp" in keys, (
             slow.calls, keys)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_gcs_checkpoint_files_upload_their_parts_at_once(monkeypatch, fail):
+    """On gs:// a checkpoint file goes up in parts of SPOTCTL_CHECKPOINT_PART_MB, several at
+    once, each a temporary object composed into the file at the end and then deleted; it
+    loads back whole. A part that fails fails the save: no COMMIT, no file, no part left."""
+    pytest.importorskip("gcsfs")
+    monkeypatch.setenv("SPOTCTL_CHECKPOINT_PART_MB", "5")
+    monkeypatch.setenv("SPOTCTL_CHECKPOINT_WRITERS", "1")
+    big = torch.arange(6 << 20, dtype=torch.float32)  # 24 MiB: 5 parts of 5 MiB
+    with fake_gcs_server("ckpts") as (fake, _):
+        fake.storage.upload_latency_s = 0.3
+        if fail:
+            fake.storage.refuse_names.add("__0_0.distcp.part-00003")
+        with single_rank_group() as pg:
+            ck = Checkpointer("gs://ckpts/parts", keep_last=2, rank=0, pg=pg, mode="thread")
+            ok = ck.save_sync(7, {"model": {"w": big}}, {"epoch": 0, "offset": 0})
+            back = {"model": {"w": torch.zeros_like(big)}}
+            meta = None if fail else ck.load_latest(back)
+            ck.close()
+        names = sorted(n for n in fake.storage.objects["ckpts"] if n.startswith("parts/"))
+        composed = [r for r in fake.requests if r.key == "storage.objects.compose"]
+        most = fake.storage.max_parallel_uploads
+    assert most >= 2, (most, names)
+    assert not [n for n in names if ".part-" in n], names
+    if fail:
+        assert not ok and "parts/step-00000007/__0_0.distcp" not in names, names
+        assert "parts/step-00000007/COMMIT" not in names, names
+    else:
+        assert ok and meta is not None and meta["step"] == 7
+        assert torch.equal(back["model"]["w"], big)
+        assert len(composed) == 1 and len(composed[0].body["sourceObjects"]) == 5, composed
+
+
+def test_gcs_parts_beyond_one_compose_are_folded_in_order():
+    """More parts than GCS composes at once (32): folded through a temporary object, the
+    file whole and in order, nothing else left."""
+    pytest.importorskip("gcsfs")
+    import fsspec
+
+    from spotctl.elastic.parts import GcsPartsStream
+
+    data = bytes(range(256)) * 300  # 76,800 bytes: 75 parts of 1 KiB
+    with fake_gcs_server("ckpts") as (fake, env):
+        fs = fsspec.filesystem("gs", **json.loads(env["SPOTCTL_CHECKPOINT_STORAGE_OPTIONS"]))
+        stream = GcsPartsStream(fs, "ckpts/many/file.bin", part=1024)
+        for i in range(0, len(data), 1000):  # writes that do not line up with the parts
+            stream.write(data[i : i + 1000])
+        stream.close()
+        objects = fake.storage.objects["ckpts"]
+        names = sorted(n for n in objects if n.startswith("many/"))
+        got = objects.get("many/file.bin", (b"",))[0]
+        composes = [len(r.body["sourceObjects"]) for r in fake.requests
+                    if r.key == "storage.objects.compose"]
+    assert names == ["many/file.bin"], names
+    assert got == data
+    assert composes == [32, 32, 13], composes
 
 
 def test_split_batch_covers_every_sample_once():
