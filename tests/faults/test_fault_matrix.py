@@ -156,6 +156,9 @@ def test_torchft_scenario(ft_rows: dict[str, Result], key: str) -> None:
         # or, all asking it together, go on in its first quorum, the same id and members
         assert r.detail["restarted_replicas"] == [], r.detail
         assert r.detail["ft"]["processes_started"] == 0, r.detail
+        # on the address the agents were given before the kill
+        lighthouse_before, lighthouse_after = r.detail["lighthouse"]
+        assert lighthouse_before and lighthouse_after == lighthouse_before, r.detail
         assert r.detail["ft"]["new_quorums"] or r.detail["same_quorum"], r.detail
         assert r.steps_replayed is not None and r.steps_replayed <= FT_KILL_REPLAY, r.detail
 
