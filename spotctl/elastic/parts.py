@@ -18,6 +18,7 @@ either way.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Coroutine, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -198,7 +199,11 @@ class GcsPartsStream(_Parts):
             self._run(self.fs._merge(temp, sources[:GCS_COMPOSE_MOST])).result()
             sources = [temp, *sources[GCS_COMPOSE_MOST:]]
         self._run(self.fs._merge(self.path, sources)).result()
-        self._delete(names + ([temp] if len(names) > GCS_COMPOSE_MOST else []))
+        try:  # the file is whole: parts left behind are pruned with their step
+            self._delete(names + ([temp] if len(names) > GCS_COMPOSE_MOST else []))
+        except Exception as e:  # noqa: BLE001 - the save itself succeeded
+            logging.getLogger("spotctl.checkpoint").warning(
+                "could not delete the parts of %s (pruned with its step): %s", self.path, e)
 
     def _discard(self) -> None:
         names = [self._name(i + 1) for i, f in enumerate(self.parts) if f.exception() is None]
@@ -206,8 +211,13 @@ class GcsPartsStream(_Parts):
 
     def _delete(self, names: list[str], missing_ok: bool = False) -> None:
         async def rm_all() -> None:
-            got = await asyncio.gather(*(self.fs._rm_file(n) for n in names),
-                                       return_exceptions=True)
+            gate = asyncio.Semaphore(self.in_flight)
+
+            async def rm(name: str) -> None:
+                async with gate:
+                    await self.fs._rm_file(name)
+
+            got = await asyncio.gather(*(rm(n) for n in names), return_exceptions=True)
             errors = [e for e in got if isinstance(e, BaseException)
                       and not (missing_ok and isinstance(e, FileNotFoundError))]
             if errors:

@@ -387,6 +387,28 @@ def test_gcs_parts_beyond_one_compose_are_folded_in_order():
     assert composes == [32, 32, 13], composes
 
 
+def test_gcs_parts_left_undeleted_do_not_fail_a_whole_file(monkeypatch, caplog):
+    """Once composed the file is whole: a failed delete of its parts is a warning (the
+    step's pruning removes them), not a failed save."""
+    pytest.importorskip("gcsfs")
+    import fsspec
+
+    from spotctl.elastic.parts import GcsPartsStream
+
+    def refuse(self, names, missing_ok=False):  # type: ignore[no-untyped-def]
+        raise PermissionError("storage.objects.delete denied")
+
+    monkeypatch.setattr(GcsPartsStream, "_delete", refuse)
+    with fake_gcs_server("ckpts") as (fake, env):
+        fs = fsspec.filesystem("gs", **json.loads(env["SPOTCTL_CHECKPOINT_STORAGE_OPTIONS"]))
+        stream = GcsPartsStream(fs, "ckpts/left/file.bin", part=1024)
+        stream.write(b"x" * 3000)
+        stream.close()
+        names = sorted(n for n in fake.storage.objects["ckpts"] if n.startswith("left/"))
+    assert names == ["left/file.bin", *(f"left/file.bin.part-0000{i}" for i in (1, 2, 3))]
+    assert "could not delete the parts of ckpts/left/file.bin" in caplog.text
+
+
 def test_split_batch_covers_every_sample_once():
     for count in (1, 7, 32, 33):
         for world in (1, 2, 3, 5):
