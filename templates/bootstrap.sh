@@ -67,12 +67,6 @@ pip_q() {
     "$PY" -m pip install --quiet --disable-pip-version-check "$@" >>"$DIR/bootstrap.log" 2>&1
 }
 
-# spotctl and its dependencies without byte-compiling every module they ship (half of the
-# install's CPU time on a booting node; Python compiles what is imported, when it is)
-pip_deps() {
-    pip_q --no-compile "$@"
-}
-
 make_venv() {  # make_venv [--system-site-packages]
     if has "$BASE" ensurepip && "$BASE" -m venv "$@" "$VENV" >>"$DIR/bootstrap.log" 2>&1; then
         return 0
@@ -138,11 +132,11 @@ if sys.prefix != sys.base_prefix: print("\n".join(site.getsitepackages()))')
             || { echo "spotctl: installing $TORCH_SPEC failed (see $DIR/bootstrap.log)"; exit 3; }
     fi
     wheel="$PKG/$(cat "$PKG/spotctl-wheel")"
-    pip_deps --no-index --find-links "$PKG" -r "$PKG/requirements.txt" \
-        || pip_deps --find-links "$PKG" -r "$PKG/requirements.txt" \
+    pip_q --no-index --find-links "$PKG" -r "$PKG/requirements.txt" \
+        || pip_q --find-links "$PKG" -r "$PKG/requirements.txt" \
         || { echo "spotctl: installing spotctl's pinned dependencies failed (see $DIR/bootstrap.log)"; exit 3; }
     # this controller's spotctl, replacing any other build of the same version
-    pip_deps --no-index --no-deps --force-reinstall "$wheel" \
+    pip_q --no-index --no-deps --force-reinstall "$wheel" \
         || { echo "spotctl: installing $wheel failed (see $DIR/bootstrap.log)"; exit 3; }
     echo "$want" >"$VENV/.spotctl-package"
     echo "spotctl: deps installed"
