@@ -7,7 +7,8 @@ system's own client and event loop), holding at most PARTS_IN_FLIGHT + 1 parts i
 
 - S3: one multipart upload, completed at close (a failure aborts it);
 - GCS: each part a temporary object beside the file (`NAME.part-00001`, ...), composed
-  into the file at close (32 sources per compose, GCS's limit) and deleted; a failure
+  into the file at close (32 sources per compose, at most 1024 components per object:
+  GCS's limits, so parts grow past the first 256) and deleted; a failure
   deletes the parts it wrote. A node killed mid-save leaves parts in a step that never
   commits, which the checkpoint pruning removes with the step.
 
@@ -92,11 +93,15 @@ class _Parts:
         mv = memoryview(data).cast("B")
         self.buf += mv
         self.pos += len(mv)
-        while len(self.buf) >= self.part:
-            chunk = bytes(self.buf[: self.part])
-            del self.buf[: self.part]
+        while len(self.buf) >= (size := self._size(len(self.parts) + 1)):
+            chunk = bytes(self.buf[:size])
+            del self.buf[:size]
             self._send(chunk)
         return len(mv)
+
+    def _size(self, number: int) -> int:
+        """The size of part `number` (from 1)."""
+        return self.part
 
     def _send(self, chunk: bytes) -> None:
         running = [f for f in self.parts if not f.done()]
@@ -178,7 +183,14 @@ class PartsStream(_Parts):
 
 
 class GcsPartsStream(_Parts):
-    """GCS: each part a temporary object, composed into the file at close."""
+    """GCS: each part a temporary object, composed into the file at close. A composite
+    object holds at most 1024 components, so the part size doubles every `same_size`
+    parts (1024 parts of a 32 MiB start hold 120 GiB)."""
+
+    same_size = 256
+
+    def _size(self, number: int) -> int:
+        return self.part << ((number - 1) // self.same_size)
 
     def _name(self, number: int) -> str:
         return f"{self.path}.part-{number:05d}"
@@ -192,15 +204,15 @@ class GcsPartsStream(_Parts):
     def _complete(self, results: list[Any]) -> None:
         names = [self._name(i + 1) for i in range(len(self.parts))]
         temp = f"{self.path}.part-composed"
-        sources = names
+        sources, made = names, []
         # more parts than one compose takes: fold them into a temporary object first, so
         # the file itself is written once, whole
         while len(sources) > GCS_COMPOSE_MOST:
             self._run(self.fs._merge(temp, sources[:GCS_COMPOSE_MOST])).result()
-            sources = [temp, *sources[GCS_COMPOSE_MOST:]]
+            sources, made = [temp, *sources[GCS_COMPOSE_MOST:]], [temp]
         self._run(self.fs._merge(self.path, sources)).result()
         try:  # the file is whole: parts left behind are pruned with their step
-            self._delete(names + ([temp] if len(names) > GCS_COMPOSE_MOST else []))
+            self._delete(names + made)
         except Exception as e:  # noqa: BLE001 - the save itself succeeded
             logging.getLogger("spotctl.checkpoint").warning(
                 "could not delete the parts of %s (pruned with its step): %s", self.path, e)

@@ -81,6 +81,7 @@ STORAGE_ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
         ("DELETE", "iam.serviceAccounts.delete", _SA + r"/(?P<email>[^/]+)"),
     ]
 ]
+MAX_COMPONENTS = 1024  # GCS: components of one composite object
 BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]")
 ACCOUNT_ID_RE = re.compile(r"[a-z][a-z0-9-]{4,28}[a-z0-9]")
 SA_DOMAIN = ".iam.gserviceaccount.com"
@@ -177,8 +178,10 @@ class FakeStorage:
         self.max_parallel_uploads = 0
         self.upload_latency_s = 0.0
         self.slow_uploads = b""
-        # object names holding one of these are refused (403) when uploaded: a failing part
+        # object names holding one of these are refused (403) when uploaded (a failing
+        # part) or, in refuse_deletes, when deleted
         self.refuse_names: set[str] = set()
+        self.refuse_deletes: set[str] = set()
 
     def issue_token(self, email: str) -> str:
         """An access token for the service account `email`, as the metadata server of a VM
@@ -457,6 +460,8 @@ class FakeStorage:
                      "Content-Range": f"bytes {start}-{end}/{size}"}, data[start : end + 1]  # fmt: skip
 
     def _objects_delete(self, bucket: str, obj: str, **_: Any) -> Reply:
+        if any(r in obj for r in self.refuse_deletes):
+            raise StorageError(403, "forbidden", f"deleting {obj} is refused (injected)")
         self._need("storage.objects.delete", bucket, obj)
         self._object(bucket, obj)
         del self.objects[bucket][obj]
@@ -482,7 +487,8 @@ class FakeStorage:
                            "objectSize": str(len(data)), "resource": out})  # fmt: skip
 
     def _objects_compose(self, bucket: str, dst: str, body: Any, **_: Any) -> Reply:
-        """Concatenate up to 32 objects of the bucket into `dst` (GCS's limit)."""
+        """Concatenate up to 32 objects of the bucket into `dst`; as on GCS, a composite
+        counts the components of its sources and holds at most 1024."""
         sources = [str(o.get("name", "")) for o in (body or {}).get("sourceObjects") or []]
         if not sources:
             raise StorageError(400, "required", "Required parameter: sourceObjects")
@@ -493,9 +499,16 @@ class FakeStorage:
             self._need("storage.objects.get", bucket, name)
         self._need_write(bucket, dst)
         got = [self._object(bucket, name) for name in sources]
+        components = sum(int(m.get("componentCount", 1)) for _, m in got)
+        if components > MAX_COMPONENTS:
+            raise StorageError(400, "invalid", f"The number of components in the destination "
+                               f"object ({components}) exceeds the maximum "
+                               f"({MAX_COMPONENTS})")  # fmt: skip
         ctype = str(((body or {}).get("destination") or {}).get("contentType")
                     or got[0][1]["contentType"])  # fmt: skip
-        return self._json(self._store(bucket, dst, b"".join(d for d, _ in got), ctype))
+        meta = self._store(bucket, dst, b"".join(d for d, _ in got), ctype)
+        meta["componentCount"] = components
+        return self._json(meta)
 
     def _objects_list(self, bucket: str, query: dict[str, str], **_: Any) -> Reply:
         self._bucket(bucket)

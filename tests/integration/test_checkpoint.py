@@ -387,7 +387,35 @@ def test_gcs_parts_beyond_one_compose_are_folded_in_order():
     assert composes == [32, 32, 13], composes
 
 
-def test_gcs_parts_left_undeleted_do_not_fail_a_whole_file(monkeypatch, caplog):
+def test_gcs_parts_grow_so_a_file_stays_within_1024_components(monkeypatch):
+    """GCS refuses a composite of more than 1024 components (the stand-in too, checked
+    here): parts double in size every `same_size` parts, so a file that would take 1100
+    parts of the first size takes 33 (32 of 1..128 KiB, the rest), and composes."""
+    pytest.importorskip("gcsfs")
+    import fsspec
+
+    from spotctl.elastic.parts import GcsPartsStream
+
+    monkeypatch.setattr(GcsPartsStream, "same_size", 4)  # 256 in use: the same arithmetic
+    data = os.urandom(1100 * 1024)
+    with fake_gcs_server("ckpts") as (fake, env):
+        fs = fsspec.filesystem("gs", **json.loads(env["SPOTCTL_CHECKPOINT_STORAGE_OPTIONS"]))
+        stream = GcsPartsStream(fs, "ckpts/grow/file.bin", part=1024)
+        for i in range(0, len(data), 64 * 1024):
+            stream.write(data[i : i + 64 * 1024])
+        stream.close()
+        data_back, meta = fake.storage.objects["ckpts"]["grow/file.bin"]
+        components = meta["componentCount"]
+        # the stand-in refuses what GCS refuses: a composite past 1024 components
+        meta["componentCount"] = 1000
+        with pytest.raises(Exception, match="exceeds the maximum"):
+            fs.merge("ckpts/grow/too-many", ["ckpts/grow/file.bin"] * 25)
+    assert data_back == data
+    assert components == len(stream.parts) == 33, (components, len(stream.parts))
+    assert [stream._size(n) for n in (1, 4, 5, 9, 36)] == [1024, 1024, 2048, 4096, 256 * 1024]
+
+
+def test_gcs_parts_left_undeleted_do_not_fail_a_whole_file(caplog):
     """Once composed the file is whole: a failed delete of its parts is a warning (the
     step's pruning removes them), not a failed save."""
     pytest.importorskip("gcsfs")
@@ -395,11 +423,8 @@ def test_gcs_parts_left_undeleted_do_not_fail_a_whole_file(monkeypatch, caplog):
 
     from spotctl.elastic.parts import GcsPartsStream
 
-    def refuse(self, names, missing_ok=False):  # type: ignore[no-untyped-def]
-        raise PermissionError("storage.objects.delete denied")
-
-    monkeypatch.setattr(GcsPartsStream, "_delete", refuse)
     with fake_gcs_server("ckpts") as (fake, env):
+        fake.storage.refuse_deletes.add(".part-")
         fs = fsspec.filesystem("gs", **json.loads(env["SPOTCTL_CHECKPOINT_STORAGE_OPTIONS"]))
         stream = GcsPartsStream(fs, "ckpts/left/file.bin", part=1024)
         stream.write(b"x" * 3000)
