@@ -273,41 +273,17 @@ def fake_replica(c: Cluster, world: int) -> Result:
     refuse the heal (spotctl.elastic.peerload); once the fake is killed they train on at
     `world` replicas. Survived: the file never appeared, every replica refused, and no
     replica took the fake's step or restarted."""
-    import subprocess
-    import sys
+    from tests.security.torchft_attacks import run_fake_replica
 
     from .ft import records
 
     res = Result("19 torchft fake replica with a pickle", not_applicable=["recover_s"])
-    lighthouse = _head(c)["lighthouse"]
     marker = c.root / "fake-payload-ran"
     marker.unlink(missing_ok=True)
-    script = Path(__file__).resolve().parents[2] / "tests" / "security" / "fake_replica.py"
     pids = c.worker_pids()
-    with socket.socket() as sk:  # the fake replica group's own store
-        sk.bind(("127.0.0.1", 0))
-        store_port = sk.getsockname()[1]
-    needle = "a peer's heal named posix.system"
-
-    def refusals() -> int:
-        return sum(p.read_text(errors="replace").count(needle)
-                   for p in c.cluster_dir.glob("nodes/*/torchrun.log"))
-
-    before = refusals()
     t0 = time.time()
-    with open(c.root / "fake-replica.log", "ab") as log:
-        fake = subprocess.Popen([sys.executable, str(script), lighthouse, str(marker),
-                                 str(store_port)],
-                                stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, RUST_LOG="warn"))
-    try:
-        deadline = time.monotonic() + 120
-        while refusals() - before < world and not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.5)
-    finally:
-        fake.kill()
-        fake.wait()
-    refused = refusals() - before
+    refused = run_fake_replica(_head(c)["lighthouse"], marker, c.cluster_dir, world,
+                               c.root / "fake-replica.log", dict(os.environ))
     res.detail.update(victim=None, refusals=refused, payload_ran=marker.exists(),
                       seconds_to_refuse=round(time.time() - t0, 1))
     after = c.worker_pids()

@@ -22,27 +22,25 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import free_port, last_step, node_steps, up_ft_train, wait_until
+from tests.conftest import last_step, node_steps, up_ft_train, wait_until
 from tests.security.torchft_attacks import (
     grpc_call,
     http1,
     kill_request,
     lighthouse_members,
+    run_fake_replica,
 )
 
 if importlib.util.find_spec("torchft") is None:
     pytest.skip("torchft is not installed (the 'ft' extra)", allow_module_level=True)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-REPO = Path(__file__).resolve().parents[2]
 NODES = ("n1", "n2")
 
 
@@ -99,22 +97,9 @@ def test_a_fake_replica_runs_no_code_in_the_replicas_it_heals(local_cluster: Any
     lighthouse = json.loads((c.cluster_dir / "head" / "head.json").read_text())["lighthouse"]
     marker = c.tmp / "payload-ran"
     out = c.tmp / "fake.log"
-    with open(out, "wb") as f:
-        fake = subprocess.Popen([sys.executable, str(REPO / "tests" / "security" / "fake_replica.py"),
-                                 lighthouse, str(marker), str(free_port())],
-                                stdout=f, stderr=subprocess.STDOUT, env=dict(c.env, RUST_LOG="warn"))
-    try:
-        # the real replicas were told to heal from it, and refused what it sent
-        def refused() -> bool:
-            text = "".join(p.read_text(errors="replace")
-                           for p in c.cluster_dir.glob("nodes/*/*.log"))
-            return text.count("a peer's heal named posix.system") >= 2 or marker.exists()
-
-        wait_until(refused, 120, "both replicas to refuse the fake's heal", 0.5,
-                   lambda: out.read_text(errors="replace")[-3000:] + c.debug())
-    finally:
-        fake.kill()
-        fake.wait()
+    # the real replicas are told to heal from it, and refuse what it sends
+    refused = run_fake_replica(lighthouse, marker, c.cluster_dir, 2, out, c.env)
+    assert refused >= 2 or marker.exists(), out.read_text(errors="replace")[-3000:] + c.debug()
     assert not marker.exists(), "the fake replica's payload ran in a replica"
     pids = {n: node_steps(logs, n)[0]["pid"] for n in NODES}
     marks = {n: last_step(logs, n) for n in NODES}

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import re
 import socket
+import subprocess
+import sys
+import time
 import urllib.parse
 from dataclasses import dataclass
+from pathlib import Path
 
 from tests.conftest import send_and_read
 
@@ -95,3 +99,39 @@ def lighthouse_members(status_page: str) -> dict[str, str]:
     """Replica id -> Manager address, from the Lighthouse's status page (torchft 0.2.0)."""
     return dict(re.findall(r"<b>([^<]+)</b> <br/>\s*Step: \d+ <br/>\s*Manager: (\S+) <br/>",
                            status_page))
+
+
+FAKE_REPLICA = Path(__file__).with_name("fake_replica.py")
+# what a replica logs when it refuses the fake's pickle (spotctl.elastic.peerload)
+REFUSED_HEAL = "a peer's heal named posix.system"
+
+
+def refused_heals(cluster_dir: Path) -> int:
+    """Heals the replicas of a local cluster have refused so far (their torchrun logs)."""
+    return sum(p.read_text(errors="replace").count(REFUSED_HEAL)
+               for p in cluster_dir.glob("nodes/*/torchrun.log"))
+
+
+def run_fake_replica(lighthouse: str, marker: Path, cluster_dir: Path, want: int, log: Path,
+                     env: dict[str, str], timeout: float = 120.0) -> int:
+    """Run tests/security/fake_replica.py (torchft's own Manager at a very high step, its
+    state a pickle that creates `marker` when loaded) against `lighthouse` until the
+    cluster's replicas have refused `want` more heals, the payload ran, or `timeout`; then
+    kill it. Returns the heals refused meanwhile."""
+    before = refused_heals(cluster_dir)
+    with socket.socket() as sk:  # the fake replica group's own store
+        sk.bind(("127.0.0.1", 0))
+        store_port = sk.getsockname()[1]
+    with open(log, "ab") as out:
+        fake = subprocess.Popen([sys.executable, str(FAKE_REPLICA), lighthouse, str(marker),
+                                 str(store_port)], stdout=out, stderr=subprocess.STDOUT,
+                                env=dict(env, RUST_LOG="warn"))
+    try:
+        deadline = time.monotonic() + timeout
+        while (refused_heals(cluster_dir) - before < want and not marker.exists()
+               and time.monotonic() < deadline):
+            time.sleep(0.5)
+    finally:
+        fake.kill()
+        fake.wait()
+    return refused_heals(cluster_dir) - before
