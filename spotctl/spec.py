@@ -182,12 +182,18 @@ class TrainSpec(_Strict):
         default_factory=lambda: ["/opt/pytorch/bin/python3", "/opt/conda/bin/python3"],
         max_length=16)
     env: dict[str, str] = Field(default_factory=dict)  # extra environment of the workers
-    # The distributed engine. torchft (the default): each node is a replica group under its
-    # own torchrun, joined by the head's torchft Lighthouse; notices are graceful leaves,
+    # The distributed engine. torchft (the default): each node (or nodes_per_replica
+    # nodes) is a replica group under its own torchrun, joined by the head's torchft Lighthouse; notices are graceful leaves,
     # joiners recover from a live peer, survivors never restart (torchft is in the 'train'
     # and 'ft' extras). torchrun: every rescale restarts the workers from the last
     # committed checkpoint (one rendezvous on the head). The script is the same for both.
     engine: Engine = DEFAULT_ENGINE
+    # On torchft, the nodes that make one replica group (one torchrun across them, DDP or
+    # FSDP2 inside it), e.g. 4 for a model that needs 4 one-GPU nodes together. A notice
+    # on any of them takes its whole group out of the quorum after the step in flight;
+    # the others wait for a replacement, and the group then heals from a live one. Make
+    # gpus.min and gpus.max whole groups: the nodes of a group not yet full wait.
+    nodes_per_replica: int = Field(default=1, ge=1, le=64)
     # On cloud nodes, where the bootstrap has root, training workers run as this
     # unprivileged user (created if missing) and cannot read the node's credential;
     # "" = they run as the agent's user. Local nodes always run as you.
@@ -455,6 +461,20 @@ class ClusterSpec(_Strict):
                 "these hosts can reach those addresses (a network of their own or a "
                 "firewall; see docs/security.md)"
             )
+        if self.train.nodes_per_replica > 1 and self.train.engine != "torchft":
+            raise ValueError(
+                f"[train] nodes_per_replica = {self.train.nodes_per_replica} needs engine "
+                "'torchft' (on torchrun every node is already in one group)")
+        k = self.train.nodes_per_replica
+        # a node has at least one GPU: whole groups are multiples of k GPUs (of k x the
+        # node's GPUs where the spec says how many)
+        gpn = self.local.gpus_per_node if self.provider == "local" else 1
+        per = k * gpn
+        if k > 1 and (self.gpus.min % per or self.gpus.max % per):
+            raise ValueError(
+                f"gpus {self.gpus} is not whole replica groups: each is {k} nodes x "
+                + (f"{gpn} gpus = {per} (nodes_per_replica x [local] gpus_per_node)"
+                   if self.provider == "local" else "at least 1 gpu (nodes_per_replica)"))
         sizes = sorted({h.gpus for h in self.ssh.hosts}) if self.provider == "ssh" else []
         if self.train.engine == "torchft" and len(sizes) > 1:
             # each node is one replica group, and the global batch is split by replica

@@ -40,6 +40,9 @@ class AgentConfig:
     # Lighthouse at `lighthouse`, e.g. http://10.0.0.5:29510)
     engine: str = "torchrun"
     lighthouse: str = ""
+    # torchft: nodes per replica group ([train] nodes_per_replica); above 1 the head
+    # places this node in a group and its torchrun spans the group's nodes
+    replica_nodes: int = 1
     # Where preemption notices come from: local emulator (both protocols), aws, gcp,
     # a notice file (ssh hosts with their own eviction signal), or none.
     metadata: str = "none"
@@ -65,6 +68,9 @@ class AgentConfig:
             raise ValueError("expect_gpus must be >= 0 and gpu_wait_s within [0, 3600]")
         if self.engine not in ("torchrun", "torchft"):
             raise ValueError(f"engine must be torchrun or torchft, got {self.engine!r}")
+        if not 1 <= self.replica_nodes <= 64 or (self.replica_nodes > 1
+                                                    and self.engine != "torchft"):
+            raise ValueError("replica_nodes must be 1..64, and above 1 only on torchft")
         if self.engine == "torchft" and not self.lighthouse:
             raise ValueError("engine torchft needs the head's lighthouse address")
 

@@ -37,11 +37,31 @@ from spotctl.head.client import HeadClient, HeadUnavailable
 
 log = logging.getLogger("spotctl.agent")
 TICK_S = 0.25
+# a spanning replica group's nodes wait this long for the group's first node (the head
+# moves the group to a new generation, which restarts them, when that node is gone)
+GROUP_RDZV_TIMEOUT_S = 600
 RDZV_CONF = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=900,read_timeout=30"
 
 
-def torchrun_command(cfg: AgentConfig, master_port: int = 0) -> list[str]:
+def torchrun_command(cfg: AgentConfig, master_port: int = 0,
+                     group: dict[str, Any] | None = None) -> list[str]:
     py = cfg.python or sys.executable
+    if cfg.engine == "torchft" and group is not None:
+        # a replica group of several nodes (spotctl.head.groups): one torchrun across them,
+        # a static rendezvous whose store listens on the group's first node, started anew
+        # (with the generation in its id) whenever the group's membership changes
+        host, port = group["master"]
+        return [
+            py, "-m", "spotctl.agent.launch", "-m", "torch.distributed.run",
+            f"--nnodes={cfg.replica_nodes}", f"--nproc-per-node={cfg.nproc_per_node}",
+            "--rdzv-backend=spotctl-node",
+            f"--rdzv-endpoint={_endpoint(host, port)}",
+            f"--rdzv-id={cfg.cluster}-{group['id']}-{group['gen']}",
+            f"--rdzv-conf=rank={group['slot']},timeout={GROUP_RDZV_TIMEOUT_S}",
+            f"--local-addr={cfg.local_addr}",
+            "--max-restarts=0", "--monitor-interval=0.2",
+            "-m", "spotctl.agent.launch", cfg.script, *cfg.args,
+        ]
     if cfg.engine == "torchft":
         # one replica group per node: its own torchrun, no shared rendezvous; torchft's
         # Manager in each worker joins the quorum through the head's Lighthouse. The
@@ -138,6 +158,15 @@ class Agent:
         self._stop = threading.Event()
         self.torchrun_restarts = 0
         self.next_start = 0.0
+        # torchft, nodes_per_replica > 1: the port this node's group store listens on when
+        # it holds its group's first slot; the group (id, gen, slot, master) its torchrun
+        # runs in; and the last group generation that ended with a graceful leave (not
+        # started again: the group waits for the head's next generation)
+        self.group_port = _free_port(cfg.local_addr) if cfg.replica_nodes > 1 else 0
+        self.group: dict[str, Any] | None = None
+        self.group_done: tuple[str, int] | None = None
+        # the group generation this node's torchrun failed in, until the head moved it on
+        self.group_broken: dict[str, Any] | None = None
         self.head_id: str | None = None
         self._leaver: subprocess.Popen[bytes] | None = None
         self._leaver_lock = threading.Lock()
@@ -419,12 +448,14 @@ class Agent:
         if cfg.engine == "torchft":
             port = _free_port(cfg.local_addr)
             env.update(SPOTCTL_ENGINE="torchft", TORCHFT_LIGHTHOUSE=cfg.lighthouse,
-                       SPOTCTL_FT_REPLICA_ID=cfg.node_id, RUST_LOG=env.get("RUST_LOG", "warn"))
+                       SPOTCTL_FT_REPLICA_ID=self.group["id"] if self.group else cfg.node_id,
+                       SPOTCTL_FT_REPLICA_NODES=str(cfg.replica_nodes),
+                       RUST_LOG=env.get("RUST_LOG", "warn"))
             env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
         log_path = self.workdir / "torchrun.log"
         out = open(log_path, "ab")
         self.torchrun = subprocess.Popen(
-            torchrun_command(cfg, port), cwd=str(Path(cfg.script).parent), env=env,
+            torchrun_command(cfg, port, self.group), cwd=str(Path(cfg.script).parent), env=env,
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             **(self.worker.popen_kwargs() if self.worker else {}),
         )
@@ -519,6 +550,14 @@ class Agent:
             # torchrun is up and waiting at the rendezvous gate: the group may drain now
             "ready": self.state == "running" or Path(str(self.gate) + ".ready").exists(),
         }
+        if self.group_port:
+            g = self.group
+            grp: dict[str, Any] = {"size": self.cfg.replica_nodes, "port": self.group_port}
+            if g is not None:
+                grp.update(id=g["id"], gen=g["gen"], slot=g["slot"])
+            elif self.group_broken is not None:
+                grp.update(self.group_broken, broken=True)
+            body["group"] = grp
         net_key = (self.head_id, self.nccl_transport)
         if self.net is not None and self._net_acked != net_key:
             body["net"] = dict(self.net, nccl_transport=self.nccl_transport)
@@ -572,10 +611,25 @@ class Agent:
                 self.leave()
                 return
             self.torchrun = None
-            if code == 0 and self.state == "running":
+            group, self.group = self.group, None
+            if code == 0 and self.state == "running" and group is not None \
+                    and any(w.get("phase") == "drained" for w in self.read_workers()):
+                # another node of the replica group had a notice: the group left the quorum
+                # together; this node waits for the group's next generation
+                self.group_done = (group["id"], group["gen"])
+                self.state = "waiting"
+                log.info("replica group %s left the quorum (generation %s); waiting for "
+                         "its next", group["id"], group["gen"])
+            elif code == 0 and self.state == "running":
                 self.state = "finished"
                 log.info("training finished")
             else:
+                if group is not None:
+                    # the group's other nodes would wait for this one in a collective or a
+                    # quorum: the head moves the group to a new generation, which restarts
+                    # them all (told in the heartbeats until it has)
+                    self.group_done = (group["id"], group["gen"])
+                    self.group_broken = {k: group[k] for k in ("id", "gen", "slot")}
                 # torchrun gives up when the store (head) is gone: come back when it is
                 self.torchrun_restarts += 1
                 self.next_start = time.monotonic() + min(5.0, 0.5 * self.torchrun_restarts)
@@ -625,10 +679,23 @@ class Agent:
         is this node's own graceful leave: its workers finish the agreed step, commit and
         leave the quorum; the head's drain/release/kill generations are not for it."""
         tr = self.torchrun
+        if self.cfg.replica_nodes > 1 and self._group_moved(reply, workers):
+            return
+        b, now = self.group_broken, (reply or {}).get("group")
+        if b is not None and reply is not None and (
+                now is None or (now["id"], now["gen"]) != (b["id"], b["gen"])):
+            self.group_broken = None  # the head has moved the group on
         if self.state == "waiting":
             if self.notice is not None:
                 self.state = "left"
             elif tr is None and time.monotonic() >= self.next_start:
+                if self.cfg.replica_nodes > 1:
+                    g = (reply or {}).get("group")
+                    if not g or not g.get("master") or self.group_done == (g["id"], g["gen"]):
+                        return  # the group is not full yet (or not yet anew)
+                    self.group = g
+                    log.info("replica group %s generation %s: slot %s of %s", g["id"],
+                             g["gen"], g["slot"], ", ".join(g["nodes"]))
                 self.start_torchrun()
                 self.state = "running"
             return
@@ -643,6 +710,27 @@ class Agent:
             self.state = "left"
             log.info("left the quorum")
             self._heartbeat()
+
+    def _group_moved(self, reply: dict[str, Any] | None,
+                     workers: list[dict[str, Any]]) -> bool:
+        """A replica group of several nodes whose torchrun runs for a generation the head
+        has moved on from (a node of it is gone): stopped, to start again with the
+        group's next generation. Not while its workers leave the quorum gracefully (they
+        finish the step and the due checkpoint first, and exit by themselves)."""
+        g = self.group
+        if g is None or reply is None or self.state != "running":
+            return False
+        now = reply.get("group")
+        if now is not None and (now["id"], now["gen"]) == (g["id"], g["gen"]):
+            return False
+        if any(w.get("phase") == "drained" for w in workers):
+            return False
+        log.info("replica group %s generation %s is over: stopping torchrun", g["id"], g["gen"])
+        self.stop_torchrun()
+        self.torchrun = None
+        self.group = None
+        self.state = "waiting"
+        return True
 
     def run(self) -> int:
         threading.Thread(target=self._run_gpu_gate, name="gpu-gate", daemon=True).start()

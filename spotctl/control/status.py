@@ -87,6 +87,8 @@ def collect(store: Store, name: str, now: float | None = None) -> dict[str, Any]
             "incarnations": sorted({w.get("incarnation") for w in h.get("workers", [])
                                     if w.get("incarnation")}),
             "world_size": h.get("world_size"),
+            # torchft with nodes_per_replica > 1: the replica group the head placed it in
+            "group": h.get("group"),
             # the network the node was launched with (aws: efaN / ena; gcp: gvnic-compact,
             # gvnic, virtio); None where the provider does not say
             "network": n.meta.get("network") or None,

@@ -480,7 +480,10 @@ class FtRun(Run):
         self._report(force=True)
         # a new cluster starts together: the first quorum waits (bounded) for the replicas
         # started with it, instead of one replica training and the others healing in
-        _await_start_peers(env["TORCHFT_LIGHTHOUSE"], int(env.get("SPOTCTL_FT_START_REPLICAS") or 0),
+        # (nodes launched together; a replica group may span several)
+        _await_start_peers(env["TORCHFT_LIGHTHOUSE"],
+                           int(env.get("SPOTCTL_FT_START_REPLICAS") or 0)
+                           // max(1, int(env.get("SPOTCTL_FT_REPLICA_NODES") or 1)),
                            float(env.get("SPOTCTL_FT_START_WAIT_S", "30")))
 
     # -- setup

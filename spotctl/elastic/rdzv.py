@@ -239,11 +239,13 @@ def get_handler():  # type: ignore[no-untyped-def]
 
 def get_node_handler():  # type: ignore[no-untyped-def]
     """Entry point (group `torchrun.handlers`, name `spotctl-node`): the torchft engine's
-    per-node replica group, `--nnodes=1 --rdzv-backend=spotctl-node --rdzv-endpoint=ADDR:PORT`.
+    replica group, `--nnodes=1 --rdzv-backend=spotctl-node --rdzv-endpoint=ADDR:PORT` for a
+    group of one node; a group of K nodes adds `--nnodes=K --rdzv-conf=rank=R` (R: this
+    node's slot in the group, 0 on the node at ADDR).
 
-    torch's static one-node rendezvous, whose store (torchrun's agent store: the group's
-    workers meet in it, and the other replicas' workers meet in it when torchft picks this
-    group's store for a quorum) listens on ADDR only instead of on every interface."""
+    torch's static rendezvous, whose store (torchrun's agent store: the group's workers
+    meet in it, and the other replicas' workers meet in it when torchft picks this group's
+    store for a quorum) listens on ADDR only instead of on every interface."""
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
         StaticTCPRendezvous,
@@ -255,7 +257,7 @@ def get_node_handler():  # type: ignore[no-untyped-def]
             return "spotctl-node"  # torch checks it against --rdzv-backend
 
         def next_rendezvous(self):  # type: ignore[no-untyped-def]
-            if not self._store:
+            if not self._store and self.rank == 0:
                 sock = listening_socket(self.master_addr, self.master_port)
                 self.master_port = sock.getsockname()[1]
                 # the store owns (and closes) the listening fd from here on
@@ -266,9 +268,13 @@ def get_node_handler():  # type: ignore[no-untyped-def]
             return super().next_rendezvous()
 
     def create(params):  # type: ignore[no-untyped-def]
-        if params.max_nodes != 1:
-            raise ValueError("--rdzv-backend=spotctl-node is one node's group: --nnodes=1")
-        params.config["rank"] = 0  # the only node (torchrun sets it for "static" only)
+        if params.min_nodes != params.max_nodes:
+            raise ValueError("--rdzv-backend=spotctl-node is a fixed group: --nnodes=K")
+        # this node's slot (torchrun sets "rank" for the "static" backend only)
+        rank = int(params.config.get("rank", 0))
+        if not 0 <= rank < params.max_nodes:
+            raise ValueError(f"rank {rank} is not a slot of a group of {params.max_nodes}")
+        params.config["rank"] = rank
         handler = create_rdzv_handler(params)
         handler.__class__ = _Bound
         return handler

@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from spotctl.head.groups import Member, ReplicaGroups
+
 DEAD_AFTER_S = 4.0  # heartbeats every 0.25 s: 16 missed beats, well past scheduling jitter
 DRAIN_TIMEOUT_S = 20.0  # a drain not complete by then is abandoned (leavers leave anyway)
 JOIN_GO_TIMEOUT_S = 25.0
@@ -76,6 +78,9 @@ class NodeInfo:
     # its network as its agent probed it, with the transport NCCL named (validated by the
     # server; an agent sends it until this head has it, so a beat without it keeps it)
     net: dict[str, Any] | None = None
+    # torchft, nodes_per_replica > 1: the port its replica group's store listens on when
+    # it holds the group's first slot (spotctl.head.groups)
+    group_port: int = 0
 
     def training(self, incarnation: str | None) -> bool:
         return any(w.phase == "train" and w.incarnation == incarnation for w in self.workers)
@@ -140,6 +145,8 @@ class Coordinator:
         self.seq = itertools.count(1)
         self.queued_notices: list[str] = []
         self.leave_requested: set[str] = set()  # torchft: nodes told to leave (rebalance)
+        # torchft replica groups of several nodes, once a node says its group size
+        self.replica_groups: ReplicaGroups | None = None
         # torchft: each worker process's own count of failed (redone) steps, as last
         # reported and as already charged to a journaled regroup, by (node, pid, local rank)
         self._failed_seen: dict[tuple[str, int, int], int] = {}
@@ -189,8 +196,33 @@ class Coordinator:
             self._observe_worker(w, now)
         if body.get("notice") and node.notice is None:
             self.notice(nid, body["notice"])
+        grp = body.get("group")
+        if grp is not None and grp["size"] > 1 and self.engine == "torchft":
+            node.group_port = int(grp["port"])
+            if self.replica_groups is None:
+                self.replica_groups = ReplicaGroups(int(grp["size"]), self.record)
+            if "id" in grp and grp["broken"]:
+                # its torchrun failed: the group's other nodes would wait for it
+                self.replica_groups.broken(nid, grp["id"], grp["gen"])
+            elif "id" in grp and self._settling(now):
+                # a head that just (re)started learns the running groups from their nodes
+                self.replica_groups.adopt(nid, grp["id"], grp["gen"], grp["slot"])
         self.tick()
         return self._reply(node)
+
+    def _settling(self, now: float) -> bool:
+        return now - self.started_at < self.dead_after_s
+
+    def _group_members(self) -> dict[str, Member]:
+        out = {}
+        for n in self.nodes.values():
+            alive = not n.unresponsive and n.state not in ("left", "down", "finished", "failed")
+            out[n.node_id] = Member(
+                node_id=n.node_id, port=n.group_port, addr=n.addr, state=n.state,
+                placeable=alive and n.notice is None and n.group_port > 0
+                and n.node_id not in self.leave_requested,
+                alive=alive, registered_at=n.registered_at)
+        return out
 
     def notice(self, nid: str, notice: dict[str, Any]) -> None:
         now = self.clock()
@@ -226,6 +258,8 @@ class Coordinator:
     def tick(self) -> None:
         now = self.clock()
         self._liveness(now)
+        if self.replica_groups is not None:
+            self.replica_groups.update(self._group_members(), self._settling(now))
         if self.drain is None:
             self._maybe_start_drain(now)
         if self.drain is not None:
@@ -537,6 +571,8 @@ class Coordinator:
             "kill_gen": self.kill_gen,
             "kill_incarnation": self.kill_incarnation,
             "go": node.go_at is not None or self.engine != "torchrun",
+            "group": None if self.replica_groups is None
+            else self.replica_groups.reply(node.node_id, self._group_members()),
         }
 
     def status(self) -> dict[str, Any]:
@@ -571,10 +607,16 @@ class Coordinator:
                     "world_size": max((w.world_size for w in n.workers), default=None),
                     "workers": [w.__dict__ for w in n.workers],
                     "net": n.net,
+                    # torchft, nodes_per_replica > 1: the replica group it is placed in
+                    "group": self._group_name(n.node_id),
                 }
                 for n in self.nodes.values()
             },
         }
+
+    def _group_name(self, nid: str) -> str | None:
+        at = None if self.replica_groups is None else self.replica_groups.group_of(nid)
+        return None if at is None else at[0].gid
 
     def forget(self, nid: str) -> None:
         """The node is gone for good (terminated): drop it from membership."""

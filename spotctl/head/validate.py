@@ -5,6 +5,7 @@ so the coordinator only ever sees well-formed values. A check that fails raises 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from spotctl.head.auth import valid_node_id
@@ -138,7 +139,9 @@ def fields(v: dict[str, Any], allowed: tuple[str, ...], required: tuple[str, ...
 
 
 HEARTBEAT_FIELDS = ("node_id", "agent_state", "addr", "workers", "drain_gen", "notice", "ready",
-                    "net")
+                    "net", "group")
+GROUP_FIELDS = ("size", "port", "id", "gen", "slot", "broken")
+MAX_GROUP_NODES = 64  # [train] nodes_per_replica at most
 MAX_NET_DEVICES = 64  # interfaces, and RDMA devices (a p5 has 32 EFA devices)
 NET_FLAGS = ("libfabric", "ofi_nccl", "tcpx")
 NET_DEVICE_FIELDS = ("name", "kind", "driver")
@@ -200,6 +203,32 @@ def heartbeat(v: dict[str, Any], max_world: int = MAX_GPUS) -> dict[str, Any]:
     out["ready"] = v.get("ready", True)
     if v.get("net") is not None:
         out["net"] = net(v["net"])
+    if v.get("group") is not None:
+        out["group"] = group(v["group"])
+    return out
+
+
+def group(v: Any) -> dict[str, Any]:
+    """A torchft node's replica group: its size and the port its group store would listen
+    on, and the group (id, generation, slot) its torchrun runs in, if any, or last ran in
+    and failed in (`broken`)."""
+    if not isinstance(v, dict):
+        raise BadInput("group must be an object")
+    fields(v, GROUP_FIELDS, ("size", "port"))
+    out: dict[str, Any] = {"size": _int(v["size"], "group.size", 1, MAX_GROUP_NODES),
+                           "port": _int(v["port"], "group.port", 1, 65535)}
+    if v.get("id") is not None:
+        gid = _str(v["id"], "group.id", 16)
+        if not re.fullmatch(r"g[0-9]{1,6}", gid, re.ASCII):
+            raise BadInput("group.id must be g followed by digits")
+        out["id"] = gid
+        out["gen"] = _int(v.get("gen"), "group.gen", 0, 1 << 40)
+        out["slot"] = _int(v.get("slot"), "group.slot", 0, out["size"] - 1)
+        if not isinstance(v.get("broken", False), bool):
+            raise BadInput("group.broken must be true or false")
+        out["broken"] = v.get("broken", False)
+    elif "broken" in v:
+        raise BadInput("group.broken needs the group's id, gen and slot")
     return out
 
 

@@ -957,7 +957,7 @@ class CloudNodes:
             env={**dict(inst.meta.get("node_env") or {}), **tr.env},
             local_addr=self.override.address if self.override else inst.address,
             metadata=self.metadata, metadata_url=self.node_metadata_url(inst.id),
-            run_as=tr.run_as, engine=tr.engine,
+            run_as=tr.run_as, engine=tr.engine, replica_nodes=tr.nodes_per_replica,
             lighthouse=head.lighthouse if tr.engine == "torchft" else "",
             # a cloud GPU type: no worker starts before its GPUs answer. Under the test
             # seam the "instances" are processes on this CPU machine: no gate there.

@@ -324,3 +324,126 @@ def _check_matches_uninterrupted(c, step: int) -> None:
     dcp.load(state, checkpoint_id=str(ckdir), no_dist=True)
     for k, v in model.state_dict().items():
         assert torch.allclose(state["model"][k], v, rtol=1e-3, atol=1e-4), k
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
+                    reason="torchft is not installed (the 'ft' extra)")
+def test_replica_groups_of_two_nodes_notice_and_replacement(local_cluster):
+    """`[train] nodes_per_replica = 2` (issue 29): four nodes train as two replica groups,
+    each one torchrun across its two nodes. A notice on one node takes its whole group out
+    of the quorum after a committed step (both nodes' own records say so) while the other
+    group trains on untouched; a replacement fills the open slot, the group starts anew
+    and heals from the live group. Every sample once, and the model equals plain
+    training."""
+    c = local_cluster("rgrp")
+    c.write_spec("4", checkpoint_every=EVERY, engine="torchft", extra="nodes_per_replica = 2",
+                 train_env={"TRAIN_DATASET_SIZE": str(N), "TRAIN_GLOBAL_BATCH": str(G),
+                            "TRAIN_OPTIM": OPTIM, "TRAIN_LR": LR, "TRAIN_CLIP": CLIP})
+    c.cli("up", "--wait", "180")
+    st = c.steps_advance(world=4, by=10, timeout=240)
+    groups = _groups(c, st)
+    assert sorted(len(v) for v in groups.values()) == [2, 2], groups
+    mine = next(v for v in groups.values() if "n1" in v)
+    partner = next(n for n in mine if n != "n1")
+    others = sorted(n for v in groups.values() if "n1" not in v for n in v)
+    # the workers' own reports: 4 ranks in one job, two replicas of two ranks each
+    reps = {n: _report(c, n) for n in ["n1", "n2", "n3", "n4"]}
+    assert sorted(r["rank"] for r in reps.values()) == [0, 1, 2, 3], reps
+    assert all(r["world_size"] == 4 and r["replicas"] == 2 for r in reps.values()), reps
+
+    # 0. the head (and its Lighthouse) killed and restarted by `up`: the new head takes the
+    # groups as their nodes report them; no group moves, no worker restarts
+    import signal
+    import time
+
+    from spotctl.agent import proctree
+
+    pids0 = c.worker_pids(["n1", "n2", "n3", "n4"])
+    for pid in proctree.tagged(f"{c.cluster_dir}/head"):
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(2)
+    t_restart = time.time()
+    c.cli("up", "--wait", "120")
+    st = c.steps_advance(world=4, by=10, timeout=120)
+    assert _groups(c, st) == groups, (groups, _groups(c, st))
+    assert c.worker_pids(["n1", "n2", "n3", "n4"]) == pids0, "a worker restarted"
+    assert not [e for e in c.events("replica-group") if e["ts"] > t_restart]
+
+    # 1. a notice on n1: its group (n1 and its partner) commits the step and leaves; the
+    # other group goes on from memory, its workers untouched
+    before = c.worker_pids(["n1", partner] + others)
+    r = c.rescale_from(lambda: c.cli("preempt", "n1", "--name", "rgrp", "--style", "aws"),
+                       "notice")
+    assert (r["from_world_size"], r["to_world_size"]) == (4, 2) and r["lost_steps"] == 0, r
+    c.steps_advance(world=2, by=10)
+    assert c.worker_pids(others) == {n: before[n] for n in others}, "a survivor restarted"
+    left = {n: _report(c, n) for n in ["n1", partner]}
+    for n, rep in left.items():  # both nodes of the group left after the same step
+        assert rep["pid"] == before[n] and rep["phase"] == "drained", (n, rep)
+    assert left["n1"]["drain_step"] == left[partner]["drain_step"] > 0, left
+    _left_gracefully(c, "n1", before["n1"])
+    # the partner waits for a replacement (its agent's own log), not finished
+    log = (c.cluster_dir / "nodes" / partner / "agent.log").read_text()
+    assert "left the quorum" in log and "training finished" not in log, log[-2000:]
+
+    # 2. `up` replaces n1: n5 fills the open slot, the group re-forms and heals from the
+    # live group; the other group's workers never restart
+    r = c.rescale_from(lambda: c.cli("up", "--wait", "180"), "join", to=4)
+    assert r["lost_steps"] == 0, r
+    st = c.steps_advance(world=4, by=10)
+    groups = _groups(c, st)
+    assert sorted([partner, "n5"]) in [sorted(v) for v in groups.values()], groups
+    assert c.worker_pids(others) == {n: before[n] for n in others}, "a survivor restarted"
+    assert _report(c, partner)["pid"] != before[partner]  # the group started anew
+
+    # 3. one worker of the group dies (SIGKILL, as the OOM killer does) and its node lives:
+    # its agent tells the head, the group restarts as a new generation on the same nodes
+    # (its other node's worker would wait for the dead one in a collective or a quorum)
+    # and heals from the live group, which never restarts
+    pids = c.worker_pids([partner, "n5"])
+    n0 = len(c.events("rescale"))
+    os.kill(pids["n5"], signal.SIGKILL)
+    r = c.rescale_after(n0, "failure", to=2)
+    assert 0 <= r["lost_steps"] <= 1, r
+    c.rescale_after(n0, "join", to=4)
+    c.steps_advance(world=4, by=5)
+    assert all(_report(c, n)["pid"] != pids[n] for n in pids), "the group did not restart"
+    # (whichever of the two nodes' torchrun the head heard of first: the other's workers
+    # fail too, in the collective with the dead one)
+    failed = {f"{n}'s workers failed" for n in pids}
+    assert any(e.get("change") in failed for e in c.events("replica-group")), \
+        c.events("replica-group")
+    assert c.worker_pids(others) == {n: before[n] for n in others}, "a survivor restarted"
+
+    # 4. a hard kill of n5: its group is out of the quorum at once (the other group redoes
+    # at most the step in flight, from memory); the head moves the group to a new
+    # generation and the partner's agent stops what is left of its torchrun
+    r = c.rescale_from(lambda: c.cli("kill", "n5", "--name", "rgrp"), "failure", to=2)
+    assert 0 <= r["lost_steps"] <= 1, r
+    st = c.steps_advance(world=2, by=5)
+    assert c.worker_pids(others) == {n: before[n] for n in others}, "a survivor restarted"
+    wait_until(lambda: next(n for n in c.status()["nodes"] if n["id"] == partner)["state"]
+               != "running", 30, f"{partner} waiting for its group", 0.5)
+
+    c.cli("down", "--name", c.name, "--yes")
+    wait_until(lambda: c.processes() == [], 30, "no process of the cluster left", 0.2,
+               lambda: str(c.processes()))
+    _check_exactly_once(c.trace_dir)
+    from spotctl.elastic.checkpoint import committed_steps
+
+    newest = committed_steps(c.cluster_dir / "checkpoints")[0]
+    assert newest >= st["last_checkpoint_step"] > 0
+    _check_matches_uninterrupted(c, newest)
+
+
+def _report(c, node: str) -> dict:
+    return json.loads((c.cluster_dir / "nodes" / node / "status" / "worker-0.json").read_text())
+
+
+def _groups(c, st) -> dict[str, list[str]]:
+    """The replica groups of the running nodes, as `status --json` shows them."""
+    out: dict[str, list[str]] = defaultdict(list)
+    for n in st["nodes"]:
+        if n["state"] == "running":
+            out[n["group"]].append(n["id"])
+    return dict(out)

@@ -146,3 +146,17 @@ def test_absolute_paths_stay_and_none_overrides_are_skipped(tmp_path: Path) -> N
     assert _refused({"provider": "ssh", "train.script": "gone.py",
                      "ssh.hosts": [{"address": "10.0.0.1"}]}) == (
         f"train.script: training script {tmp_path / 'gone.py'} not found")
+
+
+def test_replica_groups_of_several_nodes() -> None:
+    s = load_spec(None, {"train.nodes_per_replica": 2, "gpus": "4..8"})
+    assert s.train.nodes_per_replica == 2 and s.train.engine == "torchft"
+    assert _refused({"train.nodes_per_replica": 2, "train.engine": "torchrun"}) == (
+        "flags: spec: [train] nodes_per_replica = 2 needs engine 'torchft' (on torchrun every node "
+        "is already in one group)")
+    assert _refused({"train.nodes_per_replica": 2, "gpus": "2..5"}) == (
+        "flags: spec: gpus 2..5 is not whole replica groups: each is 2 nodes x 1 gpus = 2 "
+        "(nodes_per_replica x [local] gpus_per_node)")
+    assert _refused({"train.nodes_per_replica": 4, "gpus": "8..10", "provider": "aws"}) == (
+        "flags: spec: gpus 8..10 is not whole replica groups: each is 4 nodes x at least 1 "
+        "gpu (nodes_per_replica)")

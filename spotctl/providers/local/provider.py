@@ -227,7 +227,7 @@ class LocalProvider:
                 keep_last=tr.keep_last, checkpoint_writers=tr.checkpoint_writers,
                 max_steps=tr.max_steps, python=tr.python, env=env,
                 local_addr=addr, metadata="local", poll_interval_s=0.2,
-                engine=tr.engine,
+                engine=tr.engine, replica_nodes=tr.nodes_per_replica,
                 lighthouse=self._lighthouse_addr() if tr.engine == "torchft" else "",
             )
             cfg.save(d / "agent.json")

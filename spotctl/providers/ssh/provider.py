@@ -253,7 +253,7 @@ class SshProvider:
             keep_last=tr.keep_last, checkpoint_writers=tr.checkpoint_writers,
             max_steps=tr.max_steps, python=tr.python, env=dict(tr.env),
             local_addr=self.listen_address(inst), metadata="file" if notice else "none",
-            notice_file=notice, engine=tr.engine, lighthouse=self._lighthouse(head),
+            notice_file=notice, engine=tr.engine, replica_nodes=tr.nodes_per_replica, lighthouse=self._lighthouse(head),
         )  # fmt: skip
 
     def listen_address(self, inst: Instance) -> str:
