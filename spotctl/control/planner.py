@@ -352,9 +352,21 @@ def _money(x: float) -> str:
     return f"${x:.4g}/h"
 
 
-def _launch_actions(fill: _Fill, have: int, lo: int, hi: int, label: str = "") -> list[Action]:
+def _launch_actions(fill: _Fill, have: int, lo: int, hi: int, label: str = "",
+                    nodes: int = 0, group: int = 1) -> list[Action]:
+    """The fill's launches. With replica groups of `group` nodes (torchft's
+    nodes_per_replica), only whole groups: the last launches are cut so that the `nodes`
+    there are and those launched make whole groups (a node of a group that is not full
+    waits, paid for and training nothing)."""
+    picks = list(fill.picks)
+    extra = (nodes + sum(n for _, n in picks)) % group if group > 1 else 0
+    while extra and picks:
+        o, n = picks.pop()
+        if n > extra:
+            picks.append((o, n - extra))
+        extra = max(0, extra - n)
     out: list[Action] = []
-    for o, n in fill.picks:
+    for o, n in picks:
         after = have + n * o.gpus
         why = label or ("restore minimum" if have < lo else "grow toward maximum")
         out.append(
@@ -553,6 +565,9 @@ def _plan(
     lo, hi = spec.gpus.min, spec.gpus.max
     cap = spec.budget.max_usd_per_hour or math.inf
     have, cost = observed.gpus, observed.cost_per_hour
+    # torchft replica groups of several nodes: launches come in whole groups
+    group = spec.train.nodes_per_replica if spec.train.engine == "torchft" else 1
+    nodes = len(observed.live)
     home, home_region = _home(observed, by_zone)
     word = "zone" if by_zone else "region"
 
@@ -610,7 +625,7 @@ def _plan(
         else:
             fill = _Fill()
         if home and have + fill.gpus >= lo:
-            out.actions += _launch_actions(fill, have, lo, hi)
+            out.actions += _launch_actions(fill, have, lo, hi, nodes=nodes, group=group)
         else:
             # The home region (if any) cannot hold the minimum: pick the region that can,
             # starting from scratch there (old nodes leave, so the whole budget is free).
@@ -627,7 +642,8 @@ def _plan(
             if best is None:
                 # Nowhere holds the minimum: take what home offers (better than nothing).
                 if home:
-                    out.actions += _launch_actions(fill, have, lo, hi)
+                    out.actions += _launch_actions(fill, have, lo, hi, nodes=nodes,
+                                                   group=group)
                 if not home or fill.gpus == 0:
                     out.notes.append(
                         "no usable offer (all zones blocked, none offered, or over budget)"
@@ -638,7 +654,7 @@ def _plan(
                 target_region = f.picks[0][0].region
                 if not home:
                     out.region = target_region
-                    out.actions += _launch_actions(f, 0, lo, hi)
+                    out.actions += _launch_actions(f, 0, lo, hi, group=group)
                 elif draining and observed.live:
                     out.notes.append(
                         f"{word} {home} cannot hold {lo} GPUs; move to {target} "
@@ -647,7 +663,8 @@ def _plan(
                 else:
                     old = tuple(sorted(n.id for n in observed.live))
                     prov = f.picks[0][0].provider
-                    sub = tuple(_launch_actions(f, 0, lo, hi, label=f"move to {target}"))
+                    sub = tuple(_launch_actions(f, 0, lo, hi, label=f"move to {target}",
+                                                group=group))
                     out.actions.append(
                         Action(
                             "move",

@@ -199,7 +199,8 @@ def render(snap: dict[str, Any], show_ended: bool = True, width: int = 80) -> Gr
         if not show_ended and n["state"] in ("lost", "preempted", "terminated"):
             continue
         rows.append((
-            n["id"], n["provider"], n["zone"], n["instance_type"], str(n["gpus"]),
+            # a node of a replica group of several nodes shows its group (torchft)
+            n["id"] + (f" {n['group']}" if n.get("group") else ""), n["provider"], n["zone"], n["instance_type"], str(n["gpus"]),
             Text(n["state"] + ("*" if n["notice"] else ""),
                  style=STATE_STYLE.get(n["state"], "")),
             _age(n["uptime_s"]), _age(n["heartbeat_age_s"]),

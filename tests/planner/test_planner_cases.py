@@ -346,3 +346,25 @@ def test_planner_large_inputs_grow_to_max_with_the_cheapest_offer() -> None:
     assert count == (2000 - have) // best.gpus
     assert p.gpus_after == 2000
     assert p.usd_per_hour_after == pytest.approx(cost + count * best.spot_price)
+
+
+def test_planner_launches_whole_replica_groups() -> None:
+    """torchft with nodes_per_replica = 2: a node of a group that is not full trains
+    nothing, so launches make whole groups (here 3 offered, 2 launched; with 3 nodes
+    live, 2 offered, 1 launched)."""
+    sp = ClusterSpec.model_validate({"name": "t", "gpus": "2..8", "train": {
+        "engine": "torchft", "nodes_per_replica": 2}, "placement": {"spread_zones": True}})
+    p = plan(sp, Observed(), [offer("r1-a", 1.0, available=3)], {}, NOW)
+    assert launch_pairs(p) == [("r1-a", 2)], p.actions
+    p = plan(sp, Observed(), [offer("r1-a", 1.0, available=2), offer("r1-b", 1.1, available=3)],
+             {}, NOW)
+    assert sum(n for _, n in launch_pairs(p)) == 4, p.actions
+    live = tuple(node(f"n{i}") for i in range(3))  # a group's node is gone
+    p = plan(sp, Observed(live), [offer("r1-a", 1.0)], {}, NOW)
+    assert launch_pairs(p) == [("r1-a", 5)], p.actions  # to 8: whole
+    p = plan(sp, Observed(live), [offer("r1-a", 1.0, available=2)], {}, NOW)
+    assert launch_pairs(p) == [("r1-a", 1)], p.actions  # 4, not 5
+    # the same offers on the default (one node per group): every node counts
+    p = plan(spec("2..8", engine="torchft"), Observed(), [offer("r1-a", 1.0, available=3)],
+             {}, NOW)
+    assert launch_pairs(p) == [("r1-a", 3)], p.actions
