@@ -27,8 +27,10 @@ What spotctl adds to torchft (its own example loop has none of these):
   group: no extra listener). Periodic checkpoints (DCP, the restart path's format) are
   written by the replica of rank 0 in the quorum, for the case every replica dies.
 
-Listeners: the Manager's server binds the node's address (MASTER_ADDR), not every
-interface as torchft does by default; the Lighthouse binds the head's (spotctl.head).
+Listeners: the Manager's server binds the node's loopback (a replica group of one node:
+only its workers call it; healing replicas take the transport's metadata as their own),
+or the group's first node's address when the group spans nodes, not every interface as
+torchft does by default; the Lighthouse binds the head's (spotctl.head).
 """
 
 from __future__ import annotations
@@ -180,6 +182,41 @@ def _gloo_group(timeout_s: float) -> Any:
             self._pg = None
 
     return Gloo(timeout=timedelta(seconds=timeout_s))
+
+
+class _HealMetadata:
+    """torchft's ManagerClient, except that the checkpoint metadata a healing replica asks
+    its source's Manager for is answered here: spotctl's transport (PGTransport over the
+    replicas' own process group) has the same constant metadata on every replica, so no
+    replica ever calls another's Manager, which may then listen on its node's loopback.
+    Everything else goes to a real client, made at first use."""
+
+    metadata = ""  # the transport's (FtRun sets it before torchft makes a client)
+
+    def __init__(self, addr: str, connect_timeout: timedelta):
+        self._args = (addr, connect_timeout)
+        self._real: Any = None
+
+    def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
+        if self.metadata:
+            return self.metadata
+        return str(self.__getattr__("_checkpoint_metadata")(rank, timeout=timeout))
+
+    def __getattr__(self, name: str) -> Any:
+        if self._real is None:
+            from torchft._torchft import ManagerClient
+
+            self._real = ManagerClient(self._args[0], connect_timeout=self._args[1])
+        return getattr(self._real, name)
+
+
+def _manager_host(env: Any) -> str:
+    """Where a replica group's Manager listens: its node's loopback when the group is one
+    node (its clients are that node's workers alone), else the group's first node's
+    cluster address, which the group's other nodes reach."""
+    if int(env.get("SPOTCTL_FT_REPLICA_NODES") or 1) <= 1:
+        return "127.0.0.1"
+    return str(env.get("MASTER_ADDR", "127.0.0.1"))
 
 
 def _bound_manager_server(host: str) -> Any:
@@ -405,8 +442,9 @@ class FtRun(Run):
         self.ckpt.guard(self.optimizers)
         t_ready = time.time()
 
-        host = env.get("MASTER_ADDR", "127.0.0.1")
+        host = _manager_host(env)
         ft_manager.ManagerServer = _bound_manager_server(host)  # type: ignore[attr-defined]
+        ft_manager.ManagerClient = _HealMetadata  # type: ignore[attr-defined,misc]
         # across replicas: NCCL with CUDA (torchft's abortable, reconfigurable wrapper),
         # gloo on CPU; SPOTCTL_FT_PG overrides
         backend = env.get("SPOTCTL_FT_PG") or ("nccl" if self.device.type == "cuda" else "gloo")
@@ -430,6 +468,7 @@ class FtRun(Run):
         transport = PGTransport(self._ft_pg, timeout=timedelta(seconds=timeout),
                                 device=self.device if backend == "nccl" else torch.device("cpu"),
                                 state_dict=self._heal_target)
+        _HealMetadata.metadata = transport.metadata()
         self.manager = Manager(
             pg=self._ft_pg,
             load_state_dict=self._load_live,

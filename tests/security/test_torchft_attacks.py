@@ -7,8 +7,10 @@ and step of every committed step), not by the head's view:
   replica's Manager `Kill` RPC, which exits the worker. The head's filter
   (spotctl.head.grpc_filter) passes only the Lighthouse's gRPC methods and its status
   page: every replica keeps its worker and trains on in the same quorum.
-- a replica's Manager: torchft has no way not to serve its `Kill` RPC, and the Manager
-  binds the node's cluster address; a cluster member can call it (the documented limit,
+- a replica's Manager: torchft has no way not to serve its `Kill` RPC. A one-node
+  group's Manager binds the node's loopback (here all nodes share the machine's; that it
+  is closed to the cluster network is tests/e2e/test_network_partition.py -k loopback),
+  so what can call it is a process of the node (the documented limit,
   docs/security.md). What it gets: that one replica's worker exits; the other replica
   trains on without a restart (the hot path).
 - a fake replica (tests/security/fake_replica.py: torchft's own Manager, run by a cluster
@@ -77,7 +79,7 @@ def test_torchft_kill_routes(local_cluster: Any) -> None:
     assert [a.status for a in answers[0::2]] == ["403", "403"], answers
     assert all(a.closed for a in answers[1::2]), answers
 
-    # (b) the documented limit: a Manager's Kill RPC, from anyone who reaches the node
+    # (b) the documented limit: a Manager's Kill RPC, from a process of its node
     victim_id, victim_addr = sorted(found.items())[0]
     victim = next(n for n in NODES if victim_id.startswith(n))
     other = next(n for n in NODES if n != victim)

@@ -26,6 +26,16 @@ def started(clk, nodes):
     return c, {n: beat(c, n) for n in nodes}
 
 
+def running_pair(clk):
+    """A head whose nodes n1 and n2 run as one group: (coordinator, {id, gen})."""
+    c, _ = started(clk, ["n1", "n2"])
+    g = beat(c, "n1")
+    run = {"id": g["id"], "gen": g["gen"]}
+    for i, n in enumerate(["n1", "n2"]):
+        beat(c, n, "running", group={**run, "slot": i})
+    return c, run
+
+
 def test_nodes_fill_groups_in_order_and_a_full_group_names_its_store():
     clk = Clock()
     c, got = started(clk, ["n1"])
@@ -44,11 +54,7 @@ def test_nodes_fill_groups_in_order_and_a_full_group_names_its_store():
 
 def test_a_noticed_node_keeps_its_slot_until_it_left_then_a_newcomer_takes_it():
     clk = Clock()
-    c, _ = started(clk, ["n1", "n2"])
-    g = beat(c, "n1")
-    run = {"id": g["id"], "gen": g["gen"]}
-    for i, n in enumerate(["n1", "n2"]):
-        beat(c, n, "running", group={**run, "slot": i})
+    c, run = running_pair(clk)
     # n1's notice: the group leaves the quorum together after its step; n1 keeps its slot
     # (the generation does not move) until it has left
     assert beat(c, "n1", "leaving", group={**run, "slot": 0},
@@ -123,11 +129,7 @@ def test_bad_group_reports_are_refused():
 
 def test_a_member_whose_workers_failed_restarts_its_group_once():
     clk = Clock()
-    c, _ = started(clk, ["n1", "n2"])
-    g = beat(c, "n1")
-    run = {"id": g["id"], "gen": g["gen"]}
-    for i, n in enumerate(["n1", "n2"]):
-        beat(c, n, "running", group={**run, "slot": i})
+    c, run = running_pair(clk)
     # n2's torchrun failed: a new generation of the same nodes, full at once
     g = beat(c, "n2", "waiting", group={**run, "slot": 1, "broken": True})
     assert g["gen"] == run["gen"] + 1 and g["master"] is not None and g["slot"] == 1
