@@ -699,21 +699,21 @@ def _multipart(raw: bytes, ctype: str) -> tuple[dict[str, Any], bytes, str]:
     parts = raw.split(sep)
     if len(parts) < 4 or not parts[-1].lstrip().startswith(b"--"):
         raise StorageError(400, "invalid", "malformed multipart body")
+    # the body's line break (gcsfs writes "\n", RFC 2046 says CRLF): the one before each
+    # delimiter belongs to it, and only that one comes off a part's content (data that
+    # ends in "\r" keeps it)
+    eol = b"\r\n" if parts[1].startswith(b"\r\n") else b"\n"
     out: list[tuple[dict[str, str], bytes]] = []
     for part in parts[1:-1]:
-        if part.startswith(b"\r\n"):
-            part = part[2:]
-        elif part.startswith(b"\n"):
-            part = part[1:]
+        if part.startswith(eol):
+            part = part[len(eol):]
         head, content = _split_head(part)
         hdrs = {}
         for line in head.decode().splitlines():
             k, _, v = line.partition(":")
             hdrs[k.strip().lower()] = v.strip()
-        if content.endswith(b"\r\n"):
-            content = content[:-2]
-        elif content.endswith(b"\n"):
-            content = content[:-1]
+        if content.endswith(eol):
+            content = content[: -len(eol)]
         out.append((hdrs, content))
     if len(out) != 2:
         raise StorageError(400, "invalid", f"multipart upload with {len(out)} parts (want 2)")

@@ -9,7 +9,7 @@ and step of every committed step), not by the head's view:
   page: every replica keeps its worker and trains on in the same quorum.
 - a replica's Manager: torchft has no way not to serve its `Kill` RPC. A one-node
   group's Manager binds the node's loopback (here all nodes share the machine's; that it
-  is closed to the cluster network is tests/e2e/test_network_partition.py -k loopback),
+  is closed to the cluster network is tests/e2e/test_network_partition.py -k torchft),
   so what can call it is a process of the node (the documented limit,
   docs/security.md). What it gets: that one replica's worker exits; the other replica
   trains on without a restart (the hot path).
