@@ -4,14 +4,14 @@ capacity.json; no wall-clock schedule to race).
 
 - The drop: the newest node gets a notice, the job shrinks to 2 with no step lost, and a
   rebalance launches nothing while capacity is short.
-- The way back, one cycle per engine (each cycle is a minute of CI; the replacement path
-  after the plan is the same for both):
-  - torchrun (drains): once capacity is back, the next `spotctl rebalance` relaunches in
-    the zone that just preempted (cool-downs rank, they do not forbid: 900 s of cool-down
-    does not hold the only zone back) and the job returns to 3 with no step lost;
-  - torchft (replicas leave and join the quorum by themselves): the same with
-    `spotctl rebalance --watch` (event-triggered: it reacts to the notice/rescale at once,
-    and runs every few seconds).
+- The way back, on the default engine (torchft: replicas leave and join the quorum by
+  themselves): `spotctl rebalance --watch` (event-triggered: it reacts to the
+  notice/rescale at once, and runs every few seconds) relaunches in the zone that just
+  preempted (cool-downs rank, they do not forbid: 900 s of cool-down does not hold the
+  only zone back) and the job returns to 3 with no step lost. (The torchrun engine's
+  cycle, an explicit `spotctl rebalance`, was cut for CI time: a minute each; its drains
+  and joins are test_rescale's and the fault matrix's, the cool-down ranking the
+  planner tests'.)
 - `spotctl simulate` replays the same capacity schedule and takes the same sequence of
   plan actions as the live run journaled.
 """
@@ -79,7 +79,7 @@ def shrink(c: Any, cdir: Path, n: int) -> float:
     return t
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINES[1:])
 def test_capacity_back_cluster_back_and_simulate_agrees(local_cluster, tmp_path, engine):
     """On torchft no group drains: the reclaimed node's replica leaves the quorum on its
     notice and the relaunched one joins it from a live peer; the rescale events, the plan
@@ -92,29 +92,8 @@ def test_capacity_back_cluster_back_and_simulate_agrees(local_cluster, tmp_path,
     c.steps_advance(world=3, by=5, timeout=240)  # start-up is slow on a loaded machine
     schedule: list[tuple[float, int]] = [(0.0, 3)]
 
-    if engine == "torchrun":
-        _explicit_cycle(c, cdir, schedule, t_up)
-    else:
-        _watcher_cycle(c, cdir, schedule, t_up)
+    _watcher_cycle(c, cdir, schedule, t_up)
     _simulate_agrees(c, tmp_path, engine, schedule, t_up)
-
-
-def _explicit_cycle(c: Any, cdir: Path, schedule: list[tuple[float, int]], t_up: float) -> None:
-    """Capacity drops, then comes back: an explicit `spotctl rebalance` relaunches."""
-    schedule.append((shrink(c, cdir, 1) - t_up, 2))
-    reclaim = c.events("capacity-reclaim")
-    assert reclaim and reclaim[0]["nodes"] == ["n3"]
-
-    schedule.append((time.time() - t_up, 3))
-    n0 = len(c.events("rescale"))
-    set_capacity(cdir, 3)
-    out = json.loads(c.cli("rebalance", "--name", "rebal", "--json").stdout)
-    la = launches(out)
-    assert [(a["count"], a["zone"], a["price"]) for a in la] == [(1, "local-a", 0.9)], out
-    assert any("cooling down" in n for n in out["notes"]), out["notes"]
-    r = c.rescale_after(n0, "join", 3)
-    assert (r["from_world_size"], r["to_world_size"], r["lost_steps"]) == (2, 3, 0), r
-    c.steps_advance(world=3, by=5, timeout=180)
 
 
 def _watcher_cycle(c: Any, cdir: Path, schedule: list[tuple[float, int]], t_up: float) -> None:

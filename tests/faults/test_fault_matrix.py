@@ -155,7 +155,10 @@ def test_torchft_scenario(ft_rows: dict[str, Result], key: str) -> None:
         assert r.steps_replayed is not None and r.steps_replayed <= 2 * ft.EVERY + 1, r.detail
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+# on the default engine (torchft): the torchrun engine's run of it (a minute) was cut for
+# CI time; its drains are test_rescale's and the cluster scenarios', and the empty pool is
+# the controller's, the same for both (scripts/chaos runs it on either)
+@pytest.mark.parametrize("engine", ENGINES[1:])
 def test_capacity_exhausted_while_training(tmp_path: Path, engine: str) -> None:
     r = cloud.capacity_everywhere(tmp_path, engine)
     _check(r)
@@ -165,14 +168,10 @@ def test_capacity_exhausted_while_training(tmp_path: Path, engine: str) -> None:
     assert r.detail["exhausted_up"]["out"]["launched"] == [], r.detail
     assert r.detail["steps_at_2_while_exhausted"] >= 5, r.detail
     assert all(z in m for z, m in r.detail["api"]["errors"].items()), r.detail
-    if engine == "torchft":  # from the replicas' step logs: a graceful leave, then a heal
-        for cycle in (r.detail["reclaim"], r.detail["join"]):  # from a live peer
-            assert cycle["restarted_survivors"] == [], cycle
-            assert cycle["ft"]["failed_steps"] == [] and cycle["ft"]["replayed_commits"] == 0
-    else:  # the workers' own trace: both drains replayed nothing
-        for cycle in (r.detail["reclaim"], r.detail["join"]):
-            w = cycle["workers_replayed"]
-            assert w["settled"] and w["replayed"] == 0, cycle
+    # from the replicas' step logs: a graceful leave, then a heal from a live peer
+    for cycle in (r.detail["reclaim"], r.detail["join"]):
+        assert cycle["restarted_survivors"] == [], cycle
+        assert cycle["ft"]["failed_steps"] == [] and cycle["ft"]["replayed_commits"] == 0
 
 
 def test_throttling_and_5xx_are_retried() -> None:
