@@ -213,12 +213,17 @@ class Coordinator:
     def _settling(self, now: float) -> bool:
         return now - self.started_at < self.dead_after_s
 
+    def _group_store(self, nid: str) -> tuple[str, int] | None:
+        """Where `nid`'s group store listens when it holds its group's first slot."""
+        n = self.nodes.get(nid)
+        return (n.addr, n.group_port) if n is not None and n.addr else None
+
     def _group_members(self) -> dict[str, Member]:
         out = {}
         for n in self.nodes.values():
             alive = not n.unresponsive and n.state not in ("left", "down", "finished", "failed")
             out[n.node_id] = Member(
-                node_id=n.node_id, port=n.group_port, addr=n.addr, state=n.state,
+                node_id=n.node_id, state=n.state,
                 placeable=alive and n.notice is None and n.group_port > 0
                 and n.node_id not in self.leave_requested,
                 alive=alive, registered_at=n.registered_at)
@@ -572,7 +577,7 @@ class Coordinator:
             "kill_incarnation": self.kill_incarnation,
             "go": node.go_at is not None or self.engine != "torchrun",
             "group": None if self.replica_groups is None
-            else self.replica_groups.reply(node.node_id, self._group_members()),
+            else self.replica_groups.reply(node.node_id, self._group_store),
         }
 
     def status(self) -> dict[str, Any]:

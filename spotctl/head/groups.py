@@ -16,7 +16,7 @@ report.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -25,8 +25,6 @@ class Member:
     """What the head knows of a node, as far as groups go."""
 
     node_id: str
-    port: int  # where its group store listens when it is the group's first slot
-    addr: str
     state: str  # the agent's state
     placeable: bool  # may take a slot (alive, no notice, not told to leave)
     alive: bool  # keeps its slot (not gone, not left, not unresponsive)
@@ -38,8 +36,6 @@ class Group:
     gid: str
     slots: list[str | None]
     gen: int = 1
-    adopted_gen: int = 0
-    log: list[str] = field(default_factory=list)
 
     def members(self) -> list[str]:
         return [n for n in self.slots if n is not None]
@@ -67,7 +63,7 @@ class ReplicaGroups:
             return
         g = self.groups.get(gid)
         if g is None:
-            g = self.groups[gid] = Group(gid, [None] * self.size, gen=gen, adopted_gen=gen)
+            g = self.groups[gid] = Group(gid, [None] * self.size, gen=gen)
         if g.slots[slot] is not None or g.gen != gen:
             return
         g.slots[slot] = nid
@@ -106,20 +102,18 @@ class ReplicaGroups:
             while not g.full() and free:
                 self._place(g, free.pop(0).node_id)
 
-    def reply(self, nid: str, members: dict[str, Member]) -> dict[str, Any] | None:
+    def reply(self, nid: str, store_of: Callable[[str], tuple[str, int] | None]
+              ) -> dict[str, Any] | None:
         """What a node is told: its group, generation and slot, and where the group's store
-        listens (its first slot's address and port) once the group is full."""
+        listens (`store_of` its first slot's node: address and group port) once the group
+        is full."""
         at = self.group_of(nid)
         if at is None:
             return None
         g, slot = at
-        master = None
-        if g.full():
-            first = members.get(g.slots[0] or "")
-            if first is not None and first.addr:
-                master = [first.addr, first.port]
-        return {"id": g.gid, "gen": g.gen, "slot": slot, "size": self.size,
-                "nodes": g.members(), "master": master}
+        first = store_of(g.slots[0]) if g.full() and g.slots[0] is not None else None
+        return {"id": g.gid, "gen": g.gen, "slot": slot, "nodes": g.members(),
+                "master": list(first) if first else None}
 
     # -- placement
     def _open(self) -> list[Group]:
