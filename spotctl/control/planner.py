@@ -4,7 +4,8 @@
 randomness (same input, same plan). Every action carries a reason. Rules, in order:
 
 1. Lost nodes are released (terminate; not a drain: they are already out of the job).
-2. Above the maximum, or above the budget, shed one node (a drain) - never below the
+2. Above the maximum, or above the budget, shed one node (a drain; with replica groups of
+   several nodes, a whole group, after any node of a group that is not full) - never below the
    minimum: the minimum is never given up to save money.
 3. Restore the minimum, then grow toward the maximum while the $/h budget allows
    (`spec.budget.max_usd_per_hour`, 0 = no cap). Offers are taken cheapest $/GPU-h
@@ -61,6 +62,9 @@ class ObservedNode:
     # GPU model, where the provider says (GCP: one machine type takes several); "" = the
     # model the offers of its instance type have
     gpu_name: str = ""
+    # torchft replica groups of several nodes: the group the head placed it in ("" = none
+    # yet, or one node per group)
+    group: str = ""
 
 
 @dataclass(frozen=True)
@@ -394,28 +398,58 @@ def _home(observed: Observed, by_zone: bool) -> tuple[str, str]:
     return min(weight, key=lambda r: (-weight[r], r))
 
 
+def _shed_units(observed: Observed, group: int) -> list[tuple[ObservedNode, ...]]:
+    """What a shed takes out together. One node per group: each node. Replica groups of
+    `group` nodes: a whole group (draining one of its nodes stops the others anyway, and
+    they would wait, paid for), and first any node of a group that is not full (it trains
+    nothing)."""
+    if group <= 1:
+        return [(n,) for n in observed.live]
+    by_group: dict[str, list[ObservedNode]] = {}
+    units: list[tuple[ObservedNode, ...]] = []
+    for n in observed.live:
+        if n.group:
+            by_group.setdefault(n.group, []).append(n)
+        else:
+            units.append((n,))
+    for members in by_group.values():
+        if len(members) >= group:
+            units.append(tuple(members))
+        else:
+            units.extend((n,) for n in members)
+    return units
+
+
 def _shed(
-    observed: Observed, have: int, cost: float, lo: int, hi: int, cap: float
+    observed: Observed, have: int, cost: float, lo: int, hi: int, cap: float, group: int = 1
 ) -> Action | None:
     over_max = have > hi
-    nodes = sorted(
-        observed.live,
-        key=lambda n: (n.state != "pending", -(n.price / n.gpus if n.gpus else 0), -n.gpus, n.id),
-    )
-    for n in nodes:
-        if have - n.gpus < lo:
+
+    def rank(u: tuple[ObservedNode, ...]) -> tuple[Any, ...]:
+        gpus = sum(n.gpus for n in u)
+        price = math.fsum(n.price for n in u)
+        return (len(u) >= group > 1, any(n.state != "pending" for n in u),
+                -(price / gpus if gpus else 0), -gpus, min(n.id for n in u))
+
+    for u in sorted(_shed_units(observed, group), key=rank):
+        gpus = sum(n.gpus for n in u)
+        price = math.fsum(n.price for n in u)
+        if have - gpus < lo:
             continue
         why = (
             f"above maximum ({have} > {hi} GPUs)"
             if over_max
             else f"above budget ({_money(cost)} > {_money(cap)})"
         )
+        ids = tuple(sorted(n.id for n in u))
+        what = (f"replica group {u[0].group} ({', '.join(ids)})" if len(u) > 1
+                else ids[0])
         return Action(
             "terminate",
-            f"{why}: drain {n.id} ({n.gpus} GPUs, {_money(n.price)}); "
-            f"{have}->{have - n.gpus} GPUs, never below minimum {lo}",
-            node_ids=(n.id,),
-            drain=n.state != "pending",
+            f"{why}: drain {what} ({gpus} GPUs, {_money(price)}); "
+            f"{have}->{have - gpus} GPUs, never below minimum {lo}",
+            node_ids=ids,
+            drain=any(n.state != "pending" for n in u),
         )
     return None
 
@@ -597,13 +631,14 @@ def _plan(
         if draining:
             out.notes.append("above maximum or budget; waiting for the drain in progress")
             return out
-        act = _shed(observed, have, cost, lo, hi, cap)
+        act = _shed(observed, have, cost, lo, hi, cap, group)
         if act is None:
             out.notes.append(f"above maximum or budget, but shedding would go below {lo} GPUs")
             return out
         out.actions.append(act)
-        gone = next(n for n in observed.live if n.id == act.node_ids[0])
-        out.gpus_after, out.usd_per_hour_after = have - gone.gpus, cost - gone.price
+        gone = [n for n in observed.live if n.id in act.node_ids]
+        out.gpus_after = have - sum(n.gpus for n in gone)
+        out.usd_per_hour_after = cost - math.fsum(n.price for n in gone)
         return out
 
     usable = _usable(offers, blocked, now)

@@ -156,6 +156,7 @@ def observe(store: Store, spec: ClusterSpec, provider: Any,
             id=i.id, zone=i.zone, region=_region(i, spec), instance_type=i.instance_type,
             gpus=i.gpus, price=i.price, state=state,
             gpu_name=str(i.meta.get("gpu_name") or ""),
+            group=h["group"] if isinstance(h.get("group"), str) else "",
         ))
     detector.prune({i.id for i in live})
     if journal:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
@@ -368,3 +369,37 @@ def test_planner_launches_whole_replica_groups() -> None:
     p = plan(spec("2..8", engine="torchft"), Observed(), [offer("r1-a", 1.0, available=3)],
              {}, NOW)
     assert launch_pairs(p) == [("r1-a", 3)], p.actions
+
+
+def test_planner_sheds_whole_replica_groups() -> None:
+    """Above the maximum with replica groups of 2 nodes: the shed drains a whole group (a
+    drained node stops its partner, which would wait, paid for), and before that any node
+    of a group that is not full (it trains nothing); never below the minimum."""
+    sp = ClusterSpec.model_validate({"name": "t", "gpus": "2..4", "train": {
+        "engine": "torchft", "nodes_per_replica": 2}})
+
+    def grouped(nid: str, g: str, price: float = 1.0) -> ObservedNode:
+        return dataclasses.replace(node(nid, price=price), group=g)
+
+    six = (grouped("a", "g0"), grouped("b", "g0", 2.0), grouped("c", "g1"),
+           grouped("d", "g1"), grouped("e", "g2"), grouped("f", "g2", 1.5))
+    p = plan(sp, Observed(six), [offer("r1-a", 1.0)], {}, NOW)
+    (a,) = p.actions
+    # g0 holds the dearest GPUs per hour; its two nodes go in one drain
+    assert a.type == "terminate" and a.drain and a.node_ids == ("a", "b"), p.actions
+    assert "replica group g0" in a.reason
+    assert (p.gpus_after, p.usd_per_hour_after) == (4, pytest.approx(4.5))
+    # a node whose partner is gone (its group is not full) goes first, even if cheaper
+    five = (grouped("a", "g0", 0.5),) + six[2:]
+    p = plan(sp, Observed(five), [offer("r1-a", 1.0)], {}, NOW)
+    assert [x.node_ids for x in p.actions] == [("a",)], p.actions
+    # over budget: a whole group too, down to the minimum and no further
+    sp2 = ClusterSpec.model_validate({"name": "t", "gpus": "2..4", "budget": {
+        "max_usd_per_hour": 1.0}, "train": {"engine": "torchft", "nodes_per_replica": 2}})
+    p = plan(sp2, Observed(six[2:]), [offer("r1-a", 1.0)], {}, NOW)
+    assert [x.node_ids for x in p.actions] == [("e", "f")], p.actions
+    p = plan(sp2, Observed(six[4:]), [offer("r1-a", 1.0)], {}, NOW)
+    assert not any(x.type == "terminate" for x in p.actions), p.to_json()
+    # one node per group (the default): a single node, as before
+    p = plan(spec("2..4", engine="torchft"), Observed(six), [offer("r1-a", 1.0)], {}, NOW)
+    assert [x.node_ids for x in p.actions] == [("b",)], p.actions
