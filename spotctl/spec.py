@@ -280,7 +280,7 @@ class AwsSpec(_Zoned):
         "oss-nvidia-driver-gpu-pytorch-2.7-ubuntu-22.04/latest/ami-id"
     )
     # The head's small CPU image: head_ami, else this SSM parameter (Canonical's Ubuntu
-    # 24.04, Python 3.12: 22.04's 3.10 is older than spotctl's pinned packages allow).
+    # 24.04, Python 3.12: its python3 takes this controller's pinned packages as they are).
     head_ami: str = ""
     # The public SSM parameter naming the head's AMI when head_ami is empty.
     head_ami_ssm_parameter: str = (

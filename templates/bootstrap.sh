@@ -18,8 +18,11 @@
 # reuses the image's torch when it has one (system site-packages)
 # and gets spotctl's own wheel and its exactly pinned dependencies from the uploaded
 # wheelhouse (pip --no-index; pip's configured index only for a pinned wheel that does not
-# fit this machine). Nothing is installed by an unpinned name. Without a package, $PY must
-# already have spotctl and torch.
+# fit this machine). Nothing is installed by an unpinned name. A python older than some
+# pins allow (OLDER_PINS=1) installs spotctl's wheel with its requirements instead, each
+# bounded by the controller's version (pkg/constraints.txt): the shipped wheels where they
+# fit, else the newest release this python takes from pip's configured index. Without a
+# package, $PY must already have spotctl and torch.
 #
 # Workers' user: with root (uid 0, or sudo with systemd) and TRAIN_USER set, the training
 # workers run as TRAIN_USER (a system user, created if missing) and cannot read the node
@@ -35,6 +38,7 @@ PY=@@PYTHON@@
 VENV=@@VENV@@
 BASE=@@BASE_PYTHON@@
 TORCH_SPEC=@@TORCH_SPEC@@
+OLDER_PINS=@@OLDER_PINS@@
 PKG="$DIR/pkg"
 UNIT=@@UNIT@@
 TRAIN_USER=@@TRAIN_USER@@
@@ -126,15 +130,26 @@ if sys.prefix != sys.base_prefix: print("\n".join(site.getsitepackages()))')
             make_venv
         fi
     fi
+    wheel="$PKG/$(cat "$PKG/spotctl-wheel")"
+    if [ -n "$OLDER_PINS" ]; then
+        # spotctl's requirements as this python takes them, up to the controller's versions
+        # (torch pinned there too: a dependency must not pull another build)
+        pyver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+        pip_q --find-links "$PKG" -c "$PKG/constraints.txt" -r "$PKG/requirements-older.txt" \
+            "$wheel" \
+            || { echo "spotctl: installing spotctl's dependencies for Python $pyver failed: some of this controller's versions need a newer Python, and pip's index gave no older release that fits (see $DIR/bootstrap.log)"; exit 3; }
+        echo "spotctl: Python $pyver is older than some of this controller's pins allow: installed the newest releases up to them that it takes"
+    fi
     if ! has "$PY" torch; then
         # torch is pinned: an open range would pull a newer (multi-GB) build.
         pip_q --find-links "$PKG" "$TORCH_SPEC" \
             || { echo "spotctl: installing $TORCH_SPEC failed (see $DIR/bootstrap.log)"; exit 3; }
     fi
-    wheel="$PKG/$(cat "$PKG/spotctl-wheel")"
-    pip_q --no-index --find-links "$PKG" -r "$PKG/requirements.txt" \
-        || pip_q --find-links "$PKG" -r "$PKG/requirements.txt" \
-        || { echo "spotctl: installing spotctl's pinned dependencies failed (see $DIR/bootstrap.log)"; exit 3; }
+    if [ -z "$OLDER_PINS" ]; then
+        pip_q --no-index --find-links "$PKG" -r "$PKG/requirements.txt" \
+            || pip_q --find-links "$PKG" -r "$PKG/requirements.txt" \
+            || { echo "spotctl: installing spotctl's pinned dependencies failed (see $DIR/bootstrap.log)"; exit 3; }
+    fi
     # this controller's spotctl, replacing any other build of the same version
     pip_q --no-index --no-deps --force-reinstall "$wheel" \
         || { echo "spotctl: installing $wheel failed (see $DIR/bootstrap.log)"; exit 3; }

@@ -278,6 +278,7 @@ def render_bootstrap(
         "VENV": shlex.quote(venv),
         "BASE_PYTHON": shlex.quote(python),
         "TORCH_SPEC": shlex.quote(package.torch_spec if package else TORCH_SPEC),
+        "OLDER_PINS": "1" if target.older_pins else "",
         "UNIT": shlex.quote(unit),
         "AGENT_ARGV": shlex.join(argv),
         # the training workers' user; the script decides whether this host allows it
@@ -541,10 +542,12 @@ def _bootstrap(
         target = _resolve_dir(conn, target)
         if opts.choose_python is not None:
             chosen = opts.choose_python(conn, target)
-            log.info("%s: venv from %s (%s%s%s)", target.label, chosen.path, chosen.py,
+            log.info("%s: venv from %s (%s%s%s%s)", target.label, chosen.path, chosen.py,
                      f", torch {chosen.torch}" if chosen.torch_ok() else "",
-                     "" if chosen.ensurepip else ", no ensurepip: pip from its wheel")
-            target = dataclasses.replace(target, python=chosen.path)
+                     "" if chosen.ensurepip else ", no ensurepip: pip from its wheel",
+                     ", older than some pins allow: older releases from its index"
+                     if chosen.older else "")
+            target = dataclasses.replace(target, python=chosen.path, older_pins=chosen.older)
         files = render(target)
         sums = _remote_sums(conn, target, files)
         uploaded: list[str] = []

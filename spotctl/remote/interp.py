@@ -7,14 +7,16 @@ whether it has `ensurepip` (Debian and Ubuntu ship python3 without it unless pyt
 is installed), its torch version (read from the installed metadata, never imported) and
 the machine. The pick:
 
-- a candidate whose Python the shipped wheels cannot serve (a pin's Requires-Python
-  excludes it: the pins are this controller's installed versions) is never used;
+- a candidate whose Python spotctl's own wheel excludes (Requires-Python), or that has no
+  venv module, is never used;
 - among the rest, one with a torch of at least MIN_TORCH first (its venv sees that torch
   through the system site-packages: no multi-GB download), one with an older torch last
-  (its venv would see that one too); then one whose Python takes every shipped wheel as
-  it is (no package index needed); then the candidates' order;
+  (its venv would see that one too); then one whose Python every pin allows (a Python
+  older than some pins allow installs older releases of those from the node's package
+  index: `NodePython.older`, spotctl.remote.package); then one whose Python takes every
+  shipped wheel as it is (no package index needed); then the candidates' order;
 - none usable: the bootstrap stops with one line naming each interpreter's Python and
-  what the shipped wheels need, before anything is installed on the node.
+  why, before anything is installed on the node.
 
 A missing `ensurepip` is no reason to skip an interpreter: the bootstrap then makes the
 venv `--without-pip` and installs pip from the uploaded pip wheel (no index needed).
@@ -22,6 +24,7 @@ venv `--without-pip` and installs pip from the uploaded pip wheel (no index need
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shlex
@@ -62,6 +65,9 @@ class NodePython:
     venv: bool  # the venv module itself
     torch: str  # installed torch version, "" = none
     machine: str  # platform.machine(), e.g. x86_64
+    # some shipped pins exclude this Python: the node takes the newest releases up to the
+    # controller's that it allows, from its package index (set by `choose`)
+    older: bool = False
 
     @property
     def py(self) -> str:
@@ -108,26 +114,29 @@ def choose(found: Sequence[NodePython], candidates: Sequence[str], package: Node
             f"{label}: no Python interpreter on the node ({', '.join(candidates)} not found); "
             "the image needs python3")
     order = {c: i for i, c in enumerate(candidates)}
-    usable: list[tuple[tuple[bool, bool, bool, int], NodePython]] = []
+    usable: list[tuple[tuple[bool, bool, bool, bool, int], NodePython]] = []
     refused: list[str] = []
     for p in found:
         if not p.venv:
             refused.append(f"{p.path} ({p.py}) has no venv module")
             continue
+        own = package.own_fit(p.version[:2])
+        if own:
+            refused.append(f"{p.path} is {p.py}; {own}")
+            continue
         hard, soft = package.fit(p.version[:2], p.machine)
         if hard:
-            refused.append(f"{p.path} is {p.py}; {hard}")
-            continue
+            p = dataclasses.replace(p, older=True)
         # an older torch would be seen by the venv (and then used): such an
         # environment comes after any without torch
         old_torch = bool(p.torch) and not p.torch_ok()
-        usable.append(((not p.torch_ok(), old_torch, bool(soft),
+        usable.append(((not p.torch_ok(), old_torch, bool(hard), bool(soft),
                         order.get(p.path, len(order))), p))
     if not usable:
         raise BootstrapError(
-            f"{label}: no interpreter on the node can install this controller's wheels: "
+            f"{label}: no interpreter on the node can run spotctl: "
             + "; ".join(refused)
-            + ". Run spotctl from a Python that the node has, or name one that fits in "
+            + ". Install a newer python3 on the image, or name one in "
               "train.torch_envs (or ssh.base_python)")
     return min(usable, key=lambda x: x[0])[1]
 

@@ -14,6 +14,13 @@ Nothing on a node is ever installed by an unpinned public name:
   `pip --no-index --find-links`; only where a shipped binary wheel does not fit the node
   (another CPU or Python than the controller's) does pip fall back to its configured index,
   still for those exact pins.
+- a node whose Python is older than some pins allow (Ubuntu 22.04's 3.10 against a 3.11
+  controller: typer, platformdirs ... dropped 3.10) cannot take those exact versions. It
+  installs spotctl's wheel (its own requirements, markers evaluated there, so tomli on
+  3.10) and the top-level requirements of the shipped extras, each dependency bounded by
+  `constraints.txt`: `name<=version` of the controller's, torch at TORCH_SPEC. pip takes
+  the shipped wheels where they fit and, for the others, the newest release up to the
+  controller's that this Python takes, from the node's configured index.
 - torch is never shipped: the node's venv reuses the image's (CUDA) torch when the image's
   python has one (`venv --system-site-packages`), else pip installs the pinned TORCH_SPEC.
 - the project: the training script's directory (or `[train] project_dir`), honouring
@@ -39,6 +46,7 @@ import threading
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from spotctl.errors import BootstrapError
 
@@ -86,6 +94,11 @@ class NodePackage:
     # pip's own wheel (in `wheels`): a node whose python has no ensurepip gets a venv
     # without pip and installs pip from this file ("" = not shipped)
     pip_wheel: str = ""
+    # For a node whose Python some pins exclude (see the module docstring): the top-level
+    # requirements besides spotctl's wheel (its extras' and the checkpoint backends'),
+    # and the controller's versions as upper bounds
+    older_requirements: str = ""
+    older_constraints: str = ""
     _requires_python: dict[str, str] = field(default_factory=dict, repr=False)
 
     def requires_python(self, wheel: str) -> str:
@@ -108,24 +121,28 @@ class NodePackage:
         """Whether a node's Python (and machine) can install these wheels: (why it cannot,
         "" when it can; the wheels whose tags do not fit, which pip then fetches, at the
         same pinned version, from the node's own package index)."""
-        try:
-            from packaging.specifiers import SpecifierSet
-        except ImportError:  # pip vendors it; spotctl itself does not depend on it
-            from pip._vendor.packaging.specifiers import (  # type: ignore[no-redef,assignment]
-                SpecifierSet,
-            )
         full = ".".join(str(x) for x in (*version, 0, 0)[:3])
         need: dict[str, list[str]] = {}
         soft: list[str] = []
         for name in sorted(self.wheels):
             spec = self.requires_python(name)
-            if spec and not SpecifierSet(spec).contains(full, prereleases=True):
+            if spec and not _specifier(spec).contains(full, prereleases=True):
                 need.setdefault(spec.replace(" ", ""), []).append(_pin(name))
             elif not _tags_fit(name, version, machine):
                 soft.append(name)
         hard = "; ".join(f"{', '.join(pins)} require Python {spec}"
                          for spec, pins in sorted(need.items()))
         return (f"the shipped pins {hard}" if hard else ""), soft
+
+    def own_fit(self, version: tuple[int, ...]) -> str:
+        """Why spotctl's own wheel cannot go on this Python ("" when it can): a node whose
+        Python only the dependencies' pins exclude still installs (with older releases of
+        those), one that spotctl itself excludes does not."""
+        spec = self.requires_python(self.spotctl_wheel)
+        full = ".".join(str(x) for x in (*version, 0, 0)[:3])
+        if spec and not _specifier(spec).contains(full, prereleases=True):
+            return f"spotctl requires Python {spec.replace(' ', '')}"
+        return ""
 
     @property
     def size(self) -> int:
@@ -137,6 +154,8 @@ class NodePackage:
         out[f"{prefix}/requirements.txt"] = self.requirements.encode()
         out[f"{prefix}/spotctl-wheel"] = (self.spotctl_wheel + "\n").encode()
         out[f"{prefix}/key"] = (self.key + "\n").encode()
+        out[f"{prefix}/requirements-older.txt"] = self.older_requirements.encode()
+        out[f"{prefix}/constraints.txt"] = self.older_constraints.encode()
         if self.pip_wheel:
             out[f"{prefix}/pip-wheel"] = (self.pip_wheel + "\n").encode()
         return out
@@ -158,6 +177,16 @@ class Project:
 
     def summary(self) -> str:
         return f"project {self.root}: {len(self.files)} files, {_human(self.size)}"
+
+
+def _specifier(spec: str) -> Any:
+    try:
+        from packaging.specifiers import SpecifierSet
+    except ImportError:  # pip vendors it; spotctl itself does not depend on it
+        from pip._vendor.packaging.specifiers import (  # type: ignore[no-redef,assignment]
+            SpecifierSet,
+        )
+    return SpecifierSet(spec)
 
 
 def _pin(wheel: str) -> str:
@@ -368,6 +397,19 @@ def _closure(extras: tuple[str, ...], also: tuple[str, ...] = ()) -> list[md.Dis
     return [out[k] for k in sorted(out)]
 
 
+def _extra_names(extras: tuple[str, ...]) -> list[str]:
+    """The names spotctl's `extras` add to its own requirements (torch excluded: the node
+    installs it apart, pinned)."""
+    out: list[str] = []
+    for raw in md.distribution("spotctl").requires or []:
+        name, _, marker = _requirement(raw)
+        if (marker and _canon(name) != "torch" and name not in out
+                and any(_marker_ok(marker, x) for x in extras)
+                and not _marker_ok(marker, "")):
+            out.append(name)
+    return out
+
+
 def packages_for(checkpoint_dir: str) -> tuple[str, ...]:
     """The fsspec backend a checkpoint URI needs on the nodes (none for a path)."""
     scheme, sep, _ = checkpoint_dir.partition("://")
@@ -411,6 +453,9 @@ def node_package(
             wheels[w.name] = w.read_bytes()
             pins.append(f"{dist.metadata['Name']}=={dist.version}")
         requirements = "\n".join(pins) + "\n"
+        bounds = [p.replace("==", "<=", 1) for p in pins] + [TORCH_SPEC]
+        older_constraints = "\n".join(bounds) + "\n"
+        older_requirements = "".join(f"{n}\n" for n in (*_extra_names(extras), *also))
         pip_name = ""
         try:  # pip itself, for a node whose python lacks ensurepip (no python3-venv)
             pip_whl = _repack(md.distribution("pip"), cache)
@@ -422,7 +467,10 @@ def node_package(
         for n in sorted(wheels):
             h.update(n.encode() + b"\0" + _sha256(wheels[n]).encode())
         h.update(requirements.encode() + TORCH_SPEC.encode())
-        pkg = NodePackage(wheels, requirements, own.name, h.hexdigest(), pip_wheel=pip_name)
+        h.update(older_requirements.encode() + older_constraints.encode())
+        pkg = NodePackage(wheels, requirements, own.name, h.hexdigest(), pip_wheel=pip_name,
+                          older_requirements=older_requirements,
+                          older_constraints=older_constraints)
         _memo[memo_key] = pkg
         return pkg
 

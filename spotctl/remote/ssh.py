@@ -47,6 +47,9 @@ class HostTarget:
     # The node's own interpreter its venv is made from, as the bootstrap's probe chose it
     # (spotctl.remote.interp); "" = the one the caller renders with.
     python: str = ""
+    # that interpreter is older than some shipped pins allow: it installs older releases
+    # of those from its package index (spotctl.remote.package)
+    older_pins: bool = False
 
     @property
     def label(self) -> str:

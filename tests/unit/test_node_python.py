@@ -69,21 +69,36 @@ def test_the_torch_environment_wins_over_the_base_python() -> None:
 
 def test_a_python_the_pins_exclude_is_passed_over_for_one_they_fit() -> None:
     cands = ["/opt/conda/bin/python3", "python3"]
-    found = [_py("/opt/conda/bin/python3", 10, torch="2.7.0"), _py("python3", 11)]
+    found = [_py("/opt/conda/bin/python3", 10), _py("python3", 11)]
     assert choose(found, cands, PKG, "n1").path == "python3"
     # among fitting ones without torch: the one that needs no package index first
     found = [_py("/opt/conda/bin/python3", 12), _py("python3", 11)]
     assert choose(found, cands, PKG, "n1").path == "python3"
+    # a torch environment still wins: it saves the multi-GB download
+    found = [_py("/opt/conda/bin/python3", 10, torch="2.7.0"), _py("python3", 11)]
+    assert choose(found, cands, PKG, "n1").path == "/opt/conda/bin/python3"
+
+
+def test_a_python_only_some_pins_exclude_takes_older_releases_of_those() -> None:
+    """Ubuntu 22.04's 3.10 against a 3.11 controller: spotctl itself allows it, typer and
+    platformdirs do not. The node is used, marked to take older releases from its index."""
+    chosen = choose([_py("python3", 10)], ["python3"], PKG, "n1")
+    assert chosen.path == "python3" and chosen.older
+    assert not choose([_py("python3", 11)], ["python3"], PKG, "n1").older
+    assert PKG.own_fit((3, 10, 12)) == "" and PKG.own_fit((3, 9, 18)) == (
+        "spotctl requires Python >=3.10")
 
 
 def test_no_usable_interpreter_is_one_line_naming_each_python() -> None:
     with pytest.raises(BootstrapError) as e:
-        choose([_py("python3", 10)], ["python3"], PKG, "n1 (u@h:22)")
+        choose([_py("python3", 9), NodePython("/usr/bin/python3.12", (3, 12, 3), False, False,
+                                              "", "x86_64")],
+               ["python3", "/usr/bin/python3.12"], PKG, "n1 (u@h:22)")
     msg = str(e.value)
     assert "\n" not in msg
-    assert msg.startswith("n1 (u@h:22): no interpreter on the node can install")
-    assert "python3 is Python 3.10; the shipped pins platformdirs==4.14.9, typer==0.29.2 " \
-           "require Python >=3.11" in msg
+    assert msg.startswith("n1 (u@h:22): no interpreter on the node can run spotctl")
+    assert "python3 is Python 3.9; spotctl requires Python >=3.10" in msg
+    assert "/usr/bin/python3.12 (Python 3.12) has no venv module" in msg
     with pytest.raises(BootstrapError, match="no Python interpreter on the node"):
         choose([], ["python3"], PKG, "n1")
 
