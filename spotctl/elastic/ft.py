@@ -211,22 +211,70 @@ class _HealMetadata:
 
 
 def _manager_host(env: Any) -> str:
-    """Where a replica group's Manager listens: its node's loopback when the group is one
-    node (its clients are that node's workers alone), else the group's first node's
-    cluster address, which the group's other nodes reach."""
+    """Where a replica group's Manager is reached: its node's loopback when the group is
+    one node (its clients are that node's workers alone), else the group's first node's
+    cluster address, which the group's other nodes reach (through a filter: see
+    _bound_manager_server)."""
     if int(env.get("SPOTCTL_FT_REPLICA_NODES") or 1) <= 1:
         return "127.0.0.1"
     return str(env.get("MASTER_ADDR", "127.0.0.1"))
 
 
+# The ManagerService calls a group's workers make of their Manager (torchft 0.2.0's
+# ManagerClient: the quorum, the commit vote, and the heal's metadata, which spotctl's
+# replicas answer locally). `Kill` is not among them.
+MANAGER_METHODS = frozenset({"/torchft.ManagerService/Quorum",
+                             "/torchft.ManagerService/ShouldCommit",
+                             "/torchft.ManagerService/CheckpointMetadata"})
+
+
+class _FilteredManager:
+    """A ManagerServer on loopback behind spotctl's gRPC filter on the cluster address:
+    its address() is the filter's, which is what the group's workers are told."""
+
+    def __init__(self, real: Any, filt: Any, host: str):
+        self._real, self._filter = real, filt
+        self._address = f"http://[{host}]:{filt.port}" if ":" in host else (
+            f"http://{host}:{filt.port}")
+
+    def address(self) -> str:
+        return self._address
+
+    def shutdown(self) -> None:
+        self._filter.stop()
+        self._real.shutdown()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
 def _bound_manager_server(host: str) -> Any:
-    """torchft's ManagerServer, bound to `host` instead of every interface."""
+    """torchft's ManagerServer, bound to `host` instead of every interface. A group that
+    spans nodes (`host` not loopback) gets its Manager on loopback and, on `host`, the
+    filter the head puts in front of the Lighthouse (spotctl.head.grpc_filter), passing
+    MANAGER_METHODS only: torchft serves `Kill` to anyone who reaches the Manager, and the
+    group's other nodes must reach it."""
     from torchft._torchft import ManagerServer
 
     def make(**kw: Any) -> Any:
         port = kw["bind"].rsplit(":", 1)[1]
-        kw["bind"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        return ManagerServer(**kw)
+        if host in ("127.0.0.1", "localhost", "::1"):
+            kw["bind"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            return ManagerServer(**kw)
+        from spotctl.head.grpc_filter import GrpcFilter
+
+        kw["bind"], kw["hostname"] = "127.0.0.1:0", "127.0.0.1"
+        real = ManagerServer(**kw)
+        try:
+            up = int(real.address().rsplit(":", 1)[1])
+            filt = GrpcFilter(host, int(port), ("127.0.0.1", up), allowed=MANAGER_METHODS,
+                              http1_get=(), name="manager filter")
+        except BaseException:
+            real.shutdown()
+            raise
+        out = _FilteredManager(real, filt, host)
+        log.info("replica group's Manager: %s, filtered (Kill refused)", out.address())
+        return out
 
     return make
 

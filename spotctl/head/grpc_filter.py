@@ -1,4 +1,6 @@
-"""A filter in front of torchft's Lighthouse: only its gRPC methods pass.
+"""A filter in front of torchft's Lighthouse: only its gRPC methods pass. (The same filter
+fronts the Manager of a replica group that spans nodes, passing the ManagerService calls
+the group's workers make and not `Kill`: spotctl.elastic.ft._bound_manager_server.)
 
 torchft 0.2.0's Lighthouse serves, on the port of its gRPC service, an HTTP dashboard
 whose `POST /replica/<id>/kill` makes the Lighthouse call that replica's Manager `Kill`
@@ -137,7 +139,7 @@ class H2RequestFilter:
         paths = [v for k, v in pseudo if k == b":path"]
         methods = [v for k, v in pseudo if k == b":method"]
         if len(paths) != 1 or paths[0] not in self.allowed:
-            raise Refused(f"path {b','.join(paths)!r} is not a Lighthouse method")
+            raise Refused(f"path {b','.join(paths)!r} is not a method this filter passes")
         if methods != [b"POST"]:
             raise Refused(f"method {b','.join(methods)!r} is not POST")
         self.requests += 1
@@ -173,8 +175,9 @@ class GrpcFilter:
 
     def __init__(self, host: str, port: int, upstream: tuple[str, int],
                  allowed: Iterable[str] = LIGHTHOUSE_METHODS,
-                 http1_get: Iterable[str] = ("/status",)):
+                 http1_get: Iterable[str] = ("/status",), name: str = "lighthouse filter"):
         self.upstream = upstream
+        self.name = name
         self.allowed = frozenset(allowed)
         self.http1_get = frozenset(http1_get)
         fam = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -185,7 +188,8 @@ class GrpcFilter:
         self._conns = 0
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="lighthouse-filter", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name.replace(" ", "-"),
+                                        daemon=True)
         self._thread.start()
         self._ready.wait(10)
 
@@ -254,7 +258,7 @@ class GrpcFilter:
         except Refused as e:
             self.refused += 1
             if self.refused <= 20 or self.refused % 1000 == 0:  # a flood cannot fill the log
-                log.warning("lighthouse filter: closed a connection from %s: %s (%d so far)",
+                log.warning("%s: closed a connection from %s: %s (%d so far)", self.name,
                             addr, e, self.refused)
         except (asyncio.TimeoutError, ConnectionError, OSError):
             pass

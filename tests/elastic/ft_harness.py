@@ -41,8 +41,9 @@ class FtReplicas:
         p = self.tmp / f"{name}.steps.jsonl"
         return p.with_name(f"{p.name}.{local_rank}") if local_rank else p
 
-    def start(self, name: str, gated: bool = False) -> None:
-        env = dict(os.environ)
+    def start(self, name: str, gated: bool = False, local_addr: str = "127.0.0.1",
+              extra_env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ, **(extra_env or {}))
         env.update(
             SPOTCTL_ENGINE=self.engine, SPOTCTL_FT_REPLICA_ID=name,
             SPOTCTL_CHECKPOINT_DIR=self.ckpt_dir, SPOTCTL_MAX_STEPS=str(self.max_steps),
@@ -60,8 +61,8 @@ class FtReplicas:
             # picks and keeps it (no port chosen here and bound later, which can race)
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
              f"--nproc-per-node={self.nproc}",
-             "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", f"--rdzv-id={name}",
-             "--local-addr=127.0.0.1", str(self.script)],
+             "--rdzv-backend=c10d", f"--rdzv-endpoint={local_addr}:0", f"--rdzv-id={name}",
+             f"--local-addr={local_addr}", str(self.script)],
             env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )

@@ -22,6 +22,7 @@ INTERNAL = {"SPOTCTL_NODE_TAG", "SPOTCTL_ZYGOTE", "SPOTCTL_COMPLETE",
             "SPOTCTL_CHECKPOINT_DIR", "SPOTCTL_CHECKPOINT_EVERY", "SPOTCTL_MAX_STEPS",
             "SPOTCTL_CHECKPOINT_EVERY_S", "SPOTCTL_KEEP_LAST", "SPOTCTL_CHECKPOINT_WRITERS",
             "SPOTCTL_ENGINE", "SPOTCTL_FT_REPLICA_ID", "SPOTCTL_NODE_ID", "SPOTCTL_STATUS_DIR",
+            "SPOTCTL_FT_REPLICA_NODES",
             # the agent's contract with its torchrun (tests/unit/test_rdzv_gate.py plays it)
             "SPOTCTL_RDZV_GATE",
             # the cluster's largest size, for micro_batch "auto" (spotctl.elastic)
