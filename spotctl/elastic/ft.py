@@ -537,6 +537,12 @@ class FtRun(Run):
             hostname=host,
             checkpoint_transport=transport,
         )
+        # the Manager's address as the group's store gives it to the group's workers (a
+        # spanning group's: the filter on its first node), for the worker's report
+        try:
+            self.manager_address = self.manager._store.get("manager_addr").decode()
+        except Exception:  # noqa: BLE001 - torchft's internals; the report goes without
+            self.manager_address = ""
         self._quorums = UniqueQuorums(self.manager._client)
         self.manager._client = self._quorums
         # a quorum member that stops heartbeating while a collective waits for it fails
@@ -980,6 +986,7 @@ class FtRun(Run):
             "epoch": self.epoch, "offset": self.offset,
             "startup": getattr(self, "startup", None), "engine": "torchft",
             "replicas": self.replicas, "failed_steps": self.failed_steps, "micro_batch": self.micro_batch,
+            "manager": getattr(self, "manager_address", ""),
         }
         path = self.status_dir / f"worker-{self.local_rank}.json"
         tmp = path.with_suffix(".tmp")

@@ -7,6 +7,7 @@ Lighthouse and the survivors' next quorum leaves it out, with no restart."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -92,3 +93,65 @@ def _managers_on_loopback(c, addrs: dict[str, str]) -> None:
         with pytest.raises(ConnectionRefusedError):
             grpc_call(f"http://{addrs[node]}:{url.rsplit(':', 1)[1]}",
                       "/torchft.ManagerService/Kill", kill_request(), timeout=5)
+
+
+@pytest.mark.skipif(NETNS_MISSING is not None, reason=str(NETNS_MISSING))
+@pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
+                    reason="torchft is not installed (the 'ft' extra)")
+def test_replica_groups_span_nodes_over_real_links(local_cluster):
+    """Issues 29 and 31: `[train] nodes_per_replica = 2` with every node in a network
+    namespace of its own, so each group's torchrun, DDP (gloo) and its Manager's clients
+    cross real (virtual) links between nodes, as on several machines. Both groups train
+    as one job of 4 ranks. Each group's Manager is on its first node's loopback; the
+    address its workers are given (torchft's `manager_addr` in the group's store, on the
+    first node's cluster address) is the filter, which closes a `Kill` call from the
+    cluster network: no worker restarts. A node of one group cut off: that group is out,
+    the other trains on without a restart."""
+    import json
+    import time
+
+    from tests.security.torchft_attacks import grpc_call, kill_request
+
+    c = local_cluster("span")
+    c.write_spec("4", checkpoint_every=10, engine="torchft",
+                 extra="nodes_per_replica = 2\n\n[local]\nnetns = true\n")
+    c.cli("up", "--wait", "180")
+    st = c.steps_advance(world=4, by=5, timeout=240)
+    groups: dict[str, list[str]] = {}
+    for n in st["nodes"]:
+        if n["state"] == "running":
+            groups.setdefault(n["group"], []).append(n["id"])
+    assert sorted(len(v) for v in groups.values()) == [2, 2], groups
+    store = Store(c.home)
+    spec = ClusterSpec.model_validate(store.get_cluster("span").spec)
+    prov = LocalProvider(ProviderContext("span", spec, store.cluster_dir("span")))
+    addrs = {i.id: i.address for i in prov.list("span")}
+    assert len(set(addrs.values())) == 4 and "127.0.0.1" not in addrs.values()
+    reports = {n: json.loads((c.cluster_dir / "nodes" / n / "status" / "worker-0.json")
+                             .read_text()) for n in addrs}
+    assert sorted(r["rank"] for r in reports.values()) == [0, 1, 2, 3], reports
+    assert all(r["replicas"] == 2 and r["world_size"] == 4 for r in reports.values()), reports
+
+    pids = c.worker_pids(sorted(addrs))
+    for members in groups.values():
+        first = next(n for n in members if reports[n]["rank"] in (0, 2))
+        # the address torchft's `manager_addr` in the group's store gives its workers
+        manager = reports[first]["manager"]
+        assert manager.startswith(f"http://{addrs[first]}:"), (manager, addrs[first])
+        assert all(reports[n]["manager"] == manager for n in members), reports
+        ans = grpc_call(manager, "/torchft.ManagerService/Kill", kill_request(), timeout=5)
+        assert ans.closed and not ans.grpc_status, ans
+    time.sleep(1.0)
+    c.steps_advance(world=4, by=5, timeout=120)
+    assert c.worker_pids(sorted(addrs)) == pids, "a Kill got through: a worker restarted"
+
+    # a node of the group without n1 cut off: that group leaves the quorum, n1's trains on
+    mine = next(v for v in groups.values() if "n1" in v)
+    other = next(v for v in groups.values() if "n1" not in v)
+    r = c.rescale_from(lambda: prov.isolate(other[-1]), "failure")
+    assert (r["from_world_size"], r["to_world_size"]) == (4, 2), r
+    c.steps_advance(world=2, by=5, timeout=120)
+    assert c.worker_pids(mine) == {n: pids[n] for n in mine}, "the live group restarted"
+    c.cli("down", "--name", "span", "--yes")
+    assert c.processes() == []
+    assert prov.net is not None and prov.net.leftovers() == []
