@@ -60,6 +60,21 @@ def test_ft_nccl_check_logic_passes_on_cpu_with_gloo(tmp_path: Path) -> None:
     assert detail.startswith("torchft-gloo on {'cpu'} (CPU): joiner healed"), detail
 
 
+def test_a_failed_ft_check_says_what_the_workers_said(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A FAIL names the workers' own last errors (the H200's ft-nccl FAIL said only its
+    exit codes): here both groups' workers stop at a bad setting."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchft") is None:
+        pytest.skip("torchft is not installed (the 'ft' extra)")
+    monkeypatch.setenv("SPOTCTL_FT_QUORUM_TIMEOUT_S", "soon")
+    check = runpy.run_path(str(SCRIPT), run_name="gpu_check")
+    ok, detail = check["ft_check"](str(tmp_path), cuda=False)
+    assert not ok and detail.startswith("exit codes [1, 1], steps logged 0 and 0; g0 said: ")
+    assert detail.count("could not convert string to float: 'soon'") == 2, detail
+
+
 @pytest.mark.slow  # two replica groups in fresh processes, a join, one frozen
 def test_ft_vanish_check_logic_passes_on_cpu_with_gloo(tmp_path: Path) -> None:
     """ft-vanish with gloo: the first replica group freezes mid-step (SIGSTOP) with a
