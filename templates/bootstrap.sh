@@ -133,10 +133,12 @@ if sys.prefix != sys.base_prefix: print("\n".join(site.getsitepackages()))')
     wheel="$PKG/$(cat "$PKG/spotctl-wheel")"
     if [ -n "$OLDER_PINS" ]; then
         # spotctl's requirements as this python takes them, up to the controller's versions
-        # (torch pinned there too: a dependency must not pull another build)
+        # (torch pinned where the image has none: a dependency must not pull another build)
         pyver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-        pip_q --find-links "$PKG" -c "$PKG/constraints.txt" -r "$PKG/requirements-older.txt" \
-            "$wheel" \
+        torch_pin="$DIR/torch-constraint.txt"
+        if has "$PY" torch; then : >"$torch_pin"; else printf '%s\n' "$TORCH_SPEC" >"$torch_pin"; fi
+        pip_q --find-links "$PKG" -c "$PKG/constraints.txt" -c "$torch_pin" \
+            -r "$PKG/requirements-older.txt" "$wheel" \
             || { echo "spotctl: installing spotctl's dependencies for Python $pyver failed: some of this controller's versions need a newer Python, and pip's index gave no older release that fits (see $DIR/bootstrap.log)"; exit 3; }
         echo "spotctl: Python $pyver is older than some of this controller's pins allow: installed the newest releases up to them that it takes"
     fi

@@ -18,7 +18,8 @@ Nothing on a node is ever installed by an unpinned public name:
   controller: typer, platformdirs ... dropped 3.10) cannot take those exact versions. It
   installs spotctl's wheel (its own requirements, markers evaluated there, so tomli on
   3.10) and the top-level requirements of the shipped extras, each dependency bounded by
-  `constraints.txt`: `name<=version` of the controller's, torch at TORCH_SPEC. pip takes
+  `constraints.txt`: `name<=version` of the controller's (and TORCH_SPEC where the node
+  has no torch of its own, so that no dependency pulls another build). pip takes
   the shipped wheels where they fit and, for the others, the newest release up to the
   controller's that this Python takes, from the node's configured index.
 - torch is never shipped: the node's venv reuses the image's (CUDA) torch when the image's
@@ -453,8 +454,9 @@ def node_package(
             wheels[w.name] = w.read_bytes()
             pins.append(f"{dist.metadata['Name']}=={dist.version}")
         requirements = "\n".join(pins) + "\n"
-        bounds = [p.replace("==", "<=", 1) for p in pins] + [TORCH_SPEC]
-        older_constraints = "\n".join(bounds) + "\n"
+        # (torch is bounded on the node only when the node has none: an image's torch,
+        # seen through the system site-packages, stays)
+        older_constraints = "".join(p.replace("==", "<=", 1) + "\n" for p in pins)
         older_requirements = "".join(f"{n}\n" for n in (*_extra_names(extras), *also))
         pip_name = ""
         try:  # pip itself, for a node whose python lacks ensurepip (no python3-venv)

@@ -120,3 +120,22 @@ def test_candidates_are_the_torch_envs_then_the_base_python() -> None:
 
     assert candidates_for(["/opt/pytorch/bin/python3", "python3"], "python3") == [
         "/opt/pytorch/bin/python3", "python3"]
+
+
+def test_an_older_python_gets_the_controllers_versions_as_upper_bounds(tmp_path) -> None:
+    """What a node older than some pins allow installs from: spotctl's wheel, the top-level
+    names of the shipped extras (not torch: installed apart, pinned) and the checkpoint
+    backends, every shipped dependency bounded by the controller's version."""
+    import importlib.metadata as md
+
+    from spotctl.remote.package import node_package
+
+    pkg = node_package(tmp_path, extras=("ft",), also=("s3fs",))
+    assert pkg.older_requirements.split() == ["torchft", "hpack", "s3fs"]
+    bounds = dict(ln.split("<=") for ln in pkg.older_constraints.split())
+    assert bounds["typer"] == md.version("typer") and bounds["torchft"] == md.version("torchft")
+    assert set(bounds) == {ln.split("==")[0] for ln in pkg.requirements.split()}
+    assert "torch" not in bounds
+    files = pkg.files()
+    assert files["pkg/constraints.txt"] == pkg.older_constraints.encode()
+    assert files["pkg/requirements-older.txt"] == pkg.older_requirements.encode()
