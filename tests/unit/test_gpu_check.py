@@ -68,7 +68,7 @@ def test_a_failed_ft_check_says_what_the_workers_said(tmp_path: Path,
 
     if importlib.util.find_spec("torchft") is None:
         pytest.skip("torchft is not installed (the 'ft' extra)")
-    monkeypatch.setenv("SPOTCTL_FT_QUORUM_TIMEOUT_S", "soon")
+    monkeypatch.setenv("SPOTCTL_FT_TIMEOUT_S", "soon")
     check = runpy.run_path(str(SCRIPT), run_name="gpu_check")
     ok, detail = check["ft_check"](str(tmp_path), cuda=False)
     assert not ok and detail.startswith("exit codes [1, 1], steps logged 0 and 0; g0 said: ")
