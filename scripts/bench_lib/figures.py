@@ -526,6 +526,20 @@ def t_filter_cost(r: Results) -> str:
                    "at torchft's own port"], lines)  # fmt: skip
 
 
+def t_manager_filter_cost(r: Results) -> str:
+    lines = []
+    for label, m in (
+        ("per-step quorum, median", "per-step quorum of 2 workers: median"),
+        ("per-step quorum, 90th percentile", "per-step quorum of 2 workers: 90th percentile"),
+        ("step time (tiny model), median", "step time, tiny model: median"),
+        ("step time (tiny model), 90th percentile", "step time, tiny model: 90th percentile"),
+    ):
+        row = r.row("ft-filter-cost", f"spanning group's Manager: {m}")
+        lines.append([label, _cell(row["spotctl"], "ms"), _cell(row["baseline"], "ms")])
+    return _table(["a replica group of 2 workers", "Manager behind the filter",
+                   "Manager on loopback (no filter)"], lines)  # fmt: skip
+
+
 HEAD_ATTACKS = (
     ("slowloris, 300 connections, 1 byte / 2 s, 16 s", "slowloris 300 conns, 1 B/2 s, 16 s"),
     (
@@ -589,6 +603,7 @@ TITLES = {  # in the page's order
     "quorum": "The quorum's price",
     "quorum-stability": "Quorum stability",
     "filter-cost": "The Lighthouse filter's cost",
+    "manager-filter-cost": "The Manager filter's cost",
     "head-restart": "Head restart",
     "overhead": "Steady-state overhead",
     "checkpoint-loop": "Checkpoints in a training loop",
@@ -612,6 +627,7 @@ BENCH_TABLES: dict[str, Callable[[Results], str]] = {
     "quorum-stability": t_quorum_stability,
     "head-restart": t_head_restart,
     "filter-cost": t_filter_cost,
+    "manager-filter-cost": t_manager_filter_cost,
     "head-attacks": t_head_attacks,
 }
 
