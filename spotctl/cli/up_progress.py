@@ -33,9 +33,11 @@ def reconcile_phase(msg: str, frac: float | None = None) -> dict[str, Any]:
     if m := _BOOTSTRAPPING.match(msg):
         return {"phase": "bootstrapping", "nodes": int(m[1])}
     if m := _BOOTSTRAPPED.match(msg):
+        state, _, note = m[6].partition("; ")  # "ok", "ok; <note>", "failed: <reason>"
         out = {"phase": "bootstrapped", "node": m[1], "seconds": float(m[2]),
-               "done": int(m[4]), "total": int(m[5]), "ok": m[6] == "ok"}
-        return out | ({"sent": m[3]} if m[3] else {})
+               "done": int(m[4]), "total": int(m[5]), "ok": state == "ok"}
+        return out | ({"sent": m[3]} if m[3] else {}) | (
+            {"note": note} if note and state == "ok" else {})
     if msg.startswith("starting the head"):
         return {"phase": "head"}
     if msg.startswith("preparing"):
@@ -53,7 +55,8 @@ def describe(p: dict[str, Any]) -> str:
     if ph == "bootstrapped":
         sent = f", sent {p['sent']}" if p.get("sent") else ""
         return (f"bootstrapped {p['node']} in {p['seconds']:.1f}s{sent} ({p['done']}/{p['total']}"
-                + ("" if p["ok"] else ", failed") + ")")
+                + ("" if p["ok"] else ", failed") + ")"
+                + (f": {p['note']}" if p.get("note") else ""))
     if ph == "bootstrap-done":
         sl = p["slowest"]
         return (f"bootstrapped {p['nodes']} node(s)"

@@ -396,6 +396,8 @@ def _bootstrap(store: Store, spec: ClusterSpec, provider: Any, insts: list[Insta
                progress: Progress = _noop) -> None:
     def host_done(r: Any, done: int, total: int) -> None:  # remote.bootstrap.HostProgress
         state = "ok" if r.ok else f"failed: {r.reason}"
+        if getattr(r, "note", ""):
+            state += f"; {r.note}"
         sent = getattr(r, "sent_bytes", 0)  # what was uploaded (package, project, config)
         size = f", sent {sent / 2**20:.1f} MiB" if sent >= 2**20 else f", sent {sent} B" if sent else ""
         progress(f"bootstrapped {r.node_id} in {r.seconds:.1f}s{size} ({done}/{total}, {state})",

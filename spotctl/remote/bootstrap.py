@@ -128,6 +128,9 @@ class HostResult:
     agent: str = ""  # e.g. "started mode=fallback pid=123", "running"
     uploaded: list[str] = field(default_factory=list)  # names of files that changed
     sent_bytes: int = 0  # what those uploads weighed (unchanged files are skipped)
+    # what the user should know about how the node was set up, e.g. a Python older than
+    # some pins allow ("" = nothing)
+    note: str = ""
 
 
 # Called once per finished host with (result, hosts done, hosts in all): the caller decides
@@ -576,7 +579,12 @@ def _bootstrap(
         changed = bool(uploaded) or result.get("installed") == "1" or started
     finally:
         conn.close()
-    res = HostResult(target.node_id, True, "", changed, 0.0, agent.strip(), uploaded, sent)
+    note = ""
+    if target.older_pins:
+        note = ("its Python is older than some of this controller's pins allow: it took "
+                "older releases of those from its package index")
+    res = HostResult(target.node_id, True, "", changed, 0.0, agent.strip(), uploaded, sent,
+                     note)
     return res, target, baseline
 
 

@@ -120,6 +120,14 @@ def test_reconcile_messages_become_phases() -> None:
     assert p == {"phase": "bootstrapped", "node": "n3", "seconds": 41.2, "done": 2, "total": 3,
                  "ok": True}
     assert up_progress.describe(p) == "bootstrapped n3 in 41.2s (2/3)"
+    # what the bootstrap says of a node (here: a Python older than the pins allow) is shown
+    p = up_progress.reconcile_phase("bootstrapped n4 in 50.0s (3/3, ok; its Python is older "
+                                    "than some of this controller's pins allow: it took ...)")
+    assert p["ok"] and p["note"].startswith("its Python is older"), p
+    assert up_progress.describe(p) == ("bootstrapped n4 in 50.0s (3/3): its Python is older "
+                                       "than some of this controller's pins allow: it took ...")
+    p = up_progress.reconcile_phase("bootstrapped n5 in 1.0s (3/3, failed: a; b)")
+    assert not p["ok"] and "note" not in p
     assert up_progress.reconcile_phase("something new")["phase"] == "reconcile"
 
 
