@@ -19,10 +19,11 @@
 # and gets spotctl's own wheel and its exactly pinned dependencies from the uploaded
 # wheelhouse (pip --no-index; pip's configured index only for a pinned wheel that does not
 # fit this machine). Nothing is installed by an unpinned name. A python older than some
-# pins allow (OLDER_PINS=1) installs spotctl's wheel with its requirements instead, each
-# bounded by the controller's version (pkg/constraints.txt): the shipped wheels where they
-# fit, else the newest release this python takes from pip's configured index. Without a
-# package, $PY must already have spotctl and torch.
+# pins allow (OLDER_PINS=1) installs spotctl's wheel with its requirements instead, under
+# pkg/constraints.txt: the controller's exact versions, except those that dropped a Python
+# spotctl runs on, bounded by the controller's version instead (the newest release this
+# python takes, from pip's configured index). Without a package, $PY must already have
+# spotctl and torch.
 #
 # Workers' user: with root (uid 0, or sudo with systemd) and TRAIN_USER set, the training
 # workers run as TRAIN_USER (a system user, created if missing) and cannot read the node
@@ -132,8 +133,8 @@ if sys.prefix != sys.base_prefix: print("\n".join(site.getsitepackages()))')
     fi
     wheel="$PKG/$(cat "$PKG/spotctl-wheel")"
     if [ -n "$OLDER_PINS" ]; then
-        # spotctl's requirements as this python takes them, up to the controller's versions
-        # (torch pinned where the image has none: a dependency must not pull another build)
+        # spotctl's requirements as this python takes them (pkg/constraints.txt; torch
+        # pinned where the image has none: a dependency must not pull another build)
         pyver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
         torch_pin="$DIR/torch-constraint.txt"
         if has "$PY" torch; then : >"$torch_pin"; else printf '%s\n' "$TORCH_SPEC" >"$torch_pin"; fi

@@ -17,11 +17,12 @@ Nothing on a node is ever installed by an unpinned public name:
 - a node whose Python is older than some pins allow (Ubuntu 22.04's 3.10 against a 3.11
   controller: typer, platformdirs ... dropped 3.10) cannot take those exact versions. It
   installs spotctl's wheel (its own requirements, markers evaluated there, so tomli on
-  3.10) and the top-level requirements of the shipped extras, each dependency bounded by
-  `constraints.txt`: `name<=version` of the controller's (and TORCH_SPEC where the node
-  has no torch of its own, so that no dependency pulls another build). pip takes
-  the shipped wheels where they fit and, for the others, the newest release up to the
-  controller's that this Python takes, from the node's configured index.
+  3.10) and the top-level requirements of the shipped extras, with `constraints.txt`:
+  the controller's exact versions, except `name<=version` for a dependency whose version
+  drops a Python that spotctl still runs on (and TORCH_SPEC where the node has no torch
+  of its own, so that no dependency pulls another build). pip takes the shipped wheels
+  where they fit and, for the relaxed ones, the newest release up to the controller's
+  that this Python takes, from the node's configured index.
 - torch is never shipped: the node's venv reuses the image's (CUDA) torch when the image's
   python has one (`venv --system-site-packages`), else pip installs the pinned TORCH_SPEC.
 - the project: the training script's directory (or `[train] project_dir`), honouring
@@ -105,17 +106,7 @@ class NodePackage:
     def requires_python(self, wheel: str) -> str:
         """A shipped wheel's Requires-Python ("" = any), from its METADATA."""
         if wheel not in self._requires_python:
-            spec = ""
-            with zipfile.ZipFile(io.BytesIO(self.wheels[wheel])) as z:
-                meta = next((n for n in z.namelist()
-                             if n.count("/") == 1 and n.endswith(".dist-info/METADATA")), "")
-                if meta:
-                    for line in z.read(meta).decode("utf-8", "replace").splitlines():
-                        if not line.strip():
-                            break  # end of the headers
-                        if line.lower().startswith("requires-python:"):
-                            spec = line.split(":", 1)[1].strip()
-            self._requires_python[wheel] = spec
+            self._requires_python[wheel] = _wheel_requires_python(self.wheels[wheel])
         return self._requires_python[wheel]
 
     def fit(self, version: tuple[int, ...], machine: str = "") -> tuple[str, list[str]]:
@@ -178,6 +169,31 @@ class Project:
 
     def summary(self) -> str:
         return f"project {self.root}: {len(self.files)} files, {_human(self.size)}"
+
+
+def _wheel_requires_python(data: bytes) -> str:
+    """A wheel's Requires-Python ("" = any), from its METADATA."""
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        meta = next((n for n in z.namelist()
+                     if n.count("/") == 1 and n.endswith(".dist-info/METADATA")), "")
+        if not meta:
+            return ""
+        for line in z.read(meta).decode("utf-8", "replace").splitlines():
+            if not line.strip():
+                break  # end of the headers
+            if line.lower().startswith("requires-python:"):
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
+def _drops_python(spec: str, own: str) -> bool:
+    """Whether a dependency's Requires-Python excludes a Python 3 minor version that
+    spotctl's own (`own`) allows, up to this controller's."""
+    if not spec:
+        return False
+    dep, mine = _specifier(spec), _specifier(own or ">=3")
+    return any(mine.contains(f"3.{m}.0") and not dep.contains(f"3.{m}.0", prereleases=True)
+               for m in range(6, sys.version_info[1] + 1))
 
 
 def _specifier(spec: str) -> Any:
@@ -449,14 +465,20 @@ def node_package(
         own = spotctl_wheel(cache)
         wheels = {own.name: own.read_bytes()}
         pins = []
+        older = []
+        own_python = _wheel_requires_python(wheels[own.name])
         for dist in _closure(extras, also):
             w = _repack(dist, cache)
             wheels[w.name] = w.read_bytes()
             pins.append(f"{dist.metadata['Name']}=={dist.version}")
+            # exact, unless this version drops a Python spotctl still runs on: then the
+            # newest release up to it that the node's Python takes
+            drops = _drops_python(_wheel_requires_python(wheels[w.name]), own_python)
+            older.append(pins[-1].replace("==", "<=", 1) if drops else pins[-1])
         requirements = "\n".join(pins) + "\n"
         # (torch is bounded on the node only when the node has none: an image's torch,
         # seen through the system site-packages, stays)
-        older_constraints = "".join(p.replace("==", "<=", 1) + "\n" for p in pins)
+        older_constraints = "".join(p + "\n" for p in older)
         older_requirements = "".join(f"{n}\n" for n in (*_extra_names(extras), *also))
         pip_name = ""
         try:  # pip itself, for a node whose python lacks ensurepip (no python3-venv)

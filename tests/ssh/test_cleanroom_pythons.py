@@ -246,9 +246,10 @@ def test_a_node_python_older_than_the_pins_takes_older_releases_from_its_index(
     node_pythons: tuple[str, str], node_index: list[str], client_key: Path, tmp_path: Path
 ) -> None:
     """Only the 3.10 on the node (Ubuntu 22.04 as it is): typer, platformdirs ... as this
-    controller has them need 3.11. The node installs spotctl with the newest releases up to
-    the controller's that 3.10 takes, from its own index, and spotctl runs there. This
-    index has no torch, so `up` then stops at torch with one line."""
+    controller has them need 3.11. The node installs spotctl with the newest releases of
+    those up to the controller's that 3.10 takes, from its own index, and the controller's
+    exact versions of the rest; spotctl runs there. This index has no torch, so `up` then
+    stops at torch with one line."""
     from packaging.version import Version
 
     py310, _ = node_pythons

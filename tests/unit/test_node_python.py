@@ -125,17 +125,26 @@ def test_candidates_are_the_torch_envs_then_the_base_python() -> None:
 def test_an_older_python_gets_the_controllers_versions_as_upper_bounds(tmp_path) -> None:
     """What a node older than some pins allow installs from: spotctl's wheel, the top-level
     names of the shipped extras (not torch: installed apart, pinned) and the checkpoint
-    backends, every shipped dependency bounded by the controller's version."""
+    backends; every shipped dependency at the controller's exact version, except one whose
+    version drops a Python that spotctl still runs on: that one bounded by it."""
     import importlib.metadata as md
 
-    from spotctl.remote.package import node_package
+    from spotctl.remote.package import _drops_python, node_package
 
     pkg = node_package(tmp_path, extras=("ft",), also=("s3fs",))
     assert pkg.older_requirements.split() == ["torchft", "hpack", "s3fs"]
-    bounds = dict(ln.split("<=") for ln in pkg.older_constraints.split())
-    assert bounds["typer"] == md.version("typer") and bounds["torchft"] == md.version("torchft")
-    assert set(bounds) == {ln.split("==")[0] for ln in pkg.requirements.split()}
-    assert "torch" not in bounds
+    lines = pkg.older_constraints.split()
+    assert {ln.replace("<=", "==") for ln in lines} == set(pkg.requirements.split())
+    relaxed = {ln.split("<=")[0] for ln in lines if "<=" in ln}
+    assert f"typer<={md.version('typer')}" in lines  # 0.29 needs 3.11, spotctl runs on 3.10
+    assert f"torchft=={md.version('torchft')}" in lines  # spotctl drives its internals
+    for name in relaxed:
+        wheel = next(w for w in pkg.wheels if w.lower().startswith(
+            name.lower().replace("-", "_") + "-"))
+        assert _drops_python(pkg.requires_python(wheel), ">=3.10"), name
+    assert not any(ln.startswith("torch") and ln[5] in "=<" for ln in lines)
+    assert _drops_python(">=3.11", ">=3.10") and not _drops_python(">=3.9", ">=3.10")
+    assert not _drops_python("", ">=3.10")
     files = pkg.files()
     assert files["pkg/constraints.txt"] == pkg.older_constraints.encode()
     assert files["pkg/requirements-older.txt"] == pkg.older_requirements.encode()
