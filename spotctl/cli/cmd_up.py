@@ -102,6 +102,13 @@ def register(app: typer.Typer) -> None:
             )
             for e in res.errors:
                 console().print(f"warning: {e}")
+            if spec.provider in ("aws", "gcp"):
+                from spotctl.control.cron import replacement_hint
+
+                hint = replacement_hint(spec.name)
+                if hint:
+                    console().print(f"note: {hint}", highlight=False, markup=False,
+                                    soft_wrap=True)
         if want and seen < want:
             raise SpotctlError(f"only {seen} of {want} nodes reported within {wait:.0f}s "
                                "(see `spotctl logs --all`)")

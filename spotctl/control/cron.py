@@ -244,3 +244,17 @@ def _crontab_lock() -> Iterator[None]:
 def show(name: str | None = None, tab: Crontab | None = None) -> list[CronEntry]:
     found = entries((tab or Crontab()).read())
     return [e for e in found if name is None or e.cluster == name]
+
+
+def replacement_hint(name: str, tab: Crontab | None = None) -> str:
+    """What `up` says of a cloud cluster that nothing on this machine rebalances ("" when
+    cron runs `spotctl rebalance` for it): lost nodes are replaced only by that (the head
+    runs no reconcile loop), and a cluster below its minimum keeps its head billing."""
+    try:
+        if show(name, tab):
+            return ""
+    except SpotctlError:
+        pass  # no usable crontab here: the way to replace nodes is the same
+    return (f"nodes lost to preemption are replaced only by `spotctl rebalance` run on this "
+            f"machine, and nothing runs it for {name}: `spotctl cron install --name {name}` "
+            "(every 5 minutes), or keep `spotctl rebalance --watch` running")

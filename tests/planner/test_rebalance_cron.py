@@ -198,3 +198,20 @@ def test_rebalance_cron_real_crontab_roundtrip(
     finally:
         if real.read() != before:
             real.write(before)
+
+
+def test_up_hint_names_cron_until_a_line_rebalances_the_cluster(
+    env: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`up` on a cloud says that nothing here replaces lost nodes until cron (or a watch)
+    runs `rebalance` for the cluster; once `cron install` did, it says nothing. Without a
+    crontab on this machine, it still says how."""
+    hint = cron.replacement_hint("c1")
+    assert "replaced only by `spotctl rebalance`" in hint and "--name c1" in hint
+    assert "\n" not in hint
+    main(["cron", "install", "--name", "c11"])
+    assert cron.replacement_hint("c1")  # c11's line is not c1's
+    main(["cron", "install", "--name", "c1"])
+    assert cron.replacement_hint("c1") == ""
+    monkeypatch.setenv("SPOTCTL_CRONTAB", str(env["tmp"] / "missing-crontab"))
+    assert "--name c1" in cron.replacement_hint("c1")
