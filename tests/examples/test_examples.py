@@ -21,16 +21,29 @@ EXAMPLES = REPO / "examples"
 STEP_RE = re.compile(r"^step (\d+) loss (\S+)(?: grad_norm (\S+))? world (\d+)$", re.M)
 
 
-def torchrun(script: Path, cwd: Path, nproc: int = 2, **env: str) -> str:
-    """Run `torchrun --standalone --nproc-per-node N script` in `cwd`; its output."""
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def torchrun(script: Path, cwd: Path, nproc: int = 2, baseline: bool = False,
+             **env: str) -> str:
+    """Run `torchrun --standalone --nproc-per-node N script` in `cwd`; its output.
+
+    `baseline`: the script is the user's plain one (no spotctl), whose output is only what
+    the port is compared with. torch's gloo rarely aborts a rank as the process group is
+    torn down after the last step (TEARDOWN_ABORT, exit -6: 0 of 20 runs here once the
+    script had a barrier before it, then once in a CI run): that run is made once more.
+    spotctl's own scripts get no second chance."""
     full = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
             "SPOTCTL_CHECKPOINT_DIR": str(cwd / "checkpoints"), **env}
     full.pop("SPOTCTL_ENGINE", None)
-    p = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={nproc}", str(script)],
-        cwd=cwd, env=full, capture_output=True, text=True, timeout=240)
-    out = p.stdout + p.stderr
+    for attempt in (1, 2):
+        p = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc-per-node={nproc}", str(script)],
+            cwd=cwd, env=full, capture_output=True, text=True, timeout=240)
+        out = p.stdout + p.stderr
+        if p.returncode == 0 or not (baseline and attempt == 1 and TEARDOWN_ABORT in out):
+            break
     assert p.returncode == 0, f"{script.name} exited {p.returncode}:\n{out[-4000:]}"
     return p.stdout
 
@@ -94,7 +107,7 @@ def test_ddp_port_trains_like_the_original(tmp_path: Path) -> None:
     d = EXAMPLES / "ddp-port"
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    orig_out = torchrun(d / "original.py", tmp_path / "a", STEPS="20")
+    orig_out = torchrun(d / "original.py", tmp_path / "a", baseline=True, STEPS="20")
     port_out = torchrun(d / "train.py", tmp_path / "b", STEPS="20")
     orig, port = steps(orig_out), steps(port_out)
     assert [s for s, _, _ in port] == list(range(1, 21))
