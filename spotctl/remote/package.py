@@ -113,12 +113,11 @@ class NodePackage:
         """Whether a node's Python (and machine) can install these wheels: (why it cannot,
         "" when it can; the wheels whose tags do not fit, which pip then fetches, at the
         same pinned version, from the node's own package index)."""
-        full = ".".join(str(x) for x in (*version, 0, 0)[:3])
         need: dict[str, list[str]] = {}
         soft: list[str] = []
         for name in sorted(self.wheels):
             spec = self.requires_python(name)
-            if spec and not _specifier(spec).contains(full, prereleases=True):
+            if not _allows(spec, version):
                 need.setdefault(spec.replace(" ", ""), []).append(_pin(name))
             elif not _tags_fit(name, version, machine):
                 soft.append(name)
@@ -131,8 +130,7 @@ class NodePackage:
         Python only the dependencies' pins exclude still installs (with older releases of
         those), one that spotctl itself excludes does not."""
         spec = self.requires_python(self.spotctl_wheel)
-        full = ".".join(str(x) for x in (*version, 0, 0)[:3])
-        if spec and not _specifier(spec).contains(full, prereleases=True):
+        if not _allows(spec, version):
             return f"spotctl requires Python {spec.replace(' ', '')}"
         return ""
 
@@ -189,11 +187,16 @@ def _wheel_requires_python(data: bytes) -> str:
 def _drops_python(spec: str, own: str) -> bool:
     """Whether a dependency's Requires-Python excludes a Python 3 minor version that
     spotctl's own (`own`) allows, up to this controller's."""
-    if not spec:
-        return False
-    dep, mine = _specifier(spec), _specifier(own or ">=3")
-    return any(mine.contains(f"3.{m}.0") and not dep.contains(f"3.{m}.0", prereleases=True)
+    return any(_allows(own, (3, m)) and not _allows(spec, (3, m))
                for m in range(6, sys.version_info[1] + 1))
+
+
+def _allows(spec: str, version: tuple[int, ...]) -> bool:
+    """Whether a Requires-Python spec ("" = any) allows this Python version."""
+    if not spec:
+        return True
+    full = ".".join(str(x) for x in (*version, 0, 0)[:3])
+    return bool(_specifier(spec).contains(full, prereleases=True))
 
 
 def _specifier(spec: str) -> Any:
