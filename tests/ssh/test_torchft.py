@@ -206,6 +206,73 @@ def test_up_torchft_over_reverse_tunnels_on_two_ssh_hosts(
                 pass
 
 
+@pytest.mark.ssh
+@pytest.mark.e2e
+@pytest.mark.slow  # real torchrun + torchft over sshd
+@pytest.mark.timeout(600)
+@needs_ft
+def test_one_replica_group_spans_two_ssh_hosts(
+    sshd_factory: SshdFactory, client_key: Path, tmp_path: Path
+) -> None:
+    """`[train] nodes_per_replica = 2` on the ssh provider: two hosts (two sshd on
+    loopback, each behind its reverse forward of the head) make one replica group under
+    one torchrun. The workers' own reports: ranks 0 and 1 of a world of 2, one replica,
+    the same Manager address, steps advancing with the same worker pids; the head puts
+    both nodes in one group; `down` ends every process. (Both hosts are this machine's
+    loopback, so the group's Manager is on loopback with no filter, as a one-node group's:
+    tests/e2e/test_network_partition.py -k span covers the filter across real links.)"""
+    a, b = sshd_factory.start(), sshd_factory.start()
+    remote = tmp_path / "remote"
+    proj = FtProject(tmp_path, "ftg", {"SPOTCTL_SSH_REMOTE_ROOT": str(remote),
+                                      "SPOTCTL_SSH_TUNNEL": "always"})  # fmt: skip
+    proj.remote = remote
+    (proj.project / "spotctl.toml").write_text(
+        'name = "ftg"\nprovider = "ssh"\ngpus = "2"\n\n'
+        f'[train]\nscript = "train.py"\ncheckpoint_every = 5\npython = "{sys.executable}"\n'
+        "nodes_per_replica = 2\n"
+        'env = { TRAIN_STEP_SLEEP_S = "0.05", TRAIN_DATASET_SIZE = "4096" }\n\n'
+        + "".join(
+            f'[[ssh.hosts]]\naddress = "127.0.0.1"\nport = {s.port}\nkey = "{client_key}"\n\n'
+            for s in (a, b)
+        )
+    )
+    use_torchft(proj)
+    nodes = [f"ssh-127-0-0-1-{a.port}", f"ssh-127-0-0-1-{b.port}"]
+    home = tmp_path / "home"
+    try:
+        proj.cli("up", "--wait", "180", timeout=400)
+        st = proj.wait_for("one group of 2 past step 5",
+                           lambda st: st.get("world_size") == 2 and (st.get("step") or 0) >= 5,
+                           timeout=180, interval=1)  # fmt: skip
+        groups = {n["id"]: n.get("group") for n in st["nodes"]}
+        assert set(groups) == set(nodes) and len(set(groups.values())) == 1, groups
+        reports = {n: json.loads((remote / "ftg" / n / "work" / "status" / "worker-0.json").read_text())
+                   for n in nodes}  # fmt: skip
+        assert sorted(r["rank"] for r in reports.values()) == [0, 1], reports
+        assert all(r["replicas"] == 1 and r["world_size"] == 2 for r in reports.values()), reports
+        assert len({r["manager"] for r in reports.values()}) == 1, reports
+        before = {n: r["step"] for n, r in reports.items()}
+        wait_until(lambda: all(
+            json.loads((remote / "ftg" / n / "work" / "status" / "worker-0.json").read_text())["step"]
+            >= before[n] + 5 for n in nodes), 120, "both nodes' workers to go on", 0.5,
+            proj.debug)  # fmt: skip
+        after = {n: json.loads((remote / "ftg" / n / "work" / "status" / "worker-0.json")
+                               .read_text())["pid"] for n in nodes}  # fmt: skip
+        assert after == {n: r["pid"] for n, r in reports.items()}, "a worker restarted"
+        proj.cli("down", "--name", "ftg", "--yes", timeout=240)
+        wait_until(lambda: not procs_mentioning(remote) and not procs_mentioning(home), 60,
+                   "the cluster's processes to end", 0.5,
+                   lambda: f"left: {procs_mentioning(remote) + procs_mentioning(home)}")  # fmt: skip
+    finally:
+        if (home / "state.db").exists():
+            proj.cli("down", "--name", "ftg", "--yes", check=False)
+        for pid in procs_mentioning(remote) + procs_mentioning(home):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 @pytest.mark.slow  # builds spotctl's wheel and repacks its dependencies
 @needs_ft
 def test_torchft_is_shipped_to_the_nodes_on_torchft_only(
