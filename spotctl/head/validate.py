@@ -219,7 +219,7 @@ def group(v: Any) -> dict[str, Any]:
                            "port": _int(v["port"], "group.port", 1, 65535)}
     if v.get("id") is not None:
         gid = _str(v["id"], "group.id", 16)
-        if not re.fullmatch(r"g[0-9]{1,6}", gid, re.ASCII):
+        if not re.fullmatch(r"g[0-9]{1,6}", gid):  # [0-9]: ASCII digits only
             raise BadInput("group.id must be g followed by digits")
         out["id"] = gid
         out["gen"] = _int(v.get("gen"), "group.gen", 0, 1 << 40)
@@ -243,7 +243,7 @@ def drain(v: dict[str, Any]) -> tuple[str, list[str]]:
     reason = v.get("reason")
     if reason not in ("rebalance",):
         raise BadInput("reason must be 'rebalance'")
-    return reason, node_list(v.get("leavers", []), "leavers")
+    return reason, node_list(v["leavers"], "leavers")
 
 
 def event(v: dict[str, Any]) -> tuple[str, dict[str, Any]]:
