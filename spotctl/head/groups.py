@@ -81,8 +81,10 @@ class ReplicaGroups:
         that just started, whose nodes have not all reported) fill the open slots."""
         for g in list(self.groups.values()):
             for i, nid in enumerate(g.slots):
-                m = members.get(nid) if nid is not None else None
-                if nid is not None and (m is None or not m.alive) and not settle:
+                if nid is None:
+                    continue
+                m = members.get(nid)
+                if (m is None or not m.alive) and not settle:
                     g.slots[i] = None
                     self._changed(g, f"{nid} out")
             if not g.members():
@@ -111,7 +113,8 @@ class ReplicaGroups:
         if at is None:
             return None
         g, slot = at
-        first = store_of(g.slots[0]) if g.full() and g.slots[0] is not None else None
+        head = g.slots[0]
+        first = store_of(head) if g.full() and head is not None else None
         return {"id": g.gid, "gen": g.gen, "slot": slot, "nodes": g.members(),
                 "master": list(first) if first else None}
 
