@@ -72,6 +72,12 @@ def test_gone_nodes_leave_their_slots_except_while_settling() -> None:
     assert j.changes()[-1] == ("g0", 4, "b out")
     rg.update({}, settle=False)  # a forgotten too: the empty group goes
     assert rg.groups == {} and j.changes()[-1] == ("g0", 5, "a out")
+    # an open slot before a node that is gone
+    rg.update(waiting("c", "d"), settle=False)
+    rg.update({"d": Member("d", "running", True, True)}, settle=False)
+    assert slots(rg) == {"g0": [None, "d"]}
+    rg.update({}, settle=False)
+    assert rg.groups == {}
 
 
 def test_half_groups_merge_into_the_fullest_when_their_nodes_wait() -> None:
