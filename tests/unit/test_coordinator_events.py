@@ -251,3 +251,47 @@ def test_a_notice_for_a_node_that_is_not_training_makes_it_leave_without_a_drain
     c.tick()
     assert c.status()["nodes"]["x"]["state"] == "leaving"
     assert [d for d in drains(c) if d["type"] == "drain-start" and d["reason"] == "notice"] == []
+
+
+NODE = ("register", "join-request", "join", "leave", "node-unresponsive", "node-back")
+
+
+def lifecycle(c: Coordinator) -> list[dict[str, Any]]:
+    return [body(e) for e in c.events if e["type"] in NODE]
+
+
+def test_a_nodes_life_as_journaled_and_shown() -> None:
+    clk = Clock()
+    c = Coordinator(clk, dead_after_s=4.0)
+    c.heartbeat({"node_id": "a"})  # no state: waiting
+    assert c.status()["nodes"]["a"]["state"] == "waiting"
+    c.heartbeat({"node_id": "a", "agent_state": "running", "addr": "10.0.0.1",
+                 "net": {"efa": 0}, "workers": [w(0, "inc1", 1, ws=1, first=clk.t)]})  # fmt: skip
+    c.heartbeat({"node_id": "a", "agent_state": "running",
+                 "workers": [w(0, "inc1", 2, ws=1)]})  # fmt: skip
+    st = c.status()["nodes"]["a"]
+    assert (st["state"], st["addr"], st["net"]) == ("running", "10.0.0.1", {"efa": 0})
+    # a second node while a group trains asks to join
+    hb(c, "b", "waiting")
+    assert lifecycle(c) == [{"type": "register", "node": "a"}, {"type": "join", "node": "a"},
+                            {"type": "join-request", "node": "b"}]  # fmt: skip
+    # silent past dead_after_s (not at it), then back
+    clk.t += 4.0
+    hb(c, "b", "waiting")
+    c.tick()
+    assert lifecycle(c)[3:] == []
+    clk.t += 0.5
+    c.tick()
+    assert lifecycle(c)[3:] == [{"type": "node-unresponsive", "node": "a", "silent_s": 4.5}]
+    assert c.status()["nodes"]["a"]["state"] == "unresponsive"
+    hb(c, "a", workers=[w(0, "inc1", 3, ws=1)])
+    assert lifecycle(c)[4:] == [{"type": "node-back", "node": "a"}]
+    assert c.status()["nodes"]["a"]["state"] == "running"
+    # it leaves once; a left node's later reports change nothing but a fresh start
+    hb(c, "a", "left")
+    hb(c, "a", "left")
+    hb(c, "a", "running")
+    assert lifecycle(c)[5:] == [{"type": "leave", "node": "a"}]
+    assert c.status()["nodes"]["a"]["state"] == "left"
+    hb(c, "a", "waiting")
+    assert c.status()["nodes"]["a"]["state"] == "waiting"
