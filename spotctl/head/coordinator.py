@@ -476,9 +476,8 @@ class Coordinator:
         return max(0, lost)
 
     def _record_rescale(self, inc: dict[str, Any]) -> None:
-        if inc.get("recorded"):
-            return
-        inc["recorded"] = True
+        """Journal how group `inc` formed. Called once per group: when its rank 0's first
+        step is first seen (_observe_worker sets `first_step_at` then, and never again)."""
         cause = self.cause
         ft = self.engine == "torchft"
         grew = inc["world_size"] > inc["prev_world"]

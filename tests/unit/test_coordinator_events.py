@@ -295,3 +295,123 @@ def test_a_nodes_life_as_journaled_and_shown() -> None:
     assert c.status()["nodes"]["a"]["state"] == "left"
     hb(c, "a", "waiting")
     assert c.status()["nodes"]["a"]["state"] == "waiting"
+
+
+def test_a_rebalance_drain_on_request() -> None:
+    clk, c = training(["a", "b", "c"], "inc1", 10)
+    assert c.request_drain(leavers=["c"]) == 1
+    assert drains(c) == [{"type": "drain-start", "gen": 1, "reason": "rebalance",
+                          "members": ["a", "b", "c"], "leavers": ["c"], "joiners": []}]  # fmt: skip
+    assert c.request_drain(leavers=["b"]) == 0  # busy: one drain at a time
+    assert len(drains(c)) == 1
+    idle = Coordinator(Clock())
+    hb(idle, "a", "waiting")
+    assert idle.request_drain(leavers=["a"]) == 0  # nothing trains: nothing to drain
+
+
+def test_torchft_leave_on_request_names_known_nodes_only() -> None:
+    clk, c = training(["a", "b"], "ft-q1", 10, engine="torchft")
+    assert c.request_drain(leavers=["zz"]) == 0 and c.request_drain() == 0
+    assert of(c, "leave-requested") == []
+    gen = c.request_drain(leavers=["b", "zz"])
+    assert gen > 0 and of(c, "leave-requested") == [
+        {"type": "leave-requested", "gen": gen, "reason": "rebalance", "nodes": ["b"]}
+    ]
+    assert hb(c, "b", workers=[w(1, "ft-q1", 11, ws=2)])["leave"]
+    assert not hb(c, "a", workers=[w(0, "ft-q1", 11, ws=2)])["leave"]
+    assert c.drain is None
+
+
+def test_notices_journaled_once_and_timed_from_the_first() -> None:
+    clk, c = training(["a", "b", "c"], "inc1", 10)
+    clk.t += 1
+    c.notice("b", {"id": "x", "deadline": clk.t + 120, "node": "spoofed", "kind": "spot"})
+    assert of(c, "notice") == [{"type": "notice", "node": "b", "id": "x",
+                                "deadline": clk.t + 120, "kind": "spot"}]  # fmt: skip
+    c.notice("b", {"id": "y", "deadline": clk.t + 60})  # the same node again: nothing
+    assert len(of(c, "notice")) == 1
+    first = clk.t
+    clk.t += 1
+    c.notice("c", {"id": "z", "deadline": clk.t + 120})
+    assert c.cause is not None and (c.cause.reason, c.cause.at) == ("notice", first)
+    # a notice after a failure: the notice is the cause from then on
+    from spotctl.head.coordinator import Cause
+
+    clk2, c2 = training(["a", "b"], "inc1", 10)
+    c2.cause = Cause("failure", clk2.t - 5)
+    c2.notice("a", {"id": "n"})
+    assert (c2.cause.reason, c2.cause.at) == ("notice", clk2.t)
+    # a notice for a node the head has not heard of yet
+    c2.notice("new", {"id": "m"})
+    assert c2.status()["nodes"]["new"]["notice"] == {"id": "m"}
+    assert c2.nodes["new"].node_id == "new" and c2.nodes["new"].registered_at == clk2.t
+
+
+def test_a_dead_member_on_torchrun_kills_its_peers_workers_each_time() -> None:
+    clk, c = training(["a", "b", "c"], "inc1", 10, dead_after_s=4.0)
+    last = clk.t
+    clk.t += 3
+    hb(c, "a", workers=[w(0, "inc1", 11)])
+    hb(c, "c", workers=[w(2, "inc1", 11)])
+    clk.t += 2  # b silent for 5 s
+    hb(c, "a", workers=[w(0, "inc1", 11)])
+    assert (c.kill_gen, c.kill_incarnation) == (1, "inc1")
+    assert c.cause is not None and (c.cause.reason, c.cause.at) == ("failure", last)
+    clk.t += 3
+    hb(c, "a", workers=[w(0, "inc1", 11)])  # c silent for 5 s now: a second kill
+    assert c.kill_gen == 2
+    # a node that was not in the group dies: nobody is killed
+    clk2, c2 = training(["a", "b"], "inc1", 10, dead_after_s=4.0)
+    hb(c2, "x", "waiting")
+    clk2.t += 3
+    hb(c2, "a", workers=[w(0, "inc1", 11, ws=2)])
+    hb(c2, "b", workers=[w(1, "inc1", 11, ws=2)])
+    clk2.t += 2
+    hb(c2, "a", workers=[w(0, "inc1", 11, ws=2)])
+    assert c2.status()["nodes"]["x"]["state"] == "unresponsive" and c2.kill_gen == 0
+    # on torchft the quorum has dropped it already: nobody is killed
+    clk3, c3 = training(["a", "b"], "ft-q1", 10, dead_after_s=4.0, engine="torchft")
+    clk3.t += 5
+    hb(c3, "a", workers=[w(0, "ft-q1", 11, ws=2)])
+    assert c3.kill_gen == 0 and c3.status()["nodes"]["b"]["state"] == "unresponsive"
+
+
+def test_status_whole() -> None:
+    clk, c = training(["a", "b"], "inc1", 10)
+    clk.t += 1.5
+    hb(c, "a", workers=[w(0, "inc1", 12, ws=2, loss=0.5, throughput=300.0, last_ckpt=10)])
+    clk.t += 0.25
+    st = c.status()
+    nodes = st.pop("nodes")
+    assert st == {"engine": "torchrun", "world_size": 2, "step": 12, "last_checkpoint_step": 10,
+                  "loss": 0.5, "throughput": 300.0, "incarnation": "inc1", "drain": None}  # fmt: skip
+    a = dict(nodes["a"])
+    workers = a.pop("workers")
+    assert a == {"state": "running", "last_heartbeat": 1001.5, "heartbeat_age_s": 0.25,
+                 "addr": "", "notice": None, "step": 12, "world_size": 2, "net": None,
+                 "group": None}  # fmt: skip
+    assert [(x["rank"], x["step"], x["loss"]) for x in workers] == [(0, 12, 0.5)]
+    assert (nodes["b"]["step"], nodes["b"]["heartbeat_age_s"]) == (10, 1.75)
+    # during a drain, and for a node known only from a notice
+    c.request_drain(leavers=["b"])
+    c.notice("z", {"id": "n"})
+    st = c.status()
+    assert st["drain"] == {"gen": 1, "reason": "rebalance", "members": ["a", "b"],
+                           "leavers": ["b"], "joiners": []}  # fmt: skip
+    z = st["nodes"]["z"]
+    assert (z["heartbeat_age_s"], z["step"], z["world_size"], z["workers"]) == (
+        None,
+        None,
+        None,
+        [],
+    )
+    # nothing training: world 0, no loss
+    idle = Coordinator(Clock())
+    hb(idle, "a", "waiting")
+    st = idle.status()
+    assert (st["world_size"], st["loss"], st["throughput"], st["incarnation"]) == (
+        0,
+        None,
+        None,
+        None,
+    )
