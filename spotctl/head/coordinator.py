@@ -417,8 +417,9 @@ class Coordinator:
         if all_drained and not d.committed:
             d.committed = True
             self.record("drain-committed", gen=d.gen, step=max(d.drained.values(), default=0))
-        if (all_drained and all(nid in d.left for nid in d.leavers)) or timed_out:
-            self._release(d, "timed out" if timed_out and not all_drained else "leavers gone")
+        done = all_drained and all(nid in d.left for nid in d.leavers)
+        if done or timed_out:
+            self._release(d, "leavers gone" if done else "timed out")
 
     def _reformed(self, d: Drain) -> bool:
         inc = self.incarnation

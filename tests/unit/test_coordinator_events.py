@@ -415,3 +415,101 @@ def test_status_whole() -> None:
         None,
         None,
     )
+
+
+def test_a_drain_whose_leaver_never_leaves_is_released_as_timed_out() -> None:
+    clk, c = training(["a", "b"], "inc1", 10)
+    clk.t += 1
+    t0 = clk.t
+    hb(c, "b", workers=[w(1, "inc1", 11, ws=2)], notice={"id": "x", "deadline": t0 + 600})
+    for t in (0.0, 3.0, 6.0, 9.0, 12.0, 15.0, 18.0, 20.0):
+        clk.t = t0 + t
+        for i, n in enumerate(["a", "b"]):  # both drained; b never says it left
+            hb(c, n, workers=[w(i, "inc1", 12, "drained", ws=2, drain_step=12)], drain_gen=1)
+    assert drains(c)[1:] == [{"type": "drain-committed", "gen": 1, "step": 12},
+                             {"type": "drain-release", "gen": 1, "why": "timed out"},
+                             {"type": "drain-end", "gen": 1, "why": "timed out"}]  # fmt: skip
+
+
+def join_committed() -> tuple[Clock, Coordinator, float]:
+    clk, c = training(["a", "b"], "inc1", 10)
+    clk.t += 1
+    hb(c, "n", "waiting")
+    for i, n in enumerate(["a", "b"]):
+        hb(c, n, workers=[w(i, "inc1", 12, "drained", ws=2, drain_step=12)], drain_gen=1)
+    assert hb(c, "n", "waiting")["go"]
+    return clk, c, clk.t
+
+
+def test_a_join_that_never_reforms_is_released_after_its_go_timeout() -> None:
+    clk, c, go = join_committed()
+    for t in (5.0, 10.0, 15.0, 20.0, 25.0):  # at 25 s exactly: still waiting for the re-form
+        clk.t = go + t
+        for i, n in enumerate(["a", "b"]):
+            hb(c, n, workers=[w(i, "inc1", 12, "drained", ws=2, drain_step=12)], drain_gen=1)
+        hb(c, "n", "waiting")
+    assert c.drain is not None
+    clk.t = go + 25.5
+    hb(c, "a", workers=[w(0, "inc1", 12, "drained", ws=2, drain_step=12)], drain_gen=1)
+    assert drains(c)[-2:] == [{"type": "drain-release", "gen": 1, "why": "join timed out"},
+                              {"type": "drain-end", "gen": 1, "why": "join timed out"}]  # fmt: skip
+    assert c.nodes["n"].go_at == go  # its go stays the one it was given
+
+
+def test_a_join_whose_group_never_drains_lets_the_joiner_go_at_the_deadline() -> None:
+    clk, c = training(["a", "b"], "inc1", 10)
+    clk.t += 1
+    t0 = clk.t
+    hb(c, "n", "waiting")
+    for t in (3.0, 6.0, 9.0, 12.0, 15.0, 18.0, 20.0):
+        clk.t = t0 + t
+        for i, n in enumerate(["a", "b"]):
+            hb(c, n, workers=[w(i, "inc1", 12, ws=2)], drain_gen=1)  # never drained
+        hb(c, "n", "waiting")
+    assert drains(c)[1:] == [{"type": "drain-release", "gen": 1, "why": "join timed out"},
+                             {"type": "drain-end", "gen": 1, "why": "join timed out"}]  # fmt: skip
+    assert c.nodes["n"].go_at == t0 + 20.0
+
+
+def test_a_death_turns_an_uncommitted_notice_drain_into_a_failure_only() -> None:
+    from spotctl.head.coordinator import Cause
+
+    def dying(cause: Cause, drained: bool) -> Coordinator:
+        clk, c = training(["a", "b", "c"], "inc1", 10, dead_after_s=4.0)
+        if cause.reason == "notice":
+            hb(c, "b", workers=[w(1, "inc1", 11)], notice={"id": "x", "deadline": clk.t + 120})
+        else:
+            hb(c, "n", "waiting")  # a join drain
+        c.cause = cause
+        if drained:
+            for i, n in enumerate(["a", "b", "c"]):
+                hb(c, n, workers=[w(i, "inc1", 12, "drained", drain_step=12)], drain_gen=1)
+        clk.t += 3
+        hb(c, "a", workers=[w(0, "inc1", 12, "drained" if drained else "train",
+                              drain_step=12 if drained else None)], drain_gen=1)  # fmt: skip
+        hb(c, "b", workers=[w(1, "inc1", 12)], drain_gen=1)
+        if cause.reason == "join":
+            hb(c, "n", "waiting")
+        clk.t += 2  # c silent for 5 s
+        hb(c, "a", workers=[w(0, "inc1", 12)], drain_gen=1)
+        return c
+
+    c = dying(Cause("notice", 1000.0), drained=False)
+    assert c.cause is not None and (c.cause.reason, c.cause.at) == ("failure", 1000.0)
+    c = dying(Cause("notice", 1000.0), drained=True)  # committed: still the notice's
+    assert c.cause is not None and c.cause.reason == "notice"
+    c = dying(Cause("join", 1000.0), drained=False)
+    assert c.cause is not None and c.cause.reason == "join"
+
+
+def test_a_finished_or_failed_node_leaves_its_replica_group() -> None:
+    from tests.unit.test_replica_groups import beat, started
+
+    for state in ("finished", "failed", "left"):
+        clk = Clock()
+        c, _ = started(clk, ["n1", "n2"])
+        assert c.status()["nodes"]["n2"]["group"] == "g0"
+        beat(c, "n2", state)
+        c.tick()
+        assert c.status()["nodes"]["n2"]["group"] is None, state
+        assert c.status()["nodes"]["n1"]["group"] == "g0"
