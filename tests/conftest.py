@@ -859,12 +859,14 @@ def lighthouse_status(address: str) -> str:
 
 
 def run_torchft_flow(flow: CloudFlow, provider: str, nodes: int = 2,
-                     want_steps: int = 5) -> dict[str, Any]:  # fmt: skip
+                     want_steps: int = 5,
+                     look: Callable[[], Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """A CloudFlow on the torchft engine: up (the head gets its Lighthouse on a free third
     SPOTCTL_HEAD_PORTS port), `nodes` replicas training in one quorum, then down. Returns
     what it saw before down: `status`, the head's `head_json` (its head.json on the head
     "VM"), the `head` the state dir recorded, each node's `agents` (agent.json), and the
-    Lighthouse's `lighthouse_status` page."""
+    Lighthouse's `lighthouse_status` page, and what `look()` returned (`looked`), called
+    while the nodes train."""
     use_torchft(flow)
     api, _, store = flow.env["SPOTCTL_HEAD_PORTS"].partition(":")
     flow.env["SPOTCTL_HEAD_PORTS"] = f"{api}:{store}:{free_port()}"
@@ -882,6 +884,7 @@ def run_torchft_flow(flow: CloudFlow, provider: str, nodes: int = 2,
         assert json.load(r)["engine"] == "torchft"  # the head knows its cluster's engine
     agents = {n: json.loads((cdir / n / "agent.json").read_text()) for n in up["launched"]}
     page = lighthouse_status(head_json["lighthouse"])
+    looked = look() if look is not None else None
     from spotctl.state import Store
 
     store = Store(flow.home)
@@ -891,7 +894,7 @@ def run_torchft_flow(flow: CloudFlow, provider: str, nodes: int = 2,
         store.close()
     flow.down()
     return {"status": st, "head_json": head_json, "agents": agents, "lighthouse_status": page,
-            "head": recorded}  # fmt: skip
+            "head": recorded, "looked": looked}  # fmt: skip
 
 
 # --- real sshd on loopback ------------------------------------------------------------------
