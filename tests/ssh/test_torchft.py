@@ -11,7 +11,10 @@ import os
 import signal
 import sys
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -132,48 +135,87 @@ def test_reverse_tunnel_forwards_the_lighthouse(
 
 class FtProject(CliProject):
     remote: Path
+    home: Path
+    nodes: list[str]
+    started: dict[str, Any]  # `status --json` once both nodes' workers are past step 5
 
     def debug(self) -> str:
         r = self.remote
         return "\n".join(
             f"--- {p.relative_to(r)}\n{p.read_text(errors='replace')[-1500:]}"
-            for p in sorted(r.glob("ftb/*/*.log")) + sorted(r.glob("ftb/*/work/*.log"))
+            for p in sorted(r.glob(f"{self.name}/*/*.log"))
+            + sorted(r.glob(f"{self.name}/*/work/*.log"))
         )
 
+    def report(self, node: str) -> dict[str, Any]:
+        """The node's rank-0 worker's own status report."""
+        path = self.remote / self.name / node / "work" / "status" / "worker-0.json"
+        return dict(json.loads(path.read_text()))
 
-@pytest.mark.ssh
-@pytest.mark.e2e
-@pytest.mark.slow  # real torchrun + torchft over sshd
-@pytest.mark.timeout(600)
-@needs_ft
-def test_up_torchft_over_reverse_tunnels_on_two_ssh_hosts(
-    sshd_factory: SshdFactory, client_key: Path, tmp_path: Path
-) -> None:
-    """`up --provider ssh` with engine torchft and two hosts reached through reverse
-    tunnels (forced on loopback): each agent is configured with the head's Lighthouse at
-    its own host-side forward, both replicas train in one quorum there, `down` ends all."""
+
+def over_sshd(test: Callable[..., None]) -> Callable[..., None]:
+    """The marks of a test that runs a cluster over real sshd (slow: real torchrun and
+    torchft)."""
+    for mark in (needs_ft, pytest.mark.timeout(600), pytest.mark.slow, pytest.mark.e2e,
+                 pytest.mark.ssh):  # fmt: skip
+        test = mark(test)
+    return test
+
+
+@contextmanager
+def two_ssh_hosts(sshd_factory: SshdFactory, client_key: Path, tmp_path: Path, name: str,
+                  train: str = "") -> Iterator[FtProject]:  # fmt: skip
+    """An ssh-provider project on engine torchft with two hosts (two sshd on loopback)
+    reached through reverse tunnels, `train` added to its [train] table, `up` and a world
+    of 2 past step 5. Afterwards: `down`, and no process of the cluster left."""
     a, b = sshd_factory.start(), sshd_factory.start()
     remote = tmp_path / "remote"
-    proj = FtProject(tmp_path, "ftb", {"SPOTCTL_SSH_REMOTE_ROOT": str(remote),
-                                      "SPOTCTL_SSH_TUNNEL": "always"})  # fmt: skip
-    proj.remote = remote
+    proj = FtProject(tmp_path, name, {"SPOTCTL_SSH_REMOTE_ROOT": str(remote),
+                                     "SPOTCTL_SSH_TUNNEL": "always"})  # fmt: skip
+    proj.remote, proj.home = remote, tmp_path / "home"
     (proj.project / "spotctl.toml").write_text(
-        'name = "ftb"\nprovider = "ssh"\ngpus = "2"\n\n'
+        f'name = "{name}"\nprovider = "ssh"\ngpus = "2"\n\n'
         f'[train]\nscript = "train.py"\ncheckpoint_every = 5\npython = "{sys.executable}"\n'
-        'env = { TRAIN_STEP_SLEEP_S = "0.05", TRAIN_DATASET_SIZE = "4096" }\n\n'
+        + train
+        + 'env = { TRAIN_STEP_SLEEP_S = "0.05", TRAIN_DATASET_SIZE = "4096" }\n\n'
         + "".join(
             f'[[ssh.hosts]]\naddress = "127.0.0.1"\nport = {s.port}\nkey = "{client_key}"\n\n'
             for s in (a, b)
         )
     )
     use_torchft(proj)
-    nodes = [f"ssh-127-0-0-1-{a.port}", f"ssh-127-0-0-1-{b.port}"]
-    home = tmp_path / "home"
+    proj.nodes = [f"ssh-127-0-0-1-{a.port}", f"ssh-127-0-0-1-{b.port}"]
+    home = proj.home
     try:
         proj.cli("up", "--wait", "180", timeout=400)
-        proj.wait_for("2 replicas past step 5",
-                      lambda st: st.get("world_size") == 2 and (st.get("step") or 0) >= 5,
-                      timeout=180, interval=1)  # fmt: skip
+        proj.started = proj.wait_for(
+            "a world of 2 past step 5",
+            lambda st: st.get("world_size") == 2 and (st.get("step") or 0) >= 5,
+            timeout=180, interval=1)  # fmt: skip
+        yield proj
+        proj.cli("down", "--name", name, "--yes", timeout=240)
+        wait_until(lambda: not procs_mentioning(remote) and not procs_mentioning(home), 60,
+                   "the cluster's processes to end", 0.5,
+                   lambda: f"left: {procs_mentioning(remote) + procs_mentioning(home)}")  # fmt: skip
+    finally:
+        if (home / "state.db").exists():
+            proj.cli("down", "--name", name, "--yes", check=False)
+        for pid in procs_mentioning(remote) + procs_mentioning(home):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@over_sshd
+def test_up_torchft_over_reverse_tunnels_on_two_ssh_hosts(
+    sshd_factory: SshdFactory, client_key: Path, tmp_path: Path
+) -> None:
+    """`up --provider ssh` with engine torchft and two hosts reached through reverse
+    tunnels (forced on loopback): each agent is configured with the head's Lighthouse at
+    its own host-side forward, both replicas train in one quorum there, `down` ends all."""
+    with two_ssh_hosts(sshd_factory, client_key, tmp_path, "ftb") as proj:
+        remote, home, nodes = proj.remote, proj.home, proj.nodes
         head = json.loads((home / "clusters" / "ftb" / "head" / "head.json").read_text())
         head_port = int(head["lighthouse"].rsplit(":", 1)[1])
         seen = []
@@ -192,25 +234,9 @@ def test_up_torchft_over_reverse_tunnels_on_two_ssh_hosts(
                                      headers={"Authorization": f"Bearer {token}"})  # fmt: skip
         with urllib.request.urlopen(req, timeout=10) as r:
             assert json.load(r)["engine"] == "torchft"
-        proj.cli("down", "--name", "ftb", "--yes", timeout=240)
-        wait_until(lambda: not procs_mentioning(remote) and not procs_mentioning(home), 60,
-                   "the cluster's processes to end", 0.5,
-                   lambda: f"left: {procs_mentioning(remote) + procs_mentioning(home)}")  # fmt: skip
-    finally:
-        if (home / "state.db").exists():
-            proj.cli("down", "--name", "ftb", "--yes", check=False)
-        for pid in procs_mentioning(remote) + procs_mentioning(home):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
-@pytest.mark.ssh
-@pytest.mark.e2e
-@pytest.mark.slow  # real torchrun + torchft over sshd
-@pytest.mark.timeout(600)
-@needs_ft
+@over_sshd
 def test_one_replica_group_spans_two_ssh_hosts(
     sshd_factory: SshdFactory, client_key: Path, tmp_path: Path
 ) -> None:
@@ -221,56 +247,19 @@ def test_one_replica_group_spans_two_ssh_hosts(
     both nodes in one group; `down` ends every process. (Both hosts are this machine's
     loopback, so the group's Manager is on loopback with no filter, as a one-node group's:
     tests/e2e/test_network_partition.py -k span covers the filter across real links.)"""
-    a, b = sshd_factory.start(), sshd_factory.start()
-    remote = tmp_path / "remote"
-    proj = FtProject(tmp_path, "ftg", {"SPOTCTL_SSH_REMOTE_ROOT": str(remote),
-                                      "SPOTCTL_SSH_TUNNEL": "always"})  # fmt: skip
-    proj.remote = remote
-    (proj.project / "spotctl.toml").write_text(
-        'name = "ftg"\nprovider = "ssh"\ngpus = "2"\n\n'
-        f'[train]\nscript = "train.py"\ncheckpoint_every = 5\npython = "{sys.executable}"\n'
-        "nodes_per_replica = 2\n"
-        'env = { TRAIN_STEP_SLEEP_S = "0.05", TRAIN_DATASET_SIZE = "4096" }\n\n'
-        + "".join(
-            f'[[ssh.hosts]]\naddress = "127.0.0.1"\nport = {s.port}\nkey = "{client_key}"\n\n'
-            for s in (a, b)
-        )
-    )
-    use_torchft(proj)
-    nodes = [f"ssh-127-0-0-1-{a.port}", f"ssh-127-0-0-1-{b.port}"]
-    home = tmp_path / "home"
-    try:
-        proj.cli("up", "--wait", "180", timeout=400)
-        st = proj.wait_for("one group of 2 past step 5",
-                           lambda st: st.get("world_size") == 2 and (st.get("step") or 0) >= 5,
-                           timeout=180, interval=1)  # fmt: skip
-        groups = {n["id"]: n.get("group") for n in st["nodes"]}
+    with two_ssh_hosts(sshd_factory, client_key, tmp_path, "ftg",
+                       "nodes_per_replica = 2\n") as proj:  # fmt: skip
+        nodes = proj.nodes
+        groups = {n["id"]: n.get("group") for n in proj.started["nodes"]}
         assert set(groups) == set(nodes) and len(set(groups.values())) == 1, groups
-        reports = {n: json.loads((remote / "ftg" / n / "work" / "status" / "worker-0.json").read_text())
-                   for n in nodes}  # fmt: skip
+        reports = {n: proj.report(n) for n in nodes}
         assert sorted(r["rank"] for r in reports.values()) == [0, 1], reports
         assert all(r["replicas"] == 1 and r["world_size"] == 2 for r in reports.values()), reports
         assert len({r["manager"] for r in reports.values()}) == 1, reports
-        before = {n: r["step"] for n, r in reports.items()}
-        wait_until(lambda: all(
-            json.loads((remote / "ftg" / n / "work" / "status" / "worker-0.json").read_text())["step"]
-            >= before[n] + 5 for n in nodes), 120, "both nodes' workers to go on", 0.5,
-            proj.debug)  # fmt: skip
-        after = {n: json.loads((remote / "ftg" / n / "work" / "status" / "worker-0.json")
-                               .read_text())["pid"] for n in nodes}  # fmt: skip
-        assert after == {n: r["pid"] for n, r in reports.items()}, "a worker restarted"
-        proj.cli("down", "--name", "ftg", "--yes", timeout=240)
-        wait_until(lambda: not procs_mentioning(remote) and not procs_mentioning(home), 60,
-                   "the cluster's processes to end", 0.5,
-                   lambda: f"left: {procs_mentioning(remote) + procs_mentioning(home)}")  # fmt: skip
-    finally:
-        if (home / "state.db").exists():
-            proj.cli("down", "--name", "ftg", "--yes", check=False)
-        for pid in procs_mentioning(remote) + procs_mentioning(home):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        wait_until(lambda: all(proj.report(n)["step"] >= reports[n]["step"] + 5 for n in nodes),
+                   120, "both nodes' workers to go on", 0.5, proj.debug)  # fmt: skip
+        pids = {n: proj.report(n)["pid"] for n in nodes}
+        assert pids == {n: r["pid"] for n, r in reports.items()}, "a worker restarted"
 
 
 @pytest.mark.slow  # builds spotctl's wheel and repacks its dependencies
