@@ -897,6 +897,30 @@ def run_torchft_flow(flow: CloudFlow, provider: str, nodes: int = 2,
             "head": recorded, "looked": looked}  # fmt: skip
 
 
+def run_spanning_group_flow(flow: CloudFlow, provider: str) -> dict[str, Any]:
+    """run_torchft_flow with `[train] nodes_per_replica = 2` and two nodes: one replica
+    group spanning both (issue 29), judged by the workers' own reports, read while they
+    train: ranks 0 and 1 of a world of 2 in one replica, one Manager address; the head
+    puts both in group g0 and the agents were told the group's size. Returns what
+    run_torchft_flow returns."""
+    spec = flow.project / "spotctl.toml"
+    spec.write_text(spec.read_text().replace("\n[train]\n", "\n[train]\nnodes_per_replica = 2\n", 1))
+
+    def reports() -> dict[str, dict[str, Any]]:
+        found = sorted(flow.remote.glob(f"{flow.name}/*/work/status/worker-0.json"))
+        return {p.parent.parent.parent.name: json.loads(p.read_text()) for p in found}
+
+    out = run_torchft_flow(flow, provider, nodes=2, look=reports)
+    rep = out["looked"]
+    assert sorted(rep) == sorted(out["agents"]), rep
+    assert sorted(r["rank"] for r in rep.values()) == [0, 1], rep
+    assert all(r["replicas"] == 1 and r["world_size"] == 2 for r in rep.values()), rep
+    assert len({r["manager"] for r in rep.values()}) == 1, rep
+    assert {n["group"] for n in out["status"]["nodes"]} == {"g0"}, out["status"]["nodes"]
+    assert all(cfg["replica_nodes"] == 2 for cfg in out["agents"].values()), out["agents"]
+    return out
+
+
 # --- real sshd on loopback ------------------------------------------------------------------
 
 

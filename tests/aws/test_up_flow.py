@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import CloudFlow, run_torchft_flow
+from tests.conftest import CloudFlow, run_spanning_group_flow, run_torchft_flow
 
 from .conftest import aws_leftovers
 
@@ -84,28 +84,9 @@ def test_one_replica_group_spans_two_instances_on_moto(
     aws_flow: Callable[..., CloudFlow], moto_url: str
 ) -> None:
     """`[train] nodes_per_replica = 2` on AWS: two spot instances make one replica group
-    under one torchrun (issue 29). The workers' own reports: ranks 0 and 1 of a world of
-    2 in one replica, the same Manager address; the head puts both in one group; `down`
-    leaves nothing."""
-    import json
-
+    under one torchrun (tests/conftest.py's run_spanning_group_flow says what is checked);
+    `down` leaves nothing."""
     flow = aws_flow("g5.xlarge")
-    spec = flow.project / "spotctl.toml"
-    spec.write_text(
-        spec.read_text().replace("\n[train]\n", "\n[train]\nnodes_per_replica = 2\n", 1)
-    )
-
-    def reports() -> dict[str, dict[str, Any]]:
-        found = sorted(flow.remote.glob(f"{flow.name}/*/work/status/worker-0.json"))
-        return {p.parent.parent.parent.name: json.loads(p.read_text()) for p in found}
-
-    out = run_torchft_flow(flow, "aws", nodes=2, look=reports)
-    rep = out["looked"]
-    assert sorted(rep) == sorted(out["agents"]), rep
-    assert sorted(r["rank"] for r in rep.values()) == [0, 1], rep
-    assert all(r["replicas"] == 1 and r["world_size"] == 2 for r in rep.values()), rep
-    assert len({r["manager"] for r in rep.values()}) == 1, rep
-    assert {n["group"] for n in out["status"]["nodes"]} == {"g0"}, out["status"]["nodes"]
-    assert all(cfg["replica_nodes"] == 2 for cfg in out["agents"].values()), out["agents"]
+    run_spanning_group_flow(flow, "aws")
     assert aws_leftovers(flow.name, moto_url) == NOTHING
     assert flow.leftover() == []

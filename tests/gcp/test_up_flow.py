@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.conftest import CloudFlow, run_torchft_flow
+from tests.conftest import CloudFlow, run_spanning_group_flow, run_torchft_flow
 
 from .conftest import GCP_NOTHING, gcp_leftovers
 from .fake_compute import FakeCompute
@@ -72,5 +72,17 @@ def test_torchft_engine_on_fake_compute_head_runs_the_lighthouse_agents_use_it(
     for node, cfg in out["agents"].items():
         assert (cfg["engine"], cfg["lighthouse"]) == ("torchft", lighthouse), (node, cfg)
         assert node in out["lighthouse_status"], out["lighthouse_status"]
+    assert gcp_leftovers(fake) == GCP_NOTHING
+    assert flow.leftover() == []
+
+
+def test_one_replica_group_spans_two_instances_on_fake_compute(
+    gcp_flow: Callable[..., CloudFlow], fake: FakeCompute
+) -> None:
+    """`[train] nodes_per_replica = 2` on GCP: two spot VMs make one replica group under
+    one torchrun (tests/conftest.py's run_spanning_group_flow says what is checked);
+    `down` leaves nothing."""
+    flow = gcp_flow("g2-standard-4")
+    run_spanning_group_flow(flow, "gcp")
     assert gcp_leftovers(fake) == GCP_NOTHING
     assert flow.leftover() == []
