@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,6 @@ import pytest
 from spotctl.agent import monitors as m
 from spotctl.agent.monitors import (
     AwsImdsMonitor,
-    FetchError,
     FileNoticeMonitor,
     GcpMetadataMonitor,
     MonitorLoop,
@@ -118,70 +117,91 @@ def test_aws_interruption_and_rebalance_notices() -> None:
     assert AwsImdsMonitor("http://x")._refresh_margin() == 60.0
 
 
-class FakeHttp:
-    """Stands in for spotctl.agent.monitors.http_request: answers by URL path."""
+DROP = Reply(0, {}, b"")  # the stub closes the connection without an answer
 
-    def __init__(self, answers: Mapping[str, Any]):
+
+class MetadataStub:
+    """A real HTTP server on loopback answering each path with a scripted Reply (DROP: the
+    connection is closed unanswered), for the replies the metadata emulator does not make
+    (no ETag, odd windows, one path failing while another answers). It records each
+    request's method, path with query, and headers."""
+
+    def __init__(self, answers: Mapping[str, Reply]):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
         self.answers = dict(answers)
-        self.calls: list[tuple[str, str, dict[str, str]]] = []
+        self.requests: list[tuple[str, str, dict[str, str]]] = []
+        stub = self
 
-    def __call__(self, method: str, url: str, headers: Mapping[str, str] | None,
-                 timeout_s: float, data: bytes | None = None) -> Reply:  # fmt: skip
-        self.calls.append((method, url, dict(headers or {})))
-        path = url.split("://", 1)[1].split("/", 1)[1].split("?", 1)[0]
-        got = self.answers["/" + path]
-        if isinstance(got, Exception):
-            raise got
-        return got() if callable(got) else got
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                stub.requests.append(("GET", self.path, dict(self.headers.items())))
+                got = stub.answers[self.path.split("?", 1)[0]]
+                if got is DROP:
+                    self.close_connection = True
+                    return
+                self.send_response(got.status)
+                for k, v in got.headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(got.body)))
+                self.end_headers()
+                self.wfile.write(got.body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True,
+                         kwargs={"poll_interval": 0.05}).start()  # fmt: skip
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
 
 
-GOOGLE = {"metadata-flavor": "Google", "etag": "e1"}
+@pytest.fixture
+def stub() -> Iterator[MetadataStub]:
+    s = MetadataStub({})
+    yield s
+    s.close()
+
+
+GOOGLE = {"Metadata-Flavor": "Google", "ETag": "e1"}
 PRE = "/computeMetadata/v1/instance/preempted"
 MAINT = "/computeMetadata/v1/instance/maintenance-event"
 UPCOMING = "/computeMetadata/v1/instance/upcoming-maintenance"
 
 
-def gcp(key: str = "preempted", timeout_s: float = 35.0) -> GcpMetadataMonitor:
-    return GcpMetadataMonitor("http://metadata.google.internal/", timeout_s=timeout_s, key=key,
-                              clock=clock)  # fmt: skip
+def gcp(url: str, key: str = "preempted", timeout_s: float = 35.0) -> GcpMetadataMonitor:
+    return GcpMetadataMonitor(url + "/", timeout_s=timeout_s, key=key, clock=clock)
 
 
-def test_gcp_preempted_reads(monkeypatch: pytest.MonkeyPatch) -> None:
-    mon = gcp()
+def test_gcp_preempted_reads(stub: MetadataStub) -> None:
+    mon = gcp(stub.url)
     assert (mon.name, mon.wait_timeout_sec, mon.interval_s, mon.polls) == (
-        "gcp-preempted",
-        30,
-        0.0,
-        0,
-    )
-    assert gcp(timeout_s=5.5).wait_timeout_sec == 1 and gcp(timeout_s=7).wait_timeout_sec == 2
-    fake = FakeHttp({PRE: Reply(200, GOOGLE, b"FALSE\n")})
-    monkeypatch.setattr(m, "http_request", fake)
+        "gcp-preempted", 30, 0.0, 0)  # fmt: skip
+    assert gcp(stub.url, timeout_s=5.5).wait_timeout_sec == 1
+    assert gcp(stub.url, timeout_s=7).wait_timeout_sec == 2
+    stub.answers[PRE] = Reply(200, GOOGLE, b"FALSE\n")
     assert mon.poll() == [] and (mon.value, mon.etag, mon.retry_after_s) == ("FALSE", "e1", 0.0)
-    assert fake.calls == [("GET", "http://metadata.google.internal" + PRE,
-                           {"Metadata-Flavor": "Google"})]  # fmt: skip
+    method, path, headers = stub.requests[-1]
+    assert (method, path, headers.get("Metadata-Flavor")) == ("GET", PRE, "Google")
     # later polls wait for a change from the ETag seen
-    fake.answers[PRE] = Reply(200, {**GOOGLE, "etag": "e2"}, b"TRUE")
+    stub.answers[PRE] = Reply(200, {**GOOGLE, "ETag": "e2"}, b"TRUE")
     (n,) = mon.poll(wait=True)
-    assert fake.calls[-1][1] == ("http://metadata.google.internal" + PRE
-                                 + "?wait_for_change=true&last_etag=e1&timeout_sec=30")  # fmt: skip
+    assert stub.requests[-1][1] == PRE + "?wait_for_change=true&last_etag=e1&timeout_sec=30"
     assert (n.source, n.kind, n.action, n.deadline, n.received_at, n.detail) == (
-        "gcp",
-        "preempted",
-        "terminate",
-        T0 + 30,
-        T0,
-        {"payload": "TRUE"},
-    )
+        "gcp", "preempted", "terminate", T0 + 30, T0, {"payload": "TRUE"})  # fmt: skip
     assert (mon.value, mon.etag, mon.polls, mon.errors) == ("TRUE", "e2", 2, 0)
     # a reply without an ETag: the next read cannot wait, so it is paced
-    fake.answers[PRE] = Reply(200, {"metadata-flavor": "Google"}, b"TRUE")
+    stub.answers[PRE] = Reply(200, {"Metadata-Flavor": "Google"}, b"TRUE")
     mon.poll(wait=True)
     assert (mon.retry_after_s, mon.etag) == (1.0, "")
     mon.poll(wait=True)
-    assert "?" not in fake.calls[-1][1]
+    assert stub.requests[-1][1] == PRE
     # odd values are counted and not taken
-    fake.answers[PRE] = Reply(200, GOOGLE, b"x" * 50)
+    stub.answers[PRE] = Reply(200, GOOGLE, b"x" * 50)
     assert mon.poll() == [] and mon.value == "TRUE"
     assert (mon.errors, mon.last_error) == (1, f"preempted: unexpected value {'x' * 40!r}")
 
@@ -190,55 +210,49 @@ def test_gcp_preempted_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     (Reply(503, GOOGLE, b""), "preempted: HTTP 503, retry in 1 s"),
     (Reply(500, GOOGLE, b""), "preempted: HTTP 500"),
     (Reply(404, GOOGLE, b""), "preempted: HTTP 404"),
-    (Reply(200, {"etag": "e"}, b"TRUE"), "preempted: reply lacks Metadata-Flavor: Google"),
-    (FetchError("GET x: refused"), "GET x: refused"),
+    (Reply(200, {"ETag": "e"}, b"TRUE"), "preempted: reply lacks Metadata-Flavor: Google"),
+    (DROP, "GET {url}: RemoteDisconnected: Remote end closed connection without response"),
 ])  # fmt: skip
-def test_gcp_odd_replies_pause_a_second(monkeypatch: pytest.MonkeyPatch, reply: Any,
-                                        line: str) -> None:  # fmt: skip
-    mon = gcp()
-    monkeypatch.setattr(m, "http_request", FakeHttp({PRE: reply}))
+def test_gcp_odd_replies_pause_a_second(stub: MetadataStub, reply: Reply, line: str) -> None:
+    mon = gcp(stub.url)
+    stub.answers[PRE] = reply
     assert mon.poll() == []
-    assert (mon.retry_after_s, mon.errors, mon.last_error, mon.value) == (1.0, 1, line, "")
-    monkeypatch.setattr(m, "http_request", FakeHttp({PRE: Reply(200, GOOGLE, b"FALSE")}))
+    assert (mon.retry_after_s, mon.errors, mon.last_error, mon.value) == (
+        1.0, 1, line.format(url=stub.url + PRE), "")  # fmt: skip
+    stub.answers[PRE] = Reply(200, GOOGLE, b"FALSE")
     mon.poll()
     assert mon.retry_after_s == 0.0  # reset by a good read
 
 
-def test_gcp_maintenance_deadlines(monkeypatch: pytest.MonkeyPatch) -> None:
-    mon = gcp("maintenance-event")
+def test_gcp_maintenance_deadlines(stub: MetadataStub) -> None:
+    mon = gcp(stub.url, "maintenance-event")
     assert mon.name == "gcp-maintenance-event"
     window = {"window_start_time": "2027-01-15T08:10:00Z"}
-    fake = FakeHttp({MAINT: Reply(200, GOOGLE, b"TERMINATE_ON_HOST_MAINTENANCE"),
-                     UPCOMING: Reply(200, {}, json.dumps(window).encode())})  # fmt: skip
-    monkeypatch.setattr(m, "http_request", fake)
+    stub.answers[MAINT] = Reply(200, GOOGLE, b"TERMINATE_ON_HOST_MAINTENANCE")
+    stub.answers[UPCOMING] = Reply(200, {}, json.dumps(window).encode())
     (n,) = mon.poll()
     assert (n.kind, n.action, n.deadline, n.received_at, n.detail) == (
-        "maintenance",
-        "terminate",
-        T0 + 600,
-        T0,
-        {"payload": "TERMINATE_ON_HOST_MAINTENANCE"},
-    )
+        "maintenance", "terminate", T0 + 600, T0,
+        {"payload": "TERMINATE_ON_HOST_MAINTENANCE"})  # fmt: skip
     assert n.source == "gcp" and mon.value == "TERMINATE_ON_HOST_MAINTENANCE"
-    # a window that started already, none announced, or an odd one: 60 s from now
-    for answer, odd in ((Reply(200, {}, b'{"window_start_time": "2027-01-15T08:00:00Z"}'), 0),
-                        (Reply(404, {}, b""), 0),
-                        (Reply(200, {}, b"{}"), 1),
-                        (Reply(200, {}, b'{"window_start_time": "2027-01-15T08:10:00"}'), 0),
-                        (FetchError("refused"), 1)):  # fmt: skip
-        fake.answers[UPCOMING] = answer
+    # a window that started already, none announced, or an odd one: 60 s from now; a
+    # window without a zone is UTC
+    for answer, deadline, odd in (
+            (Reply(200, {}, b'{"window_start_time": "2027-01-15T08:00:00Z"}'), T0 + 60, 0),
+            (Reply(404, {}, b""), T0 + 60, 0),
+            (Reply(200, {}, b"{}"), T0 + 60, 1),
+            (Reply(200, {}, b'{"window_start_time": "2027-01-15T08:10:00"}'), T0 + 600, 0),
+            (DROP, T0 + 60, 1)):  # fmt: skip
+        stub.answers[UPCOMING] = answer
         before = mon.errors
         (n,) = mon.poll()
-        naive = (
-            answer.status == 200 and b'08:10:00"' in answer.body
-            if isinstance(answer, Reply)
-            else False
-        )
-        assert n.deadline == (T0 + 600 if naive else T0 + 60), answer
+        assert n.deadline == deadline, answer
         assert mon.errors - before == odd, answer
-    assert mon.last_error == "upcoming-maintenance: refused"
+    assert mon.last_error == (f"upcoming-maintenance: GET {stub.url}{UPCOMING}: "
+                              "RemoteDisconnected: Remote end closed connection without "
+                              "response")  # fmt: skip
     for value in (b"NONE", b"MIGRATE_ON_HOST_MAINTENANCE"):
-        fake.answers[MAINT] = Reply(200, GOOGLE, value)
+        stub.answers[MAINT] = Reply(200, GOOGLE, value)
         assert mon.poll() == [] and mon.value == value.decode()
 
 
