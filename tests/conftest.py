@@ -897,6 +897,14 @@ def run_torchft_flow(flow: CloudFlow, provider: str, nodes: int = 2,
             "head": recorded, "looked": looked}  # fmt: skip
 
 
+def remote_worker_reports(remote: Path, name: str) -> dict[str, dict[str, Any]]:
+    """Each node's rank-0 worker's own status report (`work/status/worker-0.json`), for
+    nodes whose directories are under `remote` (SPOTCTL_SSH_REMOTE_ROOT: ssh hosts and the
+    cloud stand-ins' instances), by node id."""
+    found = sorted(remote.glob(f"{name}/*/work/status/worker-0.json"))
+    return {p.parent.parent.parent.name: json.loads(p.read_text()) for p in found}
+
+
 def run_spanning_group_flow(flow: CloudFlow, provider: str) -> dict[str, Any]:
     """run_torchft_flow with `[train] nodes_per_replica = 2` and two nodes: one replica
     group spanning both (issue 29), judged by the workers' own reports, read while they
@@ -905,12 +913,8 @@ def run_spanning_group_flow(flow: CloudFlow, provider: str) -> dict[str, Any]:
     run_torchft_flow returns."""
     spec = flow.project / "spotctl.toml"
     spec.write_text(spec.read_text().replace("\n[train]\n", "\n[train]\nnodes_per_replica = 2\n", 1))
-
-    def reports() -> dict[str, dict[str, Any]]:
-        found = sorted(flow.remote.glob(f"{flow.name}/*/work/status/worker-0.json"))
-        return {p.parent.parent.parent.name: json.loads(p.read_text()) for p in found}
-
-    out = run_torchft_flow(flow, provider, nodes=2, look=reports)
+    out = run_torchft_flow(flow, provider, nodes=2,
+                           look=lambda: remote_worker_reports(flow.remote, flow.name))  # fmt: skip
     rep = out["looked"]
     assert sorted(rep) == sorted(out["agents"]), rep
     assert sorted(r["rank"] for r in rep.values()) == [0, 1], rep

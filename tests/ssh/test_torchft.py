@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
 import sys
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -26,8 +24,10 @@ from spotctl.spec import ClusterSpec
 from spotctl.state import Store
 from tests.conftest import (
     CliProject,
+    kill_procs_mentioning,
     lighthouse_status,
     procs_mentioning,
+    remote_worker_reports,
     use_torchft,
     wait_until,
 )
@@ -135,7 +135,6 @@ def test_reverse_tunnel_forwards_the_lighthouse(
 
 class FtProject(CliProject):
     remote: Path
-    home: Path
     nodes: list[str]
     started: dict[str, Any]  # `status --json` once both nodes' workers are past step 5
 
@@ -149,8 +148,7 @@ class FtProject(CliProject):
 
     def report(self, node: str) -> dict[str, Any]:
         """The node's rank-0 worker's own status report."""
-        path = self.remote / self.name / node / "work" / "status" / "worker-0.json"
-        return dict(json.loads(path.read_text()))
+        return remote_worker_reports(self.remote, self.name)[node]
 
 
 def over_sshd(test: Callable[..., None]) -> Callable[..., None]:
@@ -172,7 +170,7 @@ def two_ssh_hosts(sshd_factory: SshdFactory, client_key: Path, tmp_path: Path, n
     remote = tmp_path / "remote"
     proj = FtProject(tmp_path, name, {"SPOTCTL_SSH_REMOTE_ROOT": str(remote),
                                      "SPOTCTL_SSH_TUNNEL": "always"})  # fmt: skip
-    proj.remote, proj.home = remote, tmp_path / "home"
+    proj.remote = remote
     (proj.project / "spotctl.toml").write_text(
         f'name = "{name}"\nprovider = "ssh"\ngpus = "2"\n\n'
         f'[train]\nscript = "train.py"\ncheckpoint_every = 5\npython = "{sys.executable}"\n'
@@ -200,11 +198,8 @@ def two_ssh_hosts(sshd_factory: SshdFactory, client_key: Path, tmp_path: Path, n
     finally:
         if (home / "state.db").exists():
             proj.cli("down", "--name", name, "--yes", check=False)
-        for pid in procs_mentioning(remote) + procs_mentioning(home):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_procs_mentioning(remote)
+        kill_procs_mentioning(home)
 
 
 @over_sshd
