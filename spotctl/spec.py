@@ -395,6 +395,11 @@ class RebalanceSpec(_Strict):
     lost_after_observations: int = Field(default=3, ge=1, le=1_000_000)
     # ...spanning at least this many seconds (or at once when the provider says it is gone).
     lost_after_s: float = Field(default=60.0, ge=0, le=1e7)
+    # true: the head runs the reconcile loop itself (`rebalance --watch`), so lost nodes are
+    # replaced with nothing running on this machine (local clusters; not yet on the others)
+    on_head: StrictBool = True
+    # the head's loop: seconds between runs when no notice, leave or loss triggers one
+    on_head_interval_s: float = Field(default=60.0, ge=5, le=86400)
 
 
 class PlacementSpec(_Strict):
@@ -485,6 +490,12 @@ class ClusterSpec(_Strict):
                 "equal, or set [train] engine = \"torchrun\""
             )
         return self
+
+    @property
+    def head_rebalances(self) -> bool:
+        """Whether the head runs this cluster's reconcile loop ([rebalance] on_head, where
+        the provider supports it: local so far)."""
+        return self.rebalance.on_head and self.provider == "local"
 
     @property
     def gpus_per_node(self) -> int:

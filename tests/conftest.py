@@ -443,13 +443,18 @@ class LocalCluster(CliProject):
         self.trace_dir.mkdir(exist_ok=True)
 
     def write_spec(self, gpus: str, checkpoint_every: int = 20, train_env: dict[str, str] | None = None,
-                   extra: str = "", engine: str = "torchrun") -> None:  # fmt: skip
+                   extra: str = "", engine: str = "torchrun", head_rebalances: bool = False) -> None:  # fmt: skip
         """spotctl.toml; `extra` goes on inside [train] (or opens sections of its own);
-        `engine`: `[train] engine`, always written ("" writes none: the spec's default)."""
+        `engine`: `[train] engine`, always written ("" writes none: the spec's default).
+        `head_rebalances`: `[rebalance] on_head`, off unless asked (a test that acts and
+        then checks what followed must not race a replacement it did not ask for)."""
         env = {"SPOTCTL_TRACE_SAMPLES": str(self.trace_dir), "TRAIN_STEP_SLEEP_S": "0.05"}
         env.update(train_env or {})
         env_toml = ", ".join(f'{k} = "{v}"' for k, v in env.items())
         engine_toml = f'engine = "{engine}"\n' if engine else ""
+        from scripts.chaos_lib.cluster import head_loop_toml
+
+        extra = head_loop_toml(extra, head_rebalances)
         (self.project / "spotctl.toml").write_text(
             f'name = "{self.name}"\nprovider = "local"\ngpus = "{gpus}"\n\n'
             f'[train]\n{engine_toml}script = "train.py"\ncheckpoint_every = {checkpoint_every}\n'

@@ -52,7 +52,8 @@ def on_spotctl(work: Path, ranks: int, sizes: tuple[int, ...], iters: int) -> di
     env_toml = ", ".join(f'{k} = "{v}"' for k, v in _env(out, sizes, iters).items())
     (c.project / "spotctl.toml").write_text(
         f'name = "{c.name}"\nprovider = "local"\ngpus = "{ranks}"\n\n'
-        f'[train]\nengine = "torchrun"\nscript = "train.py"\nenv = {{ {env_toml} }}\n')
+        f'[train]\nengine = "torchrun"\nscript = "train.py"\nenv = {{ {env_toml} }}\n'
+        "\n[rebalance]\non_head = false\n")
     try:
         c.cli("up", "--wait", "180", timeout=300)
         deadline = time.monotonic() + 600

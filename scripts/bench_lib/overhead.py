@@ -66,6 +66,7 @@ def on_spotctl(work: Path, ranks: int, steps: int, width: int, engine: str) -> l
         f'name = "{c.name}"\nprovider = "local"\ngpus = "{ranks}"\n\n'
         f'[train]\nengine = "{engine}"\nscript = "train.py"\n'
         f"checkpoint_every = 1000000\nenv = {{ {env_toml} }}\n"
+        "\n[rebalance]\non_head = false\n"
     )
     try:
         c.cli("up", "--wait", "180", timeout=300)

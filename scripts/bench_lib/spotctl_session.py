@@ -73,6 +73,7 @@ class Cluster:
             f'[train]\nengine = "torchrun"\nscript = "train.py"\n'
             f"checkpoint_every = {first_every}\n"
             f"env = {{ {env_toml} }}\n"
+            "\n[rebalance]\non_head = false\n"  # replacements only when the bench asks
         )
         self.env = dict(os.environ, SPOTCTL_HOME=str(self.home), NO_COLOR="1")
         self._store: Any = None

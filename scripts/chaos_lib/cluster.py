@@ -26,6 +26,15 @@ class Timeout(AssertionError):
     pass
 
 
+def head_loop_toml(extra: str, on: bool = False) -> str:
+    """`extra` (spec TOML after [train]) with `[rebalance] on_head` set: off unless asked,
+    so that only what a scenario does (its own `rebalance`, `up`) replaces nodes."""
+    line = f"on_head = {str(on).lower()}\n"
+    if "[rebalance]\n" in extra:
+        return extra.replace("[rebalance]\n", "[rebalance]\n" + line, 1)
+    return extra + "\n[rebalance]\n" + line
+
+
 class Cluster:
     def __init__(
         self,
@@ -67,7 +76,7 @@ class Cluster:
             f'name = "{name}"\nprovider = "local"\ngpus = "{gpus}"\n\n'
             f'[train]\nengine = "{engine}"\nscript = "{script_name}"\n'
             f"checkpoint_every = {checkpoint_every}\n"
-            f"env = {{ {env_toml} }}\n{extra_toml}\n"
+            f"env = {{ {env_toml} }}\n{head_loop_toml(extra_toml)}\n"
         )
 
     # -- the CLI

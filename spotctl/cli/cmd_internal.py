@@ -19,14 +19,30 @@ def register(app: typer.Typer) -> None:
         lighthouse_port: int = typer.Option(
             -1, "--lighthouse-port", help="Run torchft's Lighthouse on this port (0: any; "
             "-1: none) for the torchft engine."),
+        rebalance: str = typer.Option(
+            "", "--rebalance", help="Run this cluster's reconcile loop (rebalance --watch)."),
+        rebalance_home: Path | None = typer.Option(
+            None, "--rebalance-home", help="--rebalance: the state directory it uses."),
+        rebalance_interval: float = typer.Option(
+            60.0, "--rebalance-interval", help="--rebalance: seconds between runs."),
     ) -> None:
         """Run the head (rendezvous store + coordinator API)."""
         from spotctl.head.server import run_head, supervise_head
 
+        loop = None
+        if rebalance:
+            from spotctl.head.rebalancer import Rebalancer
+            from spotctl.state import home
+
+            loop = Rebalancer(rebalance, rebalance_home or home(), dir / "rebalance.log",
+                              rebalance_interval)
         if supervise:
             argv = ["--dir", str(dir), "--token-file", str(token_file), "--host", host,
                     "--http-port", str(http_port), "--store-port", str(store_port),
                     "--lighthouse-port", str(lighthouse_port)]
+            if loop is not None:
+                argv += ["--rebalance", rebalance, "--rebalance-home", str(loop.home),
+                         "--rebalance-interval", f"{rebalance_interval:g}"]
             raise typer.Exit(supervise_head(argv, dir))
         from spotctl.head.samples import start_sampler
         from spotctl.providers.local.capacity import reclaim_hook
@@ -36,7 +52,7 @@ def register(app: typer.Typer) -> None:
         # the head sits below the providers: whoever starts it hands in the local
         # provider's capacity schedule (a no-op unless the cluster has one)
         run_head(dir, token_file, host, http_port, store_port, reclaim=reclaim_hook(dir.parent),
-                 lighthouse_port=lighthouse_port)
+                 lighthouse_port=lighthouse_port, rebalancer=loop)
 
     @app.command(hidden=True)
     def agent(config: Path = typer.Option(..., "--config")) -> None:

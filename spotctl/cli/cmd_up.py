@@ -102,7 +102,10 @@ def register(app: typer.Typer) -> None:
             )
             for e in res.errors:
                 console().print(f"warning: {e}")
-            if spec.provider in ("aws", "gcp"):
+            if spec.head_rebalances:
+                console().print("the head replaces lost nodes itself ([rebalance] on_head)",
+                                highlight=False, markup=False)
+            elif spec.provider in ("aws", "gcp"):
                 from spotctl.control.cron import replacement_hint
 
                 hint = replacement_hint(spec.name)

@@ -120,9 +120,37 @@ def collect(store: Store, name: str, now: float | None = None) -> dict[str, Any]
         "cost_per_hour": round(sum(x["price"] for x in live), 6),
         "cost": cost,
         "drain": head.get("drain"),
+        "rebalancer": _rebalancer(head.get("rebalancer"), now),
         "head_error": head_error,
         "nodes": nodes,
     }
+
+
+def _rebalancer(r: Any, now: float) -> dict[str, Any] | None:
+    """The head's reconcile loop as the head reports it (None: the head runs none)."""
+    if not isinstance(r, dict):
+        return None
+    last = r.get("last_run") if isinstance(r.get("last_run"), dict) else None
+    at = last.get("at") if last else None
+    return {
+        "running": bool(r.get("running")),
+        "restarts": r.get("restarts") if isinstance(r.get("restarts"), int) else 0,
+        "last_run_age_s": round(now - at, 1) if isinstance(at, int | float) else None,
+        "last_actions": [str(a) for a in last.get("actions") or []] if last else [],
+        "last_errors": [str(e) for e in last.get("errors") or []] if last else [],
+    }
+
+
+def rebalancer_line(r: dict[str, Any] | None) -> str:
+    """One line on who replaces lost nodes: the head's loop, or nothing on the head."""
+    if r is None:
+        return ""
+    if not r["running"]:
+        return "replacements: the head's reconcile loop is not running (see head/rebalance.log)"
+    age = r["last_run_age_s"]
+    last = "no run yet" if age is None else f"last run {_age(age)} ago: " + (
+        "; ".join(r["last_errors"] or r["last_actions"]) or "nothing to do")
+    return f"replacements: by the head ({last})"
 
 
 def _net(net: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -192,6 +220,11 @@ def render(snap: dict[str, Any], show_ended: bool = True, width: int = 80) -> Gr
     if snap.get("drain"):
         d = snap["drain"]
         parts.append(Text(f"drain in progress: {d['reason']} (gen {d['gen']})", style="yellow"))
+    line = rebalancer_line(snap.get("rebalancer"))
+    if len(line) > width:
+        line = line[:width - 1] + "…"
+    if line:
+        parts.append(Text(line, style="" if snap["rebalancer"]["running"] else "yellow"))
     if snap.get("head_error"):
         parts.append(Text(snap["head_error"], style="red"))
     rows = []

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from spotctl.control import reconcile
-from spotctl.errors import LockHeld, NotFoundError
+from spotctl.errors import LockHeld, NotFoundError, SpotctlError
 from spotctl.head.client import HeadUnavailable
 from spotctl.spec import ClusterSpec
 from spotctl.state import Store
@@ -82,7 +82,14 @@ def watch(
                 if e["type"] in TRIGGERS and e["type"] not in pending:
                     pending.append(e["type"])
         if pending or clock() - last_run >= interval_s:
-            out = rebalance_once(store, name, spec_of())
+            try:
+                out = rebalance_once(store, name, spec_of())
+            except SpotctlError as e:
+                if store.get_cluster(name).state == "down":
+                    break  # `down` ran while this run waited for the cluster's lock
+                # a failed run (a cloud API error, a lost head) ends nothing: the next
+                # trigger or interval tries again
+                out = {"cluster": name, "error": str(e), "actions": []}
             out["trigger"] = list(pending) or ["interval"]
             on_run(out)
             if not out.get("skipped"):

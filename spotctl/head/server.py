@@ -34,6 +34,7 @@ from spotctl.head import validate
 from spotctl.head.admission import AdmittingHTTPServer
 from spotctl.head.auth import Principal, identify
 from spotctl.head.coordinator import Coordinator
+from spotctl.head.rebalancer import Rebalancer
 from spotctl.sockets import listening_socket
 from spotctl.spec import MAX_GPUS
 from spotctl.state import write_json_atomic
@@ -331,8 +332,12 @@ class HeadServer:
         reclaim: Callable[[], list[str]] | None = None,
         lighthouse_port: int = -1,
         max_world: int | None = None,
+        rebalancer: Rebalancer | None = None,
     ):
         self.dir = Path(dir)
+        # the cluster's reconcile loop ([rebalance] on_head): started once the API
+        # answers (it asks the head for events), stopped with the head
+        self.rebalancer = rebalancer
         # no worker may report a world size over this: the spec's maximum GPUs when the
         # head is told it (`max_world`), else the most any spec may ask for
         self.max_world = min(max_world or MAX_GPUS, MAX_GPUS)
@@ -504,6 +509,8 @@ class HeadServer:
                     if u.path == "/api/status":
                         out = server.coord.status()
                         out["store_port"] = server.store_port
+                        if server.rebalancer is not None:
+                            out["rebalancer"] = server.rebalancer.status()
                         return self._send(200, out)
                     evs = [e for e in server.coord.events if e["seq"] > since][:MAX_EVENTS_REPLY]
                     return self._send(200, {"events": evs})
@@ -679,6 +686,8 @@ class HeadServer:
              "store_port": self.store_port, "started_at": time.time(),
              "lighthouse": self.lighthouse.address if self.lighthouse else ""},
         )
+        if self.rebalancer is not None:
+            self.rebalancer.start()
         last_capacity = last_bounds = 0.0
         while not self._stop.is_set():
             with self.lock:
@@ -697,6 +706,8 @@ class HeadServer:
                 last_capacity = time.time()
                 self._local_capacity()
             self._stop.wait(0.2)
+        if self.rebalancer is not None:
+            self.rebalancer.stop()
         self.httpd.shutdown()
         if self.lighthouse is not None:
             self.lighthouse.stop()
@@ -726,13 +737,14 @@ class HeadServer:
 def run_head(
     dir: Path, token_file: Path, host: str, http_port: int, store_port: int,
     reclaim: Callable[[], list[str]] | None = None, lighthouse_port: int = -1,
-    max_world: int | None = None,
+    max_world: int | None = None, rebalancer: Rebalancer | None = None,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s head %(message)s")
     dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = token_file.read_text().strip()
     srv = HeadServer(dir, token, host=host, http_port=http_port, store_port=store_port,
-                     reclaim=reclaim, lighthouse_port=lighthouse_port, max_world=max_world)
+                     reclaim=reclaim, lighthouse_port=lighthouse_port, max_world=max_world,
+                     rebalancer=rebalancer)
     signal.signal(signal.SIGTERM, lambda *_: srv.stop())
     log.info("head up: api %s store %s:%s", srv.url, host, srv.store_port)
     srv.serve()

@@ -65,7 +65,19 @@ def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any)
     rep = json.loads((c.cluster_dir / "nodes" / "n2" / "status" / "worker-0.json").read_text())
     assert rep["phase"] == "drained" and rep["drain_step"] == rep["step"] > 0, rep
     assert rescales[0]["resume_step"] == rep["drain_step"], (rescales[0], rep)
-    c.steps_advance(world=1, by=2, timeout=60)  # a couple of samples at the new size
+    # nothing more from this side: the head's reconcile loop (on by default) launches a
+    # replacement, n3, whose own worker then trains in the quorum of two again
+    def n3_training() -> bool:
+        try:
+            r = json.loads((c.cluster_dir / "nodes" / "n3" / "status" / "worker-0.json")
+                           .read_text())
+        except (OSError, ValueError):
+            return False
+        return r["phase"] == "train" and r["replicas"] == 2
+
+    wait_until(n3_training, 150, "the head's loop to bring n3 in", 0.5,
+               lambda: (c.cluster_dir / "head" / "rebalance.log").read_text()[-2000:])
+    c.steps_advance(world=2, by=2, timeout=60)
     # the report counts as training the intervals between two of the head's samples (every
     # 2 s) in which the step advanced: wait until there is one (a fast start-up can put the
     # whole run before the notice inside one interval)
@@ -86,7 +98,7 @@ def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any)
     one = c.cli("logs", "n1", "-n", "5").stdout
     assert one.strip()
     every = c.cli("logs", "--all", "-n", "3").stdout.splitlines()
-    assert {x.split(" | ")[0].strip() for x in every} == {"n1", "n2"}
+    assert {x.split(" | ")[0].strip() for x in every} == {"n1", "n2", "n3"}
 
     png = c.tmp / "run.png"
     rep = json.loads(c.cli("report", "--plot", str(png), "--json").stdout)

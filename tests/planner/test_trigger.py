@@ -73,3 +73,45 @@ def test_watch_stops_when_the_cluster_is_down(store: Store, monkeypatch) -> None
     monkeypatch.setattr(trigger, "rebalance_once", lambda *a: {"actions": []})
     store.set_cluster_state("w", "down")
     assert trigger.watch(store, "w", lambda: None, sleep=lambda s: None) == 0  # type: ignore[arg-type, return-value]
+
+
+def test_watch_goes_on_after_a_failed_run_and_ends_when_down_came_during_one(
+    store: Store, monkeypatch
+) -> None:  # fmt: skip
+    """The head's loop runs unattended: a run that fails (a cloud API error) is reported
+    and the next interval tries again; a run that finds the cluster down (`down` held the
+    lock meanwhile) ends the watch instead of failing it."""
+    from spotctl.errors import ProviderError, StateError
+
+    t = [0.0]
+    outcomes: list[Any] = [ProviderError("aws: throttled"), {"actions": []}]
+    runs: list[dict[str, Any]] = []
+
+    def once(store: Store, name: str, spec: Any) -> dict[str, Any]:
+        out = outcomes.pop(0)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    monkeypatch.setattr(trigger, "_head_events", lambda *a: [])
+    monkeypatch.setattr(trigger, "rebalance_once", once)
+
+    def sleep(s: float) -> None:
+        t[0] += s
+
+    n = trigger.watch(store, "w", lambda: None, interval_s=10, poll_s=1, duration_s=15,  # type: ignore[arg-type, return-value]
+                      on_run=runs.append, clock=lambda: t[0], sleep=sleep)
+    assert n == 2 and runs[0]["error"] == "aws: throttled" and "error" not in runs[1], runs
+
+    def down_meanwhile(store: Store, name: str, spec: Any) -> dict[str, Any]:
+        store.set_cluster_state("w", "down")
+        raise StateError("cluster w is down; `spotctl up` starts it again")
+
+    monkeypatch.setattr(trigger, "rebalance_once", down_meanwhile)
+    store.set_cluster_state("w", "running")
+    assert trigger.watch(store, "w", lambda: None, sleep=sleep) == 0  # type: ignore[arg-type, return-value]
+    # any other failure of the store itself still ends it with the error
+    store.set_cluster_state("w", "running")
+    monkeypatch.setattr(trigger, "rebalance_once", lambda *a: (_ for _ in ()).throw(OSError("disk")))
+    with pytest.raises(OSError):
+        trigger.watch(store, "w", lambda: None, sleep=sleep)  # type: ignore[arg-type, return-value]

@@ -71,6 +71,35 @@ def test_status_table_fits(width: int) -> None:
         assert "heartbeat" in "\n".join(lines)  # the wide terminal keeps it, uncut
 
 
+@pytest.mark.parametrize("width", WIDTHS)
+def test_status_says_who_replaces_lost_nodes(width: int) -> None:
+    """The head's reconcile loop as the head reports it: its last run, or that it is not
+    running; a cluster whose head runs none shows no such line."""
+    base = {"cluster": "c", "provider": "local", "gpus": {"now": 2, "min": 2, "max": 2},
+            "world_size": 2, "step": 1, "last_checkpoint_step": 0, "throughput": None,
+            "cost_per_hour": 0.0, "cost": None, "drain": None, "head_error": None,
+            "nodes": [node(1, "running")]}
+    now = time.time()
+    head = {"running": True, "pid": 7, "restarts": 0, "ended": False, "last_exit": None,
+            "interval_s": 60.0, "last_run": {"at": now - 12, "trigger": ["notice"],
+            "skipped": False, "errors": [], "actions": ["replace: n1 got a notice " + "x" * 90]}}
+    snap = dict(base, rebalancer=status._rebalancer(head, now))
+    lines = render(status.render(snap, width=width), width)
+    line = next(x for x in lines if x.startswith("replacements:"))
+    assert line.startswith("replacements: by the head (last run 12.0s ago: replace: n1 got")
+    assert len(line) <= width
+    head["running"] = False
+    lines = render(status.render(dict(base, rebalancer=status._rebalancer(head, now)), width), width)
+    assert any("reconcile loop is not running (see head/rebalance.log)" in x for x in lines)
+    lines = render(status.render(dict(base, rebalancer=status._rebalancer(None, now)), width), width)
+    assert not any(x.startswith("replacements:") for x in lines)
+    # a run that failed says so, and a head that reported garbage shows no run
+    head.update(running=True, last_run={"at": now, "errors": ["aws: throttled"], "actions": []})
+    assert "aws: throttled" in status.rebalancer_line(status._rebalancer(head, now))
+    head["last_run"] = "x"
+    assert status.rebalancer_line(status._rebalancer(head, now)).endswith("(no run yet)")
+
+
 def all_event_types() -> list[dict[str, Any]]:
     t = time.time()
     return [

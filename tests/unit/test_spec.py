@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from spotctl.errors import SpecError
-from spotctl.spec import GpuRange, load_spec, parse_gpu_range
+from spotctl.spec import ClusterSpec, GpuRange, load_spec, parse_gpu_range
 
 
 @pytest.mark.parametrize("text,lo,hi", [("8..64", 8, 64), ("4", 4, 4), (" 2 .. 3 ", 2, 3), (5, 5, 5)])
@@ -104,3 +104,18 @@ def test_torchft_refuses_ssh_hosts_of_unequal_gpus(tmp_path):
     assert [h.gpus for h in load_spec(p).ssh.hosts] == [1, 2]
     same = hosts.replace("gpus = 2", "gpus = 1")
     assert load_spec(_write(tmp_path, f'provider = "ssh"\n{same}')).train.engine == "torchft"
+
+
+def test_the_head_runs_the_reconcile_loop_on_local_clusters_only_so_far() -> None:
+    """[rebalance] on_head: on by default, done by local clusters' heads; a cloud's spec
+    keeps its value through the journal (validated again from there) and its head runs no
+    loop yet (`up` says that nothing replaces its lost nodes without cron)."""
+    local = ClusterSpec.model_validate({"provider": "local"})
+    assert local.head_rebalances and local.rebalance.on_head
+    assert not ClusterSpec.model_validate(
+        {"provider": "local", "rebalance": {"on_head": False}}).head_rebalances
+    aws = ClusterSpec.model_validate({"provider": "aws"})
+    assert not aws.head_rebalances
+    assert not ClusterSpec.model_validate(aws.model_dump(mode="json")).head_rebalances
+    with pytest.raises(ValueError, match="on_head_interval_s"):
+        ClusterSpec.model_validate({"rebalance": {"on_head_interval_s": 1}})

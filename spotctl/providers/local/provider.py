@@ -337,6 +337,11 @@ class LocalProvider:
         ]
         if self.spec.train.engine == "torchft":
             args += ["--lighthouse-port", str(self._lighthouse_port())]
+        if self.spec.head_rebalances:
+            # the head replaces lost nodes itself, from this controller's state directory
+            args += ["--rebalance", self.spec.name,
+                     "--rebalance-home", str(self.cdir.path.parent.parent),
+                     "--rebalance-interval", f"{self.spec.rebalance.on_head_interval_s:g}"]
         if not self._supervisor_alive():
             _spawn(args, self.head_dir / "head.log", self.tag("head"), self.head_dir)
         # else: the supervisor is restarting the head; wait for it

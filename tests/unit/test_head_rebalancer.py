@@ -1,0 +1,131 @@
+"""The head's reconcile loop (spotctl.head.rebalancer) with real child processes: what it
+reports of each run, restarts after a failure, the end once the cluster is down, stop,
+and that it dies with the head that started it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from spotctl.head.rebalancer import Rebalancer
+from tests.conftest import wait_until
+
+
+class Scripted(Rebalancer):
+    """The loop with a stand-in command: each start runs the next script."""
+
+    def __init__(self, tmp: Path, scripts: list[str]):
+        super().__init__("c1", tmp / "home", tmp / "rebalance.log", interval_s=30)
+        self.scripts = scripts
+        self.starts = 0
+
+    def argv(self) -> list[str]:
+        src = self.scripts[min(self.starts, len(self.scripts) - 1)]
+        self.starts += 1
+        return [sys.executable, "-c", textwrap.dedent(src)]
+
+
+RUN = {"cluster": "c1", "trigger": ["notice"], "errors": [], "launched": ["n3"],
+       "actions": [{"type": "replace", "reason": "n1 got a notice"}]}
+
+
+def test_runs_are_reported_a_failure_restarts_it_and_the_end_of_the_cluster_ends_it(
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    first = f"import json, sys; print(json.dumps({RUN!r}), flush=True); print('not json'); sys.exit(3)"
+    second = "import os; assert os.environ['SPOTCTL_HOME'].endswith('home')"
+    r = Scripted(tmp_path, [first, second])
+    r.start()
+    wait_until(lambda: r.status()["ended"], 20, "the loop to end", 0.1)
+    st = r.status()
+    assert st["restarts"] == 1 and st["last_exit"] == 0 and not st["running"], st
+    assert st["last_run"]["actions"] == ["replace: n1 got a notice"], st
+    assert st["last_run"]["trigger"] == ["notice"] and st["last_run"]["errors"] == []
+    log = (tmp_path / "rebalance.log").read_text()
+    assert "not json" in log and '"launched": ["n3"]' in log, log
+    r.stop()
+
+
+def test_the_real_command_for_an_unknown_cluster_fails_and_is_started_again(
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    r = Rebalancer("nosuch", tmp_path / "home", tmp_path / "rebalance.log", interval_s=30)
+    r.start()
+    try:
+        wait_until(lambda: r.status()["restarts"] >= 1, 60, "a restart", 0.1)
+        st = r.status()
+        assert st["last_exit"] not in (None, 0) and not st["ended"], st
+        assert "nosuch" in (tmp_path / "rebalance.log").read_text()
+    finally:
+        r.stop()
+    assert not r.status()["running"]
+
+
+def test_stop_ends_a_running_loop(tmp_path: Path) -> None:
+    r = Scripted(tmp_path, ["import time; time.sleep(60)"])
+    r.start()
+    wait_until(lambda: r.status()["running"], 20, "the loop to run", 0.05)
+    pid = r.status()["pid"]
+    r.stop()
+    assert not r.status()["running"] and r.status()["restarts"] == 0
+    assert not _alive(pid)
+
+
+def test_the_loop_dies_with_the_head_that_started_it(tmp_path: Path) -> None:
+    """A head killed outright (SIGKILL: no stop()) takes its loop with it, so the head
+    that replaces it does not run a second one beside the first."""
+    head = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from spotctl.head.rebalancer import Rebalancer
+
+        class Loop(Rebalancer):
+            def argv(self):
+                return [sys.executable, "-c", "import time; time.sleep(60)"]
+
+        r = Loop("c1", Path({str(tmp_path)!r}), Path({str(tmp_path / "log")!r}))
+        r.start()
+        while not r.status()["running"]:
+            time.sleep(0.05)
+        print(r.status()["pid"], flush=True)
+        time.sleep(60)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", head], stdout=subprocess.PIPE, text=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    try:
+        assert p.stdout is not None
+        pid = int(p.stdout.readline())
+        assert _alive(pid)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid), "the loop outlived its head"
+    finally:
+        p.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_line_of_the_loop_that_is_not_a_run_changes_nothing(tmp_path: Path) -> None:
+    lines = ["[1, 2]", json.dumps({"actions": "x", "trigger": ["interval"]}), "{"]
+    src = "print(" + repr("\n".join(lines)) + ")"
+    r = Scripted(tmp_path, [src + "\nimport sys; sys.exit(0)"])
+    r.start()
+    wait_until(lambda: r.status()["ended"], 20, "the loop to end", 0.1)
+    last = r.status()["last_run"]
+    assert last is not None and last["actions"] == [] and last["trigger"] == ["interval"]
+    r.stop()
