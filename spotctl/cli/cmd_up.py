@@ -102,9 +102,16 @@ def register(app: typer.Typer) -> None:
             )
             for e in res.errors:
                 console().print(f"warning: {e}")
-            if spec.head_rebalances:
-                console().print("the head replaces lost nodes itself ([rebalance] on_head)",
-                                highlight=False, markup=False)
+            if spec.provider == "local":
+                from spotctl.head.client import HeadUnavailable
+
+                try:
+                    running = "rebalancer" in reconcile.head_client(store, spec.name).status()
+                except HeadUnavailable:
+                    running = spec.head_rebalances
+                note = head_loop_note(spec.head_rebalances, running)
+                if note:
+                    console().print(note, highlight=False, markup=False, soft_wrap=True)
             elif spec.provider in ("aws", "gcp"):
                 from spotctl.control.cron import replacement_hint
 
@@ -120,6 +127,19 @@ def register(app: typer.Typer) -> None:
             # bill), and nothing reports
             first = next(e for e in res.errors if e.startswith(res.bootstrap_failed[0]))
             raise SpotctlError(f"no node came up: {first}")
+
+
+def head_loop_note(wanted: bool, running: bool) -> str:
+    """What `up` says of a local cluster's reconcile loop: the head runs it or not, and
+    whether that is what the spec now asks (the head takes the setting when it starts)."""
+    if wanted and running:
+        return "the head replaces lost nodes itself ([rebalance] on_head)"
+    if not wanted and not running:
+        return ""
+    now = "runs" if running else "does not run"
+    return (f"note: this cluster's head {now} the reconcile loop, which [rebalance] on_head "
+            f"= {str(wanted).lower()} changes when the head starts again (`spotctl down`, "
+            "then `up`)")
 
 
 def _offer_of(plan: Any, d: dict[str, Any]) -> Any:

@@ -38,15 +38,30 @@ RUN = {"cluster": "c1", "trigger": ["notice"], "errors": [], "launched": ["n3"],
 def test_runs_are_reported_a_failure_restarts_it_and_the_end_of_the_cluster_ends_it(
     tmp_path: Path,
 ) -> None:  # fmt: skip
-    first = f"import json, sys; print(json.dumps({RUN!r}), flush=True); print('not json'); sys.exit(3)"
-    second = "import os; assert os.environ['SPOTCTL_HOME'].endswith('home')"
-    r = Scripted(tmp_path, [first, second])
-    r.start()
-    wait_until(lambda: r.status()["ended"], 20, "the loop to end", 0.1)
+    first = f"import json, sys; print('not json'); print(json.dumps({RUN!r})); sys.exit(3)"
+    failed = ("import json; print(json.dumps({'cluster': 'c1', 'error': 'aws: throttled', "
+              "'actions': [], 'trigger': ['interval']})); raise SystemExit(1)")
+    # the loop's environment is the head's, with the state directory it was given
+    last = ("import os, sys; assert os.environ['SPOTCTL_HOME'].endswith('home'); "
+            "sys.exit(os.environ.get('REBALANCER_TEST') != 'inherited')")
+    os.environ["REBALANCER_TEST"] = "inherited"
+    try:
+        r = Scripted(tmp_path, [first, failed, last])
+        r.start()
+        wait_until(lambda: r.status()["last_run"] is not None, 20, "a first run", 0.05)
+        st = r.status()
+        assert st["last_run"]["actions"] == ["replace: n1 got a notice"], st
+        assert st["last_run"]["trigger"] == ["notice"] and st["last_run"]["errors"] == []
+        assert st["last_run"]["skipped"] is False and st["last_run"]["at"] <= time.time()
+        wait_until(lambda: r.status()["restarts"] == 1 and r.status()["last_run"]["errors"],
+                   20, "the second run's failure", 0.05)
+        assert r.status()["last_run"]["errors"] == ["aws: throttled"]
+        wait_until(lambda: r.status()["ended"], 20, "the loop to end", 0.1)
+    finally:
+        del os.environ["REBALANCER_TEST"]
     st = r.status()
-    assert st["restarts"] == 1 and st["last_exit"] == 0 and not st["running"], st
-    assert st["last_run"]["actions"] == ["replace: n1 got a notice"], st
-    assert st["last_run"]["trigger"] == ["notice"] and st["last_run"]["errors"] == []
+    assert st["restarts"] == 2 and st["last_exit"] == 0 and not st["running"], st
+    assert r.starts == 3
     log = (tmp_path / "rebalance.log").read_text()
     assert "not json" in log and '"launched": ["n3"]' in log, log
     r.stop()
@@ -61,7 +76,8 @@ def test_the_real_command_for_an_unknown_cluster_fails_and_is_started_again(
         wait_until(lambda: r.status()["restarts"] >= 1, 60, "a restart", 0.1)
         st = r.status()
         assert st["last_exit"] not in (None, 0) and not st["ended"], st
-        assert "nosuch" in (tmp_path / "rebalance.log").read_text()
+        log = (tmp_path / "rebalance.log").read_text()
+        assert "no cluster named 'nosuch'" in log, log
     finally:
         r.stop()
     assert not r.status()["running"]
@@ -72,6 +88,7 @@ def test_stop_ends_a_running_loop(tmp_path: Path) -> None:
     r.start()
     wait_until(lambda: r.status()["running"], 20, "the loop to run", 0.05)
     pid = r.status()["pid"]
+    assert isinstance(pid, int) and _alive(pid)
     r.stop()
     assert not r.status()["running"] and r.status()["restarts"] == 0
     assert not _alive(pid)
@@ -121,11 +138,13 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_line_of_the_loop_that_is_not_a_run_changes_nothing(tmp_path: Path) -> None:
-    lines = ["[1, 2]", json.dumps({"actions": "x", "trigger": ["interval"]}), "{"]
+    lines = ["[1, 2]", json.dumps({"actions": "x", "trigger": ["interval"], "skipped": 1}),
+             "{"]
     src = "print(" + repr("\n".join(lines)) + ")"
     r = Scripted(tmp_path, [src + "\nimport sys; sys.exit(0)"])
     r.start()
     wait_until(lambda: r.status()["ended"], 20, "the loop to end", 0.1)
     last = r.status()["last_run"]
     assert last is not None and last["actions"] == [] and last["trigger"] == ["interval"]
+    assert last["skipped"] is True and last["errors"] == []
     r.stop()
