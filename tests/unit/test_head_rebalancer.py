@@ -38,9 +38,12 @@ RUN = {"cluster": "c1", "trigger": ["notice"], "errors": [], "launched": ["n3"],
 def test_runs_are_reported_a_failure_restarts_it_and_the_end_of_the_cluster_ends_it(
     tmp_path: Path,
 ) -> None:  # fmt: skip
-    first = f"import json, sys; print('not json'); print(json.dumps({RUN!r})); sys.exit(3)"
-    failed = ("import json; print(json.dumps({'cluster': 'c1', 'error': 'aws: throttled', "
-              "'actions': [], 'trigger': ['interval']})); raise SystemExit(1)")
+    # (each run's line stays the last one for a while: the test looks at it meanwhile)
+    first = ("import json, sys, time; print('not json'); "
+             f"print(json.dumps({RUN!r}), flush=True); time.sleep(1); sys.exit(3)")
+    failed = ("import json, time; print(json.dumps({'cluster': 'c1', 'error': 'aws: throttled', "
+              "'actions': [], 'trigger': ['interval']}), flush=True); time.sleep(1); "
+              "raise SystemExit(1)")
     # the loop's environment is the head's, with the state directory it was given
     last = ("import os, sys; assert os.environ['SPOTCTL_HOME'].endswith('home'); "
             "sys.exit(os.environ.get('REBALANCER_TEST') != 'inherited')")
@@ -53,8 +56,9 @@ def test_runs_are_reported_a_failure_restarts_it_and_the_end_of_the_cluster_ends
         assert st["last_run"]["actions"] == ["replace: n1 got a notice"], st
         assert st["last_run"]["trigger"] == ["notice"] and st["last_run"]["errors"] == []
         assert st["last_run"]["skipped"] is False and st["last_run"]["at"] <= time.time()
-        wait_until(lambda: r.status()["restarts"] == 1 and r.status()["last_run"]["errors"],
-                   20, "the second run's failure", 0.05)
+        wait_until(lambda: r.status()["last_run"]["errors"], 20, "the second run's failure",
+                   0.05)
+        assert r.status()["restarts"] == 1 and r.status()["running"]
         assert r.status()["last_run"]["errors"] == ["aws: throttled"]
         wait_until(lambda: r.status()["ended"], 20, "the loop to end", 0.1)
     finally:
