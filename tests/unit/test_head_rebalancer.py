@@ -31,7 +31,7 @@ class Scripted(Rebalancer):
         return [sys.executable, "-c", textwrap.dedent(src)]
 
 
-RUN = {"cluster": "c1", "trigger": ["notice"], "errors": [], "launched": ["n3"],
+RUN = {"cluster": "c1", "trigger": ["notice"], "errors": ["n4: bootstrap failed"], "launched": ["n3"],
        "actions": [{"type": "replace", "reason": "n1 got a notice"}]}
 
 
@@ -54,10 +54,12 @@ def test_runs_are_reported_a_failure_restarts_it_and_the_end_of_the_cluster_ends
         wait_until(lambda: r.status()["last_run"] is not None, 20, "a first run", 0.05)
         st = r.status()
         assert st["last_run"]["actions"] == ["replace: n1 got a notice"], st
-        assert st["last_run"]["trigger"] == ["notice"] and st["last_run"]["errors"] == []
+        assert st["last_run"]["trigger"] == ["notice"], st
+        assert st["last_run"]["errors"] == ["n4: bootstrap failed"], st
+        assert st["interval_s"] == 30 and st["running"] and st["restarts"] == 0, st
         assert st["last_run"]["skipped"] is False and st["last_run"]["at"] <= time.time()
-        wait_until(lambda: r.status()["last_run"]["errors"], 20, "the second run's failure",
-                   0.05)
+        wait_until(lambda: r.status()["last_run"]["errors"] == ["aws: throttled"], 20,
+                   "the second run's failure", 0.05)
         assert r.status()["restarts"] == 1 and r.status()["running"]
         assert r.status()["last_run"]["errors"] == ["aws: throttled"]
         wait_until(lambda: r.status()["ended"], 20, "the loop to end", 0.1)
