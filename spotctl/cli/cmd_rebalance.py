@@ -88,8 +88,10 @@ def _watch(store: Any, name: str, json_out: bool, interval: float, poll: float,
             sys.stdout.flush()
             return
         acts = out.get("actions") or []
-        what = f"failed: {out['error']}" if out.get("error") else "skipped (lock held)" if out.get("skipped") else (
-            "; ".join(f"{a['type']}: {a['reason']}" for a in acts) if acts else "nothing to do")
+        what = (f"failed: {out['error']}" if out.get("error")
+                else "skipped (lock held)" if out.get("skipped")
+                else "; ".join(f"{a['type']}: {a['reason']}" for a in acts) if acts
+                else "nothing to do")
         con.print(f"[{', '.join(out['trigger'])}] {what}")
 
     trigger.watch(store, name, lambda: cluster_spec(store, name), interval_s=interval,

@@ -136,9 +136,13 @@ def _rebalancer(r: Any, now: float) -> dict[str, Any] | None:
         "running": bool(r.get("running")),
         "restarts": r.get("restarts") if isinstance(r.get("restarts"), int) else 0,
         "last_run_age_s": round(now - at, 1) if isinstance(at, int | float) else None,
-        "last_actions": [str(a) for a in last.get("actions") or []] if last else [],
-        "last_errors": [str(e) for e in last.get("errors") or []] if last else [],
+        "last_actions": _strs(last.get("actions")) if last else [],
+        "last_errors": _strs(last.get("errors")) if last else [],
     }
+
+
+def _strs(v: Any) -> list[str]:
+    return [str(x) for x in v] if isinstance(v, list) else []
 
 
 def rebalancer_line(r: dict[str, Any] | None) -> str:

@@ -30,6 +30,7 @@ from typing import IO, Any
 log = logging.getLogger("spotctl.head")
 
 MAX_BACKOFF_S = 60.0
+LOG_MAX_BYTES = 8 << 20  # rebalance.log is set aside as rebalance.log.1 past this
 _PR_SET_PDEATHSIG = 1
 
 
@@ -97,6 +98,7 @@ class Rebalancer:
         env = dict(os.environ, SPOTCTL_HOME=str(self.home))
         while not self._stop.is_set():
             started = time.monotonic()
+            self._rotate()
             with open(self.log_path, "ab") as err:
                 try:
                     p = subprocess.Popen(
@@ -133,11 +135,23 @@ class Rebalancer:
             self._stop.wait(backoff)
             backoff = min(backoff * 2, MAX_BACKOFF_S)
 
+    def _rotate(self) -> None:
+        try:
+            if self.log_path.stat().st_size > LOG_MAX_BYTES:
+                self.log_path.replace(self.log_path.with_name(self.log_path.name + ".1"))
+        except OSError:
+            pass
+
     def _read(self, out: IO[bytes]) -> None:
         """Each run's JSON line (this head's own child writes them) into `last_run`, and
         every line into the log."""
-        with open(self.log_path, "ab") as logf:
+        logf = open(self.log_path, "ab")
+        try:
             for raw in out:
+                if logf.tell() > LOG_MAX_BYTES:  # a loop that runs for weeks
+                    logf.close()
+                    self._rotate()
+                    logf = open(self.log_path, "ab")
                 logf.write(raw)
                 logf.flush()
                 try:
@@ -158,3 +172,5 @@ class Rebalancer:
                 }
                 with self._lock:
                     self.last_run = summary
+        finally:
+            logf.close()

@@ -154,3 +154,22 @@ def test_a_line_of_the_loop_that_is_not_a_run_changes_nothing(tmp_path: Path) ->
     assert last is not None and last["actions"] == [] and last["trigger"] == ["interval"]
     assert last["skipped"] is True and last["errors"] == []
     r.stop()
+
+
+def test_its_log_is_set_aside_past_a_size(tmp_path: Path, monkeypatch) -> None:
+    """A loop that runs for weeks keeps one old log beside the current one, not all."""
+    from spotctl.head import rebalancer
+
+    monkeypatch.setattr(rebalancer, "LOG_MAX_BYTES", 1000)
+    (tmp_path / "rebalance.log").write_bytes(b"old\n" * 400)  # from an earlier head
+    src = "import json\nfor i in range(100): print(json.dumps({'trigger': [str(i)]}))"
+    r = Scripted(tmp_path, [src])
+    r.start()
+    wait_until(lambda: r.status()["ended"], 20, "the loop to end", 0.1)
+    r.stop()
+    assert r.status()["last_run"]["trigger"] == ["99"]
+    now = (tmp_path / "rebalance.log").read_text()
+    old = (tmp_path / "rebalance.log.1").read_text()
+    assert '{"trigger": ["99"]}' in now and "old" not in now and "old" not in old
+    assert len(now) <= 1100 and len(old) <= 1100
+    assert not (tmp_path / "rebalance.log.2").exists()
