@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from spotctl.agent import proctree
 from spotctl.head.client import HeadClient
 from tests.conftest import wait_until
 
@@ -24,15 +25,6 @@ def _report(c, node: str) -> dict | None:
         return json.loads((c.cluster_dir / "nodes" / node / "status" / "worker-0.json").read_text())
     except (OSError, ValueError):
         return None
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie that nobody reaped yet is not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_the_head_replaces_a_preempted_node_on_its_own(local_cluster):
@@ -78,4 +70,4 @@ def test_the_head_replaces_a_preempted_node_on_its_own(local_cluster):
     c.cli("down", "--name", c.name, "--yes")
     wait_until(lambda: c.processes() == [], 30, "no process of the cluster left", 0.2,
                lambda: str(c.processes()))
-    assert not _alive(loop_pid), "the reconcile loop outlived `down`"
+    assert not proctree.alive(loop_pid), "the reconcile loop outlived `down`"

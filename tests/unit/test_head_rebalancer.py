@@ -13,6 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from spotctl.agent import proctree
 from spotctl.head.rebalancer import Rebalancer
 from tests.conftest import wait_until
 
@@ -94,10 +95,10 @@ def test_stop_ends_a_running_loop(tmp_path: Path) -> None:
     r.start()
     wait_until(lambda: r.status()["running"], 20, "the loop to run", 0.05)
     pid = r.status()["pid"]
-    assert isinstance(pid, int) and _alive(pid)
+    assert isinstance(pid, int) and proctree.alive(pid)
     r.stop()
     assert not r.status()["running"] and r.status()["restarts"] == 0
-    assert not _alive(pid)
+    assert not proctree.alive(pid)
 
 
 def test_the_loop_dies_with_the_head_that_started_it(tmp_path: Path) -> None:
@@ -124,23 +125,15 @@ def test_the_loop_dies_with_the_head_that_started_it(tmp_path: Path) -> None:
     try:
         assert p.stdout is not None
         pid = int(p.stdout.readline())
-        assert _alive(pid)
+        assert proctree.alive(pid)
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
         deadline = time.monotonic() + 10
-        while _alive(pid) and time.monotonic() < deadline:
+        while proctree.alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(pid), "the loop outlived its head"
+        assert not proctree.alive(pid), "the loop outlived its head"
     finally:
         p.kill()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_line_of_the_loop_that_is_not_a_run_changes_nothing(tmp_path: Path) -> None:
