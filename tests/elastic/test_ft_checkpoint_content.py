@@ -46,8 +46,11 @@ def test_each_checkpoint_is_the_state_at_its_step(tmp_path: Path,
     x, y = _data()
     committed = sorted(p.parent for p in (tmp_path / "ckpt").glob("step-*/COMMIT"))
     # up to 13 saves (and the final one); fewer under load, where a save that falls due
-    # while the one before it still writes is put off to the step after that write
-    assert len(committed) >= 5, committed
+    # while the one before it still writes is put off to the step after that write (CI
+    # once had 4: steps 3, ..., 35 and the final 40): at least two made while training
+    # went on, whose copies overlapped later steps, besides the final one
+    periodic = [d for d in committed if int(d.name.removeprefix("step-")) < M]
+    assert len(periodic) >= 2 and len(committed) >= 3, committed
     for d in committed:
         step = int(d.name.removeprefix("step-"))
         model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 1))
