@@ -156,6 +156,7 @@ class ClusterDir:
     """The per-cluster directory (0700): token, head files, local nodes, known_hosts."""
 
     def __init__(self, root: Path, name: str):
+        self.home = root  # the state directory (SPOTCTL_HOME) it lies in
         self.path = root / "clusters" / name
         self.name = name
 

@@ -801,7 +801,7 @@ class CloudNodes:
         if self._pkg is None:
             from spotctl.remote.package import node_package, packages_for, project_files
 
-            cache = self.ctx.cluster_dir.path.parent.parent / "cache" / "package"
+            cache = self.ctx.cluster_dir.home / "cache" / "package"
             script = Path(self.ctx.spec.train.script)
             project = project_files(script.resolve().parent) if script.is_file() else None
             also = packages_for(self.ctx.spec.train.checkpoint_dir)

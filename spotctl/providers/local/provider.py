@@ -340,7 +340,7 @@ class LocalProvider:
         if self.spec.head_rebalances:
             # the head replaces lost nodes itself, from this controller's state directory
             args += ["--rebalance", self.spec.name,
-                     "--rebalance-home", str(self.cdir.path.parent.parent),
+                     "--rebalance-home", str(self.cdir.home),
                      "--rebalance-interval", f"{self.spec.rebalance.on_head_interval_s:g}"]
         if not self._supervisor_alive():
             _spawn(args, self.head_dir / "head.log", self.tag("head"), self.head_dir)

@@ -333,7 +333,7 @@ class SshProvider:
             return None, None
         script = Path(self.spec.train.script)
         root = script.resolve().parent if script.is_file() else Path.cwd()
-        cache = self.cdir.path.parent.parent / "cache" / "package"
+        cache = self.cdir.home / "cache" / "package"
         also = packages_for(self.checkpoint_dir())
         # engine torchft: torchft (the `ft` extra) on every host
         extras = ("ft",) if self.spec.train.engine == "torchft" else ()
