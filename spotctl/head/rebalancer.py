@@ -55,7 +55,6 @@ class Rebalancer:
         self._proc: subprocess.Popen[bytes] | None = None
         self._thread: threading.Thread | None = None
         self.restarts = 0
-        self.ended = False  # the loop ended by itself (the cluster is down)
         self.last_run: dict[str, Any] | None = None
         self.last_exit: int | None = None
 
@@ -87,7 +86,8 @@ class Rebalancer:
                 "running": p is not None and p.poll() is None,
                 "pid": p.pid if p is not None else None,
                 "restarts": self.restarts,
-                "ended": self.ended,
+                # `rebalance --watch` exits 0 only once the cluster is down
+                "ended": self.last_exit == 0,
                 "last_exit": self.last_exit,
                 "last_run": self.last_run,
                 "interval_s": self.interval_s,
@@ -98,17 +98,16 @@ class Rebalancer:
         env = dict(os.environ, SPOTCTL_HOME=str(self.home))
         while not self._stop.is_set():
             started = time.monotonic()
-            self._rotate()
-            with open(self.log_path, "ab") as err:
-                try:
-                    p = subprocess.Popen(
-                        self.argv(), stdout=subprocess.PIPE, stderr=err,
-                        stdin=subprocess.DEVNULL, env=env, close_fds=True,
-                        preexec_fn=_die_with_parent,
-                    )
-                except OSError as e:
-                    log.warning("could not start the reconcile loop: %s", e)
-                    p = None
+            try:
+                # its stderr (a traceback) goes into the same log, through _read
+                p = subprocess.Popen(
+                    self.argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, env=env, close_fds=True,
+                    preexec_fn=_die_with_parent,
+                )
+            except OSError as e:
+                log.warning("could not start the reconcile loop: %s", e)
+                p = None
             if p is not None:
                 with self._lock:
                     self._proc = p
@@ -118,11 +117,8 @@ class Rebalancer:
                 code = p.wait()
                 with self._lock:
                     self.last_exit = code
-                if code == 0 and not self._stop.is_set():
-                    # `rebalance --watch` returns only once the cluster is down
+                if code == 0:  # the cluster is down: nothing to restart
                     log.info("reconcile loop ended: cluster %s is down", self.cluster)
-                    with self._lock:
-                        self.ended = True
                     return
             if self._stop.is_set():
                 return
@@ -145,6 +141,7 @@ class Rebalancer:
     def _read(self, out: IO[bytes]) -> None:
         """Each run's JSON line (this head's own child writes them) into `last_run`, and
         every line into the log."""
+        self._rotate()
         logf = open(self.log_path, "ab")
         try:
             for raw in out:
