@@ -443,18 +443,18 @@ class LocalCluster(CliProject):
         self.trace_dir.mkdir(exist_ok=True)
 
     def write_spec(self, gpus: str, checkpoint_every: int = 20, train_env: dict[str, str] | None = None,
-                   extra: str = "", engine: str = "torchrun", head_rebalances: bool = False) -> None:  # fmt: skip
+                   extra: str = "", engine: str = "torchrun") -> None:  # fmt: skip
         """spotctl.toml; `extra` goes on inside [train] (or opens sections of its own);
         `engine`: `[train] engine`, always written ("" writes none: the spec's default).
-        `head_rebalances`: `[rebalance] on_head`, off unless asked (a test that acts and
-        then checks what followed must not race a replacement it did not ask for)."""
+        `[rebalance] on_head = false`: a test that acts and then checks what followed must
+        not race a replacement it did not ask for (the head's loop: test_cli_no_name.py)."""
         env = {"SPOTCTL_TRACE_SAMPLES": str(self.trace_dir), "TRAIN_STEP_SLEEP_S": "0.05"}
         env.update(train_env or {})
         env_toml = ", ".join(f'{k} = "{v}"' for k, v in env.items())
         engine_toml = f'engine = "{engine}"\n' if engine else ""
         from scripts.chaos_lib.cluster import head_loop_toml
 
-        extra = head_loop_toml(extra, head_rebalances)
+        extra = head_loop_toml(extra)
         (self.project / "spotctl.toml").write_text(
             f'name = "{self.name}"\nprovider = "local"\ngpus = "{gpus}"\n\n'
             f'[train]\n{engine_toml}script = "train.py"\ncheckpoint_every = {checkpoint_every}\n'
@@ -506,10 +506,27 @@ class LocalCluster(CliProject):
 
         return proctree.tagged_prefix(str(self.cluster_dir) + "/")
 
+    def worker_report(self, node: str) -> dict[str, Any] | None:
+        """A node's rank-0 worker's own report (status/worker-0.json); None before it wrote
+        one."""
+        try:
+            return dict(json.loads((self.cluster_dir / "nodes" / node / "status" /
+                                    "worker-0.json").read_text()))
+        except (OSError, ValueError):
+            return None
+
     def worker_pids(self, nodes: list[str]) -> dict[str, int]:
         """Each node's rank-0 worker process, from its own report (status/worker-0.json)."""
-        return {n: json.loads((self.cluster_dir / "nodes" / n / "status" / "worker-0.json")
-                              .read_text())["pid"] for n in nodes}
+        reports = {n: self.worker_report(n) for n in nodes}
+        assert all(reports.values()), f"no worker report from some of {nodes}"
+        return {n: int(r["pid"]) for n, r in reports.items() if r}
+
+    def head_status(self) -> dict[str, Any]:
+        """The head's own /api/status, as the controller's client gets it."""
+        from spotctl.control.reconcile import head_client
+
+        with self._journal() as store:
+            return dict(head_client(store, self.name).status())
 
     def debug(self) -> str:
         out = []

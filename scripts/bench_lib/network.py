@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from .core import LIB, Context, Row, row
-from .spotctl_session import Cluster
+from .spotctl_session import NO_HEAD_LOOP, Cluster
 
 SIZES = (1 << 20, 16 << 20)  # 1 MiB, 16 MiB
 
@@ -53,7 +53,7 @@ def on_spotctl(work: Path, ranks: int, sizes: tuple[int, ...], iters: int) -> di
     (c.project / "spotctl.toml").write_text(
         f'name = "{c.name}"\nprovider = "local"\ngpus = "{ranks}"\n\n'
         f'[train]\nengine = "torchrun"\nscript = "train.py"\nenv = {{ {env_toml} }}\n'
-        "\n[rebalance]\non_head = false\n")
+        + NO_HEAD_LOOP)
     try:
         c.cli("up", "--wait", "180", timeout=300)
         deadline = time.monotonic() + 600

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from .core import LIB, Context, Row, row
-from .spotctl_session import Cluster
+from .spotctl_session import NO_HEAD_LOOP, Cluster
 
 WARMUP = 10
 
@@ -66,7 +66,7 @@ def on_spotctl(work: Path, ranks: int, steps: int, width: int, engine: str) -> l
         f'name = "{c.name}"\nprovider = "local"\ngpus = "{ranks}"\n\n'
         f'[train]\nengine = "{engine}"\nscript = "train.py"\n'
         f"checkpoint_every = 1000000\nenv = {{ {env_toml} }}\n"
-        "\n[rebalance]\non_head = false\n"
+        + NO_HEAD_LOOP
     )
     try:
         c.cli("up", "--wait", "180", timeout=300)

@@ -25,6 +25,10 @@ from typing import Any
 from . import steplog
 from .core import LIB, Context
 
+# appended to a bench cluster's spotctl.toml: nodes are replaced only when the bench asks
+# (`up`, `rebalance`), never by the head's own reconcile loop racing what it measures
+NO_HEAD_LOOP = "\n[rebalance]\non_head = false\n"
+
 STEP_SLEEP_S = "0.05"
 
 
@@ -73,7 +77,7 @@ class Cluster:
             f'[train]\nengine = "torchrun"\nscript = "train.py"\n'
             f"checkpoint_every = {first_every}\n"
             f"env = {{ {env_toml} }}\n"
-            "\n[rebalance]\non_head = false\n"  # replacements only when the bench asks
+            + NO_HEAD_LOOP
         )
         self.env = dict(os.environ, SPOTCTL_HOME=str(self.home), NO_COLOR="1")
         self._store: Any = None

@@ -26,10 +26,11 @@ class Timeout(AssertionError):
     pass
 
 
-def head_loop_toml(extra: str, on: bool = False) -> str:
-    """`extra` (spec TOML after [train]) with `[rebalance] on_head` set: off unless asked,
-    so that only what a scenario does (its own `rebalance`, `up`) replaces nodes."""
-    line = f"on_head = {str(on).lower()}\n"
+def head_loop_toml(extra: str) -> str:
+    """`extra` (spec TOML after [train]) with `[rebalance] on_head = false`: only what a
+    scenario does (its own `rebalance`, `up`) replaces nodes, never the head's loop racing
+    what it checks."""
+    line = "on_head = false\n"
     if "[rebalance]\n" in extra:
         return extra.replace("[rebalance]\n", "[rebalance]\n" + line, 1)
     return extra + "\n[rebalance]\n" + line

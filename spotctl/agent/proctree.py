@@ -16,7 +16,7 @@ from pathlib import Path
 TAG_VAR = "SPOTCTL_NODE_TAG"
 
 
-def _ppid(pid: int) -> int | None:
+def ppid(pid: int) -> int | None:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -41,7 +41,7 @@ def alive(pid: int) -> bool:
 def descendants(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for pid in _pids():
-        pp = _ppid(pid)
+        pp = ppid(pid)
         if pp is not None:
             children.setdefault(pp, []).append(pid)
     out: list[int] = []
@@ -134,7 +134,7 @@ def kill_tag(tag: str, root: int | None = None, timeout_s: float = 10.0) -> list
     # still a child inside the tree), so the start time belongs to the process we found.
     tree = set(pids) | ({root} if root is not None else set())
     for p in list(pids):
-        if p != root and not _has_tag(p, tag) and _ppid(p) not in tree:
+        if p != root and not _has_tag(p, tag) and ppid(p) not in tree:
             started.pop(p)
             pids.discard(p)
     for p in pids:

@@ -1,7 +1,8 @@
 """Issue 15: the CLI as a new user types it. `init`, `up`, then plain `status --once`,
 `events`, `logs`, `report --plot` and `down`, with no --name anywhere (the cluster comes
 from ./spotctl.toml, then from being the only one), on a real local cluster, on the engine
-a plain `init` writes (torchft). `init --engine torchrun` and the torchrun engine's CLI
+a plain `init` writes (torchft), whose head replaces a preempted node by itself
+([rebalance] on_head). `init --engine torchrun` and the torchrun engine's CLI
 cycle: tests/unit (init) and tests/e2e/test_rescale.py."""
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from typing import Any
 
 import pytest
 
+from spotctl.agent import proctree
+from spotctl.head.auth import node_token
+from spotctl.head.client import HeadClient, HeadUnavailable
 from tests.conftest import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
@@ -25,6 +29,7 @@ def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any)
 
     up = c.cli("up", "--gpus", "1..2", "--wait", "150")
     assert "cluster demo: 2 node(s) launched, 2/2 reporting, training" in up.stdout
+    assert "the head replaces lost nodes itself ([rebalance] on_head)" in up.stdout
     # the phases, one plain line each on a pipe: per offer, per node, first step
     assert "up: launching 2 x local in local-a" in up.stderr, up.stderr
     assert "up: booting" in up.stderr or "up: joining" in up.stderr, up.stderr
@@ -42,6 +47,17 @@ def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any)
     assert len(nodes) == 2 and all(
         n["net"] is not None and isinstance(n["net"]["interfaces"], list) and n["net"]["efa"] == 0
         and n["nccl_transport"] == "gloo" for n in nodes), nodes
+
+    # the head runs the reconcile loop ([rebalance] on_head, on by default) as its own
+    # child, so the loop lives and dies with it; only the controller may read what it did
+    head = json.loads((c.cluster_dir / "head" / "head.json").read_text())
+    loop_pid = c.head_status()["rebalancer"]["pid"]
+    assert proctree.ppid(loop_pid) == head["pid"] and c.status()["rebalancer"]["running"]
+    secret = (c.cluster_dir / "token").read_text().strip()
+    for token, code in (("", 401), (node_token(secret, "n1"), 403)):
+        with pytest.raises(HeadUnavailable, match=f"answered {code} to /api/status"):
+            HeadClient(head["url"], token).status()
+    survivor = c.worker_pids(["n1"])
 
     p = c.cli("preempt", "n2", "--style", "aws", "--in", "6")
     assert "notice sent to n2 (aws): hard stop in 6 s, at " in p.stdout
@@ -68,16 +84,20 @@ def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any)
     # nothing more from this side: the head's reconcile loop (on by default) launches a
     # replacement, n3, whose own worker then trains in the quorum of two again
     def n3_training() -> bool:
-        try:
-            r = json.loads((c.cluster_dir / "nodes" / "n3" / "status" / "worker-0.json")
-                           .read_text())
-        except (OSError, ValueError):
-            return False
-        return r["phase"] == "train" and r["replicas"] == 2
+        r = c.worker_report("n3")
+        return r is not None and r["phase"] == "train" and r["replicas"] == 2
 
     wait_until(n3_training, 150, "the head's loop to bring n3 in", 0.5,
                lambda: (c.cluster_dir / "head" / "rebalance.log").read_text()[-2000:])
     c.steps_advance(world=2, by=2, timeout=60)
+    # the survivor trained on through the notice and the join (same process); n3's launch
+    # is journaled, and the loop's own log has the run that made it
+    assert c.worker_pids(["n1"]) == survivor
+    assert next(e for e in c.events("launch") if e["node"] == "n3")["reason"]
+    runs = [json.loads(x) for x in (c.cluster_dir / "head" / "rebalance.log").read_text()
+            .splitlines() if x.startswith("{")]
+    assert any("n3" in r.get("launched", []) for r in runs), runs[-5:]
+    assert c.status()["rebalancer"]["last_run_age_s"] is not None
     # the report counts as training the intervals between two of the head's samples (every
     # 2 s) in which the step advanced: wait until there is one (a fast start-up can put the
     # whole run before the notice inside one interval)
@@ -121,6 +141,10 @@ def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any)
     assert "goodput" in text and "lost steps" in text
 
     assert c.cli("down", "--yes").stdout.strip() == "cluster demo is down"
+    # down stops the loop with everything else
+    wait_until(lambda: c.processes() == [], 30, "no process of the cluster left", 0.2,
+               lambda: str(c.processes()))
+    assert not proctree.alive(loop_pid), "the reconcile loop outlived `down`"
     # a finished run still reports; with no ./spotctl.toml the only cluster is the one
     (c.project / "spotctl.toml").unlink()
     done = json.loads(c.cli("report", "--json").stdout)

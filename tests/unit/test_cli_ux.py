@@ -291,3 +291,15 @@ def test_bootstrap_names_the_slowest_node(capsys: pytest.CaptureFixture[str]) ->
         "up: bootstrapped i-c in 20.0s (3/3, failed)",
         "up: bootstrapped 3 node(s), 1 failed; slowest i-a (41.5s)",
     ]
+
+
+def test_up_says_whether_the_head_runs_the_loop_the_spec_asks_for() -> None:
+    from spotctl.cli.cmd_up import head_loop_note
+
+    assert head_loop_note(True, True) == "the head replaces lost nodes itself ([rebalance] on_head)"
+    assert head_loop_note(False, False) == ""
+    assert head_loop_note(True, False).startswith(
+        "note: this cluster's head does not run the reconcile loop, which [rebalance] on_head "
+        "= true changes when the head starts again")
+    assert "head runs the reconcile loop, which [rebalance] on_head = false" in head_loop_note(
+        False, True)

@@ -120,14 +120,3 @@ def test_the_head_runs_the_reconcile_loop_on_local_clusters_only_so_far() -> Non
     with pytest.raises(ValueError, match="on_head_interval_s"):
         ClusterSpec.model_validate({"rebalance": {"on_head_interval_s": 1}})
 
-
-def test_up_says_whether_the_head_runs_the_loop_the_spec_asks_for() -> None:
-    from spotctl.cli.cmd_up import head_loop_note
-
-    assert head_loop_note(True, True) == "the head replaces lost nodes itself ([rebalance] on_head)"
-    assert head_loop_note(False, False) == ""
-    assert head_loop_note(True, False).startswith(
-        "note: this cluster's head does not run the reconcile loop, which [rebalance] on_head "
-        "= true changes when the head starts again")
-    assert "head runs the reconcile loop, which [rebalance] on_head = false" in head_loop_note(
-        False, True)
