@@ -65,6 +65,21 @@ def test_forked_worker_gets_argv_env_cwd_stdio_and_exit_code(tmp_path, zygote):
     assert "err" in err
 
 
+def test_a_forked_workers_first_optimizer_imports_nothing_more(tmp_path, zygote):
+    """A worker's first optimizer pulls in torch._dynamo (about 200 modules, half a second
+    of CPU): the zygote has imported it, so the forked worker's start-up pays nothing for
+    it, and the zygote started no thread before forking (the fork would not copy it)."""
+    s = _script(tmp_path, "import threading, torch\n"
+                          "before = set(sys.modules)\n"
+                          "opt = torch.optim.AdamW(torch.nn.Linear(4, 4).parameters())\n"
+                          "print(sorted(set(sys.modules) - before), threading.active_count())\n")
+    p = _launch(s, zygote, cwd=tmp_path)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    # the forked child runs one thread of its own: the watch on its launcher
+    assert out.strip() == "[] 2", out
+
+
 def test_a_module_is_forked_warm_as_python_m_runs_it(tmp_path, zygote):
     """`launch -m MODULE ARGS` (the torchft engine's torchrun): the module runs as
     __main__ in a forked child, found from the working directory, with python -m's argv."""
