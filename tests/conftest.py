@@ -136,17 +136,21 @@ def pytest_configure(config: pytest.Config) -> None:
 # The slow set runs in two workers, one file at a time each (.ci/run: -n 2 --dist
 # loadfile): the longest files go first, so the run does not end with one worker waiting
 # on a long file started last. Order only; every file still runs.
-LONG_FIRST = (
+LONG_FIRST = (  # by their time alone, longest first (a serial run of the slow set)
     "tests/faults/test_fault_matrix.py",
-    "tests/examples/test_examples.py",
-    "tests/aws/test_up_flow.py",
     "tests/bench/test_bench_smoke.py",
-    "tests/e2e/test_rebalance_capacity.py",
     "tests/e2e/test_rescale.py",
-    "tests/e2e/test_s3_checkpoints.py",
-    "tests/gcp/test_up_flow.py",
-    "tests/e2e/test_network_partition.py",
+    "tests/integration/test_checkpoint.py",
+    "tests/aws/test_up_flow.py",
     "tests/ssh/test_cleanroom_pythons.py",
+    "tests/elastic/test_ft_groups.py",
+    "tests/gcp/test_up_flow.py",
+    "tests/ssh/test_cleanroom.py",
+    "tests/e2e/test_network_partition.py",
+    "tests/elastic/test_timed_checkpoints.py",
+    "tests/e2e/test_s3_checkpoints.py",
+    "tests/elastic/test_rescale_state.py",
+    "tests/examples/test_examples.py",
 )
 
 
