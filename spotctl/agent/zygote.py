@@ -16,6 +16,7 @@ Without a zygote the launcher simply execs the script the usual way.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import select
@@ -114,11 +115,15 @@ def serve(path: str) -> None:
     import torch.optim  # noqa: F401
 
     # a worker's first optimizer imports torch._dynamo (about 200 modules, half a second
-    # of CPU) on its start-up path; imported here once, it starts no thread
-    try:
-        import torch._dynamo  # noqa: F401
-    except Exception:  # noqa: BLE001 - a torch without it: the worker imports what it has
-        pass
+    # of CPU) on its start-up path; imported here once, it starts no thread. Not where
+    # Triton is installed (CUDA builds): torch._dynamo imports it, and no version of it
+    # is known here never to touch the CUDA driver on import (which would break CUDA in
+    # every forked worker); those workers import it after the fork, as before.
+    if importlib.util.find_spec("triton") is None:
+        try:
+            import torch._dynamo  # noqa: F401
+        except Exception:  # noqa: BLE001 - a torch without it: the worker imports it
+            pass
 
     import spotctl.elastic  # noqa: F401
     children: dict[int, socket.socket] = {}

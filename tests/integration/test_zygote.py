@@ -80,6 +80,30 @@ def test_a_forked_workers_first_optimizer_imports_nothing_more(tmp_path, zygote)
     assert out.strip() == "[] 2", out
 
 
+def test_where_triton_is_installed_the_zygote_leaves_torch_dynamo_to_the_worker(tmp_path):
+    """torch._dynamo imports Triton, which is not known never to touch the CUDA driver on
+    import: a zygote that finds Triton (a stand-in package here, as on CUDA builds) does
+    not import torch._dynamo before forking (its workers import it after the fork)."""
+    fake = tmp_path / "site"
+    (fake / "triton").mkdir(parents=True)
+    (fake / "triton" / "__init__.py").write_text("from . import language\n")
+    (fake / "triton" / "language.py").write_text("class dtype:\n    pass\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")]))
+    sock = tmp_path / "z.sock"
+    z = _start_zygote(sock, env=env)
+    try:
+        s = _script(tmp_path, "print('torch' in sys.modules, 'torch._dynamo' in sys.modules,"
+                              " 'triton' in sys.modules)\n")
+        p = _launch(s, str(sock), cwd=tmp_path)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        # forked warm (torch is there), with neither torch._dynamo nor Triton imported
+        assert out.split() == ["True", "False", "False"], (out, err[-2000:])
+    finally:
+        z.kill()
+        z.wait()
+
+
 def test_a_module_is_forked_warm_as_python_m_runs_it(tmp_path, zygote):
     """`launch -m MODULE ARGS` (the torchft engine's torchrun): the module runs as
     __main__ in a forked child, found from the working directory, with python -m's argv."""
