@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.conftest import CloudFlow, run_spanning_group_flow, run_torchft_flow
+from tests.conftest import CloudFlow, run_spanning_group_flow
 
 from .conftest import GCP_NOTHING, gcp_leftovers
 from .fake_compute import FakeCompute
@@ -58,31 +58,22 @@ def test_four_nodes_up_status_notice_down_on_fake_compute_leave_nothing(
     assert flow.state_left() == CloudFlow.CLEAN
 
 
-def test_torchft_engine_on_fake_compute_head_runs_the_lighthouse_agents_use_it(
+def test_one_replica_group_spans_two_instances_on_fake_compute(
     gcp_flow: Callable[..., CloudFlow], fake: FakeCompute
 ) -> None:
-    """`[train] engine = "torchft"` on GCP: the head VM's `spotctl head` runs torchft's
-    Lighthouse, both nodes' agents are configured with it and their replicas train in one
-    quorum there; down leaves nothing."""
+    """`[train] nodes_per_replica = 2` on GCP: two spot VMs make one replica group under
+    one torchrun (tests/conftest.py's run_spanning_group_flow says what is checked). The
+    torchft engine on GCP: the head VM's `spotctl head` runs torchft's Lighthouse, both
+    nodes' agents are configured with it and the group trains in its quorum (one replica
+    per node is the AWS test's: tests/aws/test_up_flow.py). `down` leaves nothing."""
     flow = gcp_flow("g2-standard-4")
-    out = run_torchft_flow(flow, "gcp", nodes=2)
+    out = run_spanning_group_flow(flow, "gcp")
     lighthouse = out["head_json"]["lighthouse"]
     assert lighthouse.startswith("http://127.0.0.1:"), out["head_json"]
     assert out["head"]["lighthouse"] == lighthouse, out["head"]  # recorded in the state dir
     for node, cfg in out["agents"].items():
         assert (cfg["engine"], cfg["lighthouse"]) == ("torchft", lighthouse), (node, cfg)
-        assert node in out["lighthouse_status"], out["lighthouse_status"]
-    assert gcp_leftovers(fake) == GCP_NOTHING
-    assert flow.leftover() == []
-
-
-def test_one_replica_group_spans_two_instances_on_fake_compute(
-    gcp_flow: Callable[..., CloudFlow], fake: FakeCompute
-) -> None:
-    """`[train] nodes_per_replica = 2` on GCP: two spot VMs make one replica group under
-    one torchrun (tests/conftest.py's run_spanning_group_flow says what is checked);
-    `down` leaves nothing."""
-    flow = gcp_flow("g2-standard-4")
-    run_spanning_group_flow(flow, "gcp")
+    # the group's replica (g0, both nodes' ranks) is in the Lighthouse's quorum
+    assert "<b>g0:" in out["lighthouse_status"], out["lighthouse_status"]
     assert gcp_leftovers(fake) == GCP_NOTHING
     assert flow.leftover() == []
