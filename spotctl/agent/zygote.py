@@ -112,7 +112,6 @@ def serve(path: str) -> None:
     import torch.distributed  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401
     import torch.nn.parallel  # noqa: F401
-    import torch.optim  # noqa: F401
 
     # a worker's first optimizer imports torch._dynamo (about 200 modules, half a second
     # of CPU) on its start-up path; imported here once, it starts no thread. Not where
