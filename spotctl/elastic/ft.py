@@ -36,6 +36,7 @@ torchft does by default; the Lighthouse binds the head's (spotctl.head).
 from __future__ import annotations
 
 import collections
+import gc
 import hashlib
 import json
 import logging
@@ -182,6 +183,40 @@ def _gloo_group(timeout_s: float) -> Any:
             self._pg = None
 
     return Gloo(timeout=timedelta(seconds=timeout_s))
+
+
+def _stop_timeout_loop() -> None:
+    """torchft's timeout loop stopped and its thread joined, as its own shutdown() does,
+    except that its watchdog thread is not joined (it sleeps up to 30 s between looks; it
+    returns at its next look, finding the loop gone)."""
+    from torchft import futures
+
+    tm = futures._TIMEOUT_MANAGER
+    with tm._lock:
+        loop, thread = tm._event_loop, tm._event_loop_thread
+        if loop is None or thread is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        tm._event_loop = tm._event_loop_thread = None
+
+
+def _release_groups(ft_pg: Any, nccl: bool) -> None:
+    """The cross-replica process group freed now, and the old ones _gloo_group dropped:
+    freeing a c10d group (which releases the GIL) joins its threads. NCCL's communicators
+    are shut down first (c10d's own end of a group, as destroy_process_group does)."""
+    inner = getattr(ft_pg, "_pg", None)
+    if nccl and inner is not None:
+        try:
+            inner.shutdown()
+        except Exception as e:  # noqa: BLE001 - freed below all the same
+            log.warning("the cross-replica NCCL group did not shut down cleanly: %s", e)
+    del inner
+    ft_pg.shutdown()  # torchft's wrappers: the c10d group is no longer referenced
+    dropped = getattr(type(ft_pg), "dropped", None)
+    if dropped:
+        dropped.clear()
+    gc.collect()  # works and futures held in reference cycles
 
 
 class _HealMetadata:
@@ -1005,6 +1040,28 @@ class FtRun(Run):
         self.ckpt.close()
         self.phase = "done"
         self._report(force=True)
-        self.manager.shutdown(wait=False)
+        self._close_cross_replica()
         dist.barrier(group=self.ctl_pg)
         dist.destroy_process_group()
+
+    def _close_cross_replica(self) -> None:
+        """Ends, while the interpreter is fully alive, everything of torchft's and the
+        watch's that could call into Python from a thread of its own later: the Manager and
+        its executor, the watch's thread, torchft's timeout loop (a timer still pending for
+        a collective of a dropped group would fire into torch) and the cross-replica groups,
+        the current one and the dropped ones (their gloo threads run the futures' Python
+        callbacks when a collective ends, and free tensors Python holds). Left to the
+        interpreter's shutdown, any of them taking the GIL then aborts the process
+        (`terminate called without an active exception`, exit -6) after training is done.
+        A dropped group whose collective a vanished peer never finishes is waited for until
+        its own timeout."""
+        self.manager.shutdown(wait=True)
+        self._watch.close()
+        _stop_timeout_loop()
+        t0 = time.monotonic()
+        pending = len(getattr(type(self._ft_pg), "dropped", ()))
+        _release_groups(self._ft_pg, nccl=self._ft_device.type != "cpu")
+        waited = time.monotonic() - t0
+        if waited > 1.0:
+            log.info("waited %.1f s for %d dropped cross-replica group(s) to end",
+                     waited, pending)

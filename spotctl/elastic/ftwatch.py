@@ -86,6 +86,7 @@ class Watch:
         self._pending: dict[int, tuple[float, torch.futures.Future[Any]]] = {}
         self._next = 0
         self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
         self.found: list[str] = []  # replicas found gone, in order
 
     def _add(self, g: torch.futures.Future[Any]) -> int:
@@ -131,9 +132,17 @@ class Watch:
         with self._lock:
             return min((t for t, _ in self._pending.values()), default=None)
 
+    def close(self) -> None:
+        """Stops the watch's thread and waits for it (end of training: nothing is left to
+        call into torch from a thread of its own while the interpreter shuts down)."""
+        self._closed.set()
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
     def _loop(self) -> None:
-        while True:
-            time.sleep(self.poll_s)
+        while not self._closed.wait(self.poll_s):
             t0 = self._oldest()
             if t0 is None or time.monotonic() - t0 < self.after_s:
                 continue

@@ -84,6 +84,16 @@ class FtReplicas:
                 pass  # a line being written
         return out
 
+    def finished(self, name: str, local_rank: int = 0) -> dict[str, Any]:
+        """What ft_train.py recorded once run.finish() returned: its time, the step, and
+        the threads still running other than torchft's watchdog (it only sleeps, and returns
+        at its next look) and the script's own DataLoader iterator's queue feeder."""
+        p = self.log(name, local_rank)
+        rec = dict(json.loads(p.with_name(p.name + ".finish").read_text()))
+        rec["threads"] = [t for t in rec["threads"]
+                          if "_watchdog_loop" not in t and t != "QueueFeederThread"]
+        return rec
+
     def last_step(self, name: str) -> int:
         s = self.steps(name)
         return s[-1]["step"] if s else 0

@@ -11,13 +11,15 @@ unscale_, step, update), gradient clipping to FT_CLIP (default 0.05, so it alway
 the gradient norm logged, and the step's global mean loss from run.all_reduce; each is
 logged ("norm", "scale", "gloss") to compare with an uninterrupted one-process run.
 FT_FREEZE=<node>:k: that node's worker stops itself (SIGSTOP) at the start of step k,
-inside its quorum."""
+inside its quorum. After finish(), <log>.finish records how long it took and the threads still
+running."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -109,7 +111,13 @@ def main() -> None:
             }) + "\n")
         if delay:
             time.sleep(delay)
+    t0 = time.time()
     run.finish()
+    # what is left running once finish() returns, beside the step log (<log>.finish)
+    with open(log + ".finish", "w") as f:
+        json.dump({"finish_s": time.time() - t0, "step": run.step,
+                   "threads": [t.name for t in threading.enumerate()
+                               if t is not threading.main_thread()]}, f)
 
 
 if __name__ == "__main__":

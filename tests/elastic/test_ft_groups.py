@@ -62,6 +62,11 @@ def test_two_process_replica_groups_survive_a_leave_and_a_join(
         c.wait("joiner training", lambda: len(c.steps("g2", 1)) >= 3, timeout=300)
         codes = c.finish(["g1", "g2"])
         assert codes == {"g1": 0, "g2": 0}, c.output("g1") + c.output("g2")
+        # once finish() returned, nothing of spotctl's or torchft's was left running that
+        # could call into Python while the interpreter shuts down
+        for n in ("g1", "g2"):
+            for k in range(NPROC):
+                assert c.finished(n, k)["threads"] == [], (n, k, c.finished(n, k))
         logs = {(n, k): c.steps(n, k) for n in ("g0", "g1", "g2") for k in range(NPROC)}
     finally:
         c.stop()
