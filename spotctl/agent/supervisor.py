@@ -222,52 +222,51 @@ class Agent:
                 self._warm.start()
 
     def _import_torch(self) -> None:
-        """Make the rendezvous leave cost no import time when it comes: import torch here,
-        or, for a root agent, start the leave server as the training user (it imports).
-        Only the torchrun engine gets here (_warm_up): torchft has no rendezvous to leave."""
-        if self.worker is not None:
-            try:
-                self._leave_server()
-            except OSError as e:
-                log.warning("rendezvous leave server: %s", e)
-            return
+        """Make the rendezvous leave cost no start-up time when it comes: start the leave
+        server now. Only the torchrun engine gets here (_warm_up): torchft has no
+        rendezvous to leave."""
         try:
-            import torch.distributed.elastic.rendezvous.dynamic_rendezvous  # noqa: F401
-        except Exception:  # pragma: no cover - torch missing on a controller-only host
-            pass
+            self._leave_server()
+        except OSError as e:
+            log.warning("rendezvous leave server: %s", e)
 
     def _leave_server(self) -> subprocess.Popen[bytes]:
         """The rendezvous leave server (spotctl.elastic.rdzv.serve_leaves), running as the
         training user: the rendezvous state is a pickle that anyone who reaches the store
-        can write, and a root agent must never load it."""
+        can write, and a root agent must never load it. Forked by the node's zygote when it
+        runs (through spotctl.agent.launch, as a worker is), so that it is ready at once:
+        started cold, its torch imports took longer than a notice's drain and held the
+        leave, and with it the survivors' next round, for about a second."""
         with self._leaver_lock:
             srv = self._leaver
             if srv is not None and srv.poll() is None:
                 return srv
-            assert self.worker is not None
-            env = self.worker.env(worker_env(os.environ, self.head.token))
+            env = worker_env(os.environ, self.head.token)
+            z = self.zygote
+            if z is not None and z.poll() is None:
+                env["SPOTCTL_ZYGOTE"] = str(self.zygote_path)
+            kwargs: dict[str, Any] = {}
+            if self.worker is not None:
+                self.worker.env(env)
+                kwargs = self.worker.popen_kwargs()
             err_log = open(self.workdir / "leave.log", "ab")  # never read by the agent
             srv = subprocess.Popen(
-                [self.cfg.python or sys.executable, "-m", "spotctl.elastic.rdzv",
-                 "--leave-server"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=err_log, cwd=str(self.workdir), **self.worker.popen_kwargs())
+                [self.cfg.python or sys.executable, "-m", "spotctl.agent.launch",
+                 "-m", "spotctl.agent.leave"], env=env,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err_log,
+                cwd=str(self.workdir), **kwargs)
             err_log.close()
             self._leaver = srv
             return srv
 
     def _leave_rendezvous(self, pid: int) -> bool:
-        """Take this node's stopped torchrun out of the rendezvous: here, or through the
-        leave server when the agent is root. `pid`: the process the agent started; the pid
-        torchrun is listed under is the one it wrote beside the gate (forked by the
-        zygote, it is another process). Reads at most one short line back."""
+        """Take this node's stopped torchrun out of the rendezvous, through the leave
+        server. `pid`: the process the agent started; the pid torchrun is listed under is
+        the one it wrote beside the gate (forked by the zygote, it is another process).
+        Reads at most one short line back."""
         cfg = self.cfg
         pid_file = str(self.gate) + ".pid"
-        if self.worker is None:
-            from spotctl.elastic.rdzv import leave_rendezvous, listed_pid
-
-            return leave_rendezvous(cfg.store_host, cfg.store_port, cfg.cluster,
-                                    cfg.local_addr, listed_pid(pid_file, pid))
-        from spotctl.elastic.rdzv import LEAVE_ANSWERS
+        from spotctl.agent.leave import LEAVE_ANSWERS  # (spotctl.elastic imports torch)
 
         srv = self._leave_server()
         assert srv.stdin is not None and srv.stdout is not None

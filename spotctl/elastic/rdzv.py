@@ -70,9 +70,6 @@ def leave_rendezvous(
     return gone
 
 
-MAX_LEAVE_LINE = 4096
-
-
 def listed_pid(pid_file: str, started: int) -> int:
     """The pid a node's torchrun is listed under: what it wrote in `pid_file` (see
     get_handler), or `started` (the process the agent started: torchrun itself when it
@@ -85,12 +82,9 @@ def listed_pid(pid_file: str, started: int) -> int:
     return int(raw) if raw.isdigit() else started
 
 
-LEAVE_ANSWERS = (b"left", b"listed", b"error")
-
-
 def serve_leaves() -> int:
-    """`python -m spotctl.elastic.rdzv --leave-server`: the leave above, for an agent that
-    runs as root. The rendezvous state in the store is a pickle anyone who reaches the
+    """`python -m spotctl.agent.leave`: the leave above, for the node agent (which may
+    run as root). The rendezvous state in the store is a pickle anyone who reaches the
     store can write, so root never loads it: the agent starts this server as the training
     user (torch imported ahead, off the critical path) and sends one JSON line per leave,
     {"host", "port", "run_id", "addr", "pid", "pid_file"}: the pid torchrun wrote in
@@ -102,6 +96,17 @@ def serve_leaves() -> int:
     import sys
 
     import torch.distributed.elastic.rendezvous.dynamic_rendezvous  # noqa: F401
+
+    # (imported here, not at the top: the zygote imports this module before it forks
+    # the server, and runpy warns about a __main__ module imported before it runs)
+    from spotctl.agent.leave import LEAVE_ANSWERS, MAX_LEAVE_LINE
+
+    # each leave's line (pid, listed before, gone after) goes to the server's log
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    lg = logging.getLogger("spotctl.rdzv")
+    lg.addHandler(h)
+    lg.setLevel(logging.INFO)
 
     for line in sys.stdin:
         try:
@@ -280,12 +285,3 @@ def get_node_handler():  # type: ignore[no-untyped-def]
         return handler
 
     return create
-
-
-if __name__ == "__main__":
-    import sys
-
-    if sys.argv[1:] != ["--leave-server"]:
-        print("usage: python -m spotctl.elastic.rdzv --leave-server", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(serve_leaves())

@@ -67,11 +67,14 @@ def test_notice_join_gcp_kill_cycle(local_cluster):
     # agent's leave ran, so "listed before" can be False then (seen under load).
     agent_log = (c.cluster_dir / "nodes" / "n1" / "agent.log").read_text()
     started = re.findall(r"torchrun started \(pid (\d+)\)", agent_log)
+    # (the leave server's own log: it runs as the training user, forked by the zygote)
+    leave_log = (c.cluster_dir / "nodes" / "n1" / "leave.log").read_text()
     left = re.findall(r"rendezvous leave of \S+ pid (\d+): listed before (\w+), gone after (\w+)",
-                      agent_log)
-    assert started and left, agent_log[-3000:]
+                      leave_log)
+    assert started and left and "left the rendezvous (ok)" in agent_log, (
+        agent_log[-3000:], leave_log[-2000:])
     pid, _, gone = left[-1]
-    assert int(pid) in listed and pid != started[-1] and gone == "True", (listed, agent_log[-3000:])
+    assert int(pid) in listed and pid != started[-1] and gone == "True", (listed, leave_log)
     # Each survivor's torchrun restarted its workers: because they exited non-zero, or
     # (the first survivor back in the rendezvous makes the other's torchrun see a new
     # round) because of that membership change; no worker ever exited 0 (done).
