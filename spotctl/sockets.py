@@ -5,6 +5,7 @@ costs seconds of CPU to import)."""
 from __future__ import annotations
 
 import ipaddress
+import random
 import socket
 
 
@@ -34,3 +35,37 @@ def listening_socket(addr: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+SPARE_LOW = 15000  # the lowest port spare_port picks
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def spare_port(host: str = "127.0.0.1", tries: int = 64) -> int:
+    """A port that is free on `host` now, for a listener that binds it later (a head's
+    ports, kept across its restarts): below the kernel's ephemeral range, from which every
+    outgoing connection takes its own port, so that none can take it in between (a port
+    the kernel handed out for a bind to port 0 is in that range: on a busy machine an
+    outgoing connection took one before the head bound it, and the head could not start).
+    Random in [SPARE_LOW, ephemeral start); the kernel's pick when that range is empty or
+    nothing in it was free."""
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    hi = _ephemeral_low() - 1
+    for _ in range(tries if hi > SPARE_LOW else 0):
+        port = random.randint(SPARE_LOW, hi)
+        with socket.socket(fam, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))  # no SO_REUSEADDR: a port in TIME_WAIT is not free
+            except OSError:
+                continue
+            return port
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

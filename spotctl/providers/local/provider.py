@@ -370,17 +370,10 @@ class LocalProvider:
         if p.exists():
             d = json.loads(p.read_text())
             return int(d["http"]), int(d["store"])
-        import socket
+        from spotctl.sockets import spare_port
 
-        socks = []
-        ports = []
-        for _ in range(2):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-        for s in socks:
-            s.close()
+        ports = [spare_port()]
+        ports.append(next(q for q in iter(spare_port, None) if q != ports[0]))
         write_json_atomic(p, {"http": ports[0], "store": ports[1]})
         return ports[0], ports[1]
 
@@ -389,12 +382,10 @@ class LocalProvider:
         p = self.head_dir / "ports.json"
         d = json.loads(p.read_text()) if p.exists() else {}
         if "lighthouse" not in d:
-            import socket
+            from spotctl.sockets import spare_port
 
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            d["lighthouse"] = s.getsockname()[1]
-            s.close()
+            taken = {d.get("http"), d.get("store")}
+            d["lighthouse"] = next(q for q in iter(spare_port, None) if q not in taken)
             write_json_atomic(p, d)
         return int(d["lighthouse"])
 
