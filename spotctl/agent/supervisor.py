@@ -40,6 +40,7 @@ TICK_S = 0.25
 # a spanning replica group's nodes wait this long for the group's first node (the head
 # moves the group to a new generation, which restarts them, when that node is gone)
 GROUP_RDZV_TIMEOUT_S = 600
+MAX_ROUND_NODES = 1 << 16
 RDZV_CONF = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=900,read_timeout=30"
 
 
@@ -103,13 +104,11 @@ def _endpoint(host: str, port: int) -> str:
 
 
 def _free_port(host: str) -> int:
-    import socket
+    """A port for a store torchrun binds later (spotctl.sockets.spare_port: none that an
+    outgoing connection can take in between)."""
+    from spotctl.sockets import spare_port
 
-    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    s.bind((host, 0))
-    port = int(s.getsockname()[1])
-    s.close()
-    return port
+    return spare_port(host)
 
 
 def _zygote_path(workdir: Path, worker: runas.WorkerUser | None = None) -> Path:
@@ -416,6 +415,8 @@ class Agent:
         self.gate.unlink(missing_ok=True)
         Path(str(self.gate) + ".ready").unlink(missing_ok=True)
         Path(str(self.gate) + ".pid").unlink(missing_ok=True)
+        for p in self.status_dir.glob(f"{self.gate.name}.round-*"):
+            p.unlink(missing_ok=True)
         env = worker_env(os.environ, self.head.token)
         env.update(cfg.env)
         env.update(
@@ -658,6 +659,14 @@ class Agent:
         drain = reply.get("drain")
         if drain and drain["gen"] > self.drain_gen:
             self.drain_gen = drain["gen"]
+            nodes = drain.get("nodes")
+            if isinstance(nodes, int) and 0 < nodes <= MAX_ROUND_NODES:
+                # the next round's size, for torchrun's handler (spotctl.elastic.rdzv): in a
+                # file's name, so that nothing is written into a file the training user owns
+                try:
+                    runas.touch(self.status_dir / f"{self.gate.name}.round-{self.drain_gen}-{nodes}")
+                except OSError as e:  # the round then waits torch's last call, as before
+                    log.warning("next round's size: %s", e)
             self.signal_workers(signal.SIGUSR1, workers)
         if reply.get("leave"):
             self.leave()

@@ -160,6 +160,7 @@ class GatedHandler:
             if self.leaving():
                 raise NodeLeaving("this node has a preemption notice: it joins no new round")
             time.sleep(0.05)
+        _expected[0] = round_size(self._gate) if self._gate else 0
         return self._inner.next_rendezvous()  # type: ignore[attr-defined]
 
     def shutdown(self) -> bool:
@@ -172,6 +173,51 @@ class GatedHandler:
 
 
 RDZV_POLL_S = 0.1
+_expected = [0]  # the size of the round this torchrun joins next (0: not known)
+
+
+def round_size(gate: str) -> int:
+    """How many nodes the head expects in the group's next round: the node agent names it
+    at each drain in an empty file beside the gate, `<gate>.round-<drain gen>-<nodes>`;
+    the newest drain's count, or 0 when there is none."""
+    import os
+
+    folder, base = os.path.split(gate)
+    prefix = base + ".round-"
+    try:
+        names = os.listdir(folder or ".")
+    except OSError:
+        return 0
+    best = (-1, 0)
+    for name in names:
+        if name.startswith(prefix):
+            gen, _, n = name[len(prefix):].partition("-")
+            if gen.isdigit() and n.isdigit() and int(gen) > best[0]:
+                best = (int(gen), int(n))
+    return best[1]
+
+
+def _complete_when_expected() -> None:
+    """torch's c10d rendezvous completes a round when max_nodes have joined, or else
+    last_call_timeout (1 s here) after min_nodes had: every rescale waited that second.
+    A participant also completes it once the nodes the head expects (round_size) are in.
+    A node beyond them that comes later finds the round complete and waits for the next
+    (torch's wait list, which restarts the group with it), as when the last call ended."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    orig = dr._RendezvousJoinOp.__call__
+    if getattr(orig, "_spotctl", False):
+        return
+
+    def call(self, ctx, deadline):  # type: ignore[no-untyped-def]
+        st, n = ctx.state, _expected[0]
+        if (n and not st.closed and not st.complete and ctx.node in st.participants
+                and len(st.participants) >= n and time.monotonic() <= deadline):
+            return dr._Action.MARK_RENDEZVOUS_COMPLETE
+        return orig(self, ctx, deadline)
+
+    call._spotctl = True  # type: ignore[attr-defined]
+    dr._RendezvousJoinOp.__call__ = call
 
 
 def _fast_polls() -> None:
@@ -223,6 +269,7 @@ def get_handler():  # type: ignore[no-untyped-def]
 
     def create(params):  # type: ignore[no-untyped-def]
         _fast_polls()
+        _complete_when_expected()
         inner = _create_c10d_handler(params)
         holder = getattr(inner, "_state_holder", None)
         if holder is not None and hasattr(holder, "_cache_duration"):

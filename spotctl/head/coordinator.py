@@ -562,7 +562,11 @@ class Coordinator:
         d = self.drain
         drain = None
         if d is not None and (node.node_id in d.members):
-            drain = {"gen": d.gen, "leave": node.node_id in d.leavers, "reason": d.reason}
+            # nodes: how many the group's next round has (its members that stay, and the
+            # joiners), so that it forms once they are all in (spotctl.elastic.rdzv)
+            stay = [m for m in d.members if m not in d.leavers]
+            drain = {"gen": d.gen, "leave": node.node_id in d.leavers, "reason": d.reason,
+                     "nodes": len(stay) + len([j for j in d.joiners if j not in stay])}
         noticed = node.notice is not None and (
             d is None or node.node_id not in d.members
         ) and not (node.node_id in self.queued_notices and self._forming(node, self.clock()))

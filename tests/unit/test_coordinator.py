@@ -46,7 +46,9 @@ def test_notice_drain_leave_release_and_rescale_event():
     assert c.status()["world_size"] == 3
     clk.t += 1
     r = hb(c, "b", workers=[w(1, "inc1", 51)], notice={"id": "x", "deadline": clk.t + 120})
-    assert r["drain"] == {"gen": 1, "leave": True, "reason": "notice"} and not r["leave"]
+    # (nodes: the next round's size, a, c)
+    assert r["drain"] == {"gen": 1, "leave": True, "reason": "notice", "nodes": 2}
+    assert not r["leave"]
     assert hb(c, "a", workers=[w(0, "inc1", 51)])["drain"]["leave"] is False
     # everyone drains at step 52; b may leave once its own workers are drained
     for i, n in enumerate(["a", "b", "c"]):
@@ -70,7 +72,8 @@ def test_join_waits_for_drain_then_goes():
     r = hb(c, "new", "waiting")
     assert not r["go"] and c.drain is not None and c.drain.reason == "join"
     for i, n in enumerate(["a", "b"]):
-        assert hb(c, n, workers=[w(i, "inc1", 11, ws=2)])["drain"]["leave"] is False
+        d = hb(c, n, workers=[w(i, "inc1", 11, ws=2)])["drain"]
+        assert d["leave"] is False and d["nodes"] == 3  # the next round: a, b and new
     assert not hb(c, "new", "waiting")["go"]  # not before the group committed
     for i, n in enumerate(["a", "b"]):
         hb(c, n, workers=[w(i, "inc1", 12, "drained", ws=2, drain_step=12)], drain_gen=1)

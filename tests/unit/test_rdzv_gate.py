@@ -78,3 +78,65 @@ def test_real_c10d_rendezvous_stays_open_after_a_leaver_shuts_down(
     handler(tmp_path / "c-gate").shutdown()
     assert handler(tmp_path / "d-gate").is_closed()
     del store
+
+
+def test_round_size_is_the_newest_drains(tmp_path: Path) -> None:
+    gate = tmp_path / "rdzv-gate"
+    assert rdzv.round_size(str(gate)) == 0
+    for name in ("rdzv-gate.round-2-3", "rdzv-gate.round-10-4", "rdzv-gate.round-9-7",
+                 "rdzv-gate.round-x-9", "other.round-99-9", "rdzv-gate.round-11-"):
+        (tmp_path / name).touch()
+    assert rdzv.round_size(str(gate)) == 4
+
+
+def test_a_round_forms_once_the_expected_nodes_are_in(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real c10d handlers (through spotctl's, each with its own gate): with the head's
+    count of 3 beside the gates, three nodes form a round at once although torch's last
+    call would hold it 60 s; a fourth that comes later finds it complete and waits in
+    torch's wait list (which restarts the group with it), as a node after the last call."""
+    import threading
+    import time
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    params = RendezvousParameters(backend="spotctl", endpoint=f"127.0.0.1:{store.port}",
+                                  run_id="r", min_nodes=1, max_nodes=8,
+                                  last_call_timeout=60, join_timeout=120)
+    handlers = []
+    for k in range(4):
+        gate = tmp_path / f"n{k}" / "rdzv-gate"
+        gate.parent.mkdir()
+        gate.touch()
+        (gate.parent / "rdzv-gate.round-1-3").touch()  # the agents' file at the drain
+        monkeypatch.setenv("SPOTCTL_RDZV_GATE", str(gate))
+        handlers.append(rdzv.get_handler()(params))
+    ranks: dict[int, int] = {}
+    errors: dict[int, Exception] = {}
+
+    def join(k: int) -> None:
+        try:
+            ranks[k] = handlers[k].next_rendezvous().rank
+        except Exception as e:  # noqa: BLE001 - the late node, once the rendezvous closes
+            errors[k] = e
+
+    threads = [threading.Thread(target=join, args=(k,), daemon=True) for k in range(3)]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + 30  # (without the expected count: 60 s of last call)
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    assert sorted(ranks.values()) == [0, 1, 2], ranks
+    late = threading.Thread(target=join, args=(3,), daemon=True)
+    late.start()
+    deadline = 30.0
+    while handlers[0].num_nodes_waiting() != 1 and deadline > 0:
+        deadline -= 0.1
+        late.join(0.1)
+    assert handlers[0].num_nodes_waiting() == 1 and 3 not in ranks
+    handlers[0].set_closed()  # ends the late node's wait
+    late.join(30)
+    assert set(errors) <= {3}, errors
+    del store
