@@ -46,9 +46,13 @@ def test_launch_is_idempotent_and_completes_interrupted_requests(provider):
     assert [i.id for i in first] == ["n1", "n2"]
     again = provider.launch(offer, 2, "req-1")
     assert [i.id for i in again] == ["n1", "n2"]
-    # an interrupted launch of req-2: n3 complete but never started, n4 half-made
+    # an interrupted launch of req-2: n3 complete but never started, n4 half-made (its
+    # vm.json written, the launch killed before the rename that completes a node)
     nodes = provider.nodes_dir
     (nodes / ".n4.partial").mkdir()
+    write_json_atomic(nodes / ".n4.partial" / "vm.json", {
+        "node_id": "n4", "request_id": "req-2", "zone": offer.zone, "gpus": 1, "price": 0.0,
+        "on_demand_price": 0.0, "launched_at": time.time(), "state": "pending", "pid": None})
     (nodes / "n3").mkdir()
     write_json_atomic(nodes / "n3" / "vm.json", {
         "node_id": "n3", "request_id": "req-2", "zone": offer.zone, "gpus": 1, "price": 0.0,

@@ -122,7 +122,10 @@ class LocalProvider:
     def _node_ids(self) -> list[str]:
         if not self.nodes_dir.exists():
             return []
-        ids = [p.name for p in self.nodes_dir.iterdir() if (p / "vm.json").exists()]
+        # not a half-made node (.<id>.partial: launch writes its vm.json before the
+        # rename that completes it; a launch killed in between leaves it to the next)
+        ids = [p.name for p in self.nodes_dir.iterdir()
+               if not p.name.startswith(".") and (p / "vm.json").exists()]
         return sorted(ids, key=lambda s: (len(s), s))
 
     def _alive(self, vm: dict[str, Any]) -> bool:
