@@ -132,5 +132,8 @@ def read_status(path: Path, limit: int = MAX_STATUS_BYTES) -> bytes | None:
 
 
 def touch(path: Path) -> None:
-    """Create `path` (the rendezvous gate) without following a link put in its place."""
-    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644))
+    """Create `path` (the rendezvous gate, the leaving flag, the next round's size) in the
+    training user's directory without following a link put in its place, without
+    truncating what is there, and without blocking on a FIFO put there (a write-only open
+    of a FIFO waits for a reader: the root agent hung; non-blocking, it fails ENXIO)."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644))
