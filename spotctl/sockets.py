@@ -48,18 +48,20 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default
 
 
-def spare_port(host: str = "127.0.0.1", tries: int = 64) -> int:
+def spare_port(host: str = "127.0.0.1", tries: int = 64, avoid: tuple[int, ...] = ()) -> int:
     """A port that is free on `host` now, for a listener that binds it later (a head's
     ports, kept across its restarts): below the kernel's ephemeral range, from which every
     outgoing connection takes its own port, so that none can take it in between (a port
     the kernel handed out for a bind to port 0 is in that range: on a busy machine an
     outgoing connection took one before the head bound it, and the head could not start).
-    Random in [SPARE_LOW, ephemeral start); the kernel's pick when that range is empty or
-    nothing in it was free."""
+    Random in [SPARE_LOW, ephemeral start), none of `avoid` (ports picked but not bound
+    yet); the kernel's pick when that range is empty or nothing in it was free."""
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
     hi = _ephemeral_low() - 1
     for _ in range(tries if hi > SPARE_LOW else 0):
         port = random.randint(SPARE_LOW, hi)
+        if port in avoid:
+            continue
         with socket.socket(fam, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))  # no SO_REUSEADDR: a port in TIME_WAIT is not free

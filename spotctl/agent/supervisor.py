@@ -34,6 +34,7 @@ from typing import Any
 from spotctl.agent import gpugate, netprobe, runas
 from spotctl.agent.config import AgentConfig
 from spotctl.head.client import HeadClient, HeadUnavailable
+from spotctl.sockets import spare_port
 
 log = logging.getLogger("spotctl.agent")
 TICK_S = 0.25
@@ -103,14 +104,6 @@ def _endpoint(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _free_port(host: str) -> int:
-    """A port for a store torchrun binds later (spotctl.sockets.spare_port: none that an
-    outgoing connection can take in between)."""
-    from spotctl.sockets import spare_port
-
-    return spare_port(host)
-
-
 def _zygote_path(workdir: Path, worker: runas.WorkerUser | None = None) -> Path:
     """A short socket path (unix socket paths are limited to 107 bytes) in a 0700 dir of
     the user the zygote and its workers run as."""
@@ -161,7 +154,7 @@ class Agent:
         # it holds its group's first slot; the group (id, gen, slot, master) its torchrun
         # runs in; and the last group generation that ended with a graceful leave (not
         # started again: the group waits for the head's next generation)
-        self.group_port = _free_port(cfg.local_addr) if cfg.replica_nodes > 1 else 0
+        self.group_port = spare_port(cfg.local_addr) if cfg.replica_nodes > 1 else 0
         self.group: dict[str, Any] | None = None
         self.group_done: tuple[str, int] | None = None
         # the group generation this node's torchrun failed in, until the head moved it on
@@ -446,7 +439,7 @@ class Agent:
             self.worker.env(env)
         port = 0
         if cfg.engine == "torchft":
-            port = _free_port(cfg.local_addr)
+            port = spare_port(cfg.local_addr)
             env.update(SPOTCTL_ENGINE="torchft", TORCHFT_LIGHTHOUSE=cfg.lighthouse,
                        SPOTCTL_FT_REPLICA_ID=self.group["id"] if self.group else cfg.node_id,
                        SPOTCTL_FT_REPLICA_NODES=str(cfg.replica_nodes),

@@ -40,3 +40,14 @@ def test_no_room_below_the_ephemeral_range_falls_back_to_the_kernel(
     port = sockets.spare_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_ports_to_avoid_are_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    first = sockets.spare_port()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        other = probe.getsockname()[1]
+    picks = iter([first, first, other])
+    monkeypatch.setattr(sockets, "_ephemeral_low", lambda: 65535)
+    monkeypatch.setattr(sockets.random, "randint", lambda a, b: next(picks))
+    assert sockets.spare_port(avoid=(first,)) == other

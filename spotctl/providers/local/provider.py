@@ -375,10 +375,10 @@ class LocalProvider:
             return int(d["http"]), int(d["store"])
         from spotctl.sockets import spare_port
 
-        ports = [spare_port()]
-        ports.append(next(q for q in iter(spare_port, None) if q != ports[0]))
-        write_json_atomic(p, {"http": ports[0], "store": ports[1]})
-        return ports[0], ports[1]
+        http = spare_port()
+        store = spare_port(avoid=(http,))
+        write_json_atomic(p, {"http": http, "store": store})
+        return http, store
 
     def _lighthouse_port(self) -> int:
         """The head's torchft Lighthouse port, kept across head restarts like the others."""
@@ -387,8 +387,7 @@ class LocalProvider:
         if "lighthouse" not in d:
             from spotctl.sockets import spare_port
 
-            taken = {d.get("http"), d.get("store")}
-            d["lighthouse"] = next(q for q in iter(spare_port, None) if q not in taken)
+            d["lighthouse"] = spare_port(avoid=(int(d.get("http", 0)), int(d.get("store", 0))))
             write_json_atomic(p, d)
         return int(d["lighthouse"])
 
