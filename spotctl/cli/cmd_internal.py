@@ -25,6 +25,9 @@ def register(app: typer.Typer) -> None:
             None, "--rebalance-home", help="--rebalance: the state directory it uses."),
         rebalance_interval: float = typer.Option(
             60.0, "--rebalance-interval", help="--rebalance: seconds between runs."),
+        rebalance_bundle: Path | None = typer.Option(
+            None, "--rebalance-bundle", help="Run the reconcile loop of the cluster this "
+            "bundle describes, from a state directory beside it (a cloud head)."),
     ) -> None:
         """Run the head (rendezvous store + coordinator API)."""
         from spotctl.head.server import run_head, supervise_head
@@ -36,6 +39,12 @@ def register(app: typer.Typer) -> None:
 
             loop = Rebalancer(rebalance, rebalance_home or home(), dir / "rebalance.log",
                               rebalance_interval)
+        elif rebalance_bundle is not None:
+            from spotctl.head.rebalancer import Rebalancer
+
+            if not supervise:  # the supervisor hands the bundle to the head it runs
+                loop = Rebalancer.from_bundle(rebalance_bundle, token_file,
+                                              dir / "rebalance.log")
         if supervise:
             argv = ["--dir", str(dir), "--token-file", str(token_file), "--host", host,
                     "--http-port", str(http_port), "--store-port", str(store_port),
@@ -43,6 +52,8 @@ def register(app: typer.Typer) -> None:
             if loop is not None:
                 argv += ["--rebalance", rebalance, "--rebalance-home", str(loop.home),
                          "--rebalance-interval", f"{rebalance_interval:g}"]
+            elif rebalance_bundle is not None:
+                argv += ["--rebalance-bundle", str(rebalance_bundle)]
             raise typer.Exit(supervise_head(argv, dir))
         from spotctl.head.samples import start_sampler
         from spotctl.providers.local.capacity import reclaim_hook

@@ -102,7 +102,7 @@ def register(app: typer.Typer) -> None:
             )
             for e in res.errors:
                 console().print(f"warning: {e}")
-            if spec.provider == "local":
+            if spec.provider == "local" or spec.head_rebalances:
                 from spotctl.head.client import HeadUnavailable
 
                 try:
@@ -130,7 +130,7 @@ def register(app: typer.Typer) -> None:
 
 
 def head_loop_note(wanted: bool, running: bool) -> str:
-    """What `up` says of a local cluster's reconcile loop: the head runs it or not, and
+    """What `up` says of a cluster's reconcile loop on its head: the head runs it or not, and
     whether that is what the spec now asks (the head takes the setting when it starts)."""
     if wanted and running:
         return "the head replaces lost nodes itself ([rebalance] on_head)"

@@ -15,9 +15,12 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
+import os
+import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +36,12 @@ from spotctl.state import NodeRow, Store, write_json_atomic
 Progress = Callable[[str, float | None], None]  # (message, fraction or None)
 MAX_FAILOVERS = 20
 HEARTBEAT_FRESH_S = 5.0  # a node whose last heartbeat is older is not reporting
+# A cloud head's loop paused by this controller resumes by itself after this long, should
+# the controller die before it says so
+PAUSE_TTL_S = 1800.0
+PAUSE_WAIT_S = 900.0  # for the head's run in progress to end
+ON_HEAD_VAR = "SPOTCTL_ON_HEAD"  # set by the head for its loop (spotctl.head.rebalancer)
+HEAD_DIR_VAR = "SPOTCTL_HEAD_NODE_DIR"
 
 
 def heartbeat_fresh(h: dict[str, Any] | None) -> bool:
@@ -66,8 +75,60 @@ class ReconcileResult:
 
 
 def context(store: Store, spec: ClusterSpec, options: dict[str, Any] | None = None) -> ProviderContext:
+    options = dict(options or {})
+    if os.environ.get(ON_HEAD_VAR) and "on_head" not in options:
+        # the head's own reconcile loop: the provider works from the head VM (its role,
+        # the nodes' private addresses, the package the head was given)
+        options["on_head"] = os.environ[ON_HEAD_VAR]
+        options["head_node_dir"] = os.environ.get(HEAD_DIR_VAR, "")
     return ProviderContext(cluster=spec.name, spec=spec, cluster_dir=store.cluster_dir(spec.name),
-                           options=options or {})
+                           options=options)
+
+
+@contextmanager
+def head_loop_paused(store: Store, spec: ClusterSpec, options: dict[str, Any] | None,
+                     progress: Progress, wait_s: float = PAUSE_WAIT_S,
+                     resume: bool = True) -> Iterator[bool]:
+    """While this controller acts on a cloud cluster, the head's own reconcile loop
+    ([rebalance] on_head) does not: it is asked to pause (its run in progress ends first)
+    and to resume afterwards. Yields whether it is paused; a head that cannot be reached
+    runs no loop that could act either. `resume` False: it stays paused (`down`)."""
+    if (not spec.head_rebalances or spec.provider == "local"
+            or (options or {}).get("on_head") or os.environ.get(ON_HEAD_VAR)):
+        yield False
+        return
+    try:
+        client = head_client(store, spec.name, timeout_s=10)
+    except (HeadUnavailable, NotFoundError, StateError):
+        yield False
+        return
+    by = f"{socket.gethostname()} pid {os.getpid()}"
+    deadline = time.monotonic() + wait_s
+    paused = told = False
+    while True:
+        try:
+            r = client.pause_loop(PAUSE_TTL_S, by)
+        except HeadUnavailable as e:
+            progress(f"could not pause the head's reconcile loop: {e}", None)
+            break
+        if r.get("paused") or r.get("loop") is False:
+            paused = bool(r.get("paused"))
+            break
+        if time.monotonic() >= deadline:
+            raise StateError(f"cluster {spec.name}: the head's reconcile run did not end "
+                             f"within {wait_s:.0f}s ({r.get('busy')}); try again later")
+        if not told:
+            progress(f"waiting for the head's reconcile run to end ({r.get('busy')})", None)
+            told = True
+        time.sleep(1.0)
+    try:
+        yield paused
+    finally:
+        if paused and resume:
+            try:
+                client.resume_loop()
+            except HeadUnavailable as e:  # it resumes by itself after PAUSE_TTL_S
+                progress(f"could not resume the head's reconcile loop: {e}", None)
 
 
 def provider_for(store: Store, spec: ClusterSpec, options: dict[str, Any] | None = None) -> Any:
@@ -110,18 +171,8 @@ def observe(store: Store, spec: ClusterSpec, provider: Any,
     False: a dry run writes nothing), build Observed."""
     name = spec.name
     live = [i for i in provider.list(name) if i.role == "worker"]
-    ids = {i.id for i in live}
-    known = {n.id: n for n in store.nodes(name)}
-    for inst in live:
-        row = known.get(inst.id)
-        if journal and (row is None or row.state != inst.state or row.ended_at is not None):
-            store.upsert_node(_row(inst, name, spec.provider))
-    for nid, row in known.items():
-        if journal and row.ended_at is None and nid not in ids:
-            end = _end_state(provider, nid)
-            store.set_node_state(name, nid, end, ended=True)
-            store.add_event(name, "preempted" if end == "preempted" else "node-gone",
-                            {"node": nid, "zone": row.zone, "state": end})
+    if journal:
+        journal_nodes(store, spec, provider, live)
     draining = False
     head_ok = True
     try:
@@ -162,6 +213,25 @@ def observe(store: Store, spec: ClusterSpec, provider: Any,
     if journal:
         write_json_atomic(store.cluster_dir(name).path / "liveness.json", detector.to_dict())
     return live, Observed(nodes=tuple(obs_nodes), drain_in_progress=draining)
+
+
+def journal_nodes(store: Store, spec: ClusterSpec, provider: Any,
+                  live: list[Instance]) -> None:
+    """The provider's live workers into the journal: arrivals (a node the head's own loop
+    launched, too) and departures (preempted or gone)."""
+    name = spec.name
+    ids = {i.id for i in live}
+    known = {n.id: n for n in store.nodes(name)}
+    for inst in live:
+        row = known.get(inst.id)
+        if row is None or row.state != inst.state or row.ended_at is not None:
+            store.upsert_node(_row(inst, name, spec.provider))
+    for nid, row in known.items():
+        if row.ended_at is None and nid not in ids:
+            end = _end_state(provider, nid)
+            store.set_node_state(name, nid, end, ended=True)
+            store.add_event(name, "preempted" if end == "preempted" else "node-gone",
+                            {"node": nid, "zone": row.zone, "state": end})
 
 
 def _load_detector(store: Store, spec: ClusterSpec) -> Any:
@@ -243,7 +313,7 @@ def reconcile(
     if not create:
         store.get_cluster(name)
     check_engine(spec)
-    with cdir.lock(on_wait=progress):
+    with cdir.lock(on_wait=progress), ExitStack() as paused:
         # Re-checked under the lock: a rebalance that waited for `down` must not bring
         # the cluster back (down holds this lock while it cleans up).
         if not create and store.get_cluster(name).state == "down":
@@ -256,6 +326,7 @@ def reconcile(
         head = provider.ensure_head() if hasattr(provider, "ensure_head") else None
         if head is not None:
             store.set_head(name, head.__dict__)
+            paused.enter_context(head_loop_paused(store, spec, options, progress))
         result = ReconcileResult(cluster=name, plan=Plan(), head=head)
         _resume_intent(store, spec, provider, result)
         for _ in range(MAX_FAILOVERS):
@@ -564,6 +635,8 @@ def teardown(store: Store, name: str, purge: bool = False,
             sync_events(store, name)
         except Exception as e:  # the head's events are a nicety; cleanup is not
             progress(f"could not import the head's events: {e}", None)
+        with head_loop_paused(store, spec, options, progress, wait_s=120.0, resume=False):
+            pass  # no replacement starts while the cluster goes; the head goes with it
         progress("stopping nodes and head", None)
         leaks = provider.cleanup() if hasattr(provider, "cleanup") else []
         if not hasattr(provider, "cleanup"):

@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Group
 from rich.text import Text
 
-from spotctl.control.reconcile import head_client, provider_for, sync_events
+from spotctl.control.reconcile import head_client, journal_nodes, provider_for, sync_events
 from spotctl.control.tables import Col, fit_line, fit_table
 from spotctl.head.client import HeadUnavailable
 from spotctl.spec import ClusterSpec
@@ -53,7 +53,13 @@ def collect(store: Store, name: str, now: float | None = None) -> dict[str, Any]
     live_ids: set[str] = set()
     if row.state != "down":
         try:
-            live_ids = {i.id for i in provider_for(store, spec).list(name)}
+            provider = provider_for(store, spec)
+            live = provider.list(name)
+            live_ids = {i.id for i in live}
+            if spec.head_rebalances and spec.provider != "local":
+                # the head's own loop replaces nodes: what it launched and what left
+                # reach this machine's journal from the cloud's list
+                journal_nodes(store, spec, provider, [i for i in live if i.role == "worker"])
         except Exception as e:  # status must render even when the cloud API fails
             head_error = head_error or f"provider: {e}"
     hnodes = head.get("nodes", {})

@@ -91,5 +91,12 @@ class HeadClient:
     def event(self, type_: str, **data: Any) -> None:
         self._call("POST", "/api/event", {"type": type_, **data})
 
+    def pause_loop(self, ttl_s: float, by: str) -> dict[str, Any]:
+        """Ask the head to pause its reconcile loop: {"paused": bool, "busy": who runs}."""
+        return self._obj("POST", "/api/rebalance", {"action": "pause", "ttl_s": ttl_s, "by": by})
+
+    def resume_loop(self) -> dict[str, Any]:
+        return self._obj("POST", "/api/rebalance", {"action": "resume"})
+
     def health(self) -> dict[str, Any]:
         return self._obj("GET", "/api/health")

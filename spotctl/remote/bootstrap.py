@@ -70,6 +70,7 @@ TOKEN_FILE = "token"
 # the node directory; see spotctl.remote.package.
 PKG_DIR = "pkg"
 PROJECT_DIR = "project"
+REBALANCE_BUNDLE = "rebalance.json"  # spotctl.head.rebalancer.BUNDLE
 
 
 @dataclass
@@ -738,6 +739,15 @@ def controller_url(head: HeadInfo, known_hosts: Path) -> str:
     return head.public_url or head.url
 
 
+def package_extras(spec: Any) -> tuple[str, ...]:
+    """spotctl's extras in the package every node and the head install: torchft (`ft`) on
+    engine torchft; boto3 (`aws`) where the AWS head runs the reconcile loop."""
+    extras: tuple[str, ...] = ("ft",) if spec.train.engine == "torchft" else ()
+    if spec.head_rebalances and spec.provider == "aws":
+        extras += ("aws",)
+    return extras
+
+
 class CloudNodes:
     """Bootstrap of cloud instances, shared by the aws and gcp providers.
 
@@ -789,6 +799,10 @@ class CloudNodes:
             "python3" if self.deliver else sys.executable
         )
         self._pkg: tuple[NodePackage, Project | None] | None = None
+        # the head's own reconcile loop ([rebalance] on_head): it runs on the head VM, SSHes
+        # to the nodes' private addresses, and installs them from what the head was given
+        self.on_head = str(opts.get("on_head") or "")
+        self.head_node_dir = str(opts.get("head_node_dir") or "")
 
     @property
     def known_hosts(self) -> Path:
@@ -798,6 +812,8 @@ class CloudNodes:
         """What the nodes install from (None, None when not delivering); built once."""
         if not self.deliver:
             return None, None
+        if self._pkg is None and self.on_head:
+            self._pkg = self._head_package()
         if self._pkg is None:
             from spotctl.remote.package import node_package, packages_for, project_files
 
@@ -805,12 +821,29 @@ class CloudNodes:
             script = Path(self.ctx.spec.train.script)
             project = project_files(script.resolve().parent) if script.is_file() else None
             also = packages_for(self.ctx.spec.train.checkpoint_dir)
-            # engine torchft: torchft (the `ft` extra) on every node, the head included
-            extras = ("ft",) if self.torchft else ()
-            self._pkg = (node_package(cache, extras=extras, also=also), project)
+            self._pkg = (node_package(cache, extras=package_extras(self.ctx.spec), also=also),
+                         project)
             log.info("%s%s", self._pkg[0].summary(),
                      f"; {project.summary()}" if project else "")  # fmt: skip
         return self._pkg
+
+    def _head_package(self) -> tuple[NodePackage, Project | None]:
+        """On the head: the package and project `up` uploaded into the head's directory."""
+        d = Path(self.head_node_dir)
+        if not (d / PKG_DIR / "key").is_file():
+            raise BootstrapError(f"the head has no node package in {d / PKG_DIR}")
+        package = NodePackage.from_dir(d / PKG_DIR)
+        project = None
+        root = d / PROJECT_DIR
+        try:
+            bundle = json.loads((d / REBALANCE_BUNDLE).read_text())
+        except (OSError, ValueError):
+            bundle = {}
+        if root.is_dir() and bundle.get("project_root"):
+            files = {p.relative_to(root).as_posix(): p.read_bytes()
+                     for p in sorted(root.rglob("*")) if p.is_file()}
+            project = Project(Path(bundle["project_root"]), files)
+        return package, project
 
     def token(self) -> str:
         return self.ctx.cluster_dir.token(create=True)
@@ -830,7 +863,8 @@ class CloudNodes:
         if ov is not None:
             return HostTarget(node_id, ov.address, ov.port, ov.user or inst.ssh_user,
                               ov.key_path or key, remote_dir)  # fmt: skip
-        address = inst.public_address or inst.address
+        # from the head (inside the cluster's network): the private address
+        address = inst.address if self.on_head else (inst.public_address or inst.address)
         if not address:
             raise BootstrapError(f"{node_id}: instance {inst.id} has no address to SSH to")
         return HostTarget(node_id, address, inst.ssh_port, inst.ssh_user, key, remote_dir)
@@ -841,6 +875,10 @@ class CloudNodes:
         host = self.override.address if self.override else inst.address
         # the Lighthouse listens where the store does (the nodes' side of the head)
         lighthouse = f"http://{host}:{self.lighthouse_port}" if self.torchft else ""
+        if self.on_head:  # the head's own loop reaches its API where the nodes do
+            return HeadInfo(url=f"http://{host}:{self.api_port}", store_host=host,
+                            store_port=self.store_port, instance_id=inst.id,
+                            lighthouse=lighthouse)  # fmt: skip
         if self.override:
             # test seam: the "VM" is this machine, its API is reachable directly
             public = self.override.address
@@ -872,7 +910,7 @@ class CloudNodes:
         coordinator answers /api/health at the URL the controller uses."""
         token = self.token()
         listen = self.head_listen(info)
-        package, _ = self.package()
+        package, project = self.package()
 
         def render(t: HostTarget) -> BootstrapFiles:
             d = t.remote_dir
@@ -891,8 +929,18 @@ class CloudNodes:
                     "--store-port", str(self.store_port)]  # fmt: skip
             if self.torchft:  # torchft's Lighthouse, in the head process, bound like the store
                 argv += ["--lighthouse-port", str(self.lighthouse_port)]
-            return render_bootstrap(t, cfg, token, python=self.python, agent_argv=argv,
-                                    package=package)  # fmt: skip
+            if self.ctx.spec.head_rebalances:  # the cluster's reconcile loop, on the head
+                argv += ["--rebalance-bundle", f"{d}/{REBALANCE_BUNDLE}"]
+            files = render_bootstrap(t, cfg, token, python=self.python, agent_argv=argv,
+                                     package=package)  # fmt: skip
+            if self.ctx.spec.head_rebalances:
+                # read by the loop before each run: a new one does not restart the head
+                files.files.append(RemoteFile(REBALANCE_BUNDLE, self.bundle(inst, info),
+                                              0o600, restarts_agent=False))
+                for rel, content in (project.files.items() if project else ()):
+                    files.files.append(RemoteFile(f"{PROJECT_DIR}/{rel}", content, 0o644,
+                                                  restarts_agent=False))
+            return files
 
         target = self.target(inst, HEAD_NODE_ID)
         (res,) = bootstrap_hosts([target], render, self.known_hosts, 1, None,
@@ -918,6 +966,40 @@ class CloudNodes:
                 f"{target.label}: head started without torchft's Lighthouse (engine torchft; "
                 f"is torchft installed there? see head/ in {target.remote_dir})"))  # fmt: skip
         return res
+
+    def bundle(self, inst: Instance, info: HeadInfo) -> bytes:
+        """What the head's reconcile loop needs to act for this cluster: the spec, where
+        the head is, the cluster's SSH key and pinned host keys, the project's path
+        (spotctl.head.rebalancer.import_bundle). No cloud credentials: the head VM's
+        own role is scoped to this cluster. Under the test seam, the seam's settings."""
+        import os
+
+        cdir = self.ctx.cluster_dir.path
+        files = {}
+        key = Path(str(inst.meta.get("key_file") or ""))
+        if key.is_file() and key.parent == cdir:
+            files[key.name] = key.read_text()
+        if self.known_hosts.is_file():
+            files[self.known_hosts.name] = self.known_hosts.read_text()
+        script = Path(self.ctx.spec.train.script)
+        env = {}
+        if self.override is not None:
+            env = {k: v for k, v in os.environ.items()
+                   if k.startswith("SPOTCTL_") and k != "SPOTCTL_HOME"
+                   or k in ("AWS_ENDPOINT_URL", "AWS_EC2_METADATA_SERVICE_ENDPOINT")}
+        head = {"url": info.url, "store_host": info.store_host, "store_port": info.store_port,
+                "instance_id": inst.id, "lighthouse": info.lighthouse}
+        spec = self.ctx.spec.model_dump(mode="json")
+        # the nodes' checkpoints, as the controller gave them (on a cloud, the bucket)
+        spec["train"]["checkpoint_dir"] = (self.ctx.spec.train.checkpoint_dir
+                                           or str(self.ctx.cluster_dir.checkpoints))
+        return (json.dumps({
+            "cluster": self.ctx.cluster, "provider": self.ctx.spec.provider,
+            "spec": spec, "head": head, "files": files,
+            "interval_s": self.ctx.spec.rebalance.on_head_interval_s,
+            "project_root": str(script.resolve().parent) if script.is_file() else "",
+            "env": env,
+        }, indent=1, sort_keys=True) + "\n").encode()  # fmt: skip
 
     def _lighthouse_up(self, target: HostTarget, deadline: float) -> bool:
         """Whether the head on `target` records a running Lighthouse (its head.json; the

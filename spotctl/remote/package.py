@@ -153,6 +153,24 @@ class NodePackage:
     def summary(self) -> str:
         return f"spotctl package {self.key[:12]}: {len(self.wheels)} wheels, {_human(self.size)}"
 
+    @classmethod
+    def from_dir(cls, d: Path) -> NodePackage:
+        """The package as `files()` laid it out in directory `d` (on a cloud head, which
+        installs replacement nodes from what it was given)."""
+
+        def text(name: str) -> str:
+            p = d / name
+            return p.read_text() if p.is_file() else ""
+
+        wheels = {p.name: p.read_bytes() for p in sorted(d.glob("*.whl"))}
+        own = text("spotctl-wheel").strip()
+        if own not in wheels:
+            raise BootstrapError(f"{d}: spotctl's wheel {own or '(unnamed)'} is missing")
+        return cls(wheels=wheels, requirements=text("requirements.txt"), spotctl_wheel=own,
+                   key=text("key").strip(), pip_wheel=text("pip-wheel").strip(),
+                   older_requirements=text("requirements-older.txt"),
+                   older_constraints=text("constraints.txt"))
+
 
 @dataclass
 class Project:

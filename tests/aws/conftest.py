@@ -92,12 +92,34 @@ def ami(ec2: Any) -> str:
 # `home` (a fresh SPOTCTL_HOME) is tests/conftest.py's.
 
 
+HEAD_METADATA = "head"  # the head VM's metadata service, behind the MetadataRouter
+
+
+def head_role_credentials(moto_url: str, role: str) -> Callable[[], dict[str, str]]:
+    """What EC2's metadata service hands the head VM: temporary credentials of the head's
+    instance-profile role, from STS."""
+    import boto3
+
+    def fetch() -> dict[str, str]:
+        sts = boto3.client("sts", region_name=REGION, endpoint_url=moto_url)
+        arn = boto3.client("iam", region_name=REGION, endpoint_url=moto_url).get_role(
+            RoleName=role)["Role"]["Arn"]  # fmt: skip
+        c = sts.assume_role(RoleArn=arn, RoleSessionName="i-head")["Credentials"]
+        return {"AccessKeyId": c["AccessKeyId"], "SecretAccessKey": c["SecretAccessKey"],
+                "Token": c["SessionToken"],
+                "Expiration": c["Expiration"].strftime("%Y-%m-%dT%H:%M:%SZ")}  # fmt: skip
+
+    return fetch
+
+
 @pytest.fixture
 def aws_flow(
-    cloud_flow: Callable[..., CloudFlow], moto_url: str, ami: str
+    cloud_flow: Callable[..., CloudFlow], moto_url: str, ami: str, metadata_router: Any
 ) -> Callable[..., CloudFlow]:
     """aws_flow(instance_type, **spec) -> a CloudFlow (tests/conftest.py) of a fresh cluster
-    on moto, its instances reached through the loopback sshd."""
+    on moto, its instances reached through the loopback sshd. The head's reconcile loop
+    gets its credentials as on EC2: from the head's metadata service (IMDSv2, the role
+    `up` made for the head), never from this process's environment."""
 
     def make(instance_type: str = "g5.xlarge", zones: tuple[str, ...] = (f"{REGION}a",),
              **spec: Any) -> CloudFlow:  # fmt: skip
@@ -106,8 +128,13 @@ def aws_flow(
             f'[aws]\nregion = "{REGION}"\nami = "{ami}"\ninstance_types = ["{instance_type}"]\n'
             f"zones = {json.dumps(list(zones))}\nssh_cidr = \"127.0.0.1/32\"\n"
         )
+        head = metadata_router.node(HEAD_METADATA)
+        head.set_iam_role(f"spotctl-{name}-head",
+                          head_role_credentials(moto_url, f"spotctl-{name}-head"))
+        imds = metadata_router.url_template.replace("{node}", HEAD_METADATA)
         return cloud_flow(name, cloud_spec_text(name, section, **spec),
-                          {"AWS_ENDPOINT_URL": moto_url})  # fmt: skip
+                          {"AWS_ENDPOINT_URL": moto_url,
+                           "AWS_EC2_METADATA_SERVICE_ENDPOINT": imds})  # fmt: skip
 
     return make
 
@@ -115,7 +142,8 @@ def aws_flow(
 def aws_leftovers(name: str, moto_url: str) -> dict[str, list[str]]:
     """What cluster `name` still has on moto: instances in any state but terminated, its
     security groups, key pairs, launch templates and placement groups (by tag), the
-    workers' role and instance profile (by name). Empty lists: nothing left."""
+    workers' and the head's roles and instance profiles (by name). Empty lists: nothing
+    left."""
     import boto3
 
     ec2 = boto3.client("ec2", region_name=REGION, endpoint_url=moto_url)
@@ -123,7 +151,7 @@ def aws_leftovers(name: str, moto_url: str) -> dict[str, list[str]]:
     flt = [{"Name": "tag:spotctl:cluster", "Values": [name]}]
     insts = [i for r in ec2.describe_instances(Filters=flt)["Reservations"]
              for i in r["Instances"]]  # fmt: skip
-    ident = f"spotctl-{name}-node"
+    idents = (f"spotctl-{name}-node", f"spotctl-{name}-head")
     return {
         "instances": [f"{i['InstanceId']} {i['State']['Name']}" for i in insts
                       if i["State"]["Name"] != "terminated"],  # fmt: skip
@@ -134,10 +162,10 @@ def aws_leftovers(name: str, moto_url: str) -> dict[str, list[str]]:
                              ec2.describe_launch_templates(Filters=flt)["LaunchTemplates"]],
         "placement_groups": [g["GroupName"] for g in
                              ec2.describe_placement_groups(Filters=flt)["PlacementGroups"]],
-        "roles": [r["RoleName"] for r in iam.list_roles()["Roles"] if r["RoleName"] == ident],
+        "roles": [r["RoleName"] for r in iam.list_roles()["Roles"] if r["RoleName"] in idents],
         "instance_profiles": [p["InstanceProfileName"] for p in
                               iam.list_instance_profiles()["InstanceProfiles"]
-                              if p["InstanceProfileName"] == ident],
+                              if p["InstanceProfileName"] in idents],
     }  # fmt: skip
 
 

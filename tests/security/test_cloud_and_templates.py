@@ -148,8 +148,9 @@ def test_iam_policy_is_least_privilege(wheel_files: dict[str, bytes]) -> None:
         ):
             assert st["Resource"] != "*" or st.get("Condition"), st
     assert {"ec2:RunInstances", "ec2:TerminateInstances"} <= set(actions)
-    # IAM: the Spot service-linked role on a first spot launch, and the workers' checkpoint
-    # role/profile, both by name (spotctl-*-node); PassRole only of that role, only to EC2
+    # IAM: the Spot service-linked role on a first spot launch, the workers' checkpoint
+    # role/profile and the head's, by name (spotctl-*-node, spotctl-*-head); PassRole only
+    # of those roles, only to EC2
     iam = [
         st
         for st in doc["Statement"]
@@ -163,7 +164,8 @@ def test_iam_policy_is_least_privilege(wheel_files: dict[str, bytes]) -> None:
         if st["Action"] in ("iam:CreateServiceLinkedRole", ["iam:CreateServiceLinkedRole"]):
             assert "AWSServiceRoleForEC2Spot" in json.dumps(resources), st
             continue
-        assert all(r.endswith(("role/spotctl-*-node", "instance-profile/spotctl-*-node"))
+        assert all(r.endswith(("role/spotctl-*-node", "instance-profile/spotctl-*-node",
+                               "role/spotctl-*-head", "instance-profile/spotctl-*-head"))
                    for r in resources), st  # fmt: skip
         if "iam:PassRole" in json.dumps(st["Action"]):
             assert st["Action"] in ("iam:PassRole", ["iam:PassRole"]), st

@@ -23,6 +23,7 @@ POSTS = {
     "/api/notice": {"node_id": "n1", "notice": {"id": "x", "deadline": 0}},
     "/api/drain": {"reason": "intruder", "leavers": ["n1"]},
     "/api/forget": {"nodes": ["n1"]},
+    "/api/rebalance": {"action": "pause", "ttl_s": 600},
     "/api/event": {"type": "intruder"},
     "/api/nope": {},
 }

@@ -109,6 +109,7 @@ def test_a_node_speaks_for_itself_only(head: HeadServer) -> None:
     ("GET", "/api/events", None),
     ("POST", "/api/drain", {"reason": "rebalance", "leavers": ["n2"]}),
     ("POST", "/api/forget", {"nodes": ["n2"]}),
+    ("POST", "/api/rebalance", {"action": "pause", "ttl_s": 600}),
     ("POST", "/api/event", {"type": "note", "message": "hi"}),
 ])
 def test_controller_routes_refuse_node_credentials(head: HeadServer, method: str, path: str,
@@ -242,6 +243,8 @@ def test_the_training_librarys_own_report_is_accepted(head: HeadServer) -> None:
     ("/api/drain", {"reason": "rebalance"}),
     ("/api/forget", {}),
     ("/api/forget", {"type": "note"}),
+    ("/api/rebalance", {}),
+    ("/api/rebalance", {"action": "pause", "ttl": 5}),
 ])
 def test_a_body_holds_only_and_all_of_its_routes_fields(head: HeadServer, path: str,
                                                         body: dict[str, Any]) -> None:

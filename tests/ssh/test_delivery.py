@@ -88,6 +88,29 @@ def test_node_package_is_pinned_and_self_contained(tmp_path: Path) -> None:
     assert "pkg/key" in pkg.files()
 
 
+def test_an_aws_head_that_replaces_nodes_gets_boto3_and_can_hand_the_package_on(
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """The AWS head runs the reconcile loop (boto3: the `aws` extra) and installs
+    replacement nodes from the package it was given (NodePackage.from_dir)."""
+    from spotctl.remote.bootstrap import package_extras
+    from spotctl.remote.package import NodePackage
+
+    aws = ClusterSpec.model_validate({"provider": "aws", "train": {"engine": "torchrun"}})
+    off = ClusterSpec.model_validate({"provider": "aws", "train": {"engine": "torchrun"},
+                                      "rebalance": {"on_head": False}})  # fmt: skip
+    assert package_extras(aws) == ("aws",) and package_extras(off) == ()
+    pkg = node_package(tmp_path / "cache", extras=package_extras(aws))
+    names = {ln.split("==")[0].lower() for ln in pkg.requirements.splitlines() if ln}
+    assert {"boto3", "botocore"} <= names
+    d = tmp_path / "head"
+    for rel, content in pkg.files("pkg").items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_bytes(content)
+    again = NodePackage.from_dir(d / "pkg")
+    assert again.files("pkg") == pkg.files("pkg") and again.key == pkg.key
+
+
 def _provider(tmp_path: Path, ssh: dict[str, object], train: dict[str, object]) -> SshProvider:
     spec = ClusterSpec.model_validate({"name": "c1", "provider": "ssh", "ssh": ssh, "train": train})
     store = Store(tmp_path / "home")

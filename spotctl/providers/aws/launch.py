@@ -251,6 +251,9 @@ class AwsLaunch(AwsNetwork, AwsStorage):
         if role == "worker":
             # Workers reach the cluster's checkpoint prefix, and only it (storage.py).
             kwargs["IamInstanceProfile"] = {"Name": self.node_profile}
+        elif self.ctx.spec.head_rebalances:
+            # The head replaces this cluster's lost workers, and can do nothing else.
+            kwargs["IamInstanceProfile"] = {"Name": self.head_profile}
         attempt = 0
         while True:
             try:

@@ -56,9 +56,24 @@ class AwsProvider(AwsChecks):
 
     def prepare(self) -> None:
         """Security group and key pair (network.py), then checkpoint bucket and the
-        workers' instance profile (storage.py); idempotent, run by every `up`."""
+        workers' instance profile (storage.py), and the head's when it replaces nodes;
+        idempotent, run by every `up`. On the head itself nothing is made or changed:
+        its role may not, and the controller made all of it."""
+        if self._on_head:
+            if self._prepared is None:
+                groups = self._find_groups()
+                if not groups:
+                    raise ProviderError(f"aws: cluster {self.ctx.cluster} has no security "
+                                        "group (was it taken down?)")
+                if not self.key_path.exists():
+                    raise ProviderError(f"aws: the cluster's SSH key is missing on the head "
+                                        f"({self.key_path})")
+                self._prepared = (str(groups[0]["GroupId"]), self.key_name)
+            return
         super().prepare()
         self.prepare_storage()
+        if self.ctx.spec.head_rebalances:
+            self._ensure_head_identity()
 
     # ---- head -----------------------------------------------------------------------
 
@@ -98,6 +113,11 @@ class AwsProvider(AwsChecks):
         cluster's group only, so outside the VPC that needs an SSH tunnel to the head
         (not built yet); under the test seam it is the loopback address.
         """
+        if self._on_head:
+            # the head's own loop: this VM is the head; nothing to start or reach by SSH
+            inst = self._to_instance(self._wait_running(self._on_head))
+            self._head = self._nodes.head(inst, False, "aws")
+            return self._head
         heads = [i for i in self.list(self.ctx.cluster) if i.role == "head"]
         live = [h for h in heads if h.state in ("pending", "running")]
         if live:

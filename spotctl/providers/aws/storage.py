@@ -20,6 +20,15 @@ from spotctl.providers.aws.api import TAG_CLUSTER, AwsApi, error_code
 from spotctl.providers.base import ClusterCheckpoints
 
 NODE_POLICY = "spotctl-checkpoints"
+HEAD_POLICY = "spotctl-replace-nodes"
+# What the head's reconcile loop reads: offers, prices, its cluster's instances, the network
+# and image it launches into (EC2 has no resource-level permissions for these)
+HEAD_DESCRIBES = (
+    "ec2:DescribeInstances", "ec2:DescribeInstanceTypes", "ec2:DescribeSpotPriceHistory",
+    "ec2:DescribeImages", "ec2:DescribeVpcs", "ec2:DescribeSubnets",
+    "ec2:DescribeAvailabilityZones", "ec2:DescribeSecurityGroups", "ec2:DescribeKeyPairs",
+    "ec2:DescribePlacementGroups",
+)
 _GONE = ("NoSuchEntity", "NoSuchBucket", "404", "NotFound")
 
 
@@ -50,6 +59,10 @@ class AwsStorage(ClusterCheckpoints, AwsApi):
     @property
     def node_profile(self) -> str:
         return f"spotctl-{self.ctx.cluster}-node"[:64]
+
+    @property
+    def head_profile(self) -> str:
+        return f"spotctl-{self.ctx.cluster}-head"[:64]
 
     # ---- bucket -----------------------------------------------------------------------
 
@@ -164,8 +177,61 @@ class AwsStorage(ClusterCheckpoints, AwsApi):
             ],
         }
 
+    def head_policy(self) -> dict[str, Any]:
+        """The head's permissions ([rebalance] on_head): replace this cluster's lost
+        workers and nothing else. It launches only instances and volumes tagged for this
+        cluster, tags only while launching, terminates and reads the console of this
+        cluster's instances only, and hands the workers' role (no other) to what it
+        launches. It cannot create or change security groups, key pairs, roles or
+        buckets, and has no access to the checkpoints."""
+        region, acct, name = self.region, self.account_id(), self.ctx.cluster
+        ec2 = f"arn:aws:ec2:{region}:{acct}"
+        own = {"StringEquals": {f"ec2:ResourceTag/{TAG_CLUSTER}": name}}
+        return {
+            "Version": "2012-10-17",
+            "Statement": [
+                {"Sid": "See", "Effect": "Allow", "Action": list(HEAD_DESCRIBES),
+                 "Resource": "*"},
+                {"Sid": "LaunchOnlyTaggedForThisCluster", "Effect": "Allow",
+                 "Action": "ec2:RunInstances",
+                 "Resource": [f"{ec2}:instance/*", f"{ec2}:volume/*"],
+                 "Condition": {"StringEquals": {f"aws:RequestTag/{TAG_CLUSTER}": name}}},
+                {"Sid": "LaunchIntoThisClustersGroupAndKey", "Effect": "Allow",
+                 "Action": "ec2:RunInstances",
+                 "Resource": [f"{ec2}:security-group/*", f"{ec2}:key-pair/*",
+                              f"{ec2}:placement-group/*"],
+                 "Condition": own},
+                {"Sid": "LaunchFromImagesAndSubnets", "Effect": "Allow",
+                 "Action": "ec2:RunInstances",
+                 "Resource": [f"arn:aws:ec2:{region}::image/*", f"{ec2}:subnet/*",
+                              f"{ec2}:network-interface/*",
+                              f"{ec2}:spot-instances-request/*"]},
+                {"Sid": "TagOnlyWhileLaunching", "Effect": "Allow", "Action": "ec2:CreateTags",
+                 "Resource": "*",
+                 "Condition": {"StringEquals": {"ec2:CreateAction": "RunInstances"}}},
+                {"Sid": "EndAndReadOnlyThisClustersInstances", "Effect": "Allow",
+                 "Action": ["ec2:TerminateInstances", "ec2:GetConsoleOutput"],
+                 "Resource": f"{ec2}:instance/*", "Condition": own},
+                {"Sid": "GiveWorkersTheirRole", "Effect": "Allow", "Action": "iam:PassRole",
+                 "Resource": f"arn:aws:iam::{acct}:role/{self.node_profile}",
+                 "Condition": {"StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}}},
+                {"Sid": "ImageNames", "Effect": "Allow", "Action": "ssm:GetParameter",
+                 "Resource": f"arn:aws:ssm:{region}::parameter/aws/service/*"},
+            ],
+        }  # fmt: skip
+
     def _ensure_node_identity(self) -> None:
-        iam, name = self._svc("iam"), self.node_profile
+        self._ensure_identity(self.node_profile, NODE_POLICY, self.node_policy(),
+                              "workers' checkpoints")
+
+    def _ensure_head_identity(self) -> None:
+        self._ensure_identity(self.head_profile, HEAD_POLICY, self.head_policy(),
+                              "the head replaces lost workers")
+
+    def _ensure_identity(self, name: str, policy_name: str, policy: dict[str, Any],
+                         purpose: str) -> None:
+        """Role `name` for EC2 with this one inline policy, and its instance profile."""
+        iam = self._svc("iam")
         trust = {
             "Version": "2012-10-17",
             "Statement": [
@@ -186,16 +252,16 @@ class AwsStorage(ClusterCheckpoints, AwsApi):
                 iam.create_role,
                 RoleName=name,
                 AssumeRolePolicyDocument=json.dumps(trust),
-                Description=f"spotctl cluster {self.ctx.cluster}: workers' checkpoints",
+                Description=f"spotctl cluster {self.ctx.cluster}: {purpose}",
                 Tags=[{"Key": TAG_CLUSTER, "Value": self.ctx.cluster}],
             )
         # Put every time: reconciled if the bucket or the policy changed.
         self._call(
-            f"scope role {name} to s3://{self.bucket_name()}/{self.prefix}",
+            f"set the policy of role {name} ({purpose})",
             iam.put_role_policy,
             RoleName=name,
-            PolicyName=NODE_POLICY,
-            PolicyDocument=json.dumps(self.node_policy()),
+            PolicyName=policy_name,
+            PolicyDocument=json.dumps(policy),
         )
         try:
             prof = self._call(
@@ -221,14 +287,18 @@ class AwsStorage(ClusterCheckpoints, AwsApi):
             )
 
     def _delete_node_identity(self) -> list[str]:
-        """Remove the role and instance profile; leaks as lines."""
-        iam, name, leaks = self._svc("iam"), self.node_profile, []
+        """Remove the workers' and the head's roles and instance profiles; leaks as lines."""
+        return (self._delete_identity(self.node_profile, NODE_POLICY)
+                + self._delete_identity(self.head_profile, HEAD_POLICY))
+
+    def _delete_identity(self, name: str, policy_name: str) -> list[str]:
+        iam, leaks = self._svc("iam"), []
         steps: list[tuple[str, Any, dict[str, Any]]] = [
             ("detach role from profile", iam.remove_role_from_instance_profile,
              {"InstanceProfileName": name, "RoleName": name}),
             ("delete instance profile", iam.delete_instance_profile, {"InstanceProfileName": name}),
             ("delete role policy", iam.delete_role_policy,
-             {"RoleName": name, "PolicyName": NODE_POLICY}),
+             {"RoleName": name, "PolicyName": policy_name}),
             ("delete role", iam.delete_role, {"RoleName": name}),
         ]  # fmt: skip
         for what, fn, kwargs in steps:

@@ -111,6 +111,9 @@ class MetadataServer:
         self.waiters = 0  # GCP requests parked in wait_for_change right now
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        # the instance profile's role (iam/security-credentials/): its name and what hands
+        # out its temporary credentials (AccessKeyId, SecretAccessKey, Token, Expiration)
+        self._iam_role: tuple[str, Callable[[], dict[str, str]]] | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -166,6 +169,12 @@ class MetadataServer:
         when = self.clock() + DEFAULT_AWS_NOTICE_S if at is None else at
         with self._cond:
             self._aws_action = {"action": action, "time": format_iso_utc(when)}
+
+    def set_iam_role(self, role: str, credentials: Callable[[], dict[str, str]]) -> None:
+        """Serve `role` as the instance profile's: `credentials()` is called on each read
+        of iam/security-credentials/<role> (as EC2 does, from STS)."""
+        with self._cond:
+            self._iam_role = (role, credentials)
 
     def set_rebalance(self, at: float | None = None) -> None:
         when = self.clock() if at is None else at
@@ -490,6 +499,24 @@ class _Handler(BaseHTTPRequestHandler):
         if md is not None and md in static:
             self._send(200, static[md])
             return
+        creds = "iam/security-credentials/"
+        if md is not None and md.startswith(creds) and meta._iam_role is not None:
+            role, fetch = meta._iam_role
+            rest = md[len(creds):]
+            if not rest:
+                self._send(200, role)
+                return
+            if rest == role:
+                try:
+                    c = fetch()
+                except Exception as e:  # noqa: BLE001 (the emulator answers as EC2 would)
+                    log.warning("credentials for %s: %s", role, e)
+                    self._send(500, "Internal Server Error")
+                    return
+                doc = {"Code": "Success", "Type": "AWS-HMAC",
+                       "LastUpdated": format_iso_utc(self.meta.clock()), **c}
+                self._send(200, json.dumps(doc), "text/plain")
+                return
         self._send(404, "Not Found")
 
     # --- GCP ------------------------------------------------------------------------------

@@ -1,0 +1,119 @@
+"""The head's role ([rebalance] on_head): what its reconcile loop calls on EC2 is what the
+role allows, and the role is scoped to its cluster.
+
+The loop's provider runs in head mode against moto through the fault proxy, which
+records every EC2 call: it finds the group and key `up` made (creates nothing), launches a
+tagged replacement, reads a console, lists and terminates. moto cannot judge the scope
+itself: it evaluates EC2 permissions against the resource "*", so the role's
+resource-level statements (instances tagged for this cluster, the workers' role only) are
+checked here as a document, and the launch request is checked to carry the tags they
+require."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import boto3
+import pytest
+
+from spotctl.providers.aws.provider import AwsProvider
+
+from .conftest import REGION, FaultProxy
+
+pytestmark = pytest.mark.aws
+
+WRITES = ("ec2:Create", "ec2:Delete", "ec2:Authorize", "ec2:Revoke", "ec2:Import",
+          "ec2:Modify")  # fmt: skip
+
+
+def _actions(st: dict[str, Any]) -> list[str]:
+    a = st["Action"]
+    return [a] if isinstance(a, str) else list(a)
+
+
+def test_the_heads_loop_calls_only_what_its_scoped_role_allows(
+    make_provider: Callable[..., AwsProvider], fault_proxy: FaultProxy, moto_url: str
+) -> None:
+    ctl = make_provider(instance_types=["g5.xlarge"])
+    name = ctl.ctx.cluster
+    assert ctl.ctx.spec.head_rebalances
+    ctl.prepare()  # `up`: group, key, bucket, the workers' role and the head's
+    head = ctl.ensure_head()
+    offer = next(o for o in ctl.offers() if o.instance_type == "g5.xlarge")
+    (old,) = ctl.launch(offer, 1, "req-ctl")
+    ec2 = boto3.client("ec2", region_name=REGION, endpoint_url=moto_url)
+    raw = ec2.describe_instances(InstanceIds=[head.instance_id])["Reservations"][0]["Instances"][0]
+    assert raw["IamInstanceProfile"]["Arn"].endswith(f"instance-profile/spotctl-{name}-head")
+
+    on = make_provider(name=name, instance_types=["g5.xlarge"],
+                       options={"endpoint_url": fault_proxy.url, "on_head": head.instance_id})
+    on.prepare()
+    assert on.ensure_head().instance_id == head.instance_id  # itself, nothing started
+    (new,) = on.launch(next(o for o in on.offers() if o.instance_type == "g5.xlarge"), 1,
+                       "req-head")
+    assert {i.id for i in on.list(name)} >= {old.id, new.id, head.instance_id}
+    on.console_host_keys(new.id)
+    on.terminate([old.id])
+
+    called = {f"ec2:{a}" for a, _, _ in fault_proxy.seen if a}
+    policy = on.head_policy()
+    allowed = {a for st in policy["Statement"] for a in _actions(st)}
+    assert called <= allowed, f"the head's loop calls what its role refuses: {called - allowed}"
+    assert not [a for a in called if a.startswith(WRITES)], called
+    assert len(fault_proxy.calls("RunInstances")) == 1  # the replacement, not a head
+    # the launch carries the tags the role requires of what it creates
+    # (the proxy records the form as "key=value key=value ...")
+    body = {k: [v] for k, _, v in (kv.partition("=") for kv in
+                                   fault_proxy.calls("RunInstances")[0].split(" "))}
+    specs: dict[str, dict[str, str]] = {}
+    for k, v in body.items():
+        if k.startswith("TagSpecification.") and k.endswith(".ResourceType"):
+            n = k.split(".")[1]
+            tags = {body[f"TagSpecification.{n}.Tag.{t}.Key"][0]:
+                    body[f"TagSpecification.{n}.Tag.{t}.Value"][0]
+                    for t in range(1, 10) if f"TagSpecification.{n}.Tag.{t}.Key" in body}
+            specs[v[0]] = tags
+    assert specs["instance"]["spotctl:cluster"] == name, specs
+    assert specs["volume"]["spotctl:cluster"] == name, specs
+    assert body["IamInstanceProfile.Name"] == [f"spotctl-{name}-node"], body
+
+    # the role's scope, statement by statement
+    by_action: dict[str, list[dict[str, Any]]] = {}
+    for st in policy["Statement"]:
+        assert st["Effect"] == "Allow"
+        for a in _actions(st):
+            by_action.setdefault(a, []).append(st)
+    for st in by_action["ec2:TerminateInstances"] + by_action["ec2:GetConsoleOutput"]:
+        assert st["Condition"] == {"StringEquals": {"ec2:ResourceTag/spotctl:cluster": name}}
+    for st in by_action["ec2:RunInstances"]:
+        res = json.dumps(st["Resource"])
+        if "instance/" in res or "volume/" in res:
+            assert st["Condition"] == {
+                "StringEquals": {"aws:RequestTag/spotctl:cluster": name}}, st
+        if "security-group/" in res or "key-pair/" in res:
+            assert st["Condition"] == {
+                "StringEquals": {"ec2:ResourceTag/spotctl:cluster": name}}, st
+    [tag] = by_action["ec2:CreateTags"]
+    assert tag["Condition"] == {"StringEquals": {"ec2:CreateAction": "RunInstances"}}
+    [pas] = by_action["iam:PassRole"]
+    assert pas["Resource"].endswith(f":role/spotctl-{name}-node"), pas
+    assert {a for a in allowed if not a.startswith("ec2:")} == {"iam:PassRole",
+                                                                 "ssm:GetParameter"}
+    # what `up` put on the role in IAM is this document
+    iam = boto3.client("iam", region_name=REGION, endpoint_url=moto_url)
+    doc = iam.get_role_policy(RoleName=f"spotctl-{name}-head",
+                              PolicyName="spotctl-replace-nodes")["PolicyDocument"]
+    assert (json.loads(doc) if isinstance(doc, str) else doc) == policy
+    assert ctl.cleanup() == []
+    assert not [r for r in iam.list_roles()["Roles"] if r["RoleName"].startswith(f"spotctl-{name}")]
+
+
+def test_the_head_makes_nothing_the_controller_did_not(
+    make_provider: Callable[..., AwsProvider],
+) -> None:
+    """A head whose cluster lost its group (taken down meanwhile) says so and creates none."""
+    p = make_provider(instance_types=["g5.xlarge"], options={"on_head": "i-0123456789abcdef0"})
+    with pytest.raises(Exception, match="no security group"):
+        p.prepare()
