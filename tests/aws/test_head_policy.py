@@ -36,7 +36,7 @@ def _actions(st: dict[str, Any]) -> list[str]:
 def test_the_heads_loop_calls_only_what_its_scoped_role_allows(
     make_provider: Callable[..., AwsProvider], fault_proxy: FaultProxy, moto_url: str
 ) -> None:
-    ctl = make_provider(instance_types=["g5.xlarge"])
+    ctl = make_provider(instance_types=["g5.xlarge", "p4d.24xlarge"])
     name = ctl.ctx.cluster
     assert ctl.ctx.spec.head_rebalances
     ctl.prepare()  # `up`: group, key, bucket, the workers' role and the head's
@@ -47,13 +47,16 @@ def test_the_heads_loop_calls_only_what_its_scoped_role_allows(
     raw = ec2.describe_instances(InstanceIds=[head.instance_id])["Reservations"][0]["Instances"][0]
     assert raw["IamInstanceProfile"]["Arn"].endswith(f"instance-profile/spotctl-{name}-head")
 
-    on = make_provider(name=name, instance_types=["g5.xlarge"],
+    on = make_provider(name=name, instance_types=["g5.xlarge", "p4d.24xlarge"],
                        options={"endpoint_url": fault_proxy.url, "on_head": head.instance_id})
     on.prepare()
     assert on.ensure_head().instance_id == head.instance_id  # itself, nothing started
     (new,) = on.launch(next(o for o in on.offers() if o.instance_type == "g5.xlarge"), 1,
                        "req-head")
-    assert {i.id for i in on.list(name)} >= {old.id, new.id, head.instance_id}
+    # an EFA type: its placement group, made by the head in a zone the cluster had none
+    (efa,) = on.launch(next(o for o in on.offers() if o.instance_type == "p4d.24xlarge"), 1,
+                       "req-head-efa")
+    assert {i.id for i in on.list(name)} >= {old.id, new.id, efa.id, head.instance_id}
     on.console_host_keys(new.id)
     on.terminate([old.id])
 
@@ -61,8 +64,9 @@ def test_the_heads_loop_calls_only_what_its_scoped_role_allows(
     policy = on.head_policy()
     allowed = {a for st in policy["Statement"] for a in _actions(st)}
     assert called <= allowed, f"the head's loop calls what its role refuses: {called - allowed}"
-    assert not [a for a in called if a.startswith(WRITES)], called
-    assert len(fault_proxy.calls("RunInstances")) == 1  # the replacement, not a head
+    made = [a for a in called if a.startswith(WRITES)]
+    assert made == ["ec2:CreatePlacementGroup"], called
+    assert len(fault_proxy.calls("RunInstances")) == 2  # the replacements, not a head
     # the launch carries the tags the role requires of what it creates
     # (the proxy records the form as "key=value key=value ...")
     body = {k: [v] for k, _, v in (kv.partition("=") for kv in
@@ -96,7 +100,11 @@ def test_the_heads_loop_calls_only_what_its_scoped_role_allows(
             assert st["Condition"] == {
                 "StringEquals": {"ec2:ResourceTag/spotctl:cluster": name}}, st
     [tag] = by_action["ec2:CreateTags"]
-    assert tag["Condition"] == {"StringEquals": {"ec2:CreateAction": "RunInstances"}}
+    assert tag["Condition"] == {"StringEquals": {
+        "ec2:CreateAction": ["RunInstances", "CreatePlacementGroup"]}}
+    [pg] = by_action["ec2:CreatePlacementGroup"]
+    assert pg["Resource"].endswith(f":placement-group/spotctl-{name}-*"), pg
+    assert pg["Condition"] == {"StringEquals": {"aws:RequestTag/spotctl:cluster": name}}
     [pas] = by_action["iam:PassRole"]
     assert pas["Resource"].endswith(f":role/spotctl-{name}-node"), pas
     assert {a for a in allowed if not a.startswith("ec2:")} == {"iam:PassRole",
@@ -106,6 +114,7 @@ def test_the_heads_loop_calls_only_what_its_scoped_role_allows(
     doc = iam.get_role_policy(RoleName=f"spotctl-{name}-head",
                               PolicyName="spotctl-replace-nodes")["PolicyDocument"]
     assert (json.loads(doc) if isinstance(doc, str) else doc) == policy
+    on.terminate([new.id, efa.id])
     assert ctl.cleanup() == []
     assert not [r for r in iam.list_roles()["Roles"] if r["RoleName"].startswith(f"spotctl-{name}")]
 

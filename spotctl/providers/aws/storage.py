@@ -182,8 +182,9 @@ class AwsStorage(ClusterCheckpoints, AwsApi):
         workers and nothing else. It launches only instances and volumes tagged for this
         cluster, tags only while launching, terminates and reads the console of this
         cluster's instances only, and hands the workers' role (no other) to what it
-        launches. It cannot create or change security groups, key pairs, roles or
-        buckets, and has no access to the checkpoints."""
+        launches, and create this cluster's placement group in a zone it moves to (EFA
+        types). It cannot create or change security groups, key pairs, roles or buckets,
+        and has no access to the checkpoints."""
         region, acct, name = self.region, self.account_id(), self.ctx.cluster
         ec2 = f"arn:aws:ec2:{region}:{acct}"
         own = {"StringEquals": {f"ec2:ResourceTag/{TAG_CLUSTER}": name}}
@@ -206,9 +207,15 @@ class AwsStorage(ClusterCheckpoints, AwsApi):
                  "Resource": [f"arn:aws:ec2:{region}::image/*", f"{ec2}:subnet/*",
                               f"{ec2}:network-interface/*",
                               f"{ec2}:spot-instances-request/*"]},
-                {"Sid": "TagOnlyWhileLaunching", "Effect": "Allow", "Action": "ec2:CreateTags",
+                # an EFA type in a zone the cluster had no nodes in yet (a move)
+                {"Sid": "PlacementGroupsOfThisCluster", "Effect": "Allow",
+                 "Action": "ec2:CreatePlacementGroup",
+                 "Resource": f"{ec2}:placement-group/spotctl-{name}-*",
+                 "Condition": {"StringEquals": {f"aws:RequestTag/{TAG_CLUSTER}": name}}},
+                {"Sid": "TagOnlyWhileCreating", "Effect": "Allow", "Action": "ec2:CreateTags",
                  "Resource": "*",
-                 "Condition": {"StringEquals": {"ec2:CreateAction": "RunInstances"}}},
+                 "Condition": {"StringEquals": {
+                     "ec2:CreateAction": ["RunInstances", "CreatePlacementGroup"]}}},
                 {"Sid": "EndAndReadOnlyThisClustersInstances", "Effect": "Allow",
                  "Action": ["ec2:TerminateInstances", "ec2:GetConsoleOutput"],
                  "Resource": f"{ec2}:instance/*", "Condition": own},
