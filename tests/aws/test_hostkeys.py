@@ -43,3 +43,22 @@ def test_console_without_keys_pins_nothing(make_provider: Callable[..., AwsProvi
     p._pin_host_keys(inst)
     assert not p.ctx.cluster_dir.known_hosts.exists()
     assert p.cleanup() == []
+
+
+def test_the_heads_loop_pins_the_private_address_it_connects_to(
+    make_provider: Callable[..., AwsProvider], monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """From the controller SSH goes to a node's public address, from the head (its own
+    reconcile loop) to its private one: the keys are pinned for the address used."""
+    from spotctl.providers.base import Instance
+
+    inst = Instance(id="i-1", cluster="c", role="worker", zone=f"{REGION}a",
+                    instance_type="g5.xlarge", gpus=1, state="running", request_id="r",
+                    address="10.0.0.7", public_address="203.0.113.7")  # fmt: skip
+    for on_head, pinned, other in (("", "203.0.113.7", "10.0.0.7"),
+                                   ("i-0head", "10.0.0.7", "203.0.113.7")):  # fmt: skip
+        p = make_provider(options={"on_head": on_head})
+        monkeypatch.setattr(p, "console_host_keys", lambda _id: [("ssh-ed25519", ED)])
+        p._pin_host_keys(inst)
+        text = p.ctx.cluster_dir.known_hosts.read_text()
+        assert pinned in text and other not in text, text

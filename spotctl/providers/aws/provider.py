@@ -181,10 +181,12 @@ class AwsProvider(AwsChecks):
     def _pin_host_keys(self, inst: Instance) -> None:
         """Pin the keys EC2 reports for this instance before the first SSH (not under
         the loopback test seam, where one sshd stands in for every instance)."""
-        if self._nodes.override is not None or not inst.public_address:
+        # the head's own loop reaches nodes at their private address (CloudNodes.target)
+        address = inst.address if self._on_head else inst.public_address
+        if self._nodes.override is not None or not address:
             return
         keys = self.console_host_keys(inst.id)
-        pin_host_keys(self.ctx.cluster_dir.known_hosts, inst.public_address, keys)
+        pin_host_keys(self.ctx.cluster_dir.known_hosts, address, keys)
 
     def _head_gone(self) -> bool:
         """True when the saved head token already launched a head that is now gone."""
