@@ -396,8 +396,8 @@ class RebalanceSpec(_Strict):
     # ...spanning at least this many seconds (or at once when the provider says it is gone).
     lost_after_s: float = Field(default=60.0, ge=0, le=1e7)
     # true: the head runs the reconcile loop itself (`rebalance --watch`), so lost nodes are
-    # replaced with nothing running on this machine (local and aws clusters; not yet on gcp
-    # or ssh hosts, where cron or `rebalance --watch` on this machine does it)
+    # replaced with nothing running on this machine (local, aws and gcp clusters; not on ssh
+    # hosts, where cron or `rebalance --watch` on this machine does it)
     on_head: StrictBool = True
     # the head's loop: seconds between runs when no notice, leave or loss triggers one
     on_head_interval_s: float = Field(default=60.0, ge=5, le=86400)
@@ -495,8 +495,8 @@ class ClusterSpec(_Strict):
     @property
     def head_rebalances(self) -> bool:
         """Whether the head runs this cluster's reconcile loop ([rebalance] on_head, where
-        the provider supports it: local and aws so far)."""
-        return self.rebalance.on_head and self.provider in ("local", "aws")
+        the provider supports it: not ssh hosts)."""
+        return self.rebalance.on_head and self.provider in ("local", "aws", "gcp")
 
     @property
     def gpus_per_node(self) -> int:

@@ -68,8 +68,11 @@ def import_bundle(bundle: Path, token_file: Path) -> dict[str, Any]:
         cdir = store.cluster_dir(name).ensure()
         files = b.get("files") or {}
         for rel, text in files.items():
-            if not isinstance(rel, str) or "/" in rel or rel.startswith(".") or not rel:
+            parts = rel.split("/") if isinstance(rel, str) else [""]
+            if len(parts) > 2 or any(not p or p.startswith(".") for p in parts):
                 raise ValueError(f"{bundle}: bad file name {rel!r}")
+            if len(parts) == 2:
+                (cdir.path / parts[0]).mkdir(mode=0o700, exist_ok=True)
             write_private(cdir.path / rel, str(text))
         write_private(cdir.token_file, token_file.read_text().strip() + "\n")
         store.upsert_cluster(name, str(b["provider"]), dict(b["spec"]), "running")

@@ -741,10 +741,11 @@ def controller_url(head: HeadInfo, known_hosts: Path) -> str:
 
 def package_extras(spec: Any) -> tuple[str, ...]:
     """spotctl's extras in the package every node and the head install: torchft (`ft`) on
-    engine torchft; boto3 (`aws`) where the AWS head runs the reconcile loop."""
+    engine torchft; the cloud's client (`aws`, `gcp`) where the head runs the reconcile
+    loop."""
     extras: tuple[str, ...] = ("ft",) if spec.train.engine == "torchft" else ()
-    if spec.head_rebalances and spec.provider == "aws":
-        extras += ("aws",)
+    if spec.head_rebalances and spec.provider in ("aws", "gcp"):
+        extras += (spec.provider,)
     return extras
 
 
@@ -977,8 +978,8 @@ class CloudNodes:
         cdir = self.ctx.cluster_dir.path
         files = {}
         key = Path(str(inst.meta.get("key_file") or ""))
-        if key.is_file() and key.parent == cdir:
-            files[key.name] = key.read_text()
+        if key.is_file() and cdir in key.parents:  # e.g. ssh/id_ed25519 (gcp)
+            files[key.relative_to(cdir).as_posix()] = key.read_text()
         if self.known_hosts.is_file():
             files[self.known_hosts.name] = self.known_hosts.read_text()
         script = Path(self.ctx.spec.train.script)

@@ -41,12 +41,16 @@ def gcp_leftovers(fake: FakeCompute) -> dict[str, list[str]]:
         "bucket_bindings": [f"{b}: {m}" for b, pol in fake.storage.policies.items()
                             for bd in pol.get("bindings", []) for m in bd.get("members", [])
                             if m.startswith("serviceAccount:")],
+        # the project's and service accounts' IAM bindings naming a service account
+        "iam_bindings": [f"{r}: {m}" for r, pol in fake.storage.iam_policies.items()
+                         for bd in pol.get("bindings", []) for m in bd.get("members", [])
+                         if m.startswith("serviceAccount:")],
     }  # fmt: skip
 
 
 GCP_NOTHING: dict[str, list[str]] = {
     "instances": [], "firewalls": [], "resource_policies": [], "service_accounts": [],
-    "bucket_bindings": [],
+    "bucket_bindings": [], "iam_bindings": [],
 }  # fmt: skip
 
 

@@ -79,6 +79,13 @@ STORAGE_ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
         ("POST", "iam.serviceAccounts.create", _SA),
         ("GET", "iam.serviceAccounts.get", _SA + r"/(?P<email>[^/]+)"),
         ("DELETE", "iam.serviceAccounts.delete", _SA + r"/(?P<email>[^/]+)"),
+        # a service account's own policy (who may act as it), and the project's
+        ("POST", "iam.serviceAccounts.getIamPolicy", _SA + r"/(?P<email>[^/:]+):getIamPolicy"),
+        ("POST", "iam.serviceAccounts.setIamPolicy", _SA + r"/(?P<email>[^/:]+):setIamPolicy"),
+        ("POST", "cloudresourcemanager.projects.getIamPolicy",
+         r"/v1/projects/(?P<project>[^/:]+):getIamPolicy"),
+        ("POST", "cloudresourcemanager.projects.setIamPolicy",
+         r"/v1/projects/(?P<project>[^/:]+):setIamPolicy"),
     ]
 ]
 MAX_COMPONENTS = 1024  # GCS: components of one composite object
@@ -167,6 +174,8 @@ class FakeStorage:
         self.policies: dict[str, dict[str, Any]] = {}
         self.foreign_buckets: set[str] = set()  # names other projects own
         self.service_accounts: dict[str, dict[str, Any]] = {}  # email -> resource
+        # IAM policies of projects and of service accounts (resource name -> policy)
+        self.iam_policies: dict[str, dict[str, Any]] = {}
         self._uploads: dict[str, _Upload] = {}
         self._gen = itertools.count(1_700_000_000_000_000)
         self.tokens: dict[str, str] = {}  # bearer token -> service account email
@@ -245,7 +254,7 @@ class FakeStorage:
     def serves(path: str) -> bool:
         p = urlsplit(path).path
         return p.startswith(("/storage/", "/upload/storage/", "/download/storage/")) or bool(
-            re.match(_SA, p)
+            re.match(_SA, p) or re.fullmatch(r"/v1/projects/[^/:]+:(get|set)IamPolicy", p)
         )
 
     def handle(self, method: str, raw_path: str, headers: Any, raw: bytes) -> Reply:
@@ -276,9 +285,10 @@ class FakeStorage:
                 self.compute._inject(key)
                 self._authenticate(headers)
                 self.callers.append((key, self._caller))
-                if self._caller is not None and key in (
+                if self._caller is not None and (key in (
                         "storage.buckets.insert", "iam.serviceAccounts.create",
-                        "iam.serviceAccounts.get", "iam.serviceAccounts.delete"):  # fmt: skip
+                        "iam.serviceAccounts.get", "iam.serviceAccounts.delete")
+                        or key.endswith("IamPolicy") and not key.startswith("storage.")):  # fmt: skip
                     perm = key.replace("buckets.insert", "buckets.create")
                     raise StorageError(403, "forbidden", f"{self._caller} does not have "
                                        f"{perm} access to the project.")  # fmt: skip
@@ -614,12 +624,69 @@ class FakeStorage:
             raise StorageError(404, "NOT_FOUND", f"Unknown service account {email}")
         return sa
 
+    def _policy_of(self, resource: str) -> dict[str, Any]:
+        return self.iam_policies.setdefault(
+            resource, {"version": 1, "bindings": [], "etag": base64.b64encode(b"\0\0\0\1").decode()})
+
+    def _get_policy(self, resource: str, body: Any) -> Reply:
+        pol = self._policy_of(resource)
+        want = int(((body or {}).get("options") or {}).get("requestedPolicyVersion") or 1)
+        if want < 3 and any(b.get("condition") for b in pol["bindings"]):
+            raise StorageError(400, "INVALID_ARGUMENT", "The policy has conditions: request "
+                               "policy version 3 to read it.")  # fmt: skip
+        return self._json(json.loads(json.dumps(pol)))
+
+    def _set_policy(self, resource: str, body: Any) -> Reply:
+        """setIamPolicy as IAM checks it: the etag, roles named roles/..., members that
+        exist, conditions only in version 3 with an expression."""
+        old = self._policy_of(resource)
+        new = dict((body or {}).get("policy") or {})
+        if new.get("etag") and new["etag"] != old["etag"]:
+            raise StorageError(409, "ABORTED", "There were concurrent policy changes.")
+        version = int(new.get("version") or 1)
+        bindings = list(new.get("bindings") or [])
+        for i, bd in enumerate(bindings):
+            role = str(bd.get("role", ""))
+            if not role.startswith("roles/"):
+                raise StorageError(400, "INVALID_ARGUMENT", f"Role {role!r} is not valid.")
+            for m in bd.get("members") or []:
+                kind, _, who = str(m).partition(":")
+                if kind == "serviceAccount" and who not in self.service_accounts:
+                    raise StorageError(400, "INVALID_ARGUMENT", f"Service account {who} does "
+                                       "not exist.")  # fmt: skip
+            cond = bd.get("condition")
+            if cond and (version < 3 or not str(cond.get("expression", "")).strip()):
+                raise StorageError(400, "INVALID_ARGUMENT", f"bindings[{i}].condition needs "
+                                   "policy version 3 and an expression.")  # fmt: skip
+        n = int.from_bytes(base64.b64decode(old["etag"]), "big") + 1
+        pol = {"version": version, "bindings": bindings,
+               "etag": base64.b64encode(n.to_bytes(4, "big")).decode()}  # fmt: skip
+        self.iam_policies[resource] = pol
+        return self._json(pol)
+
+    def _serviceAccounts_getIamPolicy(self, project: str, email: str, body: Any,
+                                      **_: Any) -> Reply:  # fmt: skip
+        self._sa(project, email)
+        return self._get_policy(f"serviceAccounts/{email}", body)
+
+    def _serviceAccounts_setIamPolicy(self, project: str, email: str, body: Any,
+                                      **_: Any) -> Reply:  # fmt: skip
+        self._sa(project, email)
+        return self._set_policy(f"serviceAccounts/{email}", body)
+
+    def _projects_getIamPolicy(self, project: str, body: Any, **_: Any) -> Reply:
+        return self._get_policy(f"projects/{project}", body)
+
+    def _projects_setIamPolicy(self, project: str, body: Any, **_: Any) -> Reply:
+        return self._set_policy(f"projects/{project}", body)
+
     def _serviceAccounts_get(self, project: str, email: str, **_: Any) -> Reply:
         return self._json(self._sa(project, email))
 
     def _serviceAccounts_delete(self, project: str, email: str, **_: Any) -> Reply:
         self._sa(project, email)
         del self.service_accounts[email]
+        self.iam_policies.pop(f"serviceAccounts/{email}", None)
         return self._json({})
 
 

@@ -327,6 +327,9 @@ def test_head_is_standard_vm_and_reused(fake, provider):
     assert int(disk["diskSizeGb"]) == 20
     meta = {i["key"] for i in ins.body["metadata"]["items"]}
     assert "install-nvidia-driver" not in meta
+    # it replaces lost workers ([rebalance] on_head) as its own account
+    [sa] = ins.body["serviceAccounts"]
+    assert sa["email"] == "spotctlh-demo@test-proj.iam.gserviceaccount.com", sa
 
 
 def test_cleanup_leaves_nothing(fake, provider):

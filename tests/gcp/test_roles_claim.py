@@ -68,6 +68,12 @@ PERMISSIONS: dict[str, set[str]] = {
     "iam.serviceAccounts.create": {"iam.serviceAccounts.create"},
     "iam.serviceAccounts.get": {"iam.serviceAccounts.get"},
     "iam.serviceAccounts.delete": {"iam.serviceAccounts.delete"},
+    # the head's account ([rebalance] on_head): its project bindings, and the right to run
+    # workers as the workers' account (a binding on that account)
+    "iam.serviceAccounts.getIamPolicy": {"iam.serviceAccounts.getIamPolicy"},
+    "iam.serviceAccounts.setIamPolicy": {"iam.serviceAccounts.setIamPolicy"},
+    "cloudresourcemanager.projects.getIamPolicy": {"resourcemanager.projects.getIamPolicy"},
+    "cloudresourcemanager.projects.setIamPolicy": {"resourcemanager.projects.setIamPolicy"},
 }  # fmt: skip
 
 
@@ -89,7 +95,8 @@ def test_every_call_of_a_lifecycle_is_covered_by_the_role_list(fake: Any, provid
     provider.cleanup()
     made = {r.key for r in fake.requests if r.key}
     assert {"instances.insert", "instances.delete", "firewalls.insert",
-            "storage.buckets.setIamPolicy", "storage.objects.delete"} <= made, made
+            "storage.buckets.setIamPolicy", "storage.objects.delete",
+            "cloudresourcemanager.projects.setIamPolicy"} <= made, made
     unknown = made - PERMISSIONS.keys()
     assert not unknown, f"calls with no known permission (add them here): {unknown}"
     needed = set().union(*(PERMISSIONS[k] for k in made))

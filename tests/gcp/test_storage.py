@@ -72,12 +72,12 @@ def test_up_makes_bucket_prefix_and_scoped_account_and_down_keeps_checkpoints(
                for x in fake.storage.policies[BUCKET]["bindings"])  # fmt: skip
     assert len(mine) == 2
 
-    # workers run as the account with the cloud-platform scope; the head as none
+    # workers run as the account with the cloud-platform scope; the head as its own
     p.ensure_head()
     p.launch(_offer(p), 2, "req-sa")
     inserts = {c.body["name"]: c.body for c in fake.calls("instances.insert")}
     head = inserts.pop("demo-head")
-    assert not head.get("serviceAccounts")
+    assert head["serviceAccounts"] == [{"email": p.head_account, "scopes": [CLOUD_SCOPE]}]
     assert len(inserts) == 2
     for body in inserts.values():
         assert body["serviceAccounts"] == [{"email": email, "scopes": [CLOUD_SCOPE]}]

@@ -182,9 +182,14 @@ def test_gcp_role_list_is_least_privilege(wheel_files: dict[str, bytes]) -> None
     lines = [ln.strip() for ln in text.splitlines()]
     perms = [ln for ln in lines if ln and not ln.startswith("#")]
     assert "compute.instances.create" in perms and "compute.instances.delete" in perms
+    # the head's project bindings ([rebalance] on_head): the project's policy, read and
+    # written, and nothing else of the resource manager
+    assert [p for p in perms if p.startswith("resourcemanager.")] == [
+        "resourcemanager.projects.getIamPolicy", "resourcemanager.projects.setIamPolicy"]
     for p in perms:
-        # VMs and firewalls; the checkpoint bucket; the workers' service account
-        assert p.startswith(("compute.", "storage.", "iam.serviceAccounts.")), p
+        # VMs and firewalls; the checkpoint bucket; the workers' and the head's accounts
+        assert p.startswith(("compute.", "storage.", "iam.serviceAccounts.",
+                             "resourcemanager.projects.")), p
         assert "*" not in p, p
         assert not p.startswith("roles/"), "a broad predefined role in the list"
     assert len(perms) == len(set(perms))

@@ -31,7 +31,8 @@ def _bundle(tmp: Path, age_s: float = 3600, **over: object) -> tuple[Path, Path]
     b = {"cluster": "c9", "provider": "aws", "spec": SPEC,
          "head": {"url": "http://10.0.0.5:29400", "store_host": "10.0.0.5",
                   "store_port": 29401, "instance_id": "i-0head", "lighthouse": ""},
-         "files": {"id_ed25519": "KEY\n", "known_hosts": "10.0.0.7 ssh-ed25519 AAAA\n"},
+         "files": {"id_ed25519": "KEY\n", "known_hosts": "10.0.0.7 ssh-ed25519 AAAA\n",
+                   "ssh/id_gcp": "GKEY\n"},
          "interval_s": 15, "env": {}, "project_root": ""}  # fmt: skip
     b.update(over)
     (head / "rebalance.json").write_text(json.dumps(b))
@@ -66,10 +67,13 @@ def test_the_bundle_becomes_the_loops_state_directory(tmp_path: Path) -> None:
     assert cdir.token() == "tok-123"
     key = cdir.path / "id_ed25519"
     assert key.read_text() == "KEY\n" and key.stat().st_mode & 0o777 == 0o600
+    assert (cdir.path / "ssh" / "id_gcp").read_text() == "GKEY\n"
+    assert (cdir.path / "ssh").stat().st_mode & 0o777 == 0o700
     store.close()
 
 
-@pytest.mark.parametrize("name", ["../escape", ".hidden", "a/b", ""])
+@pytest.mark.parametrize("name", ["../escape", ".hidden", "a/b/c", "", "a/../b", "/abs",
+                                  "ssh/.x"])
 def test_a_bundle_file_outside_the_cluster_directory_is_refused(tmp_path: Path, name: str) -> None:
     bundle, token = _bundle(tmp_path, files={name: "x"})
     with pytest.raises(ValueError, match="bad file name"):

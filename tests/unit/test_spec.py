@@ -106,10 +106,10 @@ def test_torchft_refuses_ssh_hosts_of_unequal_gpus(tmp_path):
     assert load_spec(_write(tmp_path, f'provider = "ssh"\n{same}')).train.engine == "torchft"
 
 
-def test_the_head_runs_the_reconcile_loop_on_local_and_aws_clusters() -> None:
-    """[rebalance] on_head: on by default, done by local and aws clusters' heads; a spec
-    keeps its value through the journal (validated again from there); gcp and ssh heads
-    run no loop yet (`up` says that nothing replaces their lost nodes without cron)."""
+def test_the_head_runs_the_reconcile_loop_on_local_and_cloud_clusters() -> None:
+    """[rebalance] on_head: on by default, done by local, aws and gcp clusters' heads; a
+    spec keeps its value through the journal (validated again from there); ssh hosts' heads
+    run no loop (`up` says that nothing replaces their lost nodes without cron)."""
     local = ClusterSpec.model_validate({"provider": "local"})
     assert local.head_rebalances and local.rebalance.on_head
     assert not ClusterSpec.model_validate(
@@ -119,8 +119,10 @@ def test_the_head_runs_the_reconcile_loop_on_local_and_aws_clusters() -> None:
     assert ClusterSpec.model_validate(aws.model_dump(mode="json")).head_rebalances
     off = ClusterSpec.model_validate({"provider": "aws", "rebalance": {"on_head": False}})
     assert not ClusterSpec.model_validate(off.model_dump(mode="json")).head_rebalances
-    gcp = ClusterSpec.model_validate({"provider": "gcp"})
-    assert gcp.rebalance.on_head and not gcp.head_rebalances
+    assert ClusterSpec.model_validate({"provider": "gcp"}).head_rebalances
+    ssh = ClusterSpec.model_validate({"provider": "ssh", "ssh": {"hosts": [
+        {"address": "10.0.0.1", "gpus": 1}]}})
+    assert ssh.rebalance.on_head and not ssh.head_rebalances
     with pytest.raises(ValueError, match="on_head_interval_s"):
         ClusterSpec.model_validate({"rebalance": {"on_head_interval_s": 1}})
 

@@ -266,6 +266,8 @@ class GcpApi:
             api_port=COORDINATOR_PORT, store_port=STORE_PORT,
         )  # fmt: skip
         self._head_process = bool(opts.get("head_process", True))
+        # the head's own reconcile loop runs this provider on the head VM: its VM name
+        self._on_head = str(opts.get("on_head") or "")
         self._head: HeadInfo | None = None  # set by ensure_head, used by bootstrap
 
     # ----------------------------------------------------------------- clients

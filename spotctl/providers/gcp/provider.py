@@ -44,7 +44,7 @@ import time
 from collections.abc import Sequence
 from functools import partial
 
-from spotctl.errors import SpecError
+from spotctl.errors import ProviderError, SpecError
 from spotctl.providers.base import HeadInfo, Instance, ProviderContext, Teardown, start_new_head
 from spotctl.providers.gcp import catalog as catalog_gcp
 from spotctl.providers.gcp.api import (
@@ -70,9 +70,18 @@ class GcpProvider(GcpChecks):
 
     def prepare(self) -> None:
         """Firewall rules and SSH key (network.py), then the checkpoint bucket and the
-        workers' service account (storage.py); idempotent, run by every `up`."""
+        workers' service account (storage.py), and the head's where it replaces nodes;
+        idempotent, run by every `up`. On the head itself nothing is made or changed: its
+        account may not, and the controller made all of it."""
+        if self._on_head:
+            if not self._key_path().exists():
+                raise ProviderError(f"gcp: the cluster's SSH key is missing on the head "
+                                    f"({self._key_path()})")
+            return
         super().prepare()
         self.prepare_storage()
+        if self.ctx.spec.head_rebalances:
+            self._ensure_head_identity()
 
     # ----------------------------------------------------------------- head and cleanup
 
@@ -88,9 +97,19 @@ class GcpProvider(GcpChecks):
             )
         ]
         live = [vm for vm in heads if _STATES.get(str(vm.status)) in ("running", "pending")]
+        if self._on_head:
+            # the head's own loop: this VM is the head; nothing to start or reach by SSH
+            own = [vm for vm in live if vm.name == self._on_head]
+            if not own:
+                raise ProviderError(f"gcp: the head {self._on_head} is not running")
+            self._head = self._nodes.head(self._to_instance(own[0]), False, "gcp")
+            return self._head
         if not live:
             # A stopped head lost its in-memory store anyway: replace it.
             self._delete((_short(vm.zone), vm.name) for vm in heads)
+            if self.ctx.spec.head_rebalances:  # it runs as its own account: made first
+                self.prepare_storage()
+                self._ensure_head_identity()
             zone = self._head_zone()
             resource = self._instance_resource(
                 name=name,
@@ -123,8 +142,10 @@ class GcpProvider(GcpChecks):
         start its agent (GCP metadata notices), confirm its first heartbeat at the head.
         Per-host results; one host failing never hides the others."""
         head = self._head or self.ensure_head()
-        # The agents' checkpoint_dir: the cluster's gs:// prefix unless the spec set one.
-        self.prepare_storage()
+        # The agents' checkpoint_dir: the cluster's gs:// prefix unless the spec set one
+        # (on the head, the spec `up` gave it has it).
+        if not self._on_head:
+            self.prepare_storage()
         want = {i.id for i in instances}
         deadline = time.monotonic() + self.op_timeout_s
         while True:
@@ -160,10 +181,12 @@ class GcpProvider(GcpChecks):
     def _pin_host_keys(self, inst: Instance) -> None:
         """Pin the keys the cloud reports for this VM before the first SSH (not under
         the loopback test seam, where one sshd stands in for every VM)."""
-        if self._nodes.override is not None or not inst.public_address:
+        # the head's own loop reaches nodes at their internal address (CloudNodes.target)
+        address = inst.address if self._on_head else inst.public_address
+        if self._nodes.override is not None or not address:
             return
         keys = self.guest_host_keys(inst.zone, inst.id)
-        pin_host_keys(self.ctx.cluster_dir.known_hosts, inst.public_address, keys)
+        pin_host_keys(self.ctx.cluster_dir.known_hosts, address, keys)
 
     def _head_zone(self) -> str:
         if self.spec.zones:

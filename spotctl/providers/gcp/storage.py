@@ -41,6 +41,12 @@ from spotctl.providers.gcp.api import GcpApi, _one_line
 CLOUD_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 STORAGE_URL = "https://storage.googleapis.com"
 IAM_URL = "https://iam.googleapis.com"
+RESOURCE_MANAGER_URL = "https://cloudresourcemanager.googleapis.com"
+# The head ([rebalance] on_head): it reads Compute everywhere in the project, and changes
+# (creates, deletes) only this cluster's VMs and their boot disks (HEAD_CONDITION)
+HEAD_READ_ROLE = "roles/compute.viewer"
+HEAD_ROLE = "roles/compute.instanceAdmin.v1"
+ACT_AS_ROLE = "roles/iam.serviceAccountUser"  # on the workers' account only
 OBJECT_ROLE = "roles/storage.objectUser"
 LIST_ROLE = "roles/storage.legacyBucketReader"
 _SA_DOMAIN = ".iam.gserviceaccount.com"
@@ -89,6 +95,12 @@ def account_id_for(cluster: str) -> str:
         digest = hashlib.sha256(cluster.encode()).hexdigest()[:6]
         acc = acc[:23].rstrip("-") + "-" + digest
     return acc
+
+
+def head_account_id_for(cluster: str) -> str:
+    """The head's service account id ([rebalance] on_head): `spotctlh-<cluster>`, which no
+    cluster's workers' id (`spotctl-...`) can equal."""
+    return "spotctlh-" + account_id_for(cluster).removeprefix("spotctl-")[:21].rstrip("-")
 
 
 def check_bucket_name(name: str) -> str | None:
@@ -175,6 +187,124 @@ class GcpStorage(ClusterCheckpoints, GcpApi):
     def node_account(self) -> str:
         """The workers' service account email."""
         return f"{account_id_for(self.ctx.cluster)}@{self.project}{_SA_DOMAIN}"
+
+    @property
+    def head_account(self) -> str:
+        """The head's service account email ([rebalance] on_head)."""
+        return f"{head_account_id_for(self.ctx.cluster)}@{self.project}{_SA_DOMAIN}"
+
+    def head_condition(self) -> dict[str, str]:
+        """Where the head's instance-admin role applies: this cluster's worker VMs and
+        their boot disks (named `<cluster>-<8 hex>-<n>`, which no other cluster's names
+        match), this cluster's compact placement policies, and the subnetworks a VM is
+        put on. Nothing else: no other VM, disk, firewall or image."""
+        vm = f"^{self.ctx.cluster}-[0-9a-f]{{8}}-[0-9]+$"
+        policy = f"spotctl-{self.ctx.cluster}-"
+        return {
+            "title": f"spotctl-{self.ctx.cluster}-head"[:100],
+            "description": f"spotctl cluster {self.ctx.cluster}: its own workers only",
+            "expression": (
+                'resource.type == "compute.googleapis.com/Subnetwork" || '
+                f'resource.name.extract("/instances/{{name}}").matches("{vm}") || '
+                f'resource.name.extract("/disks/{{name}}").matches("{vm}") || '
+                f'resource.name.extract("/resourcePolicies/{{name}}").startsWith("{policy}")'
+            ),
+        }
+
+    def head_bindings(self) -> list[dict[str, Any]]:
+        """The head's project-level bindings."""
+        member = f"serviceAccount:{self.head_account}"
+        return [
+            {"role": HEAD_READ_ROLE, "members": [member]},
+            {"role": HEAD_ROLE, "members": [member], "condition": self.head_condition()},
+        ]
+
+    def _edit_policy(self, what: str, url: str, member: str,
+                     add: list[dict[str, Any]]) -> None:
+        """Read-modify-write an IAM policy (projects / service accounts: POST
+        :getIamPolicy / :setIamPolicy, version 3, etag-checked, a concurrent change
+        retried): every binding of `member` dropped, then `add` put in."""
+        for attempt in range(6):
+            policy = self._rest(f"read the IAM policy of {what}", "POST", f"{url}:getIamPolicy",
+                                body={"options": {"requestedPolicyVersion": 3}}) or {}
+            old = policy.get("bindings") or []
+            bindings = []
+            for b in old:
+                members = [m for m in b.get("members") or [] if m != member]
+                if members:
+                    bindings.append({**b, "members": members})
+            if not add and len(bindings) == len(old) and all(
+                    member not in (b.get("members") or []) for b in old):
+                return  # nothing of ours there
+            new = {"bindings": bindings + add, "etag": policy.get("etag", ""), "version": 3}
+            try:
+                self._rest(f"set the IAM policy of {what}", "POST", f"{url}:setIamPolicy",
+                           body={"policy": new})
+                return
+            except ProviderError as e:
+                retry = "409" in str(e) or "412" in str(e) or (add and "does not exist" in str(e))
+                if not retry or attempt == 5:
+                    raise
+                time.sleep(min(5.0, self.retry.base_s * 2**attempt))
+
+    @property
+    def _project_url(self) -> str:
+        return f"{self.endpoint or RESOURCE_MANAGER_URL}/v1/projects/{self.project}"
+
+    def _ensure_head_identity(self) -> None:
+        """The head's service account, its project bindings (read Compute; change only
+        this cluster's VMs), and the right to run workers as the workers' account."""
+        email = self.head_account
+        self._ensure_account(email, head_account_id_for(self.ctx.cluster),
+                             f"spotctl {self.ctx.cluster} head",
+                             f"spotctl cluster {self.ctx.cluster}: the head replaces its "
+                             "lost workers")  # fmt: skip
+        member = f"serviceAccount:{email}"
+        self._edit_policy(f"project {self.project}", self._project_url, member,
+                          self.head_bindings())
+        self._edit_policy(f"service account {self.node_account}",
+                          f"{self._iam_base}/{self.node_account}", member,
+                          [{"role": ACT_AS_ROLE, "members": [member]}])
+
+    def _delete_head_identity(self) -> list[str]:
+        """The head's project bindings, then its account. Nothing to do (and no project
+        policy read, which an identity without on_head may not do) when the account is
+        not there: its bindings go first, so a down cut short leaves the account."""
+        email, leaks = self.head_account, []
+        try:
+            if self._rest(f"look up service account {email}", "GET",
+                          f"{self._iam_base}/{email}", missing_ok=True) is None:
+                return []
+        except ProviderError as e:
+            return [f"service account {email}: {e}"]
+        try:
+            self._edit_policy(f"project {self.project}", self._project_url,
+                              f"serviceAccount:{email}", [])
+        except ProviderError as e:
+            leaks.append(f"project IAM bindings of {email}: {e}")
+        try:
+            self._rest(f"delete service account {email}", "DELETE",
+                       f"{self._iam_base}/{email}", missing_ok=True)
+        except ProviderError as e:
+            leaks.append(f"service account {email}: {e}")
+        return leaks
+
+    def _ensure_account(self, email: str, account_id: str, display: str,
+                        description: str) -> None:
+        found = self._rest(
+            f"look up service account {email}", "GET", f"{self._iam_base}/{email}", missing_ok=True
+        )
+        if found is None:
+            try:
+                self._rest(
+                    f"create service account {email}", "POST", self._iam_base,
+                    body={"accountId": account_id,
+                          "serviceAccount": {"displayName": display[:100],
+                                             "description": description}},
+                )  # fmt: skip
+            except ProviderError as e:
+                if "409" not in str(e):
+                    raise
 
     def _condition(self) -> dict[str, str]:
         return {
@@ -330,34 +460,29 @@ class GcpStorage(ClusterCheckpoints, GcpApi):
                     raise
                 time.sleep(min(5.0, self.retry.base_s * 2**attempt))
 
+    def prepare_storage(self) -> None:
+        """The bucket and the workers' account (ClusterCheckpoints); on the head itself,
+        nothing: the controller made them, and the spec the head was given names the
+        checkpoint prefix."""
+        if self._on_head:
+            return
+        super().prepare_storage()
+
     def _ensure_node_identity(self) -> None:
         email = self.node_account
-        found = self._rest(
-            f"look up service account {email}", "GET", f"{self._iam_base}/{email}", missing_ok=True
-        )
-        if found is None:
-            try:
-                self._rest(
-                    f"create service account {email}",
-                    "POST",
-                    self._iam_base,
-                    body={
-                        "accountId": account_id_for(self.ctx.cluster),
-                        "serviceAccount": {
-                            "displayName": f"spotctl {self.ctx.cluster} workers"[:100],
-                            "description": f"spotctl cluster {self.ctx.cluster}: the workers' "
-                            f"checkpoints under gs://{self.bucket_name()}/{self.prefix}",
-                        },
-                    },
-                )
-            except ProviderError as e:
-                if "409" not in str(e):
-                    raise
+        self._ensure_account(email, account_id_for(self.ctx.cluster),
+                             f"spotctl {self.ctx.cluster} workers",
+                             f"spotctl cluster {self.ctx.cluster}: the workers' checkpoints "
+                             f"under gs://{self.bucket_name()}/{self.prefix}")  # fmt: skip
         # Set every time: reconciled if the bucket or the condition changed.
         self._edit_bucket_policy(f"serviceAccount:{email}", add=True)
 
     def _delete_node_identity(self) -> list[str]:
-        """Remove the account's bucket bindings and the account; leaks as lines."""
+        """Remove the workers' account (its bucket bindings first) and the head's (its
+        project bindings first); leaks as lines."""
+        return self._delete_workers_identity() + self._delete_head_identity()
+
+    def _delete_workers_identity(self) -> list[str]:
         email, leaks = self.node_account, []
         try:
             if self.bucket_exists():
@@ -378,9 +503,13 @@ class GcpStorage(ClusterCheckpoints, GcpApi):
 
     def _service_accounts(self, role: str) -> list[Any]:
         """The serviceAccounts of a VM's insert: workers run as the cluster's account
-        (made by prepare_storage, which `launch` runs first); the head runs as none."""
-        if role != "worker":
-            return []
+        (made by prepare_storage, which `launch` runs first); the head as its own where it
+        replaces lost workers, else as none."""
         from google.cloud import compute_v1
 
+        if role != "worker":
+            # the head runs as its own account where it replaces lost workers
+            if not self.ctx.spec.head_rebalances:
+                return []
+            return [compute_v1.ServiceAccount(email=self.head_account, scopes=[CLOUD_SCOPE])]
         return [compute_v1.ServiceAccount(email=self.node_account, scopes=[CLOUD_SCOPE])]
