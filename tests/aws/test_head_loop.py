@@ -11,6 +11,7 @@ what the controller's own journal holds (it launched nothing after `up`)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,15 @@ def test_the_head_replaces_a_preempted_worker_with_its_own_role(
     # and not the controller: its journal has no launch after `up`
     later = flow.events()[journal_after_up:]
     assert not [e for e in later if e["type"] in ("launch", "plan-launch", "plan-replace")], later
+    # the controller's journal has the head's replacement from the cloud's list
+    assert new in {n["id"] for n in flow.status()["nodes"]}
+    # a `rebalance` by hand pauses the head's loop while it acts, and resumes it
+    agent_log = next(flow.remote.glob(f"{flow.name}/head/agent.log"))
+    before = agent_log.read_text().count("reconcile loop resumed")
+    out = json.loads(flow.cli("rebalance", "--name", flow.name, "--json").stdout)
+    assert out["actions"] == [] and out["launched"] == [], out
+    text = agent_log.read_text()
+    assert text.count("reconcile loop resumed") == before + 1, text[-2000:]
 
     out = flow.down()
     assert out["leaks"] == [], out
