@@ -88,11 +88,12 @@ def context(store: Store, spec: ClusterSpec, options: dict[str, Any] | None = No
 @contextmanager
 def head_loop_paused(store: Store, spec: ClusterSpec, options: dict[str, Any] | None,
                      progress: Progress, wait_s: float = PAUSE_WAIT_S,
-                     resume: bool = True) -> Iterator[bool]:
+                     resume: bool = True, must: bool = True) -> Iterator[bool]:
     """While this controller acts on a cloud cluster, the head's own reconcile loop
     ([rebalance] on_head) does not: it is asked to pause (its run in progress ends first)
     and to resume afterwards. Yields whether it is paused; a head that cannot be reached
-    runs no loop that could act either. `resume` False: it stays paused (`down`)."""
+    runs no loop that could act either. `resume` False: it stays paused (`down`). `must`
+    False: a run that does not end within `wait_s` is said, not raised (`down` goes on)."""
     if (not spec.head_rebalances or spec.provider == "local"
             or (options or {}).get("on_head") or os.environ.get(ON_HEAD_VAR)):
         yield False
@@ -115,8 +116,12 @@ def head_loop_paused(store: Store, spec: ClusterSpec, options: dict[str, Any] | 
             paused = bool(r.get("paused"))
             break
         if time.monotonic() >= deadline:
-            raise StateError(f"cluster {spec.name}: the head's reconcile run did not end "
-                             f"within {wait_s:.0f}s ({r.get('busy')}); try again later")
+            why = (f"cluster {spec.name}: the head's reconcile run did not end within "
+                   f"{wait_s:.0f}s ({r.get('busy')})")
+            if must:
+                raise StateError(f"{why}; try again later")
+            progress(f"{why}: going on without pausing it", None)
+            break
         if not told:
             progress(f"waiting for the head's reconcile run to end ({r.get('busy')})", None)
             told = True
@@ -635,7 +640,8 @@ def teardown(store: Store, name: str, purge: bool = False,
             sync_events(store, name)
         except Exception as e:  # the head's events are a nicety; cleanup is not
             progress(f"could not import the head's events: {e}", None)
-        with head_loop_paused(store, spec, options, progress, wait_s=120.0, resume=False):
+        with head_loop_paused(store, spec, options, progress, wait_s=120.0, resume=False,
+                              must=False):
             pass  # no replacement starts while the cluster goes; the head goes with it
         progress("stopping nodes and head", None)
         leaks = provider.cleanup() if hasattr(provider, "cleanup") else []

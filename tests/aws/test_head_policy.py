@@ -126,3 +126,31 @@ def test_the_head_makes_nothing_the_controller_did_not(
     p = make_provider(instance_types=["g5.xlarge"], options={"on_head": "i-0123456789abcdef0"})
     with pytest.raises(Exception, match="no security group"):
         p.prepare()
+
+
+def test_down_ends_an_instance_the_head_launched_while_it_listed(
+    make_provider: Callable[..., AwsProvider], moto_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The head's loop can be mid-launch when `down` lists the cluster (its pause waited in
+    vain, or the head could not be reached): that instance appears after the list, and
+    down ends it too instead of leaving it billing."""
+    from .conftest import aws_leftovers
+
+    p = make_provider(instance_types=["g5.xlarge"])
+    p.prepare()
+    head = p.ensure_head()
+    offer = next(o for o in p.offers() if o.instance_type == "g5.xlarge")
+    p.launch(offer, 1, "req-1")
+    on = make_provider(name=p.ctx.cluster, instance_types=["g5.xlarge"],
+                       options={"on_head": head.instance_id})
+    real = AwsProvider.terminate
+    late: list[str] = []
+
+    def terminate(self: AwsProvider, ids: Any) -> None:
+        if not late:  # the head's launch lands just after down's list
+            late.extend(i.id for i in on.launch(offer, 1, "req-late"))
+        real(self, ids)
+
+    monkeypatch.setattr(AwsProvider, "terminate", terminate)
+    assert p.cleanup() == []
+    assert late and aws_leftovers(p.ctx.cluster, moto_url)["instances"] == []

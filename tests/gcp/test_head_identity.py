@@ -126,3 +126,32 @@ def test_without_on_head_the_project_policy_is_never_touched(
                and not r.key.startswith("storage.")}
     assert touched == set(), touched
     assert gcp_leftovers(fake) == GCP_NOTHING
+
+
+def test_down_deletes_a_vm_the_head_launched_while_it_listed(
+    fake: Any, spotctl_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The head's loop can be mid-launch when `down` lists the cluster: that VM appears
+    after the list, and down deletes it too instead of leaving it billing."""
+    from spotctl.providers.gcp.provider import GcpProvider
+
+    p = get_provider("gcp", make_ctx(fake, spotctl_home))
+    p.prepare()
+    head = p.ensure_head()
+    offer = next(o for o in p.offers() if o.gpus == 1)
+    p.launch(offer, 1, "req-1")
+    ctx = make_ctx(fake, spotctl_home)
+    ctx.options["on_head"] = head.instance_id
+    on = get_provider("gcp", ctx)
+    real = GcpProvider._delete
+    late: list[str] = []
+
+    def delete(self: Any, names: Any) -> Any:
+        names = list(names)
+        if not late:  # the head's launch lands just after down's list
+            late.extend(i.id for i in on.launch(offer, 1, "req-late"))
+        return real(self, names)
+
+    monkeypatch.setattr(GcpProvider, "_delete", delete)
+    assert p.cleanup() == []
+    assert late and gcp_leftovers(fake) == GCP_NOTHING

@@ -188,6 +188,28 @@ def test_the_controller_pauses_the_heads_loop_while_it_acts(tmp_path: Path) -> N
         holder.wait()
         holder.stdout.close()
         assert _lock_free(home) and not loop.status()["paused"]
+        # `down` does not wait forever for a run that does not end: it says so, goes on
+        holder = subprocess.Popen(
+            [sys.executable, "-c",
+             "import time; from pathlib import Path; from spotctl.state import ClusterDir\n"
+             f"with ClusterDir(Path({str(home)!r}), 'c9').lock('rebalance', wait=False):\n"
+             "    print('held', flush=True); time.sleep(30)\n"],
+            stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+            said.clear()
+            with head_loop_paused(ctl, spec, None, lambda m, _f: said.append(m), wait_s=1.5,
+                                  resume=False, must=False) as p:  # fmt: skip
+                assert not p
+            assert any("going on without pausing it" in m for m in said), said
+            with pytest.raises(Exception, match="did not end within"):
+                with head_loop_paused(ctl, spec, None, lambda m, _f: None, wait_s=1.0):
+                    pass
+        finally:
+            holder.kill()
+            holder.wait()
+            assert holder.stdout is not None
+            holder.stdout.close()
         # the head's own loop never pauses itself
         with head_loop_paused(ctl, spec, {"on_head": "i-0head"}, lambda m, _f: None) as p:
             assert not p

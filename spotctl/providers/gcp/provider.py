@@ -210,6 +210,19 @@ class GcpProvider(GcpChecks):
                          for r in self._nodes.release(insts) if not r.ok]
         vms = td.step("list the cluster's VMs", lambda: self._raw_list(**label), [])
         td.step("delete VMs", lambda: self._delete((_short(vm.zone), vm.name) for vm in vms))
+        # a launch that was in flight while the list was made (the head's own loop, cut
+        # short by its own end) shows up now: it goes too
+        first = {vm.name for vm in vms}
+        late = td.step("look for VMs launched meanwhile",
+                       lambda: [vm for vm in self._raw_list(**label) if vm.name not in first],
+                       [])  # fmt: skip
+        if late:
+            if self._nodes.override is not None:
+                names = {vm.name for vm in late}
+                td.leaks += [f"{r.node_id}: {r.reason}" for r in self._nodes.release(
+                    [i for i in self.list(self.cluster) if i.id in names]) if not r.ok]
+            td.step("delete VMs launched meanwhile",
+                    lambda: self._delete((_short(vm.zone), vm.name) for vm in late))
         td.step("delete firewall rules",
                 lambda: self._delete_firewalls(firewall_names(self.cluster)))
         # placement policies, after their VMs (a policy in use cannot go)
