@@ -154,3 +154,49 @@ def test_down_ends_an_instance_the_head_launched_while_it_listed(
     monkeypatch.setattr(AwsProvider, "terminate", terminate)
     assert p.cleanup() == []
     assert late and aws_leftovers(p.ctx.cluster, moto_url)["instances"] == []
+
+
+def test_the_heads_credentials_are_refused_what_its_role_does_not_grant(
+    make_provider: Callable[..., AwsProvider], moto_url: str
+) -> None:
+    """With moto's IAM enforcement on and the head role's credentials (assumed through
+    STS, as EC2 hands them to the head VM): what the role lists by action is allowed, and
+    everything a compromised head would want beyond replacing workers is refused: making
+    roles or passing itself, opening the security group, deleting the key pair, reading
+    or writing the checkpoints. (moto judges EC2 calls against the resource "*", so the
+    role's instance-level statements are tested as a document above, not here.)"""
+    import boto3
+
+    from .test_node_checkpoint_iam import _assume_node_role, iam_enforced
+
+    p = make_provider(instance_types=["g5.xlarge"])
+    p.prepare()
+    p.ensure_head()
+    gid, key = p._prepared or ("", "")
+    bucket = p.bucket_name()
+    env = _assume_node_role(moto_url, p.head_profile)
+    kw = {"region_name": REGION, "endpoint_url": moto_url,
+          "aws_access_key_id": env["AWS_ACCESS_KEY_ID"],
+          "aws_secret_access_key": env["AWS_SECRET_ACCESS_KEY"],
+          "aws_session_token": env["AWS_SESSION_TOKEN"]}  # fmt: skip
+    ec2, iam, s3 = (boto3.client(s, **kw) for s in ("ec2", "iam", "s3"))
+    with iam_enforced(moto_url):
+        ec2.describe_instances()  # the role's reads
+        ec2.describe_security_groups(GroupIds=[gid])
+        refused = [
+            lambda: iam.create_role(RoleName="x", AssumeRolePolicyDocument="{}"),
+            lambda: iam.put_role_policy(RoleName=p.head_profile, PolicyName="more",
+                                        PolicyDocument="{}"),
+            lambda: ec2.authorize_security_group_ingress(
+                GroupId=gid, IpPermissions=[{"IpProtocol": "tcp", "FromPort": 22,
+                                             "ToPort": 22,
+                                             "IpRanges": [{"CidrIp": "0.0.0.0/0"}]}]),
+            lambda: ec2.delete_key_pair(KeyName=key),
+            lambda: ec2.create_security_group(GroupName="x", Description="x"),
+            lambda: s3.get_object(Bucket=bucket, Key=f"{p.ctx.cluster}/checkpoints/x"),
+            lambda: s3.put_object(Bucket=bucket, Key=f"{p.ctx.cluster}/x", Body=b"x"),
+        ]  # fmt: skip
+        for call in refused:
+            with pytest.raises(Exception, match="AccessDenied|UnauthorizedOperation|403"):
+                call()
+    assert p.cleanup() == []
