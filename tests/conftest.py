@@ -931,6 +931,69 @@ def remote_worker_reports(remote: Path, name: str) -> dict[str, dict[str, Any]]:
     return {p.parent.parent.parent.name: json.loads(p.read_text()) for p in found}
 
 
+def trace_records(trace: Path) -> list[tuple[str, int, int]]:
+    """(incarnation, dp_rank, step) of every step every worker recorded in the template's
+    sample trace (SPOTCTL_TRACE_SAMPLES)."""
+    out = []
+    for f in sorted(trace.glob("*.txt")):
+        for line in f.read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3:
+                out.append((parts[0], int(parts[1]), int(parts[2])))
+    return out
+
+
+def run_head_replacement_flow(flow: CloudFlow, provider: str, trace: Path,
+                              end_vm: Callable[[str], None]) -> dict[str, Any]:
+    """A cloud cluster of 2 whose head replaces a preempted worker by itself: `up`, then
+    nothing from the controller. One worker gets its cloud's notice, leaves, and `end_vm`
+    ends its VM as the cloud would; the head's loop launches and bootstraps a replacement.
+    Checked from the workers' own records: both ranks of the new world step on past the
+    leave, and no step was skipped; from the controller's journal: it launched nothing
+    after `up`. The flow's spec must trace samples into `trace`. Returns the ids (first,
+    victim, new)."""
+    spec = flow.project / "spotctl.toml"
+    spec.write_text(spec.read_text() + "\n[rebalance]\non_head_interval_s = 5\n")
+    up = flow.up(provider, "2", 2)
+    first = sorted(up["launched"])
+    flow.wait_for("2 workers training", lambda s: s.get("world_size") == 2
+                  and (s.get("step") or 0) >= 5, timeout=240, interval=1)  # fmt: skip
+    journal_after_up = len(flow.events())
+    victim = first[0]
+    assert flow.metadata is not None
+    t_notice = time.monotonic()
+    flow.metadata.node(victim).preempt(provider, **({"in_s": 120} if provider == "aws" else {}))
+    flow.wait_for("the notice's leave", lambda s: victim not in
+                  [n["id"] for n in s["nodes"] if n["state"] in ("running", "joining")],
+                  timeout=120)  # fmt: skip
+    step_at_leave = max(s for _, _, s in trace_records(trace))
+    end_vm(victim)
+    kill_procs_mentioning(flow.remote / flow.name / victim)
+
+    def replaced(s: dict[str, Any]) -> bool:
+        ids = {n["id"] for n in s["nodes"] if n["state"] == "running"}
+        return len(ids) == 2 and victim not in ids and s.get("world_size") == 2
+
+    st = flow.wait_for("a replacement the head launched, training", replaced, timeout=300,
+                       interval=2)
+    [new] = sorted({n["id"] for n in st["nodes"] if n["state"] == "running"} - set(first))
+    # (seen through `status`, polled every 2 s)
+    print(f"{provider}: notice -> the head's replacement training: "
+          f"{time.monotonic() - t_notice:.1f} s")
+    wait_until(lambda: max(s for _, _, s in trace_records(trace)) >= step_at_leave + 10, 120,
+               "steps after the replacement joined", 1)  # fmt: skip
+    recs = trace_records(trace)
+    last = max(recs, key=lambda r: r[2])[0]  # the incarnation of the latest step
+    assert {r for i, r, s in recs if i == last and s > step_at_leave} == {0, 1}, recs[-10:]
+    steps = {s for _, _, s in recs}
+    assert steps == set(range(1, max(steps) + 1)), "a step was never trained"
+    log = next(flow.remote.glob(f"{flow.name}/head/head/rebalance.log")).read_text()
+    assert new in log, log[-3000:]
+    later = flow.events()[journal_after_up:]
+    assert not [e for e in later if e["type"] in ("launch", "plan-launch", "plan-replace")], later
+    return {"first": first, "victim": victim, "new": new}
+
+
 def run_spanning_group_flow(flow: CloudFlow, provider: str) -> dict[str, Any]:
     """run_torchft_flow with `[train] nodes_per_replica = 2` and two nodes: one replica
     group spanning both (issue 29), judged by the workers' own reports, read while they

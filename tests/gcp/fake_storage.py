@@ -395,15 +395,7 @@ class FakeStorage:
         bindings = list(body.get("bindings") or [])
         version = int(body.get("version") or 1)
         for i, bd in enumerate(bindings):
-            role = str(bd.get("role", ""))
-            if not role.startswith("roles/"):
-                raise StorageError(400, "invalid", f"Role {role!r} is not a valid role.")
-            for m in bd.get("members") or []:
-                kind, _, who = str(m).partition(":")
-                if kind == "serviceAccount" and who.endswith(SA_DOMAIN):
-                    if who not in self.service_accounts:
-                        raise StorageError(400, "invalid", f"Service account {who} does not "
-                                           "exist.")  # fmt: skip
+            self._check_binding(bd, "invalid")
             if bd.get("condition"):
                 if version < 3:
                     raise StorageError(400, "invalid", f"bindings[{i}]: IAM conditions need "
@@ -624,6 +616,17 @@ class FakeStorage:
             raise StorageError(404, "NOT_FOUND", f"Unknown service account {email}")
         return sa
 
+    def _check_binding(self, bd: dict[str, Any], reason: str) -> None:
+        """A binding IAM takes: a role named roles/..., service accounts that exist."""
+        role = str(bd.get("role", ""))
+        if not role.startswith("roles/"):
+            raise StorageError(400, reason, f"Role {role!r} is not a valid role.")
+        for m in bd.get("members") or []:
+            kind, _, who = str(m).partition(":")
+            if kind == "serviceAccount" and who.endswith(SA_DOMAIN) and (
+                    who not in self.service_accounts):
+                raise StorageError(400, reason, f"Service account {who} does not exist.")
+
     def _policy_of(self, resource: str) -> dict[str, Any]:
         return self.iam_policies.setdefault(
             resource, {"version": 1, "bindings": [], "etag": base64.b64encode(b"\0\0\0\1").decode()})
@@ -646,14 +649,7 @@ class FakeStorage:
         version = int(new.get("version") or 1)
         bindings = list(new.get("bindings") or [])
         for i, bd in enumerate(bindings):
-            role = str(bd.get("role", ""))
-            if not role.startswith("roles/"):
-                raise StorageError(400, "INVALID_ARGUMENT", f"Role {role!r} is not valid.")
-            for m in bd.get("members") or []:
-                kind, _, who = str(m).partition(":")
-                if kind == "serviceAccount" and who not in self.service_accounts:
-                    raise StorageError(400, "INVALID_ARGUMENT", f"Service account {who} does "
-                                       "not exist.")  # fmt: skip
+            self._check_binding(bd, "INVALID_ARGUMENT")
             cond = bd.get("condition")
             if cond and (version < 3 or not str(cond.get("expression", "")).strip()):
                 raise StorageError(400, "INVALID_ARGUMENT", f"bindings[{i}].condition needs "

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,26 @@ def _lock_free(home: Path) -> bool:
             "except Exception as e:\n"
             "    print(e); sys.exit(1)\n")  # fmt: skip
     return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+@contextmanager
+def _run_in_progress(home: Path, seconds: float = 30) -> Iterator[subprocess.Popen[str]]:
+    """Another process holds the loop's lock, as a run of the loop's child does, for
+    `seconds` at most (ended when the block ends)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import time; from pathlib import Path; from spotctl.state import ClusterDir\n"
+         f"with ClusterDir(Path({str(home)!r}), 'c9').lock('rebalance', wait=False):\n"
+         f"    print('held', flush=True); time.sleep({seconds})\n"],
+        stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert holder.stdout is not None
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
 
 
 def test_the_bundle_becomes_the_loops_state_directory(tmp_path: Path) -> None:
@@ -121,21 +143,9 @@ def test_a_run_in_progress_is_not_paused_and_a_pause_ends_by_itself(tmp_path: Pa
     loop = Rebalancer.from_bundle(bundle, token, tmp_path / "rebalance.log")
     home = bundle.parent / "home"
     # a run of the loop holds the lock (another process): the pause says so, and waits not
-    holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import time; from pathlib import Path; from spotctl.state import ClusterDir\n"
-         f"with ClusterDir(Path({str(home)!r}), 'c9').lock('rebalance', wait=False):\n"
-         "    print('held', flush=True); time.sleep(30)\n"],
-        stdout=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    with _run_in_progress(home):
         r = loop.pause(60, "laptop")
         assert r["paused"] is False and "another rebalance is running" in r["busy"], r
-    finally:
-        holder.kill()
-        holder.wait()
-        assert holder.stdout is not None
-        holder.stdout.close()
     assert loop.pause(1, "laptop")["paused"]
     assert not _lock_free(home)
     deadline = time.monotonic() + 15
@@ -172,31 +182,17 @@ def test_the_controller_pauses_the_heads_loop_while_it_acts(tmp_path: Path) -> N
         spec = ClusterSpec.model_validate(SPEC)
         said: list[str] = []
         # a run of the loop in progress: the controller waits for its end
-        holder = subprocess.Popen(
-            [sys.executable, "-c",
-             "import time; from pathlib import Path; from spotctl.state import ClusterDir\n"
-             f"with ClusterDir(Path({str(home)!r}), 'c9').lock('rebalance', wait=False):\n"
-             "    print('held', flush=True); time.sleep(2)\n"],
-            stdout=subprocess.PIPE, text=True)  # fmt: skip
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        t0 = time.monotonic()
-        with head_loop_paused(ctl, spec, None, lambda m, _f: said.append(m)) as paused:
-            assert paused and time.monotonic() - t0 > 0.5
-            assert any("waiting for the head's reconcile run" in m for m in said), said
-            assert not _lock_free(home)
-            assert loop.status()["paused"]
-        holder.wait()
-        holder.stdout.close()
+        with _run_in_progress(home, seconds=2) as holder:
+            t0 = time.monotonic()
+            with head_loop_paused(ctl, spec, None, lambda m, _f: said.append(m)) as paused:
+                assert paused and time.monotonic() - t0 > 0.5
+                assert any("waiting for the head's reconcile run" in m for m in said), said
+                assert not _lock_free(home)
+                assert loop.status()["paused"]
+            assert holder.wait() == 0  # its run ended by itself first
         assert _lock_free(home) and not loop.status()["paused"]
         # `down` does not wait forever for a run that does not end: it says so, goes on
-        holder = subprocess.Popen(
-            [sys.executable, "-c",
-             "import time; from pathlib import Path; from spotctl.state import ClusterDir\n"
-             f"with ClusterDir(Path({str(home)!r}), 'c9').lock('rebalance', wait=False):\n"
-             "    print('held', flush=True); time.sleep(30)\n"],
-            stdout=subprocess.PIPE, text=True)  # fmt: skip
-        try:
-            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with _run_in_progress(home):
             said.clear()
             with head_loop_paused(ctl, spec, None, lambda m, _f: said.append(m), wait_s=1.5,
                                   resume=False, must=False) as p:  # fmt: skip
@@ -205,11 +201,6 @@ def test_the_controller_pauses_the_heads_loop_while_it_acts(tmp_path: Path) -> N
             with pytest.raises(Exception, match="did not end within"):
                 with head_loop_paused(ctl, spec, None, lambda m, _f: None, wait_s=1.0):
                     pass
-        finally:
-            holder.kill()
-            holder.wait()
-            assert holder.stdout is not None
-            holder.stdout.close()
         # the head's own loop never pauses itself
         with head_loop_paused(ctl, spec, {"on_head": "i-0head"}, lambda m, _f: None) as p:
             assert not p
