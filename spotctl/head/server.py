@@ -692,6 +692,12 @@ class HeadServer:
 
     def serve(self) -> None:
         self._load_events()
+        with self.lock:
+            # A restarted head adopts the groups its nodes report for a few seconds after
+            # it starts: counted from now, when nodes can reach it, not from its start
+            # (starting the Lighthouse took over 4 s under load: the window had passed
+            # before the first heartbeat, and every replica group was formed anew)
+            self.coord.started_at = self.coord.clock()
         # a short poll keeps stop() quick: shutdown() waits for one poll
         t = threading.Thread(target=self.httpd.serve_forever, daemon=True,
                              kwargs={"poll_interval": 0.05})

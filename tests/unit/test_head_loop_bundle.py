@@ -210,3 +210,4 @@ def test_the_controller_pauses_the_heads_loop_while_it_acts(tmp_path: Path) -> N
         assert not _lock_free(home)
         loop.resume()
     ctl.close()
+
