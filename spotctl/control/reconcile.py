@@ -28,6 +28,7 @@ from spotctl.control.cooldown import ZoneCooldowns, zone_cooldowns
 from spotctl.control.planner import Observed, ObservedNode, Plan, plan
 from spotctl.errors import CapacityError, NotFoundError, SpecError, SpotctlError, StateError
 from spotctl.head.client import HeadClient, HeadUnavailable
+from spotctl.head.rebalancer import HEAD_DIR_VAR, ON_HEAD_VAR
 from spotctl.providers import get_provider
 from spotctl.providers.base import HeadInfo, Instance, ProviderContext
 from spotctl.spec import ClusterSpec
@@ -40,8 +41,6 @@ HEARTBEAT_FRESH_S = 5.0  # a node whose last heartbeat is older is not reporting
 # the controller die before it says so
 PAUSE_TTL_S = 1800.0
 PAUSE_WAIT_S = 900.0  # for the head's run in progress to end
-ON_HEAD_VAR = "SPOTCTL_ON_HEAD"  # set by the head for its loop (spotctl.head.rebalancer)
-HEAD_DIR_VAR = "SPOTCTL_HEAD_NODE_DIR"
 
 
 def heartbeat_fresh(h: dict[str, Any] | None) -> bool:
@@ -95,7 +94,7 @@ def head_loop_paused(store: Store, spec: ClusterSpec, options: dict[str, Any] | 
     runs no loop that could act either. `resume` False: it stays paused (`down`). `must`
     False: a run that does not end within `wait_s` is said, not raised (`down` goes on)."""
     if (not spec.head_rebalances or spec.provider == "local"
-            or (options or {}).get("on_head") or os.environ.get(ON_HEAD_VAR)):
+            or context(store, spec, options).options.get("on_head")):
         yield False
         return
     try:

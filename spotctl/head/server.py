@@ -573,20 +573,18 @@ class HeadServer:
                         return self._send(200, {"gen": coord.request_drain(reason, leavers)})
                 if path == "/api/rebalance":  # the controller reconciles: pause the loop
                     validate.fields(body, ("action", "ttl_s", "by"), ("action",))
-                    action = body.get("action")
-                    loop = server.rebalancer
-                    if loop is None:
-                        return self._send(200, {"paused": False, "loop": False})
-                    if action == "resume":
-                        return self._send(200, loop.resume())
-                    ttl = body.get("ttl_s", 600)
-                    by = body.get("by", "")
-                    if (action != "pause" or isinstance(ttl, bool)
+                    action, ttl, by = body["action"], body.get("ttl_s", 600), body.get("by", "")
+                    if action != "resume" and (
+                            action != "pause" or isinstance(ttl, bool)
                             or not isinstance(ttl, (int, float)) or not 0 < ttl < 1e6
                             or not isinstance(by, str)):
                         raise validate.BadInput(
                             "action must be pause (ttl_s: seconds, by: who) or resume")
-                    return self._send(200, loop.pause(float(ttl), by))
+                    loop = server.rebalancer
+                    if loop is None:
+                        return self._send(200, {"paused": False, "loop": False})
+                    return self._send(200, loop.resume() if action == "resume"
+                                      else loop.pause(float(ttl), by))
                 if path == "/api/forget":
                     validate.fields(body, ("nodes",), ("nodes",))
                     nodes = validate.node_list(body["nodes"], "nodes")

@@ -33,6 +33,7 @@ from spotctl.agent.config import AgentConfig
 from spotctl.errors import BootstrapError
 from spotctl.head.auth import node_token
 from spotctl.head.client import urlopen_direct
+from spotctl.head.rebalancer import BUNDLE
 from spotctl.providers.base import HeadInfo, Instance, ProviderContext
 from spotctl.remote.package import TORCH_SPEC, NodePackage, Project
 from spotctl.remote.ssh import HostTarget, RemoteResult, connect, run
@@ -70,7 +71,6 @@ TOKEN_FILE = "token"
 # the node directory; see spotctl.remote.package.
 PKG_DIR = "pkg"
 PROJECT_DIR = "project"
-REBALANCE_BUNDLE = "rebalance.json"  # spotctl.head.rebalancer.BUNDLE
 
 
 @dataclass
@@ -232,6 +232,7 @@ def render_bootstrap(
     project: Project | None = None,
     agent_argv: Sequence[str] | None = None,
     extra: dict[str, bytes] | None = None,
+    project_restarts: bool = True,
 ) -> BootstrapFiles:
     """Render the templates for one host.
 
@@ -243,7 +244,9 @@ def render_bootstrap(
     With a `package`, `python` is the image's interpreter the node's venv is made from
     (default `<remote root>/venvs/<hash of the pinned dependencies>`, shared by the nodes
     of a host), and the agent and torchrun run in that venv. With a `project`, its files
-    go to `<dir>/project/` and a training script inside it is run from there.
+    go to `<dir>/project/` and a training script inside it is run from there; a change
+    to them restarts the agent unless `project_restarts` is False (the head, which only
+    hands them on).
     """
     d = target.remote_dir.rstrip("/")
     if not d.startswith("/"):
@@ -314,7 +317,8 @@ def render_bootstrap(
             files.append(RemoteFile(name, content, 0o644, restarts_agent=name.endswith("/key")))
     if project is not None:
         for rel, content in project.files.items():
-            files.append(RemoteFile(f"{PROJECT_DIR}/{rel}", content, 0o644))
+            files.append(RemoteFile(f"{PROJECT_DIR}/{rel}", content, 0o644,
+                                    restarts_agent=project_restarts))
     return BootstrapFiles(remote_dir=d, files=files)
 
 
@@ -837,7 +841,7 @@ class CloudNodes:
         project = None
         root = d / PROJECT_DIR
         try:
-            bundle = json.loads((d / REBALANCE_BUNDLE).read_text())
+            bundle = json.loads((d / BUNDLE).read_text())
         except (OSError, ValueError):
             bundle = {}
         if root.is_dir() and bundle.get("project_root"):
@@ -931,16 +935,16 @@ class CloudNodes:
             if self.torchft:  # torchft's Lighthouse, in the head process, bound like the store
                 argv += ["--lighthouse-port", str(self.lighthouse_port)]
             if self.ctx.spec.head_rebalances:  # the cluster's reconcile loop, on the head
-                argv += ["--rebalance-bundle", f"{d}/{REBALANCE_BUNDLE}"]
+                argv += ["--rebalance-bundle", f"{d}/{BUNDLE}"]
+            loop = self.ctx.spec.head_rebalances
+            # the head hands the project on to the nodes it replaces, and runs none of it
             files = render_bootstrap(t, cfg, token, python=self.python, agent_argv=argv,
-                                     package=package)  # fmt: skip
-            if self.ctx.spec.head_rebalances:
-                # read by the loop before each run: a new one does not restart the head
-                files.files.append(RemoteFile(REBALANCE_BUNDLE, self.bundle(inst, info),
+                                     package=package, project=project if loop else None,
+                                     project_restarts=False)  # fmt: skip
+            if loop:
+                # read by the loop when it changed: a new one does not restart the head
+                files.files.append(RemoteFile(BUNDLE, self.bundle(inst, info),
                                               0o600, restarts_agent=False))
-                for rel, content in (project.files.items() if project else ()):
-                    files.files.append(RemoteFile(f"{PROJECT_DIR}/{rel}", content, 0o644,
-                                                  restarts_agent=False))
             return files
 
         target = self.target(inst, HEAD_NODE_ID)
@@ -968,6 +972,10 @@ class CloudNodes:
                 f"is torchft installed there? see head/ in {target.remote_dir})"))  # fmt: skip
         return res
 
+    def checkpoint_dir(self) -> str:
+        """Where the nodes keep checkpoints: the spec's, else the cluster directory's."""
+        return self.ctx.spec.train.checkpoint_dir or str(self.ctx.cluster_dir.checkpoints)
+
     def bundle(self, inst: Instance, info: HeadInfo) -> bytes:
         """What the head's reconcile loop needs to act for this cluster: the spec, where
         the head is, the cluster's SSH key and pinned host keys, the project's path
@@ -992,8 +1000,7 @@ class CloudNodes:
                 "instance_id": inst.id, "lighthouse": info.lighthouse}
         spec = self.ctx.spec.model_dump(mode="json")
         # the nodes' checkpoints, as the controller gave them (on a cloud, the bucket)
-        spec["train"]["checkpoint_dir"] = (self.ctx.spec.train.checkpoint_dir
-                                           or str(self.ctx.cluster_dir.checkpoints))
+        spec["train"]["checkpoint_dir"] = self.checkpoint_dir()
         return (json.dumps({
             "cluster": self.ctx.cluster, "provider": self.ctx.spec.provider,
             "spec": spec, "head": head, "files": files,
@@ -1042,7 +1049,7 @@ class CloudNodes:
             workdir="work", script=tr.script, args=list(tr.args),
             nproc_per_node=max(1, inst.gpus),
             max_nodes=max(1, spec.gpus.max // max(1, inst.gpus)),
-            checkpoint_dir=tr.checkpoint_dir or str(self.ctx.cluster_dir.checkpoints),
+            checkpoint_dir=self.checkpoint_dir(),
             checkpoint_every=tr.checkpoint_every, checkpoint_every_s=tr.checkpoint_every_s,
             keep_last=tr.keep_last, checkpoint_writers=tr.checkpoint_writers,
             max_steps=tr.max_steps, python=tr.python,

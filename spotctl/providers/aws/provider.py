@@ -236,15 +236,17 @@ class AwsProvider(AwsChecks):
         # a launch that was in flight while the list was made (the head's own loop, cut
         # short by its own end) shows up now: it goes too
         late = td.step("look for instances launched meanwhile",
-                       lambda: [i.id for i in self.list(self.ctx.cluster) if i.id not in ids],
+                       lambda: [i for i in self.list(self.ctx.cluster) if i.id not in ids],
                        [])  # fmt: skip
         if late:
-            if self._nodes.override is not None:
-                td.leaks += [f"{r.node_id}: {r.reason}" for r in self._nodes.release(
-                    [i for i in self.list(self.ctx.cluster) if i.id in late]) if not r.ok]
-            td.step("terminate instances launched meanwhile", lambda: self.terminate(late))
-            left = [*left, *td.step("wait for them to end", lambda: self._wait_gone(late),
-                                    late)]  # fmt: skip
+            late_ids = [i.id for i in late]
+            if self._nodes.override is not None:  # (the seam, as above)
+                td.leaks += [f"{r.node_id}: {r.reason}"
+                             for r in self._nodes.release(late) if not r.ok]
+            td.step("terminate instances launched meanwhile",
+                    lambda: self.terminate(late_ids))
+            left = [*left, *td.step("wait for them to end",
+                                    lambda: self._wait_gone(late_ids), late_ids)]  # fmt: skip
         for i in left:
             td.leaks.append(f"instance {i} in {self.region} still not terminated")
         for group in td.step("find security groups", self._find_groups, []):

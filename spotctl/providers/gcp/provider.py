@@ -214,15 +214,13 @@ class GcpProvider(GcpChecks):
         # short by its own end) shows up now: it goes too
         first = {vm.name for vm in vms}
         late = td.step("look for VMs launched meanwhile",
-                       lambda: [vm for vm in self._raw_list(**label) if vm.name not in first],
-                       [])  # fmt: skip
+                       lambda: [i for i in self.list(self.cluster) if i.id not in first], [])
         if late:
-            if self._nodes.override is not None:
-                names = {vm.name for vm in late}
-                td.leaks += [f"{r.node_id}: {r.reason}" for r in self._nodes.release(
-                    [i for i in self.list(self.cluster) if i.id in names]) if not r.ok]
+            if self._nodes.override is not None:  # (the seam, as above)
+                td.leaks += [f"{r.node_id}: {r.reason}"
+                             for r in self._nodes.release(late) if not r.ok]
             td.step("delete VMs launched meanwhile",
-                    lambda: self._delete((_short(vm.zone), vm.name) for vm in late))
+                    lambda: self._delete((i.zone, i.id) for i in late))
         td.step("delete firewall rules",
                 lambda: self._delete_firewalls(firewall_names(self.cluster)))
         # placement policies, after their VMs (a policy in use cannot go)
