@@ -245,6 +245,8 @@ def test_the_training_librarys_own_report_is_accepted(head: HeadServer) -> None:
     ("/api/forget", {"type": "note"}),
     ("/api/rebalance", {}),
     ("/api/rebalance", {"action": "pause", "ttl": 5}),
+    ("/api/rebalance", {"action": "stop"}),  # (this head runs no loop: still refused)
+    ("/api/rebalance", {"action": "pause", "ttl_s": True}),
 ])
 def test_a_body_holds_only_and_all_of_its_routes_fields(head: HeadServer, path: str,
                                                         body: dict[str, Any]) -> None:
