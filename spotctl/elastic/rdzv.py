@@ -142,6 +142,7 @@ class GatedHandler:
     def __init__(self, inner: object, gate: str):
         self._inner = inner
         self._gate = gate
+        self._round_gen = -1  # the newest drain whose round count this torchrun has used
 
     def leaving(self) -> bool:
         import os
@@ -160,7 +161,11 @@ class GatedHandler:
             if self.leaving():
                 raise NodeLeaving("this node has a preemption notice: it joins no new round")
             time.sleep(0.05)
-        _expected[0] = round_size(self._gate) if self._gate else 0
+        # a drain's count is for the round right after it: a later round of this torchrun
+        # (a kill's, with no drain before it) would wait for nodes that are gone
+        gen, n = newest_round(self._gate) if self._gate else (-1, 0)
+        _expected[0] = n if gen > self._round_gen else 0
+        self._round_gen = max(self._round_gen, gen)
         return self._inner.next_rendezvous()  # type: ignore[attr-defined]
 
     def shutdown(self) -> bool:
@@ -173,6 +178,8 @@ class GatedHandler:
 
 
 RDZV_POLL_S = 0.1
+# how long past torch's last call a round waits for the nodes the head announced
+ROUND_HOLD_S = 10.0
 _expected = [0]  # the size of the round this torchrun joins next (0: not known)
 
 
@@ -180,6 +187,11 @@ def round_size(gate: str) -> int:
     """How many nodes the head expects in the group's next round: the node agent names it
     at each drain in an empty file beside the gate, `<gate>.round-<drain gen>-<nodes>`;
     the newest drain's count, or 0 when there is none."""
+    return newest_round(gate)[1]
+
+
+def newest_round(gate: str) -> tuple[int, int]:
+    """The newest drain's (generation, node count) beside the gate; (-1, 0) if none."""
     import os
 
     folder, base = os.path.split(gate)
@@ -187,22 +199,27 @@ def round_size(gate: str) -> int:
     try:
         names = os.listdir(folder or ".")
     except OSError:
-        return 0
+        return (-1, 0)
     best = (-1, 0)
     for name in names:
         if name.startswith(prefix):
             gen, _, n = name[len(prefix):].partition("-")
             if gen.isdigit() and n.isdigit() and int(gen) > best[0]:
                 best = (int(gen), int(n))
-    return best[1]
+    return best
 
 
 def _complete_when_expected() -> None:
     """torch's c10d rendezvous completes a round when max_nodes have joined, or else
-    last_call_timeout (1 s here) after min_nodes had: every rescale waited that second.
-    A participant also completes it once the nodes the head expects (round_size) are in.
-    A node beyond them that comes later finds the round complete and waits for the next
-    (torch's wait list, which restarts the group with it), as when the last call ended."""
+    last_call_timeout (1 s here) after min_nodes had: every rescale waited that second,
+    and a joiner whose torchrun came later than it (a loaded machine) missed the round and
+    restarted the group a second time. With the count the head expects (round_size), a
+    participant completes the round as soon as that many are in, and holds it open for
+    them up to ROUND_HOLD_S past torch's last call (an announced node that never comes
+    costs that much, once). A node beyond them that comes later finds the round complete
+    and waits for the next (torch's wait list, which restarts the group with it)."""
+    from datetime import datetime, timedelta, timezone
+
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
     orig = dr._RendezvousJoinOp.__call__
@@ -212,8 +229,14 @@ def _complete_when_expected() -> None:
     def call(self, ctx, deadline):  # type: ignore[no-untyped-def]
         st, n = ctx.state, _expected[0]
         if (n and not st.closed and not st.complete and ctx.node in st.participants
-                and len(st.participants) >= n and time.monotonic() <= deadline):
-            return dr._Action.MARK_RENDEZVOUS_COMPLETE
+                and time.monotonic() <= deadline):
+            if len(st.participants) >= n:
+                return dr._Action.MARK_RENDEZVOUS_COMPLETE
+            if (st.deadline is not None
+                    and datetime.now(timezone.utc)
+                    < st.deadline + timedelta(seconds=ROUND_HOLD_S)):
+                # torch would complete it without them once its last call is over
+                return dr._Action.KEEP_ALIVE if dr._should_keep_alive(ctx) else dr._Action.SYNC
         return orig(self, ctx, deadline)
 
     call._spotctl = True  # type: ignore[attr-defined]

@@ -140,3 +140,95 @@ def test_a_round_forms_once_the_expected_nodes_are_in(
     late.join(30)
     assert set(errors) <= {3}, errors
     del store
+
+
+def _c10d_handlers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count: int,
+                   expected: int, run_id: str):  # type: ignore[no-untyped-def]
+    """`count` real c10d handlers through spotctl's on one store, torch's last call 1 s
+    (as spotctl sets it), each with its own gate and the head's count of `expected`."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    params = RendezvousParameters(backend="spotctl", endpoint=f"127.0.0.1:{store.port}",
+                                  run_id=run_id, min_nodes=1, max_nodes=8,
+                                  last_call_timeout=1, join_timeout=120)
+    handlers = []
+    for k in range(count):
+        gate = tmp_path / f"n{k}" / "rdzv-gate"
+        gate.parent.mkdir()
+        gate.touch()
+        (gate.parent / f"rdzv-gate.round-1-{expected}").touch()
+        monkeypatch.setenv("SPOTCTL_RDZV_GATE", str(gate))
+        handlers.append(rdzv.get_handler()(params))
+    return store, handlers
+
+
+def _join_all(handlers, delays: list[float], wait_s: float):  # type: ignore[no-untyped-def]
+    """Each handler's next_rendezvous in a thread of its own, started `delays[k]` s after
+    the first; {k: (rank, world, seconds from the start)} of those that got a round."""
+    import threading
+    import time
+
+    t0 = time.monotonic()
+    got: dict[int, tuple[int, int, float]] = {}
+
+    def join(k: int) -> None:
+        time.sleep(delays[k])
+        try:
+            info = handlers[k].next_rendezvous()
+            got[k] = (info.rank, info.world_size, time.monotonic() - t0)
+        except Exception:  # noqa: BLE001 - the rendezvous closed under a waiting node
+            pass
+
+    threads = [threading.Thread(target=join, args=(k,), daemon=True)
+               for k in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, t0 + wait_s - time.monotonic()))
+    return got
+
+
+def test_a_round_waits_for_an_announced_node_past_the_last_call(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI: a joiner's torchrun came to the round more than torch's last call (1 s) after
+    the survivors; they formed it without it, and the group restarted a second time for
+    it. With the head's count (3), the round waits for the third node, 3 s late."""
+    store, handlers = _c10d_handlers(tmp_path, monkeypatch, 3, 3, "late")
+    got = _join_all(handlers, [0.0, 0.0, 3.0], wait_s=30)
+    handlers[0].set_closed()
+    assert sorted(r for r, _, _ in got.values()) == [0, 1, 2], got
+    assert {w for _, w, _ in got.values()} == {3}, got
+    del store
+
+
+def test_a_round_waits_for_announced_nodes_only_so_long(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An announced node that never comes (it died in the drain) holds the round up to
+    ROUND_HOLD_S past the last call, not until torch's join timeout."""
+    monkeypatch.setattr(rdzv, "ROUND_HOLD_S", 3.0)
+    store, handlers = _c10d_handlers(tmp_path, monkeypatch, 2, 3, "short")
+    got = _join_all(handlers, [0.0, 0.0], wait_s=30)
+    handlers[0].set_closed()
+    assert sorted(r for r, _, _ in got.values()) == [0, 1], got
+    took = [t for _, _, t in got.values()]
+    # last call (1 s) + the hold (3 s); well short of the 120 s join timeout
+    assert all(3.5 < t < 20 for t in took), got
+    del store
+
+
+def test_a_drains_count_is_used_for_one_round(tmp_path: Path) -> None:
+    """After a kill there is no drain: the round that follows must not wait for the count
+    of the last drain (its nodes may be gone). A new drain's count is used again."""
+    gate = tmp_path / "rdzv-gate"
+    gate.touch()
+    h = rdzv.GatedHandler(Inner(), str(gate))
+    (tmp_path / "rdzv-gate.round-4-3").touch()
+    h.next_rendezvous()
+    assert rdzv._expected[0] == 3
+    h.next_rendezvous()  # a kill's round: no new drain
+    assert rdzv._expected[0] == 0
+    (tmp_path / "rdzv-gate.round-5-2").touch()
+    h.next_rendezvous()
+    assert rdzv._expected[0] == 2
