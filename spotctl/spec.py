@@ -419,8 +419,8 @@ class PlacementSpec(_Strict):
 
 
 class ClusterSpec(_Strict):
-    # The cluster's name: lowercase letters, digits and '-', starting with a letter, at
-    # most 40 characters (`--name` picks a cluster by it).
+    # The cluster's name: lowercase letters, digits and single '-' (never `--`, never
+    # last), starting with a letter, at most 40 characters (`--name` picks a cluster by it).
     name: str = "spotctl"
     provider: Literal["local", "aws", "gcp", "ssh"] = "local"  # where the nodes come from
     # Total GPUs: "MIN..MAX" starts with at least MIN and grows toward MAX; N = exactly N.
@@ -446,10 +446,10 @@ class ClusterSpec(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not _NAME_RE.fullmatch(v):
+        if not _NAME_RE.fullmatch(v) or "--" in v:
             raise ValueError(
-                f"{v!r} is not a valid cluster name (lowercase letters, digits and '-', "
-                "starting with a letter, at most 40 characters)"
+                f"{v!r} is not a valid cluster name (lowercase letters, digits and single "
+                "'-', starting with a letter, at most 40 characters)"
             )
         return v
 

@@ -124,6 +124,27 @@ _OBJECT_TYPE = "storage.googleapis.com/Object"
 _BUCKET_TYPE = "storage.googleapis.com/Bucket"
 
 
+# the functions IAM Conditions document (attribute reference: resource names take
+# startsWith, endsWith and extract; dates and times; tags). CEL's own `matches`,
+# `contains`, `size` are not among them: IAM refuses a policy that calls one
+# ("undeclared reference to 'matches'").
+CONDITION_FUNCTIONS = frozenset({
+    "startsWith", "endsWith", "extract", "timestamp", "duration", "getFullYear", "getMonth",
+    "getDate", "getDayOfMonth", "getDayOfWeek", "getDayOfYear", "getHours", "getMinutes",
+    "getSeconds", "getMilliseconds", "hasTagKey", "hasTagKeyId", "matchTag", "matchTagId",
+})  # fmt: skip
+_CALL_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*\(")
+
+
+def undeclared_function(expression: str) -> str | None:
+    """The first function an IAM condition calls that IAM does not offer, or None."""
+    text = re.sub(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'', '""', expression)
+    for m in _CALL_RE.finditer(text):
+        if m.group(1) not in CONDITION_FUNCTIONS:
+            return m.group(1)
+    return None
+
+
 def condition_holds(expression: str, name: str, type_: str) -> bool:
     """An IAM condition of `resource.name.startsWith("...")` and `resource.type == "..."`
     terms joined by `||`, as GCS evaluates it for the resource `name` of `type_`. Anything
@@ -406,6 +427,9 @@ class FakeStorage:
                 if not str(bd["condition"].get("expression", "")).strip():
                     raise StorageError(400, "invalid", f"bindings[{i}].condition: empty "
                                        "expression.")  # fmt: skip
+                if bad := undeclared_function(str(bd["condition"]["expression"])):
+                    raise StorageError(400, "invalid", f"bindings[{i}].condition: "
+                                       f"undeclared reference to '{bad}'")  # fmt: skip
         n = int.from_bytes(base64.b64decode(old["etag"]), "big") + 1
         pol = {"kind": "storage#policy", "resourceId": f"projects/_/buckets/{bucket}",
                "version": version, "bindings": bindings,
@@ -654,6 +678,9 @@ class FakeStorage:
             if cond and (version < 3 or not str(cond.get("expression", "")).strip()):
                 raise StorageError(400, "INVALID_ARGUMENT", f"bindings[{i}].condition needs "
                                    "policy version 3 and an expression.")  # fmt: skip
+            if cond and (bad := undeclared_function(str(cond["expression"]))):
+                raise StorageError(400, "INVALID_ARGUMENT", f"bindings[{i}].condition: "
+                                   f"undeclared reference to '{bad}'")  # fmt: skip
         n = int.from_bytes(base64.b64decode(old["etag"]), "big") + 1
         pol = {"version": version, "bindings": bindings,
                "etag": base64.b64encode(n.to_bytes(4, "big")).decode()}  # fmt: skip

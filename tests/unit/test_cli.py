@@ -78,6 +78,8 @@ def test_init_unknown_engine_one_line_exit_2_nothing_written(home, capsys):
     (["up", "--provider", "azure"], "provider:"),
     (["up", "--gpus", "2", "--script", "missing.py"], "train.script: training script"),
     (["up", "--name", "Bad_Name"], "name:"),
+    # `--` would make one cluster's GCP worker names start like another's
+    (["up", "--name", "team--a"], "name: 'team--a' is not a valid cluster name"),
     (["up", "--config", "nope.toml"], "config file nope.toml not found"),
 ])
 def test_up_bad_input_one_line_exit_2_nothing_started(home, capsys, argv, needle):

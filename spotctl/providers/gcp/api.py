@@ -81,9 +81,17 @@ def label_value(text: str) -> str:
 
 
 def instance_name(cluster: str, request_id: str, index: int) -> str:
-    """Deterministic worker name: the same request and index always name the same VM."""
+    """Deterministic worker name: the same request and index always name the same VM.
+    `<cluster>--<8 hex>-<n>`: cluster names never hold `--` nor end in `-`, so the prefix
+    `<cluster>--` is this cluster's workers' and no other cluster's (the head's IAM
+    condition scopes its instance-admin role by it: IAM conditions offer no regex)."""
     digest = hashlib.sha256(request_id.encode()).hexdigest()[:8]
-    return f"{cluster}-{digest}-{index}"
+    return f"{cluster}--{digest}-{index}"
+
+
+def worker_prefix(cluster: str) -> str:
+    """What every worker name of `cluster` starts with, and no other cluster's does."""
+    return f"{cluster}--"
 
 
 def head_name(cluster: str) -> str:

@@ -208,7 +208,9 @@ class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
         pending: builtins.list[tuple[str, Any]] = []
         failure = _Failure()
         _, compact = placement.network_for(offer.instance_type, offer.gpus, self.fast_network)
-        policy = self._compact_policy(zone) if compact and names else ""
+        # the head ([rebalance] on_head) launches without one: IAM conditions cannot scope
+        # resource policies to this cluster, so its account gets none
+        policy = self._compact_policy(zone) if compact and names and not self._on_head else ""
 
         def insert(name: str) -> Any:
             resource = self._instance_resource(

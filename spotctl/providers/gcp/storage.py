@@ -36,16 +36,19 @@ from typing import Any
 
 from spotctl.errors import ProviderError, SpecError
 from spotctl.providers.base import ClusterCheckpoints
-from spotctl.providers.gcp.api import GcpApi, _one_line
+from spotctl.providers.gcp.api import GcpApi, _one_line, worker_prefix
 
 CLOUD_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 STORAGE_URL = "https://storage.googleapis.com"
 IAM_URL = "https://iam.googleapis.com"
 RESOURCE_MANAGER_URL = "https://cloudresourcemanager.googleapis.com"
-# The head ([rebalance] on_head): it reads Compute everywhere in the project, and changes
-# (creates, deletes) only this cluster's VMs and their boot disks (HEAD_CONDITION)
+# The head ([rebalance] on_head): it reads Compute everywhere in the project, changes
+# (creates, deletes) only this cluster's VMs and their boot disks (head_condition), and
+# may put a VM on the project's subnetworks (an IAM condition on names does not reach
+# subnetworks: only some Compute resource types honour one)
 HEAD_READ_ROLE = "roles/compute.viewer"
 HEAD_ROLE = "roles/compute.instanceAdmin.v1"
+HEAD_NET_ROLE = "roles/compute.networkUser"
 ACT_AS_ROLE = "roles/iam.serviceAccountUser"  # on the workers' account only
 OBJECT_ROLE = "roles/storage.objectUser"
 LIST_ROLE = "roles/storage.legacyBucketReader"
@@ -195,19 +198,20 @@ class GcpStorage(ClusterCheckpoints, GcpApi):
 
     def head_condition(self) -> dict[str, str]:
         """Where the head's instance-admin role applies: this cluster's worker VMs and
-        their boot disks (named `<cluster>-<8 hex>-<n>`, which no other cluster's names
-        match), this cluster's compact placement policies, and the subnetworks a VM is
-        put on. Nothing else: no other VM, disk, firewall or image."""
-        vm = f"^{self.ctx.cluster}-[0-9a-f]{{8}}-[0-9]+$"
-        policy = f"spotctl-{self.ctx.cluster}-"
+        their boot disks, by name (`<cluster>--`, which no other cluster's names and not
+        its head's start with). Nothing else: no other VM, disk, firewall or image, and no
+        resource policy (IAM conditions do not reach those; the head launches without
+        compact placement). Only the functions IAM documents for resource names
+        (startsWith, endsWith, extract): it refuses a policy with any other."""
+        prefix = worker_prefix(self.ctx.cluster)
         return {
             "title": f"spotctl-{self.ctx.cluster}-head"[:100],
             "description": f"spotctl cluster {self.ctx.cluster}: its own workers only",
             "expression": (
-                'resource.type == "compute.googleapis.com/Subnetwork" || '
-                f'resource.name.extract("/instances/{{name}}").matches("{vm}") || '
-                f'resource.name.extract("/disks/{{name}}").matches("{vm}") || '
-                f'resource.name.extract("/resourcePolicies/{{name}}").startsWith("{policy}")'
+                '(resource.type == "compute.googleapis.com/Instance" && '
+                f'resource.name.extract("/instances/{{name}}").startsWith("{prefix}")) || '
+                '(resource.type == "compute.googleapis.com/Disk" && '
+                f'resource.name.extract("/disks/{{name}}").startsWith("{prefix}"))'
             ),
         }
 
@@ -216,6 +220,7 @@ class GcpStorage(ClusterCheckpoints, GcpApi):
         member = f"serviceAccount:{self.head_account}"
         return [
             {"role": HEAD_READ_ROLE, "members": [member]},
+            {"role": HEAD_NET_ROLE, "members": [member]},
             {"role": HEAD_ROLE, "members": [member], "condition": self.head_condition()},
         ]
 
