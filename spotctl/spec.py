@@ -307,7 +307,9 @@ class GcpSpec(_Zoned):
     zones: list[str] = Field(default_factory=list)  # zones to consider; empty = all of the region's
     # Machine types to consider; empty = every GPU machine type of the catalog.
     machine_types: list[str] = Field(default_factory=list)
-    gpu: str = ""  # only machine types with this GPU model (e.g. "nvidia-l4"); empty = any
+    # Only machine types with this GPU model: "L4", "A100-80GB", "H100" (or GCP's
+    # accelerator name, "nvidia-l4"); empty = any.
+    gpu: str = ""
     # Workers: a Deep Learning VM image family (NVIDIA driver installed at first boot via
     # the install-nvidia-driver metadata, CUDA PyTorch). The head is a small CPU image.
     image: str = (
@@ -318,8 +320,8 @@ class GcpSpec(_Zoned):
     head_machine_type: str = "e2-small"  # the head's on-demand CPU machine type
     # Boot disk GB of workers; 0 = 100, and never below the image's own minimum.
     disk_gb: int = Field(default=0, ge=0, le=65536)
-    # Boot disk type; empty = the one the machine family takes (pd-balanced, or
-    # hyperdisk-balanced on families without persistent disks).
+    # Boot disk type of workers; empty = the one the machine family takes (pd-balanced,
+    # or hyperdisk-balanced on families without persistent disks).
     disk_type: str = ""
     ssh_user: str = "spotctl"  # the user bootstrap connects as (its key in the metadata)
     # CIDR allowed to reach SSH; empty means the caller's own address. Never 0.0.0.0/0.

@@ -109,6 +109,7 @@ IMAGES: dict[tuple[str, str], tuple[str, int, tuple[str, ...]]] = {
 # What GCP refuses, by machine family (prefix of the machine type name).
 NO_PD_STANDARD = ("g2-", "a3-", "a4-", "c3-", "c3d-", "c4-", "n4-", "h3-")
 HYPERDISK_ONLY = ("a3-ultragpu", "a4-", "c4-", "n4-")
+NO_HYPERDISK = ("e2-", "n1-")  # Compute Engine docs, Hyperdisk: machine type support
 GVNIC_REQUIRED = ("g2-", "a3-", "a4-", "c3-", "c4-", "n4-", "h3-")
 # Families a compact placement policy takes (Compute Engine: placement policies overview).
 COMPACT_OK = ("a2-", "a3-", "a4-", "g2-", "c2-", "c2d-", "c3-", "c3d-", "h3-", "n2-", "n2d-")
@@ -657,7 +658,7 @@ class FakeCompute:
             kind = str(params.get("diskType") or "pd-standard").rsplit("/", 1)[-1]
             if (kind == "pd-standard" and machine.startswith(NO_PD_STANDARD)) or (
                 not kind.startswith("hyperdisk") and machine.startswith(HYPERDISK_ONLY)
-            ):
+            ) or (kind.startswith("hyperdisk") and machine.startswith(NO_HYPERDISK)):
                 raise ApiError(
                     400,
                     "invalid",

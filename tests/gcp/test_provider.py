@@ -404,6 +404,46 @@ def test_fake_refuses_pd_standard_on_g2(fake, spotctl_home):
     assert fake.instances == {}
 
 
+def test_the_workers_disk_settings_are_not_the_heads(fake, spotctl_home):
+    """[gcp] disk_type and disk_gb are the workers': an e2 head takes no Hyperdisk (GCP
+    refuses the insert), so the head keeps its family's type and 20 GB."""
+    p = GcpProvider(make_ctx(fake, spotctl_home, disk_type="hyperdisk-balanced",
+                             disk_gb=500))
+    p.ensure_head()
+    [head] = fake.calls("instances.insert")
+    disk = head.body["disks"][0]["initializeParams"]
+    assert disk["diskType"].endswith("/pd-balanced") and int(disk["diskSizeGb"]) == 20, disk
+    p.launch(_offer(p, machine="g2-standard-4", gpu="L4"), 1, "hd")
+    disk = fake.calls("instances.insert")[1].body["disks"][0]["initializeParams"]
+    assert disk["diskType"].endswith("/hyperdisk-balanced") and int(disk["diskSizeGb"]) == 500
+
+
+def test_fake_refuses_hyperdisk_on_e2(fake, spotctl_home, monkeypatch):
+    monkeypatch.setattr("spotctl.providers.gcp.offers.disk_type_for",
+                        lambda _m: "hyperdisk-balanced")
+    p = GcpProvider(make_ctx(fake, spotctl_home))
+    with pytest.raises(ProviderError, match="hyperdisk-balanced"):
+        p.ensure_head()
+
+
+@pytest.mark.parametrize("gpu,model", [("L4", "L4"), ("nvidia-l4", "L4"),
+                                       ("nvidia-tesla-t4", "T4"), ("a100-80gb", "A100-80GB"),
+                                       ("nvidia-a100-80gb", "A100-80GB"),
+                                       ("nvidia-tesla-a100", "A100"),
+                                       ("nvidia-h100-80gb", "H100")])
+def test_gpu_is_the_catalogs_name_or_gcps_accelerator_name(fake, spotctl_home, gpu, model):
+    p = GcpProvider(make_ctx(fake, spotctl_home, gpu=gpu))
+    got = {o.gpu_name for o in p.offers()}
+    assert got == {model}, got
+
+
+def test_a_gpu_gcp_does_not_sell_is_one_line(fake, spotctl_home):
+    p = GcpProvider(make_ctx(fake, spotctl_home, gpu="nvidia-l40s"))
+    with pytest.raises(SpecError, match=r"^gcp.gpu: 'nvidia-l40s' is not a GPU model .*L4") as e:
+        p.offers()
+    assert "\n" not in str(e.value)
+
+
 def test_fake_refuses_a3_without_gvnic(fake, provider, monkeypatch):
     monkeypatch.setattr("spotctl.providers.gcp.placement.network_for",
                         lambda *_a: ("", False))

@@ -30,7 +30,7 @@ class GcpOffers(GcpApi):
         from spotctl.providers.gcp import placement  # it imports this module
 
         region = None if self.region in ("*", "all") else self.region
-        gpu = self.spec.gpu.lower()
+        gpu = gpu_model(self.spec.gpu)
         fast = bool(self.ctx.spec.placement.fast_network)
         if fast and (why := placement.gpudirect_refusal(list(self.spec.machine_types or []))):
             raise SpecError(why)
@@ -111,11 +111,14 @@ class GcpOffers(GcpApi):
         return found
 
     def _boot_disk(self, zone: str, machine_type: str, role: str) -> tuple[str, str, int]:
-        """(image, disk type URL, size GB) for a VM of `machine_type`."""
-        image, minimum = self._image(self.spec.image if role == "worker" else self.spec.head_image)
-        size = self.spec.disk_gb or (100 if role == "worker" else 20)
+        """(image, disk type URL, size GB) for a VM of `machine_type`. The spec's disk
+        settings are the workers': the head (an e2 by default, which takes no Hyperdisk)
+        gets its family's type and 20 GB."""
+        worker = role == "worker"
+        image, minimum = self._image(self.spec.image if worker else self.spec.head_image)
+        size = (self.spec.disk_gb or 100) if worker else 20
         size = int(self.ctx.options.get("gcp_disk_gb", size))
-        kind = self.spec.disk_type or disk_type_for(machine_type)
+        kind = (self.spec.disk_type if worker else "") or disk_type_for(machine_type)
         return image, f"zones/{zone}/diskTypes/{kind}", max(size, minimum)
 
 
@@ -124,6 +127,28 @@ class GcpOffers(GcpApi):
 HYPERDISK_ONLY = ("a3-ultragpu", "a4-", "c4-", "c4a-", "c4d-", "n4-", "x4-")
 # Families that refuse the VirtIO NIC: they need gVNIC (GCP's own virtual NIC).
 GVNIC_ONLY = ("a3-", "a4-", "g2-", "c3-", "c3d-", "c4-", "n4-", "h3-")
+
+
+# GCP's accelerator names that are not the catalog's GPU name with "nvidia-" before it
+_ACCELERATOR_MODELS = {"nvidia-tesla-t4": "T4", "nvidia-tesla-v100": "V100",
+                       "nvidia-tesla-a100": "A100", "nvidia-a100-80gb": "A100-80GB",
+                       "nvidia-h100-80gb": "H100", "nvidia-h100-mega-80gb": "H100-MEGA",
+                       "nvidia-h200-141gb": "H200"}  # fmt: skip
+
+
+def gpu_model(name: str) -> str:
+    """[gcp] gpu as the catalog names the model, lowercase ("" = any): the catalog's own
+    name ("L4", "a100-80gb") or GCP's accelerator name ("nvidia-l4"); anything else is
+    refused in one line naming the models there are."""
+    if not name.strip():
+        return ""
+    key = name.strip().lower()
+    model = _ACCELERATOR_MODELS.get(key) or key.removeprefix("nvidia-")
+    known = sorted({r.gpu_name for r in catalog_gcp.rows(None)})
+    if model.lower() not in {k.lower() for k in known}:
+        raise SpecError(f"gcp.gpu: {name!r} is not a GPU model GCP sells as Spot; one of "
+                        f"{', '.join(known)} (or its accelerator name, e.g. nvidia-l4)")
+    return model.lower()
 
 
 def disk_type_for(machine_type: str) -> str:
