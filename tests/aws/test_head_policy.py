@@ -200,3 +200,24 @@ def test_the_heads_credentials_are_refused_what_its_role_does_not_grant(
             with pytest.raises(Exception, match="AccessDenied|UnauthorizedOperation|403"):
                 call()
     assert p.cleanup() == []
+
+
+@pytest.mark.parametrize("param,want", [
+    ("/team/images/train", "arn:aws:ssm:{region}:{acct}:parameter/team/images/train"),
+    ("arn:aws:ssm:us-east-1:999999999999:parameter/shared/ami",
+     "arn:aws:ssm:us-east-1:999999999999:parameter/shared/ami"),
+    (None, None),  # AWS's public parameter: the /aws/service/ grant covers it
+])
+def test_the_head_may_read_the_workers_own_image_parameter(
+    make_provider: Callable[..., AwsProvider], param: str | None, want: str | None
+) -> None:
+    """aws.ami_ssm_parameter of the user's own: the head resolves it for every launch, so
+    its role may read that one parameter (it was refused: only /aws/service/ was)."""
+    p = make_provider(instance_types=["g5.xlarge"], ami="",
+                      **({"ami_ssm_parameter": param} if param else {}))
+    [st] = [s for s in p.head_policy()["Statement"] if s["Sid"] == "ImageNames"]
+    public = f"arn:aws:ssm:{REGION}::parameter/aws/service/*"
+    if want is None:
+        assert st["Resource"] == [public], st
+    else:
+        assert st["Resource"] == [public, want.format(region=REGION, acct=p.account_id())], st

@@ -223,9 +223,20 @@ class AwsStorage(ClusterCheckpoints, AwsApi):
                  "Resource": f"arn:aws:iam::{acct}:role/{self.node_profile}",
                  "Condition": {"StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}}},
                 {"Sid": "ImageNames", "Effect": "Allow", "Action": "ssm:GetParameter",
-                 "Resource": f"arn:aws:ssm:{region}::parameter/aws/service/*"},
+                 "Resource": [f"arn:aws:ssm:{region}::parameter/aws/service/*",
+                              *self._own_image_parameter(region, acct)]},
             ],
         }  # fmt: skip
+
+    def _own_image_parameter(self, region: str, acct: str) -> list[str]:
+        """The workers' image parameter when it is the user's own (not one of AWS's public
+        ones under /aws/service/): the head looks it up for every launch."""
+        name = "" if self.spec.ami else self.spec.ami_ssm_parameter
+        if not name or name.startswith("/aws/service/"):
+            return []
+        if name.startswith("arn:"):
+            return [name]
+        return [f"arn:aws:ssm:{region}:{acct}:parameter/{name.lstrip('/')}"]
 
     def _ensure_node_identity(self) -> None:
         self._ensure_identity(self.node_profile, NODE_POLICY, self.node_policy(),
