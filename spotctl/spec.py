@@ -310,11 +310,12 @@ class GcpSpec(_Zoned):
     # Only machine types with this GPU model: "L4", "A100-80GB", "H100" (or GCP's
     # accelerator name, "nvidia-l4"); empty = any.
     gpu: str = ""
-    # Workers: a Deep Learning VM image family (NVIDIA driver installed at first boot via
-    # the install-nvidia-driver metadata, CUDA PyTorch). The head is a small CPU image.
+    # Workers: a Deep Learning VM image family (NVIDIA driver and CUDA PyTorch in the
+    # image; older families install the driver at first boot, asked by metadata). The
+    # head is a small CPU image.
     image: str = (
         "projects/deeplearning-platform-release/global/images/family/"
-        "pytorch-2-4-cu124-debian-11-py310"
+        "pytorch-2-9-cu129-ubuntu-2404-nvidia-580"
     )
     head_image: str = "projects/debian-cloud/global/images/family/debian-12"  # the head's
     head_machine_type: str = "e2-small"  # the head's on-demand CPU machine type

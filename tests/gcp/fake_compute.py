@@ -98,8 +98,10 @@ ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
 GVNIC_READY = ("UEFI_COMPATIBLE", "VIRTIO_SCSI_MULTIQUEUE", "GVNIC")
 IMAGES: dict[tuple[str, str], tuple[str, int, tuple[str, ...]]] = {
     ("debian-cloud", "debian-12"): ("debian-12-bookworm-v20241112", 10, GVNIC_READY),
-    ("deeplearning-platform-release", "pytorch-2-4-cu124-debian-11-py310"): (
-        "pytorch-2-4-cu124-debian-11-py310-v20241118",
+    # Deep Learning VM: PyTorch 2.9 (supported to 2028). The Debian families (the 2.4 one
+    # spotctl named before) are deprecated, past their end of availability: unknown here
+    ("deeplearning-platform-release", "pytorch-2-9-cu129-ubuntu-2404-nvidia-580"): (
+        "pytorch-2-9-cu129-ubuntu-2404-nvidia-580-v20251105",
         50,
         GVNIC_READY,
     ),

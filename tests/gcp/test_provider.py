@@ -452,10 +452,18 @@ def test_fake_refuses_a3_without_gvnic(fake, provider, monkeypatch):
     assert fake.instances == {}
 
 
-def test_unknown_image_is_a_spec_error(fake, spotctl_home):
-    p = GcpProvider(make_ctx(fake, spotctl_home, image="projects/nope/global/images/family/x"))
-    with pytest.raises(SpecError, match="gcp.image"):
+@pytest.mark.parametrize("image", [
+    "projects/nope/global/images/family/x",
+    # the Debian Deep Learning VM family spotctl's default named until Dec 2026: deprecated,
+    # past its end of availability (Jul 2026); a family of deprecated images resolves to none
+    "projects/deeplearning-platform-release/global/images/family/"
+    "pytorch-2-4-cu124-debian-11-py310",
+])
+def test_unknown_image_is_a_spec_error(fake, spotctl_home, image):
+    p = GcpProvider(make_ctx(fake, spotctl_home, image=image))
+    with pytest.raises(SpecError, match="gcp.image") as e:
         p.launch(_offer(p), 1, "noimg")
+    assert "\n" not in str(e.value)
 
 
 def test_address_quota_stops_with_one_line(fake, provider):

@@ -343,7 +343,8 @@ class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
             compute_v1.Items(key="enable-guest-attributes", value="TRUE"),
         ]
         if role == "worker":
-            # Deep Learning VM images install the NVIDIA driver at first boot when asked.
+            # older Deep Learning VM images install the NVIDIA driver at first boot when
+            # asked (newer ones have it: the key is then ignored)
             metadata.append(compute_v1.Items(key="install-nvidia-driver", value="True"))
         return compute_v1.Instance(
             name=name,
