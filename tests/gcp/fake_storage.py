@@ -86,6 +86,9 @@ STORAGE_ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
          r"/v1/projects/(?P<project>[^/:]+):getIamPolicy"),
         ("POST", "cloudresourcemanager.projects.setIamPolicy",
          r"/v1/projects/(?P<project>[^/:]+):setIamPolicy"),
+        # the organization's policies as they reach the project (one constraint a call)
+        ("POST", "cloudresourcemanager.projects.getEffectiveOrgPolicy",
+         r"/v1/projects/(?P<project>[^/:]+):getEffectiveOrgPolicy"),
     ]
 ]
 MAX_COMPONENTS = 1024  # GCS: components of one composite object
@@ -197,6 +200,10 @@ class FakeStorage:
         self.service_accounts: dict[str, dict[str, Any]] = {}  # email -> resource
         # IAM policies of projects and of service accounts (resource name -> policy)
         self.iam_policies: dict[str, dict[str, Any]] = {}
+        # boolean organization constraints enforced on the project (its organization's),
+        # and whether the caller may read them (orgpolicy.policy.get)
+        self.org_enforced: set[str] = set()
+        self.org_policy_readable = True
         self._uploads: dict[str, _Upload] = {}
         self._gen = itertools.count(1_700_000_000_000_000)
         self.tokens: dict[str, str] = {}  # bearer token -> service account email
@@ -275,7 +282,8 @@ class FakeStorage:
     def serves(path: str) -> bool:
         p = urlsplit(path).path
         return p.startswith(("/storage/", "/upload/storage/", "/download/storage/")) or bool(
-            re.match(_SA, p) or re.fullmatch(r"/v1/projects/[^/:]+:(get|set)IamPolicy", p)
+            re.match(_SA, p)
+            or re.fullmatch(r"/v1/projects/[^/:]+:(getIamPolicy|setIamPolicy|getEffectiveOrgPolicy)", p)
         )
 
     def handle(self, method: str, raw_path: str, headers: Any, raw: bytes) -> Reply:
@@ -702,6 +710,18 @@ class FakeStorage:
 
     def _projects_setIamPolicy(self, project: str, body: Any, **_: Any) -> Reply:
         return self._set_policy(f"projects/{project}", body)
+
+    def _projects_getEffectiveOrgPolicy(self, project: str, body: Any, **_: Any) -> Reply:
+        """A boolean constraint's effective policy: booleanPolicy.enforced when the
+        organization enforces it, an empty booleanPolicy when not (as the API answers)."""
+        if not self.org_policy_readable:
+            raise StorageError(403, "PERMISSION_DENIED", "The caller does not have permission")
+        constraint = str((body or {}).get("constraint") or "")
+        if not constraint.startswith("constraints/"):
+            raise StorageError(400, "INVALID_ARGUMENT", "Invalid constraint name.")
+        enforced = constraint in self.org_enforced
+        return self._json({"constraint": constraint,
+                           "booleanPolicy": {"enforced": True} if enforced else {}})
 
     def _serviceAccounts_get(self, project: str, email: str, **_: Any) -> Reply:
         return self._json(self._sa(project, email))

@@ -21,7 +21,7 @@ def test_new_project_without_spot_gpu_quota_is_blocked_with_the_metric(fake, spo
     p = GcpProvider(make_ctx(fake, spotctl_home, gpu="T4"))
     checks = {c.name: c for c in p.checks()}
     assert list(checks) == ["credentials", "region", "spot GPU quota", "network",
-                            "GPU network", "image (workers)", "image (head)",
+                            "SSH login", "GPU network", "image (workers)", "image (head)",
                             "checkpoint bucket"]  # fmt: skip
     assert checks["credentials"].ok and PROJECT in checks["credentials"].detail
     assert checks["region"].ok and "4 zones" in checks["region"].detail
@@ -122,3 +122,31 @@ def test_missing_network_image_and_region_each_fail_their_line(fake, spotctl_hom
     bad_region = GcpProvider(make_ctx(fake, spotctl_home, region="nowhere"))
     r = {c.name: c for c in bad_region.checks()}["region"]
     assert not r.ok and "gcp.region" in r.detail and "\n" not in r.detail
+
+
+def test_an_organization_that_enforces_os_login_is_refused_before_anything_is_made(
+    fake, spotctl_home
+):
+    """constraints/compute.requireOsLogin (common in companies' organizations) makes every
+    VM ignore metadata SSH keys, the key spotctl bootstraps nodes with: `up` would launch
+    and then fail at every node's first login. `check` and `up` say so in one line first."""
+    from spotctl.errors import SpecError
+
+    p = GcpProvider(make_ctx(fake, spotctl_home))
+    assert _checks(p)["SSH login"].ok
+    assert "not enforced" in _checks(p)["SSH login"].detail
+    fake.storage.org_enforced.add("constraints/compute.requireOsLogin")
+    line = _checks(p)["SSH login"]
+    assert not line.ok and line.blocking and "enforces OS Login" in line.detail, line
+    n = len(fake.requests)
+    with pytest.raises(SpecError, match=r"^gcp: project .* enforces OS Login") as e:
+        p.prepare()
+    assert "\n" not in str(e.value)
+    made = [r.key for r in fake.requests[n:] if r.key and not r.key.endswith(
+        ("getEffectiveOrgPolicy", ".get", ".list", "aggregatedList"))]
+    assert made == [], made  # no firewall, key, bucket or account
+    # an identity that may not read the policy: `check` says it cannot tell, `up` goes on
+    fake.storage.org_policy_readable = False
+    line = _checks(p)["SSH login"]
+    assert line.ok and "could not be read" in line.detail, line
+    p.prepare()

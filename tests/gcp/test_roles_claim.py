@@ -74,6 +74,7 @@ PERMISSIONS: dict[str, set[str]] = {
     "iam.serviceAccounts.setIamPolicy": {"iam.serviceAccounts.setIamPolicy"},
     "cloudresourcemanager.projects.getIamPolicy": {"resourcemanager.projects.getIamPolicy"},
     "cloudresourcemanager.projects.setIamPolicy": {"resourcemanager.projects.setIamPolicy"},
+    "cloudresourcemanager.projects.getEffectiveOrgPolicy": {"orgpolicy.policy.get"},
 }  # fmt: skip
 
 

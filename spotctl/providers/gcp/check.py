@@ -46,6 +46,7 @@ class GcpChecks(GcpLaunch):
         if region.ok:
             out.append(self._check_gpu_quota())
         out.append(run_check("network", self._check_network))
+        out.append(run_check("SSH login", self._check_os_login))
         out.append(run_check("GPU network", self._check_gpu_network))
         out.append(run_check("image (workers)", lambda: self._check_image(self.spec.image)))
         out.append(run_check("image (head)", lambda: self._check_image(self.spec.head_image)))
@@ -104,6 +105,13 @@ class GcpChecks(GcpLaunch):
         if region is None:
             raise SpecError(f"gcp.region: {self.region!r} is not a region of {self.project}")
         return region
+
+    def _check_os_login(self) -> str:
+        if self.refuse_os_login() is None:
+            return ("the organization's OS Login policy could not be read "
+                    "(orgpolicy.policy.get); where it enforces OS Login, nodes cannot be "
+                    "bootstrapped")
+        return "metadata SSH keys (OS Login not enforced)"
 
     def _check_region(self) -> str:
         region = self._region()

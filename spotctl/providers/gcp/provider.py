@@ -78,6 +78,7 @@ class GcpProvider(GcpChecks):
                 raise ProviderError(f"gcp: the cluster's SSH key is missing on the head "
                                     f"({self._key_path()})")
             return
+        self.refuse_os_login()  # before anything is made
         super().prepare()
         self.prepare_storage()
         if self.ctx.spec.head_rebalances:

@@ -49,6 +49,7 @@ RESOURCE_MANAGER_URL = "https://cloudresourcemanager.googleapis.com"
 HEAD_READ_ROLE = "roles/compute.viewer"
 HEAD_ROLE = "roles/compute.instanceAdmin.v1"
 HEAD_NET_ROLE = "roles/compute.networkUser"
+OS_LOGIN_CONSTRAINT = "constraints/compute.requireOsLogin"
 ACT_AS_ROLE = "roles/iam.serviceAccountUser"  # on the workers' account only
 OBJECT_ROLE = "roles/storage.objectUser"
 LIST_ROLE = "roles/storage.legacyBucketReader"
@@ -255,6 +256,30 @@ class GcpStorage(ClusterCheckpoints, GcpApi):
     @property
     def _project_url(self) -> str:
         return f"{self.endpoint or RESOURCE_MANAGER_URL}/v1/projects/{self.project}"
+
+    def os_login_enforced(self) -> bool | None:
+        """Whether the project's organization enforces OS Login on every VM
+        (constraints/compute.requireOsLogin); None when its policy cannot be read (that
+        needs orgpolicy.policy.get, which many identities lack)."""
+        try:
+            pol = self._rest("read the organization's OS Login policy", "POST",
+                             f"{self._project_url}:getEffectiveOrgPolicy",
+                             body={"constraint": OS_LOGIN_CONSTRAINT}) or {}
+        except ProviderError:
+            return None
+        return bool((pol.get("booleanPolicy") or {}).get("enforced"))
+
+    def refuse_os_login(self) -> bool | None:
+        """One line when OS Login is enforced: spotctl logs in to its VMs with a key of
+        its own in their metadata, which OS Login ignores (every bootstrap would fail).
+        Else what os_login_enforced() said."""
+        enforced = self.os_login_enforced()
+        if enforced:
+            raise SpecError(
+                f"gcp: project {self.project}'s organization enforces OS Login "
+                f"({OS_LOGIN_CONSTRAINT}), which ignores the SSH key spotctl puts in its "
+                "VMs' metadata: ask for an exception to it for this project, or use another")
+        return enforced
 
     def _ensure_head_identity(self) -> None:
         """The head's service account, its project bindings (read Compute; change only
