@@ -204,6 +204,9 @@ class FakeStorage:
         # and whether the caller may read them (orgpolicy.policy.get)
         self.org_enforced: set[str] = set()
         self.org_policy_readable = True
+        # False: the caller lacks resourcemanager.projects.setIamPolicy (no Project IAM
+        # Admin), as many users' identities do
+        self.project_iam_admin = True
         self._uploads: dict[str, _Upload] = {}
         self._gen = itertools.count(1_700_000_000_000_000)
         self.tokens: dict[str, str] = {}  # bearer token -> service account email
@@ -709,6 +712,8 @@ class FakeStorage:
         return self._get_policy(f"projects/{project}", body)
 
     def _projects_setIamPolicy(self, project: str, body: Any, **_: Any) -> Reply:
+        if not self.project_iam_admin:
+            raise StorageError(403, "PERMISSION_DENIED", "Policy update access denied.")
         return self._set_policy(f"projects/{project}", body)
 
     def _projects_getEffectiveOrgPolicy(self, project: str, body: Any, **_: Any) -> Reply:

@@ -215,3 +215,21 @@ def test_a_condition_iam_cannot_evaluate_is_refused(
     monkeypatch.setattr(GcpStorage, "head_condition", lambda self: regex)
     with pytest.raises(ProviderError, match="undeclared reference to 'matches'"):
         ctl.ensure_head()
+
+
+def test_an_identity_that_may_not_set_the_projects_policy_is_told_what_to_do(
+    fake: Any, spotctl_home: Path
+) -> None:
+    """Many identities may create VMs but not set the project's IAM policy (no Project
+    IAM Admin): `up` with on_head (the default) stops at the head's bindings, and its one
+    line says which permission that is and that on_head = false avoids it."""
+    from spotctl.errors import AuthError
+
+    fake.storage.project_iam_admin = False
+    ctl = get_provider("gcp", make_ctx(fake, spotctl_home))
+    with pytest.raises(AuthError, match=r"Policy update access denied.*on_head = false") as e:
+        ctl.prepare()
+    assert "resourcemanager.projects.setIamPolicy" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert ctl.cleanup() == []
+    assert gcp_leftovers(fake) == GCP_NOTHING

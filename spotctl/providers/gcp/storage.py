@@ -34,7 +34,7 @@ import re
 import time
 from typing import Any
 
-from spotctl.errors import ProviderError, SpecError
+from spotctl.errors import AuthError, ProviderError, SpecError
 from spotctl.providers.base import ClusterCheckpoints
 from spotctl.providers.gcp.api import GcpApi, _one_line, worker_prefix
 
@@ -290,8 +290,15 @@ class GcpStorage(ClusterCheckpoints, GcpApi):
                              f"spotctl cluster {self.ctx.cluster}: the head replaces its "
                              "lost workers")  # fmt: skip
         member = f"serviceAccount:{email}"
-        self._edit_policy(f"project {self.project}", self._project_url, member,
-                          self.head_bindings())
+        try:
+            self._edit_policy(f"project {self.project}", self._project_url, member,
+                              self.head_bindings())
+        except AuthError as e:
+            raise AuthError(
+                f"{e} (the head replaces lost nodes itself only where spotctl may set the "
+                "project's IAM policy, resourcemanager.projects.setIamPolicy: grant it, or "
+                "set [rebalance] on_head = false and run `spotctl rebalance` from cron)"
+            ) from None
         self._edit_policy(f"service account {self.node_account}",
                           f"{self._iam_base}/{self.node_account}", member,
                           [{"role": ACT_AS_ROLE, "members": [member]}])
