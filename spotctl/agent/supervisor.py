@@ -38,6 +38,12 @@ from spotctl.sockets import spare_port
 
 log = logging.getLogger("spotctl.agent")
 TICK_S = 0.25
+# SIGTERM on a node whose metadata is GCP's (or the local emulator's): how long the agent
+# waits for the notice to come (a Spot VM's preemption is an ACPI soft-off, so the OS stops
+# the agent at the moment `preempted` turns TRUE), and how long before a notice's deadline
+# it stops in any case
+TERM_NOTICE_WAIT_S = 5.0
+TERM_DEADLINE_MARGIN_S = 2.0
 # a spanning replica group's nodes wait this long for the group's first node (the head
 # moves the group to a new generation, which restarts them, when that node is gone)
 GROUP_RDZV_TIMEOUT_S = 600
@@ -148,6 +154,8 @@ class Agent:
         self.head_errors = 0
         self.monitors: Any = None
         self._stop = threading.Event()
+        self._term_at: float | None = None  # when SIGTERM came (terminate())
+        self._term_logged = False
         self.torchrun_restarts = 0
         self.next_start = 0.0
         # torchft, nodes_per_replica > 1: the port this node's group store listens on when
@@ -742,9 +750,9 @@ class Agent:
         except OSError as e:  # informational: never stops the node
             log.warning("network probe failed: %s", e)
         # first contact takes the head's current generations (see _heartbeat)
-        while not self._stop.is_set() and self._heartbeat([]) is None:
+        while not self._done() and self._heartbeat([]) is None:
             time.sleep(0.5)
-        while not self._stop.is_set():
+        while not self._done():
             t0 = time.monotonic()
             try:
                 self.step()
@@ -764,6 +772,35 @@ class Agent:
     def stop(self) -> None:
         self._stop.set()
 
+    def terminate(self) -> None:
+        """SIGTERM: the OS stops the agent. Mostly that means stop now; but on GCP a Spot
+        VM's preemption *is* an ACPI soft-off, and systemd stops this unit at the notice
+        itself, 30 s before the VM goes: stopping then would throw the graceful leave
+        away (the drain, the commit, the leave of the rendezvous or the quorum). So with
+        a notice (or, on GCP, one within TERM_NOTICE_WAIT_S) the agent goes on until its
+        node has left, at the latest until shortly before the notice's deadline."""
+        if self._term_at is None:
+            self._term_at = time.time()
+
+    def _done(self) -> bool:
+        """Whether the main loop ends now (stop(), or terminate() as above)."""
+        if self._stop.is_set():
+            return True
+        t = self._term_at
+        if t is None:
+            return False
+        now, n = time.time(), self.notice
+        if n is None:
+            return not (self.cfg.metadata in ("gcp", "local")
+                        and now - t < TERM_NOTICE_WAIT_S)
+        if self.state in ("left", "finished", "failed"):
+            return True
+        if not self._term_logged:
+            self._term_logged = True
+            log.info("SIGTERM with a notice: leaving first (at the latest %.1f s from now)",
+                     float(n["deadline"]) - TERM_DEADLINE_MARGIN_S - now)
+        return now >= float(n["deadline"]) - TERM_DEADLINE_MARGIN_S
+
 
 def worker_env(environ: Mapping[str, str], token: str) -> dict[str, str]:
     """The environment training processes start from: the agent's, less any credential of
@@ -776,5 +813,5 @@ def run_agent(config_path: Path) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s agent %(message)s")
     cfg = AgentConfig.load(config_path)
     agent = Agent(cfg)
-    signal.signal(signal.SIGTERM, lambda *_: agent.stop())
+    signal.signal(signal.SIGTERM, lambda *_: agent.terminate())
     return agent.run()

@@ -272,3 +272,16 @@ def test_control_inject_and_clear(server: MetadataServer) -> None:
     assert status == 200 and state["deadline"] is None and state["gcp"]["preempted"] is False
     assert server.faults_pending()["5xx"] == 0
     assert _gcp(server, "preempted").body == b"FALSE"
+
+
+def test_a_gcp_preemption_is_a_soft_off_at_the_notice(
+        metadata_server: Callable[..., MetadataServer]) -> None:
+    """GCP's notice is an ACPI soft-off: the guest starts shutting down (systemd stops the
+    agent) when `preempted` turns TRUE, not at the deadline. An AWS notice is not."""
+    offs: list[bool] = []
+    srv = metadata_server(control_token="secret",
+                          on_soft_off=lambda: offs.append(srv.state()["gcp"]["preempted"]))
+    srv.preempt("aws", 60)
+    assert offs == []
+    srv.preempt("gcp", 30)
+    assert offs == [True]  # with the metadata already saying so

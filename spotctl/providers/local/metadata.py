@@ -74,6 +74,7 @@ class MetadataServer:
         port: int = 0,
         control_token: str | None = None,
         on_deadline: Callable[[float], None] | None = None,
+        on_soft_off: Callable[[], None] | None = None,
         instance_id: str = "i-0local000000000001",
         zone: str = "local-1a",
         instance_type: str = "local.cpu",
@@ -85,6 +86,9 @@ class MetadataServer:
         self._requested_port = port
         self.control_token = control_token
         self.on_deadline = on_deadline
+        # a GCP preemption's ACPI soft-off: the guest OS starts shutting down at the
+        # notice (systemd stops the node agent's unit: SIGTERM)
+        self.on_soft_off = on_soft_off
         self.instance_id = instance_id
         self.zone = zone
         self.instance_type = instance_type
@@ -248,8 +252,9 @@ class MetadataServer:
         """Announce a preemption the way `style`'s cloud would; returns the deadline.
 
         aws: instance-action `action` at now+in_s (default 120 s). gcp: `preempted`
-        turns TRUE now and the node goes in_s (default GCP's 30 s) later; GCP's metadata
-        carries no deadline, so the node's agent still counts 30 s. The earliest stands;
+        turns TRUE now, the guest gets its ACPI soft-off now (`on_soft_off`), and the node
+        goes in_s (default GCP's 30 s) later; GCP's metadata carries no deadline, so the
+        node's agent still counts 30 s. The earliest stands;
         `on_deadline(deadline)` runs from a timer thread when it passes.
         """
         now = self.clock()
@@ -264,6 +269,11 @@ class MetadataServer:
             self.set_aws_notice(action, deadline)
         else:
             self.set_gcp_preempted(True)
+            if self.on_soft_off is not None:
+                try:
+                    self.on_soft_off()
+                except Exception:
+                    log.exception("on_soft_off callback failed")
         with self._cond:
             if self._deadline is not None and self._deadline <= deadline:
                 return self._deadline

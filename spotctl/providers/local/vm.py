@@ -42,8 +42,17 @@ def main(node_dir: Path) -> int:
         write_json_atomic(vm_path, vm)
         os.kill(os.getpid(), signal.SIGKILL)
 
+    agents: list[subprocess.Popen[bytes]] = []
+
+    def soft_off() -> None:
+        # GCP's ACPI soft-off at a preemption notice: the OS stops the agent's unit
+        for a in agents:
+            if a.poll() is None:
+                a.send_signal(signal.SIGTERM)
+
     md = MetadataServer(
         host=vm.get("address", "127.0.0.1"), port=0, control_token=token, on_deadline=reclaim,
+        on_soft_off=soft_off,
         instance_id=vm["node_id"], zone=vm.get("zone", "local-a"), instance_type="local",
     )
     md.start()
@@ -60,9 +69,14 @@ def main(node_dir: Path) -> int:
         [sys.executable, "-m", "spotctl.cli.app", "agent", "--config", str(cfg_path)],
         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=str(node_dir),
     )
+    agents.append(agent)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     while not stopping.is_set() and agent.poll() is None:
+        stopping.wait(0.5)
+    # an agent that stopped after a GCP notice's soft-off (its node left): the "cloud"
+    # still takes the VM at the deadline, as a preemption
+    while md.deadline is not None and not stopping.is_set() and not dead.is_set():
         stopping.wait(0.5)
     if dead.is_set():
         # reclaimed: the reclaim thread recorded "preempted" and is killing the tree and
