@@ -44,6 +44,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SPOTCTL = [sys.executable, "-m", "spotctl.cli.app"]
+# moto's console output and the fake GCP's guest attributes publish no SSH host keys
+# unless a test puts some there: a fresh VM's keys are waited for this long, not 150 s
+# (tests/unit/test_host_key_wait.py checks the wait itself)
+os.environ.setdefault("SPOTCTL_HOST_KEY_WAIT_S", "0.3")
 SSHD = "/usr/sbin/sshd"
 T = TypeVar("T")
 # `@pytest.mark.parametrize("engine", ENGINES)`: a cluster test on both engines (issue 17)

@@ -62,6 +62,7 @@ def _provider(fake, home: Path, zones: list[str]):
             "gcp_poll_interval": 0.01,
             "gcp_op_timeout": 30,
             "head_process": False,
+            "host_key_wait_s": 1.0,  # the fake publishes no host keys
         },
     )
     return GcpProvider(ctx)

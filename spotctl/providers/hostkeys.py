@@ -4,8 +4,11 @@ the cluster's known_hosts before the first SSH connection.
 This module owns turning a cloud's report of a VM's SSH host keys into known_hosts
 entries: parsing cloud-init's "BEGIN SSH HOST KEY KEYS" block, and `pin_host_keys`, which
 writes the keys for a host name and drops any older pin of that name (cloud addresses are
-reused by other VMs). Without a report, the first connection still pins on first use
-(spotctl/remote/ssh.py); with one, even the first connection is verified.
+reused by other VMs). A VM publishes its keys late in its boot (cloud-init's last stage
+on EC2, the guest agent on GCP): `pin_published` waits for them (HOST_KEY_WAIT_S) before
+the first connection. Without a report even then, the first connection pins on first use
+(spotctl/remote/ssh.py), and an older pin of that address (another VM's) is dropped
+rather than refuse the new VM for good; with one, even the first connection is verified.
 """
 
 from __future__ import annotations
@@ -14,10 +17,15 @@ import base64
 import binascii
 import fcntl
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 BEGIN = "-----BEGIN SSH HOST KEY KEYS-----"
 END = "-----END SSH HOST KEY KEYS-----"
+# how long a VM just launched is given to publish its host keys, and how often they are read
+HOST_KEY_WAIT_S = 150.0
+HOST_KEY_POLL_S = 5.0
 KEY_TYPES = ("ssh-ed25519", "ecdsa-sha2-nistp256", "ecdsa-sha2-nistp384",
              "ecdsa-sha2-nistp521", "ssh-rsa")  # fmt: skip
 
@@ -66,3 +74,54 @@ def pin_host_keys(known_hosts: Path, host: str, keys: list[tuple[str, str]]) -> 
             f.write("\n".join(kept) + "\n")
         os.replace(tmp, path)
     return True
+
+
+def wait_settings(options: dict[str, object]) -> tuple[float, float]:
+    """(wait, poll) seconds for a fresh VM's keys: the provider options `host_key_wait_s`
+    / `host_key_poll_s`, else SPOTCTL_HOST_KEY_WAIT_S (the test suite's stand-ins publish
+    no keys), else HOST_KEY_WAIT_S / HOST_KEY_POLL_S."""
+    wait = options.get("host_key_wait_s", os.environ.get("SPOTCTL_HOST_KEY_WAIT_S",
+                                                         HOST_KEY_WAIT_S))
+    poll = options.get("host_key_poll_s", HOST_KEY_POLL_S)
+    w, p = float(wait), float(poll)  # type: ignore[arg-type]
+    return w, min(p, max(w, 0.01))
+
+
+def unpin(known_hosts: Path, host: str) -> bool:
+    """Drop every pin of `host`; whether there was one."""
+    path = Path(known_hosts)
+    if not host or not path.exists():
+        return False
+    with open(path.with_name(path.name + ".lock"), "w") as lockf:
+        fcntl.flock(lockf, fcntl.LOCK_EX)
+        lines = path.read_text().splitlines()
+        kept = [ln for ln in lines if ln.split(" ", 1)[0] != host]
+        if len(kept) == len(lines):
+            return False
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(ln + "\n" for ln in kept))
+        os.replace(tmp, path)
+    return True
+
+
+def pin_published(known_hosts: Path, host: str, read: Callable[[], list[tuple[str, str]]],
+                  *, fresh: bool, wait_s: float = HOST_KEY_WAIT_S,
+                  poll_s: float = HOST_KEY_POLL_S, sleep: Callable[[float], None] = time.sleep,
+                  clock: Callable[[], float] = time.monotonic) -> bool:
+    """Pin the keys the cloud publishes for the VM at `host` (`read()`: [] until it has).
+    A VM just launched (`fresh`) is given up to `wait_s` to publish them; if it has not,
+    any older pin of `host` (another VM's: addresses are reused) is dropped, so that the
+    first connection pins on first use instead of failing on a changed key for good.
+    Whether keys were pinned."""
+    deadline = clock() + (wait_s if fresh else 0.0)
+    while True:
+        if pin_host_keys(known_hosts, host, read()):
+            return True
+        if clock() >= deadline:
+            break
+        sleep(poll_s)
+    if fresh:
+        unpin(known_hosts, host)
+    return False

@@ -40,9 +40,37 @@ def test_console_without_keys_pins_nothing(make_provider: Callable[..., AwsProvi
                   gpus=1, gpu_name="A10G", spot_price=0.5)  # fmt: skip
     [inst] = p.launch(offer, 1, "hk")
     assert p.console_host_keys(inst.id) == []
-    p._pin_host_keys(inst)
+    p._pin_host_keys(inst, fresh=False)
     assert not p.ctx.cluster_dir.known_hosts.exists()
+    # a fresh instance on an address another one had: that one's pin goes (the first
+    # connection then pins on first use, instead of failing on a changed key for good)
+    kh = p.ctx.cluster_dir.known_hosts
+    kh.write_text(f"{inst.public_address} ssh-ed25519 {ED}\nother ssh-ed25519 {ED}\n")
+    p._pin_host_keys(inst)
+    assert kh.read_text() == f"other ssh-ed25519 {ED}\n"
     assert p.cleanup() == []
+
+
+def test_a_type_without_the_latest_console_gives_the_buffered_one(
+    make_provider: Callable[..., AwsProvider], monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Only Nitro types serve the latest console output; others answer
+    UnsupportedOperation to Latest=True (it was taken for "no keys")."""
+    from botocore.exceptions import ClientError
+
+    p = make_provider()
+    calls: list[dict[str, object]] = []
+
+    def console(**kw: object) -> dict[str, object]:
+        calls.append(kw)
+        if kw.get("Latest"):
+            raise ClientError({"Error": {"Code": "UnsupportedOperation",
+                                         "Message": "not supported"}}, "GetConsoleOutput")
+        return {"Output": CONSOLE}
+
+    monkeypatch.setattr(p.ec2, "get_console_output", console)
+    assert p.console_host_keys("i-0abc") == [("ssh-ed25519", ED)]
+    assert [c.get("Latest") for c in calls] == [True, None]
 
 
 def test_the_heads_loop_pins_the_private_address_it_connects_to(

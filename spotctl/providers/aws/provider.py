@@ -36,7 +36,7 @@ from spotctl.errors import ProviderError, TransientError
 from spotctl.providers.aws.api import HEAD_TOKEN_FILE, TAG_REQUEST, error_code
 from spotctl.providers.aws.check import AwsChecks
 from spotctl.providers.base import HeadInfo, Instance, ProviderContext, Teardown, start_new_head
-from spotctl.providers.hostkeys import parse_console_keys, pin_host_keys
+from spotctl.providers.hostkeys import parse_console_keys, pin_published, wait_settings
 from spotctl.remote.bootstrap import HostProgress, HostResult
 
 
@@ -137,7 +137,7 @@ class AwsProvider(AwsChecks):
             )
             head_id = started[0].id
         inst = self._to_instance(self._wait_running(head_id))
-        self._pin_host_keys(inst)
+        self._pin_host_keys(inst, fresh=not live)
         self._head = start_new_head(
             lambda: self._nodes.head(inst, self._head_process, "aws"), head_id,
             self.terminate, created=not live,
@@ -165,28 +165,38 @@ class AwsProvider(AwsChecks):
     def console_host_keys(self, instance_id: str) -> builtins.list[tuple[str, str]]:
         """The instance's SSH host keys as cloud-init printed them on its console, [] while
         the console output is not there yet (it lags boot by a minute or more)."""
-        try:
-            out = self._call(
-                f"read console output of {instance_id}",
-                self.ec2.get_console_output,
-                InstanceId=instance_id,
-                Latest=True,
-            )
-        except ProviderError as e:
-            if error_code(e) in ("InvalidInstanceID.NotFound", "UnsupportedOperation"):
-                return []
-            raise
+        out: dict[str, Any] = {}
+        # the latest output is Nitro's; other types answer UnsupportedOperation to it and
+        # give the buffered output (updated at state changes) instead
+        for latest in (True, False):
+            try:
+                out = self._call(
+                    f"read console output of {instance_id}",
+                    self.ec2.get_console_output,
+                    InstanceId=instance_id,
+                    **({"Latest": True} if latest else {}),
+                )
+                break
+            except ProviderError as e:
+                if error_code(e) == "InvalidInstanceID.NotFound":
+                    return []
+                if error_code(e) != "UnsupportedOperation":
+                    raise
+                if not latest:
+                    return []
         return parse_console_keys(str(out.get("Output") or ""))
 
-    def _pin_host_keys(self, inst: Instance) -> None:
+    def _pin_host_keys(self, inst: Instance, fresh: bool = True) -> None:
         """Pin the keys EC2 reports for this instance before the first SSH (not under
         the loopback test seam, where one sshd stands in for every instance)."""
         # the head's own loop reaches nodes at their private address (CloudNodes.target)
         address = inst.address if self._on_head else inst.public_address
         if self._nodes.override is not None or not address:
             return
-        keys = self.console_host_keys(inst.id)
-        pin_host_keys(self.ctx.cluster_dir.known_hosts, address, keys)
+        wait_s, poll_s = wait_settings(self.ctx.options)
+        pin_published(self.ctx.cluster_dir.known_hosts, address,
+                      lambda: self.console_host_keys(inst.id),
+                      fresh=fresh, wait_s=wait_s, poll_s=poll_s)
 
     def _head_gone(self) -> bool:
         """True when the saved head token already launched a head that is now gone."""

@@ -58,7 +58,7 @@ from spotctl.providers.gcp.api import (
     label_value,
 )
 from spotctl.providers.gcp.check import GcpChecks
-from spotctl.providers.hostkeys import pin_host_keys
+from spotctl.providers.hostkeys import pin_published, wait_settings
 from spotctl.remote.bootstrap import HostProgress, HostResult
 
 
@@ -129,7 +129,7 @@ class GcpProvider(GcpChecks):
         else:
             vm = live[0]
         head = self._to_instance(vm)
-        self._pin_host_keys(head)
+        self._pin_host_keys(head, fresh=not live)
         self._head = start_new_head(
             lambda: self._nodes.head(head, self._head_process, "gcp"), head.id,
             self.terminate, created=not live,
@@ -179,15 +179,17 @@ class GcpProvider(GcpChecks):
         items = list(attrs.query_value.items) if attrs is not None and attrs.query_value else []
         return [(str(i.key), str(i.value)) for i in items if i.namespace == "hostkeys"]
 
-    def _pin_host_keys(self, inst: Instance) -> None:
+    def _pin_host_keys(self, inst: Instance, fresh: bool = True) -> None:
         """Pin the keys the cloud reports for this VM before the first SSH (not under
         the loopback test seam, where one sshd stands in for every VM)."""
         # the head's own loop reaches nodes at their internal address (CloudNodes.target)
         address = inst.address if self._on_head else inst.public_address
         if self._nodes.override is not None or not address:
             return
-        keys = self.guest_host_keys(inst.zone, inst.id)
-        pin_host_keys(self.ctx.cluster_dir.known_hosts, address, keys)
+        wait_s, poll_s = wait_settings(self.ctx.options)
+        pin_published(self.ctx.cluster_dir.known_hosts, address,
+                      lambda: self.guest_host_keys(inst.zone, inst.id),
+                      fresh=fresh, wait_s=wait_s, poll_s=poll_s)
 
     def _head_zone(self) -> str:
         if self.spec.zones:
