@@ -17,6 +17,7 @@ restarts them into the next rendezvous round).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -139,6 +140,8 @@ class Agent:
         self.leaving_flag = Path(str(self.gate) + ".leaving")
         self.leaving_flag.unlink(missing_ok=True)
         self.worker = runas.resolve(cfg.run_as)
+        if self.worker is not None:
+            self.worker = self._worker_home(self.worker)
         if self.worker is not None and not self._prepare_worker_dirs(self.worker):
             self.worker = None
         self.zygote: subprocess.Popen[bytes] | None = None
@@ -182,6 +185,21 @@ class Agent:
         self._net_acked: tuple[str | None, str | None] | None = None
         self._nccl_checked = -math.inf
         self._nccl_seen: dict[str, int] = {}  # debug file -> size when last read
+
+    def _worker_home(self, w: runas.WorkerUser) -> runas.WorkerUser:
+        """The training user is a system user with no home (`/nonexistent`, as the
+        bootstrap makes it); scripts write under ~ all the same (the Hugging Face and
+        torch.hub caches, ~/.config): unless its home is a directory it owns, its HOME is
+        one of its own in the workdir."""
+        try:
+            if os.stat(w.home).st_uid == w.uid and Path(w.home).is_dir():
+                return w
+        except OSError:
+            pass
+        home = self.workdir / "home"
+        runas.allow_search(self.workdir)
+        runas.own_dir(home, w, 0o700)
+        return dataclasses.replace(w, home=str(home))
 
     def _prepare_worker_dirs(self, w: runas.WorkerUser) -> bool:
         """Workers run as `w`: they write only their status dir (and a local checkpoint
@@ -783,16 +801,20 @@ class Agent:
             self._term_at = time.time()
 
     def _done(self) -> bool:
-        """Whether the main loop ends now (stop(), or terminate() as above)."""
+        """Whether the main loop ends now (stop(), or terminate() as above). Only a node
+        whose notices are GCP's (or the local emulator's, which plays GCP's soft-off)
+        waits: elsewhere SIGTERM comes from spotctl itself (`down` on ssh hosts) or, on
+        AWS, at the deadline."""
         if self._stop.is_set():
             return True
         t = self._term_at
         if t is None:
             return False
+        if self.cfg.metadata not in ("gcp", "local"):
+            return True
         now, n = time.time(), self.notice
         if n is None:
-            return not (self.cfg.metadata in ("gcp", "local")
-                        and now - t < TERM_NOTICE_WAIT_S)
+            return now - t >= TERM_NOTICE_WAIT_S
         if self.state in ("left", "finished", "failed"):
             return True
         if not self._term_logged:
@@ -814,4 +836,6 @@ def run_agent(config_path: Path) -> int:
     cfg = AgentConfig.load(config_path)
     agent = Agent(cfg)
     signal.signal(signal.SIGTERM, lambda *_: agent.terminate())
+    # SIGINT: stop now, notice or not (a local cluster's `down`)
+    signal.signal(signal.SIGINT, lambda *_: agent.stop())
     return agent.run()

@@ -68,3 +68,23 @@ def test_sigterm_without_a_notice_stops(tmp_path: Path, metadata: str) -> None:
         assert a._term_at is not None
         a._term_at -= TERM_NOTICE_WAIT_S + 0.1
     assert a._done()
+
+
+@pytest.mark.parametrize("metadata", ["aws", "file"])
+def test_elsewhere_sigterm_stops_even_with_a_notice(tmp_path: Path, metadata: str) -> None:
+    """AWS shuts a VM down at the notice's deadline, and on ssh hosts SIGTERM is spotctl's
+    own `down`: the agent stops at once, as it always did."""
+    a = _agent(tmp_path, metadata)
+    a.state = "running"
+    a.notice = _notice(100.0)
+    a.terminate()
+    assert a._done()
+
+
+def test_stop_is_at_once(tmp_path: Path) -> None:
+    """SIGINT (stop()): a local cluster's `down`, notice or not."""
+    a = _agent(tmp_path, "local")
+    a.state = "running"
+    a.notice = _notice(100.0)
+    a.stop()
+    assert a._done()

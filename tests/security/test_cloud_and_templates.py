@@ -186,10 +186,12 @@ def test_gcp_role_list_is_least_privilege(wheel_files: dict[str, bytes]) -> None
     # written, and nothing else of the resource manager
     assert [p for p in perms if p.startswith("resourcemanager.")] == [
         "resourcemanager.projects.getIamPolicy", "resourcemanager.projects.setIamPolicy"]
+    # whether the organization enforces OS Login: one read, nothing else of its policies
+    assert [p for p in perms if p.startswith("orgpolicy.")] == ["orgpolicy.policy.get"]
     for p in perms:
         # VMs and firewalls; the checkpoint bucket; the workers' and the head's accounts
         assert p.startswith(("compute.", "storage.", "iam.serviceAccounts.",
-                             "resourcemanager.projects.")), p
+                             "resourcemanager.projects.", "orgpolicy.policy.get")), p
         assert "*" not in p, p
         assert not p.startswith("roles/"), "a broad predefined role in the list"
     assert len(perms) == len(set(perms))

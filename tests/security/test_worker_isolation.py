@@ -53,6 +53,15 @@ report = {
     "head_secret": attempt(os.environ["PROBE_HEAD_SECRET"]),
     "agent_config": attempt(os.environ["PROBE_CONFIG"]),
 }
+# what scripts do under ~ (the Hugging Face and torch.hub caches): nobody's own home,
+# /nonexistent, is not there
+cache = Path.home() / ".cache" / "probe"
+try:
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / f"rank{os.environ.get('RANK')}").write_text("x")
+    report["home_cache"] = "WRITTEN"
+except OSError as e:
+    report["home_cache"] = f"denied errno={e.errno}"
 # the worker's parent is the zygote; the zygote's parent is the agent. The zygote's ids
 # are read now: it may be gone by the time the test looks (the run ends, it exits)
 status = Path(f"/proc/{os.getppid()}/status").read_text()
@@ -162,7 +171,9 @@ def test_workers_run_unprivileged_and_cannot_read_credentials(
             assert r["agent_mem"].startswith("denied"), r
             assert r["agent_environ"].startswith("denied"), r
             assert not any(token in v or head.token in v for v in r["env"].values())
-            assert r["env"]["HOME"] == nobody.pw_dir
+            # nobody's home is /nonexistent: the agent gives it one in its workdir
+            assert r["env"]["HOME"] == str(work / "home"), r["env"]["HOME"]
+            assert r["home_cache"] == "WRITTEN", r
         # forked by the warm zygote (itself running as the worker user), not cold-started
         assert all(r["zygote"] for r in reports)
         for r in reports:  # real, effective, saved and filesystem uid

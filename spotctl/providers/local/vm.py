@@ -83,7 +83,9 @@ def main(node_dir: Path) -> int:
         # us; writing "stopped" now would make the preemption look like a lost node
         threading.Event().wait()
     if agent.poll() is None:
-        agent.terminate()
+        # SIGINT, not SIGTERM: SIGTERM is the soft-off of a GCP preemption, after which
+        # an agent with a notice finishes its leave first
+        agent.send_signal(signal.SIGINT)
         try:
             agent.wait(20)
         except subprocess.TimeoutExpired:
