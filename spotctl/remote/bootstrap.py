@@ -584,13 +584,28 @@ def _bootstrap(
         changed = bool(uploaded) or result.get("installed") == "1" or started
     finally:
         conn.close()
-    note = ""
+    notes = [worker_fallback_note(r.stdout)]
     if target.older_pins:
-        note = ("its Python is older than some of this controller's pins allow: it took "
-                "older releases of those from its package index")
+        notes.append("its Python is older than some of this controller's pins allow: it took "
+                     "older releases of those from its package index")
+    note = "; ".join(n for n in notes if n)
     res = HostResult(target.node_id, True, "", changed, 0.0, agent.strip(), uploaded, sent,
                      note)
     return res, target, baseline
+
+
+def worker_fallback_note(stdout: str) -> str:
+    """What the bootstrap said when training workers could not run as `[train] run_as`
+    (no root through sudo, or that user cannot run the interpreter): they then run as the
+    login user and can read the node's credential, which the user should be told, not
+    find in a node log. "" when they run as run_as, or none was asked for."""
+    lead = "spotctl: workers run as "
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(lead) and ": " in line[len(lead):]:
+            who, _, why = line[len(lead):].partition(": ")
+            return (f"training workers run as {who}, not [train] run_as ({why}): they can "
+                    "read the node's credential")
+    return ""
 
 
 def release_hosts(

@@ -242,6 +242,9 @@ def test_bootstrap_sets_up_the_worker_user_and_keeps_the_token_private(
     worker, out = _bootstrap_worker(node)
     assert worker == WORKER_USER, out
     assert f"spotctl: workers run as {WORKER_USER}" in out
+    from spotctl.remote.bootstrap import worker_fallback_note
+
+    assert worker_fallback_note(out) == ""
     # the worker user reaches its workdir, and not the token or the agent's config
     assert _as(WORKER_USER, "test", "-x", str(node / "work")).returncode == 0
     for secret in ("token", "agent.json"):
@@ -265,6 +268,12 @@ def test_bootstrap_without_a_usable_interpreter_says_workers_run_as_the_login_us
     worker, out = _bootstrap_worker(node)
     assert worker == "none", out
     assert f"{WORKER_USER} cannot run" in out
+    # and `up` says so with the node's line, not only the node's log
+    from spotctl.remote.bootstrap import worker_fallback_note
+
+    note = worker_fallback_note(out)
+    assert note.startswith("training workers run as ") and "not [train] run_as" in note, note
+    assert f"{WORKER_USER} cannot run" in note and "node's credential" in note
 
 
 def test_bootstrap_with_no_run_as_leaves_workers_to_the_login_user(base: Path) -> None:
