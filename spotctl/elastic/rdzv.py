@@ -183,15 +183,10 @@ ROUND_HOLD_S = 10.0
 _expected = [0]  # the size of the round this torchrun joins next (0: not known)
 
 
-def round_size(gate: str) -> int:
-    """How many nodes the head expects in the group's next round: the node agent names it
-    at each drain in an empty file beside the gate, `<gate>.round-<drain gen>-<nodes>`;
-    the newest drain's count, or 0 when there is none."""
-    return newest_round(gate)[1]
-
-
 def newest_round(gate: str) -> tuple[int, int]:
-    """The newest drain's (generation, node count) beside the gate; (-1, 0) if none."""
+    """The size of the group's next round the head expects, as (drain gen, nodes): the
+    node agent names it at each drain in an empty file beside the gate,
+    `<gate>.round-<drain gen>-<nodes>`; the newest drain's, or (-1, 0) when there is none."""
     import os
 
     folder, base = os.path.split(gate)
@@ -213,7 +208,7 @@ def _complete_when_expected() -> None:
     """torch's c10d rendezvous completes a round when max_nodes have joined, or else
     last_call_timeout (1 s here) after min_nodes had: every rescale waited that second,
     and a joiner whose torchrun came later than it (a loaded machine) missed the round and
-    restarted the group a second time. With the count the head expects (round_size), a
+    restarted the group a second time. With the count the head expects (newest_round), a
     participant completes the round as soon as that many are in, and holds it open for
     them up to ROUND_HOLD_S past torch's last call (an announced node that never comes
     costs that much, once). A node beyond them that comes later finds the round complete

@@ -56,24 +56,31 @@ def valid_key(kind: str, b64: str) -> bool:
     return blob[4 : 4 + n] == kind.encode()
 
 
-def pin_host_keys(known_hosts: Path, host: str, keys: list[tuple[str, str]]) -> bool:
-    """Make `keys` the pins of `host` (replacing older ones); False when there are none."""
-    keys = [(k, b) for k, b in keys if valid_key(k, b)]
-    if not keys or not host:
-        return False
+def _replace_pins(known_hosts: Path, host: str, new: list[str]) -> bool:
+    """Under the file's lock: drop every pin of `host`, append `new` lines, write the file
+    0600 atomically. Whether anything changed."""
     path = Path(known_hosts)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     with open(path.with_name(path.name + ".lock"), "w") as lockf:
         fcntl.flock(lockf, fcntl.LOCK_EX)
         lines = path.read_text().splitlines() if path.exists() else []
         kept = [ln for ln in lines if ln.split(" ", 1)[0] != host]
-        kept += [f"{host} {k} {b}" for k, b in keys]
+        if not new and len(kept) == len(lines):
+            return False
         tmp = path.with_name(path.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write("\n".join(kept) + "\n")
+            f.write("".join(ln + "\n" for ln in kept + new))
         os.replace(tmp, path)
     return True
+
+
+def pin_host_keys(known_hosts: Path, host: str, keys: list[tuple[str, str]]) -> bool:
+    """Make `keys` the pins of `host` (replacing older ones); False when there are none."""
+    keys = [(k, b) for k, b in keys if valid_key(k, b)]
+    if not keys or not host:
+        return False
+    return _replace_pins(known_hosts, host, [f"{host} {k} {b}" for k, b in keys])
 
 
 def wait_settings(options: dict[str, object]) -> tuple[float, float]:
@@ -89,21 +96,9 @@ def wait_settings(options: dict[str, object]) -> tuple[float, float]:
 
 def unpin(known_hosts: Path, host: str) -> bool:
     """Drop every pin of `host`; whether there was one."""
-    path = Path(known_hosts)
-    if not host or not path.exists():
+    if not host or not Path(known_hosts).exists():
         return False
-    with open(path.with_name(path.name + ".lock"), "w") as lockf:
-        fcntl.flock(lockf, fcntl.LOCK_EX)
-        lines = path.read_text().splitlines()
-        kept = [ln for ln in lines if ln.split(" ", 1)[0] != host]
-        if len(kept) == len(lines):
-            return False
-        tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write("".join(ln + "\n" for ln in kept))
-        os.replace(tmp, path)
-    return True
+    return _replace_pins(known_hosts, host, [])
 
 
 def pin_published(known_hosts: Path, host: str, read: Callable[[], list[tuple[str, str]]],

@@ -82,11 +82,11 @@ def test_real_c10d_rendezvous_stays_open_after_a_leaver_shuts_down(
 
 def test_round_size_is_the_newest_drains(tmp_path: Path) -> None:
     gate = tmp_path / "rdzv-gate"
-    assert rdzv.round_size(str(gate)) == 0
+    assert rdzv.newest_round(str(gate)) == (-1, 0)
     for name in ("rdzv-gate.round-2-3", "rdzv-gate.round-10-4", "rdzv-gate.round-9-7",
                  "rdzv-gate.round-x-9", "other.round-99-9", "rdzv-gate.round-11-"):
         (tmp_path / name).touch()
-    assert rdzv.round_size(str(gate)) == 4
+    assert rdzv.newest_round(str(gate)) == (10, 4)
 
 
 def test_a_round_forms_once_the_expected_nodes_are_in(
