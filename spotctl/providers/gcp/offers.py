@@ -129,11 +129,13 @@ HYPERDISK_ONLY = ("a3-ultragpu", "a4-", "c4-", "c4a-", "c4d-", "n4-", "x4-")
 GVNIC_ONLY = ("a3-", "a4-", "g2-", "c3-", "c3d-", "c4-", "n4-", "h3-")
 
 
-# GCP's accelerator names that are not the catalog's GPU name with "nvidia-" before it
-_ACCELERATOR_MODELS = {"nvidia-tesla-t4": "T4", "nvidia-tesla-v100": "V100",
-                       "nvidia-tesla-a100": "A100", "nvidia-a100-80gb": "A100-80GB",
-                       "nvidia-h100-80gb": "H100", "nvidia-h100-mega-80gb": "H100-MEGA",
-                       "nvidia-h200-141gb": "H200"}  # fmt: skip
+# GCP's accelerator names that are not the catalog's GPU name with "nvidia-" before it:
+# the n1 ones the launch sends (catalog.GUEST_ACCELERATORS), and the bundled families'
+_ACCELERATOR_MODELS = {
+    **{accel: gpu for gpu, accel in catalog_gcp.GUEST_ACCELERATORS.items()},
+    "nvidia-tesla-a100": "A100", "nvidia-a100-80gb": "A100-80GB", "nvidia-h100-80gb": "H100",
+    "nvidia-h100-mega-80gb": "H100-MEGA", "nvidia-h200-141gb": "H200",
+}  # fmt: skip
 
 
 def gpu_model(name: str) -> str:
