@@ -42,6 +42,8 @@ from typing import Any, TypeVar
 
 import pytest
 
+from spotctl.sockets import SPARE_LOW
+
 REPO = Path(__file__).resolve().parents[1]
 SPOTCTL = [sys.executable, "-m", "spotctl.cli.app"]
 # moto's console output and the fake GCP's guest attributes publish no SSH host keys
@@ -239,28 +241,37 @@ def _ephemeral_low() -> int:
         return 0
 
 
-PORT_SLICE = 1000  # ports per xdist worker, from 20000 up
+PORT_SLICE = 1000  # ports per xdist worker
+PORT_BASE = 5000  # gw0's slice starts here; ten slices end below spotctl's SPARE_LOW
+_handed: list[int] = []  # ports this process handed out lately, maybe not bound yet
 
 
 def free_port() -> int:
     """A loopback TCP port that was free a moment ago (nobody listens on it). Picked below
-    the kernel's ephemeral range, where outgoing connections take their source ports, so
-    no connection of another test can take it before this test binds it; and from a slice
-    of its own per xdist worker (gw0: 20000-20999, gw1: 21000-21999, ...), so two workers
-    never pick the same. bind(0) where the ephemeral range leaves no room."""
+    the kernel's ephemeral range, where outgoing connections take their source ports, and
+    below `spotctl.sockets.SPARE_LOW`, where spotctl's own processes pick the ports they
+    bind later (a local head, an agent's group port), so that neither can take it before
+    this test binds it; from a slice of its own per xdist worker (gw0: 5000-5999, gw1:
+    6000-6999, ...), so two workers never pick the same; and none this process handed out
+    among its last 200, so two picks of one test that are not bound yet differ. bind(0)
+    where the ephemeral range leaves no room."""
     import random
 
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     k = int(worker[2:]) if worker[2:].isdigit() else 0
-    start = 20000 + k * PORT_SLICE
-    if start + PORT_SLICE <= _ephemeral_low():
+    start = PORT_BASE + k * PORT_SLICE
+    if start + PORT_SLICE <= min(_ephemeral_low(), SPARE_LOW):
         for port in random.sample(range(start, start + PORT_SLICE), 50):
+            if port in _handed:
+                continue
             with socket.socket() as s:
                 try:
                     s.bind(("127.0.0.1", port))
                 except OSError:
                     continue
-                return port
+            _handed.append(port)
+            del _handed[:-200]
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
