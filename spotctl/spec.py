@@ -277,7 +277,7 @@ class AwsSpec(_Zoned):
     # The public SSM parameter naming the workers' AMI when aws.ami is empty.
     ami_ssm_parameter: str = (
         "/aws/service/deeplearning/ami/x86_64/"
-        "oss-nvidia-driver-gpu-pytorch-2.7-ubuntu-22.04/latest/ami-id"
+        "oss-nvidia-driver-gpu-pytorch-2.9-ubuntu-24.04/latest/ami-id"
     )
     # The head's small CPU image: head_ami, else this SSM parameter (Canonical's Ubuntu
     # 24.04, Python 3.12: its python3 takes this controller's pinned packages as they are).

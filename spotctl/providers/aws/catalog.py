@@ -45,9 +45,10 @@ CATALOG_COLUMNS = (
 # AMD GPUs (g4ad) and Graviton hosts (g5g) cannot run them as they are.
 EXCLUDED_FAMILIES = ("g4ad", "g5g")
 # Families the default worker image supports: the Deep Learning AMI that
-# aws.ami_ssm_parameter names (OSS NVIDIA driver, PyTorch, Ubuntu 22.04) lists G4dn, G5, G6,
-# Gr6, G6e, P4d, P4de, P5, P5e and P5en; its driver has dropped P3 and P3dn (V100). The
-# catalog keeps their prices (the simulator uses them); default offers leave them out.
+# aws.ami_ssm_parameter names (OSS NVIDIA driver, PyTorch 2.9, Ubuntu 24.04) lists G4dn, G5,
+# G6, Gr6, G6e, P4d, P4de, P5, P5e, P5en and P6-B200 (not in this catalog); its driver has
+# dropped P3 and P3dn (V100). The catalog keeps their prices (the simulator uses them);
+# default offers leave them out.
 DLAMI_FAMILIES = ("g4dn", "g5", "g6", "gr6", "g6e", "p4d", "p4de", "p5", "p5e", "p5en")
 # Spot Advisor interruption-frequency buckets, index = band.
 BAND_LABELS = ("<5%", "5-10%", "10-15%", "15-20%", ">20%")
