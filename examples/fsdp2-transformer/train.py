@@ -86,13 +86,14 @@ def main():
             (loss_sum * run.loss_scale).backward()
             total += loss_sum.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor: its full value is a collective,
+            grad_norm = grad_norm.full_tensor()  # so every rank asks, not only the main one
         opt.step()
         sched.step()
         loss = run.all_reduce(total, "sum").item() / run.step_samples
         run.end_step(loss=loss)
         if run.is_main:
-            norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            print(f"step {run.step} loss {loss:.5f} grad_norm {norm.item():.4f} "
+            print(f"step {run.step} loss {loss:.5f} grad_norm {grad_norm.item():.4f} "
                   f"world {run.dp_world}", flush=True)
     run.finish()
 
