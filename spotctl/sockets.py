@@ -1,4 +1,5 @@
-"""Listening sockets for spotctl's TCPStores, and what counts as a loopback address, in a
+"""Listening sockets for spotctl's TCPStores (and the stores on them, torch imported only
+when one is made), and what counts as a loopback address, in a
 module that imports no torch (the head and its supervisor import it; `spotctl.elastic`
 costs seconds of CPU to import)."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import random
 import socket
+from typing import Any
 
 
 def is_loopback(address: str) -> bool:
@@ -35,6 +37,24 @@ def listening_socket(addr: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def listening_store(addr: str, port: int, **kw: Any) -> Any:
+    """A master TCPStore (torch.distributed) that listens on `addr` only, on a socket of
+    `listening_socket`'s, which the store owns (and closes) from here on. `kw`: TCPStore's
+    own (world_size, timeout, wait_for_workers, multi_tenant). libuv's backend where it
+    takes a listening socket (torch 2.9 and newer do); torch 2.7's refuses one
+    (NotImplementedError) and gets the classic backend instead, on the same socket,
+    rather than a listener on every interface."""
+    from torch.distributed import TCPStore
+
+    sock = listening_socket(addr, port)
+    bound = sock.getsockname()[1]
+    fd = sock.detach()
+    try:
+        return TCPStore(addr, bound, is_master=True, master_listen_fd=fd, use_libuv=True, **kw)
+    except NotImplementedError:  # refused before it took the socket: still open here
+        return TCPStore(addr, bound, is_master=True, master_listen_fd=fd, use_libuv=False, **kw)
 
 
 SPARE_LOW = 15000  # the lowest port spare_port picks

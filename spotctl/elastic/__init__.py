@@ -131,7 +131,7 @@ def _init_process_group(timeout_s: float, device_id: torch.device | None) -> Non
     """Over the worker store at MASTER_ADDR:MASTER_PORT. Rank 0 hosts that store on a
     socket bound to MASTER_ADDR only (TCPStore's own listener takes every interface, and
     the store has no authentication)."""
-    from spotctl.sockets import listening_socket
+    from spotctl.sockets import listening_store
 
     env = os.environ
     timeout = timedelta(seconds=timeout_s)
@@ -153,9 +153,8 @@ def _init_process_group(timeout_s: float, device_id: torch.device | None) -> Non
     store = None
     if rank == 0:
         try:
-            sock = listening_socket(addr, port)
-            store = dist.TCPStore(addr, port, world, True, init_timeout, wait_for_workers=False,
-                                  master_listen_fd=sock.detach(), use_libuv=True)
+            store = listening_store(addr, port, world_size=world, timeout=init_timeout,
+                                    wait_for_workers=False)
         except (OSError, RuntimeError, ValueError) as e:
             log.warning("worker store on %s:%s: %s; using torch's default listener", addr,
                         port, e)

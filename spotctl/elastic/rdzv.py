@@ -14,7 +14,7 @@ import logging
 import time
 from datetime import timedelta
 
-from spotctl.sockets import listening_socket
+from spotctl.sockets import listening_store
 
 
 def leave_rendezvous(
@@ -316,7 +316,6 @@ def get_node_handler():  # type: ignore[no-untyped-def]
     torch's static rendezvous, whose store (torchrun's agent store: the group's workers
     meet in it, and the other replicas' workers meet in it when torchft picks this group's
     store for a quorum) listens on ADDR only instead of on every interface."""
-    from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
         StaticTCPRendezvous,
         create_rdzv_handler,
@@ -328,13 +327,11 @@ def get_node_handler():  # type: ignore[no-untyped-def]
 
         def next_rendezvous(self):  # type: ignore[no-untyped-def]
             if not self._store and self.rank == 0:
-                sock = listening_socket(self.master_addr, self.master_port)
-                self.master_port = sock.getsockname()[1]
-                # the store owns (and closes) the listening fd from here on
-                self._store = TCPStore(
-                    self.master_addr, self.master_port, self.world_size, True, self.timeout,
-                    multi_tenant=True, master_listen_fd=sock.detach(), use_libuv=True,
+                self._store = listening_store(
+                    self.master_addr, self.master_port, world_size=self.world_size,
+                    timeout=self.timeout, multi_tenant=True,
                 )
+                self.master_port = self._store.port
             return super().next_rendezvous()
 
     def create(params):  # type: ignore[no-untyped-def]

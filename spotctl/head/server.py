@@ -35,7 +35,7 @@ from spotctl.head.admission import AdmittingHTTPServer
 from spotctl.head.auth import Principal, identify
 from spotctl.head.coordinator import Coordinator
 from spotctl.head.rebalancer import Rebalancer
-from spotctl.sockets import listening_socket
+from spotctl.sockets import listening_store
 from spotctl.spec import MAX_GPUS
 from spotctl.state import write_json_atomic
 
@@ -359,19 +359,12 @@ class HeadServer:
         self.store = None
         self.store_port = store_port
         if with_store:
-            from torch.distributed import TCPStore
-
             # TCPStore's own listener binds every interface whatever `host` says, and the
             # store has no auth: hand it a socket bound to `host` only.
             # a restarted head takes its old port back at once (ports.json): SO_REUSEADDR
-            sock = listening_socket(host, store_port)
-            port = sock.getsockname()[1]
-            # multi_tenant: several torchrun agents share this one store as clients;
-            # the store owns (and closes) the listening fd from here on
-            self.store = TCPStore(
-                host, port, world_size=None, is_master=True, wait_for_workers=False,
-                multi_tenant=True, master_listen_fd=sock.detach(), use_libuv=True,
-            )
+            # multi_tenant: several torchrun agents share this one store as clients
+            self.store = listening_store(host, store_port, world_size=None,
+                                         wait_for_workers=False, multi_tenant=True)
             self.store_port = self.store.port
         # the torchft engine's quorum server, bound like the store (spotctl.head.lighthouse)
         from spotctl.head.lighthouse import start_lighthouse
