@@ -15,7 +15,8 @@
 # Install (spotctl.remote.package): with a package uploaded to $DIR/pkg, a venv made from
 # the image's python ($BASE, chosen by the controller's probe: spotctl.remote.interp; a
 # python without ensurepip gets a venv --without-pip and pip from the uploaded pip wheel)
-# reuses the image's torch when it has one (system site-packages)
+# reuses the image's torch when it has one of at least MIN_TORCH (system site-packages;
+# an older one is left unseen and the node gets TORCH_SPEC)
 # and gets spotctl's own wheel and its exactly pinned dependencies from the uploaded
 # wheelhouse (pip --no-index; pip's configured index only for a pinned wheel that does not
 # fit this machine). Nothing is installed by an unpinned name. A python older than some
@@ -39,6 +40,7 @@ PY=@@PYTHON@@
 VENV=@@VENV@@
 BASE=@@BASE_PYTHON@@
 TORCH_SPEC=@@TORCH_SPEC@@
+MIN_TORCH=@@MIN_TORCH@@
 OLDER_PINS=@@OLDER_PINS@@
 PKG="$DIR/pkg"
 UNIT=@@UNIT@@
@@ -66,6 +68,16 @@ has() {  # has PYTHON MODULE...: find_spec, not import (importing torch costs se
     shift
     "$p" -c 'import importlib.util as u, sys
 sys.exit(0 if all(u.find_spec(m) for m in sys.argv[1:]) else 1)' "$@" >/dev/null 2>&1
+}
+
+torch_of() {  # torch_of PYTHON: its torch's version, from the metadata (never imported)
+    "$1" -c 'from importlib import metadata as md; print(md.version("torch"))' 2>/dev/null || true
+}
+
+torch_fits() {  # torch_fits VERSION: at least MIN_TORCH (major.minor)
+    printf '%s %s\n' "$1" "$MIN_TORCH" | awk '{
+        split($1, v, "."); split($2, m, ".")
+        exit !(v[1] + 0 > m[1] + 0 || (v[1] + 0 == m[1] + 0 && v[2] + 0 >= m[2] + 0)) }'
 }
 
 pip_q() {
@@ -117,7 +129,13 @@ install_deps() {
         return 1
     fi
     if [ ! -x "$VENV/bin/python" ]; then
-        if has "$BASE" torch; then
+        image_torch=$(torch_of "$BASE")
+        if [ -n "$image_torch" ] && ! torch_fits "$image_torch"; then
+            # spotctl's engines need a newer torch than the image's: the venv does not see
+            # it (without the system site-packages) and gets TORCH_SPEC below
+            echo "spotctl: $BASE has torch $image_torch, older than $MIN_TORCH: installing $TORCH_SPEC"
+            make_venv
+        elif [ -n "$image_torch" ] || has "$BASE" torch; then
             # the image's (CUDA) torch, seen through the system site-packages
             make_venv --system-site-packages
             # a base that is itself a venv (e.g. an image's /opt/pytorch): its packages too

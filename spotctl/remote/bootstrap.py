@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import re
 import shlex
 import sys
 import time
@@ -35,7 +36,7 @@ from spotctl.head.auth import node_token
 from spotctl.head.client import urlopen_direct
 from spotctl.head.rebalancer import BUNDLE
 from spotctl.providers.base import HeadInfo, Instance, ProviderContext
-from spotctl.remote.package import TORCH_SPEC, NodePackage, Project
+from spotctl.remote.package import MIN_TORCH, TORCH_SPEC, NodePackage, Project
 from spotctl.remote.ssh import HostTarget, RemoteResult, connect, run
 
 if TYPE_CHECKING:
@@ -202,10 +203,11 @@ def unit_name(cluster: str, node_id: str) -> str:
 
 def node_venv(node_dir: str, package: NodePackage, base_python: str) -> str:
     """The venv a node runs in: `<remote root>/venvs/<hash of the pinned dependencies and
-    base interpreter>`, shared by the nodes of a host (a new spotctl wheel alone is
-    reinstalled in place; new dependencies get a new venv)."""
+    base interpreter, and MIN_TORCH: whether the image's torch is seen>`, shared by the
+    nodes of a host (a new spotctl wheel alone is reinstalled in place; new dependencies get
+    a new venv)."""
     deps = hashlib.sha256(
-        (package.requirements + package.torch_spec + base_python).encode()
+        (package.requirements + package.torch_spec + base_python + repr(MIN_TORCH)).encode()
     ).hexdigest()[:16]
     return f"{str(PurePosixPath(node_dir).parent.parent).rstrip('/')}/venvs/{deps}"
 
@@ -285,6 +287,7 @@ def render_bootstrap(
         "VENV": shlex.quote(venv),
         "BASE_PYTHON": shlex.quote(python),
         "TORCH_SPEC": shlex.quote(package.torch_spec if package else TORCH_SPEC),
+        "MIN_TORCH": ".".join(map(str, MIN_TORCH)),
         "OLDER_PINS": "1" if target.older_pins else "",
         "UNIT": shlex.quote(unit),
         "AGENT_ARGV": shlex.join(argv),
@@ -584,7 +587,7 @@ def _bootstrap(
         changed = bool(uploaded) or result.get("installed") == "1" or started
     finally:
         conn.close()
-    notes = [worker_fallback_note(r.stdout)]
+    notes = [worker_fallback_note(r.stdout), _old_torch_note(r.stdout)]
     if target.older_pins:
         notes.append("its Python is older than some of this controller's pins allow: it took "
                      "older releases of those from its package index")
@@ -592,6 +595,18 @@ def _bootstrap(
     res = HostResult(target.node_id, True, "", changed, 0.0, agent.strip(), uploaded, sent,
                      note)
     return res, target, baseline
+
+
+def _old_torch_note(stdout: str) -> str:
+    """The bootstrap's line when the image's torch was too old to use (templates/
+    bootstrap.sh): the node downloaded the pinned torch instead, which the user should
+    know (a multi-GB download on every such node)."""
+    for line in stdout.splitlines():
+        m = re.match(r"spotctl: (\S+) has torch (\S+), older than (\S+): installing (\S+)$", line)
+        if m:
+            return (f"the image's torch ({m[1]}) is {m[2]}, older than {m[3]}: it got "
+                    f"{m[4]} instead")
+    return ""
 
 
 def worker_fallback_note(stdout: str) -> str:

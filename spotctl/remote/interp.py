@@ -11,7 +11,8 @@ the machine. The pick:
   venv module, is never used;
 - among the rest, one with a torch of at least MIN_TORCH first (its venv sees that torch
   through the system site-packages: no multi-GB download), one with an older torch last
-  (its venv would see that one too); then one whose Python every pin allows (a Python
+  (the bootstrap hides that torch from the venv and installs TORCH_SPEC, as it does where
+  there is none: spotctl.remote.package); then one whose Python every pin allows (a Python
   older than some pins allow installs older releases of those from the node's package
   index: `NodePython.older`, spotctl.remote.package); then one whose Python takes every
   shipped wheel as it is (no package index needed); then the candidates' order;
@@ -33,14 +34,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from spotctl.errors import BootstrapError
-from spotctl.remote.package import NodePackage
+from spotctl.remote.package import MIN_TORCH, NodePackage
 from spotctl.remote.ssh import HostTarget, run
 
 if TYPE_CHECKING:
     from fabric import Connection
-
-# An image torch older than this is not reused (the node gets the pinned torch instead).
-MIN_TORCH = (2, 6)
 
 _PROBE = r"""
 import sys, json, platform, importlib.util as u

@@ -55,6 +55,7 @@ from spotctl.errors import BootstrapError
 __all__ = [
     "NodePackage",
     "Project",
+    "MIN_TORCH",
     "TORCH_SPEC",
     "node_package",
     "project_files",
@@ -62,6 +63,10 @@ __all__ = [
 
 # torch pinned: the bootstrap must never pull a newer (multi-GB) build onto a node.
 TORCH_SPEC = "torch==2.13.0"
+# An image's torch older than this is not used: the node's venv does not see it and gets
+# TORCH_SPEC. On 2.7 torchft cannot make its gloo process group and the torchrun engine's
+# FSDP2 rescale and timed saves fail; 2.9 (the default images' torch) and newer pass.
+MIN_TORCH = (2, 9)
 # What a checkpoint_dir's scheme needs on the nodes besides spotctl (fsspec backends), as
 # installed on the controller: `pip install 'spotctl[storage]'` there.
 SCHEME_PACKAGES = {"s3": ("s3fs",), "gs": ("gcsfs",), "gcs": ("gcsfs",)}

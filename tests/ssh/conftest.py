@@ -5,6 +5,11 @@ They live in tests/conftest.py (`Sshd`, `SshdFactory`, `client_key`, `sshd_facto
 installed; scripts/test installs it (scripts/install-sshd) before pytest starts, never a
 test mid-session."""
 
+import fcntl
+from collections.abc import Iterator
+
+import pytest
+
 from tests.conftest import (  # noqa: F401
     REPO,
     SSHD,
@@ -18,3 +23,12 @@ from tests.conftest import (  # noqa: F401
     sshd,
     sshd_factory,
 )
+
+
+@pytest.fixture
+def cleanroom_account() -> Iterator[None]:
+    """The clean-room tests share one throwaway host account (its home, its processes):
+    they take turns, also when two xdist workers run their files at once."""
+    with open("/tmp/spotctl-cleanroom-account.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

@@ -29,7 +29,8 @@ import pytest
 
 from .conftest import REPO, Sshd, SshdFactory
 
-pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(900),
+              pytest.mark.usefixtures("cleanroom_account")]
 
 SPOTCTL = [sys.executable, "-m", "spotctl.cli.app"]
 USER = "spotctl-cleanroom"

@@ -44,7 +44,8 @@ from .test_cleanroom import (
     link_torch,
 )
 
-pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ssh, pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(300),
+              pytest.mark.usefixtures("cleanroom_account")]
 
 SPOTCTL = [sys.executable, "-m", "spotctl.cli.app"]
 ROOT = Path("/opt/spotctl-cleanroom")
@@ -115,6 +116,7 @@ def node_pythons() -> tuple[str, str]:
     torch_py = _torch_env(same_py)
     _ensure_user()
     shutil.rmtree(HOME / ".spotctl", ignore_errors=True)
+    shutil.rmtree(HOME / "ckpt", ignore_errors=True)  # an earlier run's: no resuming from it
     for p in (py310, torch_py):
         assert _as_node(str(p), "-c", "import ensurepip").returncode != 0  # like python3 on
         assert _as_node(str(p), "-m", "venv", str(HOME / "v")).returncode != 0  # Ubuntu
@@ -214,8 +216,13 @@ def node_index(tmp_path: Path) -> Iterator[list[str]]:
     wheels = REPO / ".venv" / "node-wheels" / "py3.10"
     assert sorted(wheels.glob("typer-*.whl")), (
         f"{wheels} holds no wheels: run scripts/setup-venv (it runs scripts/node-wheels)")
-    root = tmp_path / "index"
-    for w in wheels.glob("*.whl"):
+    yield from _serve_index(tmp_path / "index", sorted(wheels.glob("*.whl")))
+
+
+def _serve_index(root: Path, wheels: list[Path]) -> Iterator[list[str]]:
+    """Serve `wheels` as a PEP 503 index on loopback, the node account's pip index while
+    the generator runs; yields the paths asked for."""
+    for w in wheels:
         name = re.sub(r"[-_.]+", "-", w.name.split("-")[0]).lower()
         (root / "simple" / name).mkdir(parents=True, exist_ok=True)
         (root / "simple" / name / w.name).symlink_to(w)
@@ -287,3 +294,115 @@ def test_a_node_python_older_than_the_pins_takes_older_releases_from_its_index(
         assert r.returncode == 0 and "rebalance" in r.stdout, r.stderr
     finally:
         _cleanup(project, env, factory, home)
+
+
+OLD_TORCH_ENV = ROOT / "old-torch-env"
+
+
+def _old_torch_env(base: Path) -> Path:
+    """An image's torch environment whose torch is 2.7.1 (a stand-in: its metadata says
+    2.7.1 and importing it fails, so a node that uses it cannot train)."""
+    py = OLD_TORCH_ENV / "bin" / "python3"
+    if not py.exists():
+        subprocess.run([str(base), "-m", "venv", "--without-pip", str(OLD_TORCH_ENV)],
+                       check=True)
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                "['purelib'])"], capture_output=True, text=True,
+                               check=True).stdout.strip())  # fmt: skip
+    (site / "torch").mkdir(exist_ok=True)
+    (site / "torch" / "__init__.py").write_text(
+        'raise ImportError("the image\'s torch 2.7.1 was used")\n')
+    info = site / "torch-2.7.1.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.7.1\n")
+    (info / "RECORD").write_text("")
+    subprocess.run(["chmod", "-R", "go+rX", str(OLD_TORCH_ENV)], check=True)
+    return py
+
+
+def _pinned_torch_wheel(out: Path) -> Path:
+    """torch-2.13.0-py3-none-any.whl as the node's index serves it, a stand-in for the
+    multi-GB build: its metadata is torch 2.13.0's and its one file, a .pth, puts this
+    machine's torch (the image torch environment's links, tests/ssh/test_cleanroom.py
+    link_torch) on the path."""
+    import base64
+    import hashlib
+    import zipfile
+
+    site = subprocess.run([str(TORCH_ENV / "bin" / "python3"), "-c", "import sysconfig; "
+                           "print(sysconfig.get_paths()['purelib'])"], capture_output=True,
+                          text=True, check=True).stdout.strip()  # fmt: skip
+    files = {
+        "spotctl_test_torch.pth": f"{site}\n",
+        "torch-2.13.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: torch\nVersion: 2.13.0\n",
+        "torch-2.13.0.dist-info/WHEEL": ("Wheel-Version: 1.0\nGenerator: spotctl-tests\n"
+                                         "Root-Is-Purelib: true\nTag: py3-none-any\n"),
+    }
+    record = []
+    for name, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+        record.append(f"{name},sha256={digest.decode()},{len(text.encode())}")
+    record.append("torch-2.13.0.dist-info/RECORD,,")
+    files["torch-2.13.0.dist-info/RECORD"] = "\n".join(record) + "\n"
+    out.mkdir(parents=True, exist_ok=True)
+    whl = out / "torch-2.13.0-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return whl
+
+
+@pytest.mark.usefixtures("node_pythons")  # the interpreters; the torch env the wheel links
+def test_an_image_torch_older_than_2_9_is_left_unseen_and_the_pinned_torch_installed(
+    client_key: Path, tmp_path: Path
+) -> None:
+    """The node's only interpreter is an image's torch environment with torch 2.7.1 (the
+    Deep Learning AMI for PyTorch 2.7 as it is): torchft cannot run there. The node's venv
+    must not see that torch: the bootstrap installs the pinned torch from the node's index
+    (here a stand-in wheel of torch 2.13.0), `up` says so, and training runs on it."""
+    old_py = str(_old_torch_env(SAME / "bin" / "python3"))
+    assert _as_node(old_py, "-c", "from importlib import metadata as md; "
+                    "assert md.version('torch') == '2.7.1'").returncode == 0
+    assert _as_node(old_py, "-c", "import torch").returncode != 0
+    index = _serve_index(tmp_path / "index", [_pinned_torch_wheel(tmp_path / "wheels")])
+    asked = next(index)
+    factory, s = _sshd_for_user(client_key)
+    project = _project(tmp_path, s.port, client_key, old_py, [old_py])
+    home = tmp_path / "home"
+    env = dict(os.environ, SPOTCTL_HOME=str(home), NO_COLOR="1")
+    env.pop("SPOTCTL_SSH_REMOTE_ROOT", None)
+    ndir = HOME / ".spotctl" / "pyclean" / f"ssh-127-0-0-1-{s.port}"
+
+    def debug() -> str:
+        logs = [ndir / "bootstrap.log", ndir / "agent.log", ndir / "work" / "torchrun.log"]
+        return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-2500:]}"
+                         for p in logs if p.exists())  # fmt: skip
+
+    try:
+        up = _cli(project, env, "up", "--wait", "120")
+        out = " ".join((up.stdout + up.stderr).split())
+        assert up.returncode == 0, f"{up.stdout}\n{up.stderr}\n{debug()}"
+        assert "torch" in out and "is 2.7.1, older than 2.9: it got torch==2.13.0" in out, out
+        assert any(p.startswith("/simple/torch/") for p in asked), asked
+        deadline = time.monotonic() + 120
+        step = 0
+        saved: list[Path] = []
+        while step < 6 or not saved:  # and the workers' own checkpoint, on the node
+            assert time.monotonic() < deadline, f"no progress\n{debug()}"
+            time.sleep(1)
+            st = json.loads(_cli(project, env, "status", "--name", "pyclean", "--json").stdout)
+            step = st.get("step") or 0
+            saved = sorted((HOME / "ckpt").glob("*/.metadata"))  # DCP's, at commit
+        cfg = json.loads(_as_node("cat", str(ndir / "agent.json")).stdout)
+        vpy = cfg["python"]
+        venv = str(Path(vpy).parent.parent)
+        r = _as_node(vpy, "-c", "import torch, importlib.metadata as md; "
+                     "print(md.version('torch')); print(torch.__file__)")
+        assert r.returncode == 0, r.stderr
+        version, torch_file = r.stdout.split()
+        assert version == "2.13.0"  # the pinned one, installed into the venv
+        assert not torch_file.startswith(str(OLD_TORCH_ENV)), torch_file
+        assert list((Path(venv) / "lib").glob("python*/site-packages/torch-2.13.0.dist-info"))
+    finally:
+        _cleanup(project, env, factory, home)
+        index.close()

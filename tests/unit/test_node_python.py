@@ -59,12 +59,14 @@ def test_requires_python_decides_what_a_node_cannot_install() -> None:
 
 def test_the_torch_environment_wins_over_the_base_python() -> None:
     cands = ["/opt/pytorch/bin/python3", "python3"]
-    found = [_py("/opt/pytorch/bin/python3", 11, torch="2.7.1+cu128", ensurepip=False),
+    found = [_py("/opt/pytorch/bin/python3", 11, torch="2.9.1+cu128", ensurepip=False),
              _py("python3", 11)]
     assert choose(found, cands, PKG, "n1").path == "/opt/pytorch/bin/python3"
-    # an old torch is not reused: the base python gets the pinned torch
-    found[0] = _py("/opt/pytorch/bin/python3", 11, torch="1.13.1")
-    assert choose(found, cands, PKG, "n1").path == "python3"
+    # an old torch is not reused (torchft cannot run on 2.7): the base python gets the
+    # pinned torch
+    for old in ("2.7.1+cu128", "2.8.0", "1.13.1"):
+        found[0] = _py("/opt/pytorch/bin/python3", 11, torch=old)
+        assert choose(found, cands, PKG, "n1").path == "python3", old
 
 
 def test_a_python_the_pins_exclude_is_passed_over_for_one_they_fit() -> None:
@@ -75,7 +77,7 @@ def test_a_python_the_pins_exclude_is_passed_over_for_one_they_fit() -> None:
     found = [_py("/opt/conda/bin/python3", 12), _py("python3", 11)]
     assert choose(found, cands, PKG, "n1").path == "python3"
     # a torch environment still wins: it saves the multi-GB download
-    found = [_py("/opt/conda/bin/python3", 10, torch="2.7.0"), _py("python3", 11)]
+    found = [_py("/opt/conda/bin/python3", 10, torch="2.9.0"), _py("python3", 11)]
     assert choose(found, cands, PKG, "n1").path == "/opt/conda/bin/python3"
 
 
