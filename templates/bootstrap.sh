@@ -41,6 +41,7 @@ VENV=@@VENV@@
 BASE=@@BASE_PYTHON@@
 TORCH_SPEC=@@TORCH_SPEC@@
 MIN_TORCH=@@MIN_TORCH@@
+TORCH_DRIVER=@@TORCH_DRIVER@@
 OLDER_PINS=@@OLDER_PINS@@
 PKG="$DIR/pkg"
 UNIT=@@UNIT@@
@@ -150,6 +151,19 @@ if sys.prefix != sys.base_prefix: print("\n".join(site.getsitepackages()))')
         fi
     fi
     wheel="$PKG/$(cat "$PKG/spotctl-wheel")"
+    if ! has "$PY" torch; then
+        # TORCH_SPEC's CUDA build needs a recent driver: say so before a multi-GB download
+        # that could not use the GPUs (no driver answering: nothing to judge)
+        driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null \
+            | head -n 1 | tr -d ' ' || true)
+        case "${driver%%.*}" in
+            '' | *[!0-9]*) ;;
+            *) if [ "${driver%%.*}" -lt "$TORCH_DRIVER" ]; then
+                   echo "spotctl: the NVIDIA driver here is $driver; $TORCH_SPEC needs $TORCH_DRIVER or newer (CUDA 13): use an image with torch $MIN_TORCH or newer, or a newer driver"
+                   exit 3
+               fi ;;
+        esac
+    fi
     if [ -n "$OLDER_PINS" ]; then
         # spotctl's requirements as this python takes them (pkg/constraints.txt; torch
         # pinned where the image has none: a dependency must not pull another build)

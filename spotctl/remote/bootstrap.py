@@ -36,7 +36,7 @@ from spotctl.head.auth import node_token
 from spotctl.head.client import urlopen_direct
 from spotctl.head.rebalancer import BUNDLE
 from spotctl.providers.base import HeadInfo, Instance, ProviderContext
-from spotctl.remote.package import MIN_TORCH, TORCH_SPEC, NodePackage, Project
+from spotctl.remote.package import MIN_TORCH, TORCH_DRIVER, TORCH_SPEC, NodePackage, Project
 from spotctl.remote.ssh import HostTarget, RemoteResult, connect, run
 
 if TYPE_CHECKING:
@@ -288,6 +288,7 @@ def render_bootstrap(
         "BASE_PYTHON": shlex.quote(python),
         "TORCH_SPEC": shlex.quote(package.torch_spec if package else TORCH_SPEC),
         "MIN_TORCH": ".".join(map(str, MIN_TORCH)),
+        "TORCH_DRIVER": str(TORCH_DRIVER),
         "OLDER_PINS": "1" if target.older_pins else "",
         "UNIT": shlex.quote(unit),
         "AGENT_ARGV": shlex.join(argv),

@@ -56,6 +56,7 @@ __all__ = [
     "NodePackage",
     "Project",
     "MIN_TORCH",
+    "TORCH_DRIVER",
     "TORCH_SPEC",
     "node_package",
     "project_files",
@@ -63,6 +64,10 @@ __all__ = [
 
 # torch pinned: the bootstrap must never pull a newer (multi-GB) build onto a node.
 TORCH_SPEC = "torch==2.13.0"
+# The oldest NVIDIA driver (major) TORCH_SPEC's CUDA build runs on: torch 2.13.0's Linux
+# wheels on PyPI are built with CUDA 13.0 (they require cuda-toolkit 13.0.3), which needs
+# driver 580 or newer. A node with an older driver is stopped before the download.
+TORCH_DRIVER = 580
 # An image's torch older than this is not used: the node's venv does not see it and gets
 # TORCH_SPEC. On 2.7 torchft cannot make its gloo process group and the torchrun engine's
 # FSDP2 rescale and timed saves fail; 2.9 (the default images' torch) and newer pass.

@@ -108,13 +108,14 @@ def _ensure_image() -> None:
     os.chmod(IMAGE.parent, 0o755)
 
 
-def _sshd_for_user(client_key: Path) -> tuple[SshdFactory, Sshd]:
+def _sshd_for_user(client_key: Path, config: str = "") -> tuple[SshdFactory, Sshd]:
     """An sshd whose files the host user can read (sshd reads authorized_keys as that
-    user): the shared factory, based in a directory of ours rather than pytest's 0700 one."""
+    user): the shared factory, based in a directory of ours rather than pytest's 0700 one.
+    `config`: more sshd_config lines."""
     base = Path(tempfile.mkdtemp(prefix="spotctl-cleanroom-sshd-"))
     os.chmod(base, 0o711)
     factory = SshdFactory(base, client_key)
-    s = factory.start()
+    s = factory.start(config=config)
     os.chmod(s.log.parent, 0o711)
     os.chmod(s.log.parent / "authorized_keys", 0o644)
     return factory, s

@@ -406,3 +406,36 @@ def test_an_image_torch_older_than_2_9_is_left_unseen_and_the_pinned_torch_insta
     finally:
         _cleanup(project, env, factory, home)
         index.close()
+
+
+def test_a_driver_too_old_for_the_pinned_torch_stops_the_node_before_the_download(
+    client_key: Path, tmp_path: Path, node_pythons: tuple[str, str]
+) -> None:
+    """The same node with NVIDIA driver 570 (nvidia-smi says so): the pinned torch's CUDA 13
+    build cannot use its GPUs, so the bootstrap stops with one line before downloading it."""
+    old_py = str(_old_torch_env(SAME / "bin" / "python3"))
+    fakebin = ROOT / "driver-570-bin"
+    fakebin.mkdir(exist_ok=True)
+    (fakebin / "nvidia-smi").write_text(
+        '#!/bin/sh\ncase "$*" in *driver_version*) echo "570.133.20";; *) echo "NVIDIA H100";; '
+        "esac\n")
+    os.chmod(fakebin, 0o755)
+    os.chmod(fakebin / "nvidia-smi", 0o755)
+    index = _serve_index(tmp_path / "index", [_pinned_torch_wheel(tmp_path / "wheels")])
+    asked = next(index)
+    factory, s = _sshd_for_user(client_key, f"SetEnv PATH={fakebin}:/usr/local/bin:/usr/bin:/bin\n")
+    project = _project(tmp_path, s.port, client_key, old_py, [old_py])
+    home = tmp_path / "home"
+    env = dict(os.environ, SPOTCTL_HOME=str(home), NO_COLOR="1")
+    env.pop("SPOTCTL_SSH_REMOTE_ROOT", None)
+    try:
+        up = _cli(project, env, "up", "--wait", "5")
+        out = " ".join((up.stdout + up.stderr).split())
+        assert up.returncode != 0, out
+        assert ("the NVIDIA driver here is 570.133.20; torch==2.13.0 needs 580 or newer "
+                "(CUDA 13): use an image with torch 2.9 or newer, or a newer driver") in out, out
+        assert "Traceback" not in out
+        assert not any(p.startswith("/simple/torch") for p in asked), asked  # no download
+    finally:
+        _cleanup(project, env, factory, home)
+        index.close()
