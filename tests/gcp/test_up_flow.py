@@ -13,11 +13,20 @@ train script) really run.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
-from tests.conftest import CloudFlow, run_spanning_group_flow
+from tests.conftest import (
+    CloudFlow,
+    free_port,
+    remote_worker_reports,
+    run_spanning_group_flow,
+    use_torchft,
+    wait_until,
+)
 
 from .conftest import GCP_NOTHING, gcp_leftovers
 from .fake_compute import FakeCompute
@@ -79,5 +88,82 @@ def test_one_replica_group_spans_two_instances_on_fake_compute(
         assert (cfg["engine"], cfg["lighthouse"]) == ("torchft", lighthouse), (node, cfg)
     # the group's replica (g0, both nodes' ranks) is in the Lighthouse's quorum
     assert "<b>g0:" in out["lighthouse_status"], out["lighthouse_status"]
+    assert gcp_leftovers(fake) == GCP_NOTHING
+    assert flow.leftover() == []
+
+
+def test_a_notice_in_a_spanning_group_takes_that_group_out_on_fake_compute(
+    gcp_flow: Callable[..., CloudFlow], fake: FakeCompute
+) -> None:
+    """Issue 29 on a cloud: four GCP VMs as two replica groups of two nodes
+    (`[train] nodes_per_replica = 2`), each group one torchrun across its VMs over the
+    loopback sshd, on the head VM's Lighthouse. GCP's 30 s notice on the second node of
+    one group (not the one whose address serves the group's Manager): judged by the
+    workers' own reports, both of that group's workers drain after the same committed
+    step and stay the processes that trained before; the other group's workers never
+    restart and train on past that step; the journal's rescale is 4 -> 2 with no step
+    lost. `down` leaves nothing."""
+    flow = gcp_flow("g2-standard-4")
+    use_torchft(flow)
+    spec = flow.project / "spotctl.toml"
+    spec.write_text(spec.read_text().replace("\n[train]\n", "\n[train]\nnodes_per_replica = 2\n", 1))
+    api, _, store = flow.env["SPOTCTL_HEAD_PORTS"].partition(":")
+    flow.env["SPOTCTL_HEAD_PORTS"] = f"{api}:{store}:{free_port()}"
+    up = flow.up("gcp", "4", 4)
+    st = flow.wait_for("4 ranks in 2 groups at step 5", lambda s: s.get("world_size") == 4
+                       and (s.get("step") or 0) >= 5, timeout=240, interval=1)  # fmt: skip
+    assert sorted(n["id"] for n in st["nodes"]) == sorted(up["launched"]), st
+    groups: dict[str, list[str]] = {}
+    for n in st["nodes"]:
+        groups.setdefault(n["group"], []).append(n["id"])
+    assert sorted(len(v) for v in groups.values()) == [2, 2], groups
+
+    def reports() -> dict[str, dict[str, Any]]:
+        return remote_worker_reports(flow.remote, flow.name)
+
+    def all_four() -> dict[str, dict[str, Any]] | None:
+        r = reports()
+        return r if len(r) == 4 else None
+
+    reps = wait_until(all_four, 60, "4 reports")
+    assert sorted(r["rank"] for r in reps.values()) == [0, 1, 2, 3], reps
+    assert all(r["world_size"] == 4 and r["replicas"] == 2 for r in reps.values()), reps
+    for members in groups.values():  # one Manager per group, the group's own
+        assert len({reps[n]["manager"] for n in members}) == 1, reps
+    group = sorted(groups)[-1]
+    first, victim = sorted(groups[group], key=lambda n: reps[n]["rank"])
+    others = sorted(n for g, v in groups.items() if g != group for n in v)
+    pids = {n: r["pid"] for n, r in reps.items()}
+    n0 = len(flow.events("rescale"))
+
+    assert flow.metadata is not None
+    flow.metadata.node(victim).preempt("gcp")
+    # both of the group's workers drained at one step (read at once: a replacement the
+    # head launches would start the group anew)
+    def group_drained() -> dict[str, dict[str, Any]] | None:
+        r = reports()
+        return r if all(r.get(n, {}).get("phase") == "drained" for n in (first, victim)) else None
+
+    left = wait_until(group_drained, 90, "the group's workers to drain", 0.2,
+                      lambda: f"{reports()}\n{flow.debug()}")
+    for n in (first, victim):
+        assert left[n]["pid"] == pids[n], (n, left[n], pids[n])
+    drained = left[victim]["drain_step"]
+    assert drained > 0 and left[first]["drain_step"] == drained, left
+    assert left[victim]["step"] == drained, left[victim]  # it left at the step it committed
+    ev = wait_until(lambda: next((e for e in flow.events("rescale")[n0:]
+                                  if e.get("reason") == "notice"), None), 90, "the rescale")
+    assert (ev["from_world_size"], ev["to_world_size"], ev["lost_steps"]) == (4, 2, 0), ev
+    # the other group trains on: the same processes, past the drain
+    deadline = time.monotonic() + 90
+    while True:
+        now = reports()
+        if all(now[n]["step"] >= drained + 5 for n in others):
+            break
+        assert time.monotonic() < deadline, f"no progress after the drain: {now}"
+        time.sleep(0.5)
+    assert {n: now[n]["pid"] for n in others} == {n: pids[n] for n in others}, now
+    assert all(now[n]["phase"] != "drained" for n in others), now
+    flow.down()
     assert gcp_leftovers(fake) == GCP_NOTHING
     assert flow.leftover() == []
