@@ -12,7 +12,9 @@ AWS EFA installer and the Deep Learning AMI, GCP's a3 images):
   rdma-core's udev rename, `rdmapXsY`, and their device/driver is `efa`.
 - /opt/amazon/efa/lib64 or lib (libfabric.so*, the EFA installer's libfabric with its efa
   provider); /opt/amazon/ofi-nccl/lib*/libnccl-net*.so (aws-ofi-nccl as the EFA installer
-  ships it) or /opt/aws-ofi-nccl/lib (older Deep Learning AMIs).
+  ships it; named libnccl-net-ofi.so, libnccl-net-aws-ofi.so or libnccl-net.so by
+  release), /opt/amazon/aws-ofi-nccl/lib or /opt/aws-ofi-nccl/lib (older Deep Learning
+  AMIs).
 - /var/lib/tcpx and /var/lib/tcpxo (GPUDirect-TCPX/TCPXO's NCCL plugin on GCP a3 nodes).
 
 `nccl_transport(lines)` reads NCCL's own INFO lines (NCCL_DEBUG=INFO,
@@ -85,11 +87,55 @@ def probe(root: str | Path = "/") -> dict[str, Any]:
         "efa": sum(1 for x in rdma if x["kind"] == "efa"),
         "libfabric": _any(r, ("/opt/amazon/efa/lib64/libfabric.so*",
                               "/opt/amazon/efa/lib/libfabric.so*")),
-        "ofi_nccl": _any(r, ("/opt/amazon/ofi-nccl/lib*/libnccl-net*.so",
-                             "/opt/aws-ofi-nccl/lib*/libnccl-net*.so")),
+        "ofi_nccl": ofi_plugin(r) is not None,
         "tcpx": _any(r, ("/var/lib/tcpx/lib64/libnccl-net*.so",
                          "/var/lib/tcpxo/lib64/libnccl-net*.so")),
     }
+
+
+# aws-ofi-nccl, NCCL's net plugin for EFA, where the EFA installer and the Deep Learning
+# AMIs put it, and the names its releases gave it (newest first)
+OFI_PLUGIN_DIRS = ("/opt/amazon/ofi-nccl/lib", "/opt/amazon/ofi-nccl/lib64",
+                   "/opt/amazon/aws-ofi-nccl/lib", "/opt/aws-ofi-nccl/lib")
+OFI_PLUGIN_NAMES = ("libnccl-net-ofi.so", "libnccl-net-aws-ofi.so", "libnccl-net.so")
+LIBFABRIC_DIRS = ("/opt/amazon/efa/lib", "/opt/amazon/efa/lib64")
+
+
+def ofi_plugin(root: str | Path = "/") -> tuple[str, list[str]] | None:
+    """(the aws-ofi-nccl plugin's path on the node, the library directories it needs: its
+    own and the EFA installer's libfabric's), or None where it is not installed."""
+    r = Path(root)
+    for d in OFI_PLUGIN_DIRS:
+        for name in OFI_PLUGIN_NAMES:
+            if (r / d.lstrip("/") / name).is_file():
+                fabric = [f for f in LIBFABRIC_DIRS if glob.glob(str(r / f.lstrip("/") / "libfabric.so*"))]
+                return f"{d}/{name}", [d, *fabric[:1]]
+    return None
+
+
+def efa_env(environ: dict[str, str], net: dict[str, Any] | None,
+            root: str | Path = "/") -> dict[str, str]:
+    """What a node with EFA devices gives its workers so that NCCL loads aws-ofi-nccl
+    (and through it libfabric's efa provider), none the user set overridden. NCCL looks
+    only for libnccl-net.so on the library path unless told otherwise, and a login
+    shell's profile, which sets that path on the AMIs, is not what starts the agent: left
+    alone, NCCL falls back to TCP sockets on an EFA node (status then names "Socket").
+    NCCL_NET_PLUGIN names the plugin by its path; LD_LIBRARY_PATH gets its directory and
+    libfabric's (read at process start: the zygote's environment takes it too)."""
+    if not net or not net.get("efa"):
+        return {}
+    found = ofi_plugin(root)
+    if found is None:
+        return {}
+    plugin, dirs = found
+    out: dict[str, str] = {}
+    if "NCCL_NET_PLUGIN" not in environ:
+        out["NCCL_NET_PLUGIN"] = plugin
+    have = [p for p in environ.get("LD_LIBRARY_PATH", "").split(":") if p]
+    add = [d for d in dirs if d not in have]
+    if add:
+        out["LD_LIBRARY_PATH"] = ":".join(add + have)
+    return out
 
 
 _USING = re.compile(r"NCCL INFO Using network (\S.*?)\s*$")

@@ -461,6 +461,7 @@ class Agent:
                 p.unlink(missing_ok=True)
             self._nccl_seen.clear()
             env.update(netprobe.nccl_env(env, self.status_dir))
+            env.update(netprobe.efa_env(env, self.net))
         if self.worker is not None:
             self.worker.env(env)
         port = 0
@@ -492,6 +493,8 @@ class Agent:
         self.zygote_path.unlink(missing_ok=True)
         env = worker_env(os.environ, self.head.token)
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+        if self.cfg.expect_gpus:  # the library path is read at process start
+            env.update(netprobe.efa_env({**env, **self.cfg.env}, self.net))
         if self.worker is not None:
             self.worker.env(env)
         log_f = open(self.workdir / "zygote.log", "ab")
@@ -761,12 +764,12 @@ class Agent:
 
     def run(self) -> int:
         threading.Thread(target=self._run_gpu_gate, name="gpu-gate", daemon=True).start()
-        self._zygote_socket()  # warm up while we register
-        self._start_monitors()
-        try:
+        try:  # before the zygote: its environment takes the EFA plugin's (efa_env)
             self.net = netprobe.probe("/")
         except OSError as e:  # informational: never stops the node
             log.warning("network probe failed: %s", e)
+        self._zygote_socket()  # warm up while we register
+        self._start_monitors()
         # first contact takes the head's current generations (see _heartbeat)
         while not self._done() and self._heartbeat([]) is None:
             time.sleep(0.5)

@@ -189,3 +189,88 @@ def test_a_file_is_read_again_only_once_it_grew(tmp_path: Path) -> None:
     assert netprobe.nccl_transport_in(tmp_path, seen) == "IB"
     assert netprobe.nccl_transport_in(tmp_path, seen) is None  # unchanged: not read
     assert netprobe.nccl_transport_in(tmp_path) == "IB"
+
+
+def _p4d_software(root: Path, plugin: str = "opt/amazon/ofi-nccl/lib/libnccl-net-ofi.so") -> None:
+    touch(root, "opt/amazon/efa/lib/libfabric.so.1")
+    touch(root, plugin)
+
+
+def test_an_efa_node_points_nccl_at_the_ofi_plugin(tmp_path: Path) -> None:
+    """Started by systemd, not a login shell, the workers would not have the AMI's library
+    path: NCCL would find no net plugin and fall back to sockets on EFA. They get the
+    plugin by its path and its libraries' directories first on the library path."""
+    _p4d_software(tmp_path)
+    net = {"efa": 4}
+    got = netprobe.efa_env({"LD_LIBRARY_PATH": "/usr/local/cuda/lib64"}, net, tmp_path)
+    assert got == {"NCCL_NET_PLUGIN": "/opt/amazon/ofi-nccl/lib/libnccl-net-ofi.so",
+                   "LD_LIBRARY_PATH": "/opt/amazon/ofi-nccl/lib:/opt/amazon/efa/lib:"
+                                      "/usr/local/cuda/lib64"}
+    # what the user set stays; a directory already on the path is not added again
+    user = {"NCCL_NET_PLUGIN": "/mine/libnccl-net.so",
+            "LD_LIBRARY_PATH": "/opt/amazon/efa/lib:/opt/amazon/ofi-nccl/lib"}
+    assert netprobe.efa_env(user, net, tmp_path) == {}
+    # no EFA device (a g5 on the same AMI), no probe, or no plugin: nothing
+    assert netprobe.efa_env({}, {"efa": 0}, tmp_path) == {}
+    assert netprobe.efa_env({}, None, tmp_path) == {}
+    assert netprobe.efa_env({}, net, tmp_path / "empty") == {}
+
+
+@pytest.mark.parametrize("plugin", ["opt/amazon/aws-ofi-nccl/lib/libnccl-net-aws-ofi.so",
+                                    "opt/aws-ofi-nccl/lib/libnccl-net.so",
+                                    "opt/amazon/ofi-nccl/lib64/libnccl-net.so"])
+def test_the_plugin_where_each_release_put_it(tmp_path: Path, plugin: str) -> None:
+    _p4d_software(tmp_path, plugin)
+    got = netprobe.efa_env({}, {"efa": 1}, tmp_path)
+    assert got["NCCL_NET_PLUGIN"] == "/" + plugin
+    assert got["LD_LIBRARY_PATH"] == f"/{os.path.dirname(plugin)}:/opt/amazon/efa/lib"
+    assert netprobe.probe(tmp_path)["ofi_nccl"] is True
+
+
+def test_the_zygote_of_an_efa_node_starts_with_the_plugin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The library path is read when a process starts, and the node's workers are forked
+    by its zygote: the zygote itself (a real one, started by a real agent) must start with
+    it. A node without EFA starts its zygote without."""
+    from spotctl.agent.config import AgentConfig
+    from spotctl.agent.supervisor import Agent
+    from spotctl.head.auth import node_token
+    from tests.security.conftest import serve_head
+
+    plugin = tmp_path / "ofi" / "lib" / "libnccl-net-ofi.so"
+    touch(tmp_path, "ofi/lib/libnccl-net-ofi.so")
+    touch(tmp_path, "efa/lib/libfabric.so.1")
+    monkeypatch.setattr(netprobe, "OFI_PLUGIN_DIRS", (str(plugin.parent),))
+    monkeypatch.setattr(netprobe, "LIBFABRIC_DIRS", (str(tmp_path / "efa" / "lib"),))
+    secret = "s" * 43
+    (tmp_path / "head").mkdir()
+
+    def zygote_environ(net: dict[str, object], node: str) -> dict[str, str]:
+        tok = tmp_path / f"token-{node}"
+        tok.write_text(node_token(secret, node))
+        tok.chmod(0o600)
+        cfg = AgentConfig(cluster="c", node_id=node, head_url=srv.url, store_host="127.0.0.1",
+                          store_port=1, token_file=str(tok), workdir=str(tmp_path / node),
+                          script=str(tmp_path / "train.py"), nproc_per_node=1,
+                          expect_gpus=1, gpu_wait_s=0)
+        agent = Agent(cfg)
+        agent.net = net
+        agent._zygote_socket()
+        z = agent.zygote
+        assert z is not None
+        try:
+            raw = Path(f"/proc/{z.pid}/environ").read_bytes()
+        finally:
+            z.kill()
+            z.wait()
+        return dict(kv.split("=", 1) for kv in raw.decode().split("\0") if "=" in kv)
+
+    with serve_head(tmp_path / "head", secret) as srv:
+        env = zygote_environ({"efa": 4}, "n1")
+        assert env["NCCL_NET_PLUGIN"] == str(plugin)
+        assert env["LD_LIBRARY_PATH"].split(":")[:2] == [str(plugin.parent),
+                                                         str(tmp_path / "efa" / "lib")]
+        env = zygote_environ({"efa": 0}, "n2")
+        assert "NCCL_NET_PLUGIN" not in env
+        assert str(plugin.parent) not in env.get("LD_LIBRARY_PATH", "")
