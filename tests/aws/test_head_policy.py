@@ -107,8 +107,20 @@ def test_the_heads_loop_calls_only_what_its_scoped_role_allows(
     assert pg["Condition"] == {"StringEquals": {"aws:RequestTag/spotctl:cluster": name}}
     [pas] = by_action["iam:PassRole"]
     assert pas["Resource"].endswith(f":role/spotctl-{name}-node"), pas
-    assert {a for a in allowed if not a.startswith("ec2:")} == {"iam:PassRole",
-                                                                 "ssm:GetParameter"}
+    assert {a for a in allowed if not a.startswith(("ec2:", "kms:"))} == {
+        "iam:PassRole", "ssm:GetParameter"}
+    # an account that encrypts new volumes with its own key: the launch uses that key
+    # through EC2, and only so (moto checks no KMS use at RunInstances: the document)
+    via_ec2 = {"kms:ViaService": f"ec2.{REGION}.amazonaws.com"}
+    for a in [a for a in allowed if a.startswith("kms:")]:
+        for st in by_action[a]:
+            assert st["Resource"] == f"arn:aws:kms:{REGION}:{on.account_id()}:key/*", st
+            assert st["Condition"]["StringEquals"] == via_ec2, st
+    assert {a for a in allowed if a.startswith("kms:")} == {
+        "kms:CreateGrant", "kms:Decrypt", "kms:DescribeKey",
+        "kms:GenerateDataKeyWithoutPlaintext", "kms:ReEncryptFrom", "kms:ReEncryptTo"}
+    [grant] = by_action["kms:CreateGrant"]
+    assert grant["Condition"]["Bool"] == {"kms:GrantIsForAWSResource": "true"}, grant
     # what `up` put on the role in IAM is this document
     iam = boto3.client("iam", region_name=REGION, endpoint_url=moto_url)
     doc = iam.get_role_policy(RoleName=f"spotctl-{name}-head",

@@ -183,7 +183,9 @@ class AwsStorage(ClusterCheckpoints, AwsApi):
         cluster, tags only while launching, terminates and reads the console of this
         cluster's instances only, and hands the workers' role (no other) to what it
         launches, and create this cluster's placement group in a zone it moves to (EFA
-        types). It cannot create or change security groups, key pairs, roles or buckets,
+        types); where the account encrypts new volumes with its own KMS key, it may use
+        the account's keys through EC2 in this region, as every launch then must. It
+        cannot create or change security groups, key pairs, roles or buckets,
         and has no access to the checkpoints."""
         region, acct, name = self.region, self.account_id(), self.ctx.cluster
         ec2 = f"arn:aws:ec2:{region}:{acct}"
@@ -222,6 +224,19 @@ class AwsStorage(ClusterCheckpoints, AwsApi):
                 {"Sid": "GiveWorkersTheirRole", "Effect": "Allow", "Action": "iam:PassRole",
                  "Resource": f"arn:aws:iam::{acct}:role/{self.node_profile}",
                  "Condition": {"StringEquals": {"iam:PassedToService": "ec2.amazonaws.com"}}},
+                # EBS encryption by default with a customer-managed key (an account
+                # setting): EC2 encrypts a launch's volumes with it on the caller's behalf,
+                # so the caller needs these on the key; only through EC2 in this region
+                {"Sid": "EncryptedVolumesThroughEC2", "Effect": "Allow",
+                 "Action": ["kms:Decrypt", "kms:DescribeKey",
+                            "kms:GenerateDataKeyWithoutPlaintext", "kms:ReEncryptFrom",
+                            "kms:ReEncryptTo"],
+                 "Resource": f"arn:aws:kms:{region}:{acct}:key/*",
+                 "Condition": {"StringEquals": {"kms:ViaService": f"ec2.{region}.amazonaws.com"}}},
+                {"Sid": "EncryptedVolumesGrantToEC2", "Effect": "Allow",
+                 "Action": "kms:CreateGrant", "Resource": f"arn:aws:kms:{region}:{acct}:key/*",
+                 "Condition": {"StringEquals": {"kms:ViaService": f"ec2.{region}.amazonaws.com"},
+                               "Bool": {"kms:GrantIsForAWSResource": "true"}}},
                 {"Sid": "ImageNames", "Effect": "Allow", "Action": "ssm:GetParameter",
                  "Resource": [f"arn:aws:ssm:{region}::parameter/aws/service/*",
                               *self._own_image_parameter(region, acct)]},
