@@ -177,7 +177,9 @@ class TrainSpec(_Strict):
     python: str = ""
     # Where a node image keeps its own torch environment (AWS Deep Learning AMI, GCP Deep
     # Learning VM): when spotctl ships itself to a node, these interpreters are asked
-    # first, and one with torch (and a Python the shipped wheels fit) builds the venv.
+    # first (then the base python, then the python3 a login shell finds, unless this list
+    # is empty), and one with torch 2.9 or newer (and a Python the shipped wheels fit)
+    # builds the venv.
     torch_envs: list[str] = Field(
         default_factory=lambda: ["/opt/pytorch/bin/python3", "/opt/conda/bin/python3"],
         max_length=16)

@@ -333,12 +333,14 @@ PythonChooser = Callable[["Connection", HostTarget], "NodePython"]
 def python_chooser(package: NodePackage | None, torch_envs: Sequence[str],
                    base: str) -> PythonChooser | None:
     """The probe step for a bootstrap that ships `package`: the image's torch environments,
-    then `base` (spotctl.remote.interp). None without a package (nothing is installed)."""
+    then `base`, then (with torch environments to look for) the login shell's python3
+    (spotctl.remote.interp). None without a package (nothing is installed)."""
     if package is None:
         return None
     from spotctl.remote import interp
 
-    return interp.python_chooser(package, interp.candidates_for(torch_envs, base))
+    return interp.python_chooser(package, interp.candidates_for(torch_envs, base),
+                                 login=bool(torch_envs))
 
 
 @dataclass

@@ -2,13 +2,15 @@
 
 Before anything is installed, one SSH command asks each candidate interpreter on the node
 (first the image's torch environments, `[train] torch_envs`: the Deep Learning AMI's
-/opt/pytorch, the Deep Learning VM's /opt/conda; then the base python) for its version,
+/opt/pytorch, the Deep Learning VM's /opt/conda; then the base python; then, unless
+`[train] python` names the one to use, the python3 a login shell finds) for its version,
 whether it has `ensurepip` (Debian and Ubuntu ship python3 without it unless python3-venv
 is installed), its torch version (read from the installed metadata, never imported) and
 the machine. The pick:
 
-- a candidate whose Python spotctl's own wheel excludes (Requires-Python), or that has no
-  venv module, is never used;
+- the login shell's python3 is used only for its torch (2.9 or newer); a candidate whose
+  Python spotctl's own wheel excludes (Requires-Python), or that has no venv module, is
+  never used;
 - among the rest, one with a torch of at least MIN_TORCH first (its venv sees that torch
   through the system site-packages: no multi-GB download), one with an older torch last
   (the bootstrap hides that torch from the venv and installs TORCH_SPEC, as it does where
@@ -76,14 +78,22 @@ class NodePython:
         return m is not None and (int(m.group(1)), int(m.group(2))) >= MIN_TORCH
 
 
-def probe_command(candidates: Sequence[str]) -> str:
-    """One shell command: each candidate that exists prints one `spotctl-python` line."""
+def probe_command(candidates: Sequence[str], login: bool = False) -> str:
+    """One shell command: each candidate that exists prints one `spotctl-python` line.
+    With `login`, also the python3 a login shell finds (by its absolute path): where an
+    image's profile puts its torch environment on PATH (as the one a user gets on SSH),
+    wherever the image keeps it. A profile that waits is cut off after 20 s."""
     code = shlex.quote(_PROBE)
     parts = []
     for c in candidates:
         q = shlex.quote(c)
         parts.append(f'if command -v {q} >/dev/null 2>&1; then {q} -c {code} {q} '
                      '2>/dev/null || true; fi')
+    if login:
+        find = shlex.quote("command -v python3")
+        parts.append(f"p=$( (timeout 20 bash -lc {find} || timeout 20 sh -lc {find}) "
+                     "</dev/null 2>/dev/null | tail -n 1); "
+                     f'case "$p" in /*) "$p" -c {code} "$p" 2>/dev/null || true;; esac')
     return "; ".join(parts) or "true"
 
 
@@ -107,11 +117,13 @@ def choose(found: Sequence[NodePython], candidates: Sequence[str], package: Node
            label: str) -> NodePython:
     """The interpreter to build the node's venv from (see the module docstring), or a
     BootstrapError that names every interpreter's Python and what the wheels need."""
+    order = {c: i for i, c in enumerate(candidates)}
+    # the login shell's python3 (no candidate names it) is wanted only for a torch to reuse
+    found = [p for p in found if p.path in order or p.torch_ok()]
     if not found:
         raise BootstrapError(
             f"{label}: no Python interpreter on the node ({', '.join(candidates)} not found); "
             "the image needs python3")
-    order = {c: i for i, c in enumerate(candidates)}
     usable: list[tuple[tuple[bool, bool, bool, bool, int], NodePython]] = []
     refused: list[str] = []
     for p in found:
@@ -139,12 +151,13 @@ def choose(found: Sequence[NodePython], candidates: Sequence[str], package: Node
     return min(usable, key=lambda x: x[0])[1]
 
 
-def python_chooser(package: NodePackage, candidates: Sequence[str]
+def python_chooser(package: NodePackage, candidates: Sequence[str], login: bool = False
                    ) -> Callable[[Connection, HostTarget], NodePython]:
-    """The bootstrap's probe step: ask the node, pick (or raise)."""
+    """The bootstrap's probe step: ask the node (with `login`, also its login shell's
+    python3), pick (or raise)."""
 
     def pick(conn: Connection, target: HostTarget) -> NodePython:
-        r = run(conn, probe_command(candidates), 120)
+        r = run(conn, probe_command(candidates, login), 120)
         return choose(parse_probe(r.stdout), candidates, package, target.label)
 
     return pick

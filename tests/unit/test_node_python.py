@@ -117,6 +117,39 @@ def test_the_probe_runs_each_candidate_and_reads_its_answer() -> None:
 
 
 
+def test_the_probe_asks_the_python3_a_login_shell_finds(tmp_path) -> None:
+    """An image whose profile puts its torch environment on PATH (where a user's SSH
+    session finds it): the probe asks that python3 by its absolute path, which no
+    candidate names; a profile that prints is no path. Without `login`, it is not asked."""
+    import subprocess
+    import sys
+
+    env_bin = tmp_path / "image-env" / "bin"
+    env_bin.mkdir(parents=True)
+    (env_bin / "python3").symlink_to(sys.executable)
+    (tmp_path / ".profile").write_text(f'echo "Welcome to the image"\nPATH="{env_bin}:$PATH"\n')
+    (tmp_path / ".bash_profile").write_text(". ~/.profile\n")
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    found = parse_probe(subprocess.run(["sh", "-c", probe_command(["/nonexistent/python3"],
+                                                                  login=True)],
+                                       capture_output=True, text=True, env=env,
+                                       timeout=60).stdout)  # fmt: skip
+    assert [p.path for p in found] == [str(env_bin / "python3")], found
+    assert found[0].version[:2] == sys.version_info[:2]
+    none = subprocess.run(["sh", "-c", probe_command(["/nonexistent/python3"])],
+                          capture_output=True, text=True, env=env, timeout=60).stdout
+    assert parse_probe(none) == []
+
+
+def test_the_login_shells_python_counts_only_for_its_torch() -> None:
+    cands = ["/opt/pytorch/bin/python3", "python3"]
+    login = "/opt/image/venv/bin/python3"  # no candidate names it
+    found = [_py("python3", 10), _py(login, 11)]
+    assert choose(found, cands, PKG, "n1").path == "python3"  # no torch: not wanted
+    found = [_py("python3", 11), _py(login, 11, torch="2.9.1+cu129", ensurepip=False)]
+    assert choose(found, cands, PKG, "n1").path == login  # the image's torch
+
+
 def test_candidates_are_the_torch_envs_then_the_base_python() -> None:
     from spotctl.remote.interp import candidates_for
 
