@@ -165,7 +165,8 @@ def two_ssh_hosts(sshd_factory: SshdFactory, client_key: Path, tmp_path: Path, n
                   train: str = "") -> Iterator[FtProject]:  # fmt: skip
     """An ssh-provider project on engine torchft with two hosts (two sshd on loopback)
     reached through reverse tunnels, `train` added to its [train] table, `up` and a world
-    of 2 past step 5. Afterwards: `down`, and no process of the cluster left."""
+    of 2 past step 5. Each host's notice is the file `tmp_path/notice-<node>`.
+    Afterwards: `down`, and no process of the cluster left."""
     a, b = sshd_factory.start(), sshd_factory.start()
     remote = tmp_path / "remote"
     proj = FtProject(tmp_path, name, {"SPOTCTL_SSH_REMOTE_ROOT": str(remote),
@@ -177,7 +178,8 @@ def two_ssh_hosts(sshd_factory: SshdFactory, client_key: Path, tmp_path: Path, n
         + train
         + 'env = { TRAIN_STEP_SLEEP_S = "0.05", TRAIN_DATASET_SIZE = "4096" }\n\n'
         + "".join(
-            f'[[ssh.hosts]]\naddress = "127.0.0.1"\nport = {s.port}\nkey = "{client_key}"\n\n'
+            f'[[ssh.hosts]]\naddress = "127.0.0.1"\nport = {s.port}\nkey = "{client_key}"\n'
+            f'notice_file = "{tmp_path}/notice-ssh-127-0-0-1-{s.port}"\n\n'
             for s in (a, b)
         )
     )
@@ -255,6 +257,47 @@ def test_one_replica_group_spans_two_ssh_hosts(
                    120, "both nodes' workers to go on", 0.5, proj.debug)  # fmt: skip
         pids = {n: proj.report(n)["pid"] for n in nodes}
         assert pids == {n: r["pid"] for n, r in reports.items()}, "a worker restarted"
+
+
+@over_sshd
+def test_a_notice_on_the_second_host_takes_the_spanning_group_out(
+    sshd_factory: SshdFactory, client_key: Path, tmp_path: Path
+) -> None:
+    """A notice on the group's second host (its notice file appears; the group's Manager
+    is on the first): judged by the workers' own reports, both hosts' workers drain after
+    the same committed step, as the processes that trained before; the journal has the
+    notice from that host's file and its leave; the first host waits for a replacement."""
+    with two_ssh_hosts(sshd_factory, client_key, tmp_path, "ftn",
+                       "nodes_per_replica = 2\n") as proj:  # fmt: skip
+        nodes = proj.nodes
+        reports = {n: proj.report(n) for n in nodes}
+        first, second = sorted(nodes, key=lambda n: reports[n]["rank"])
+        pids = {n: r["pid"] for n, r in reports.items()}
+        n0 = len(proj.events())
+        (tmp_path / f"notice-{second}").write_text("")
+
+        def drained() -> dict[str, dict[str, Any]] | None:
+            now = {n: proj.report(n) for n in nodes}
+            return now if all(r["phase"] == "drained" for r in now.values()) else None
+
+        left = wait_until(drained, 90, "both hosts' workers to drain", 0.5, proj.debug)
+        assert {n: r["pid"] for n, r in left.items()} == pids, (left, pids)
+        step = left[second]["drain_step"]
+        assert step > 0 and left[first]["drain_step"] == step, left
+        assert all(r["step"] == step for r in left.values()), left  # left where committed
+        # the journal: the notice from the host's file and that host's leave (no world
+        # trains after it here, so no rescale is journaled)
+        def journaled() -> list[dict[str, Any]] | None:
+            e = proj.events()[n0:]
+            return e if any(x["type"] == "leave" and x.get("node") == second for x in e) else None
+
+        evs = wait_until(journaled, 60, "the leave in the journal", 0.5,
+                         lambda: json.dumps(proj.events()[-10:]))
+        [notice] = [e for e in evs if e["type"] == "notice"]
+        assert (notice["node"], notice["source"]) == (second, "file"), notice
+        # the partner waits for a replacement (its agent's own log), not finished
+        log = (proj.remote / "ftn" / first / "agent.log").read_text()
+        assert "left the quorum" in log and "training finished" not in log, log[-2000:]
 
 
 @pytest.mark.slow  # builds spotctl's wheel and repacks its dependencies
