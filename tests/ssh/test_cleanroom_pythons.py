@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -163,40 +163,57 @@ def _cleanup(project: Path, env: dict[str, str], factory: Any, home: Path) -> No
     shutil.rmtree(factory.base, ignore_errors=True)
 
 
+def _cluster(tmp_path: Path, port: int, key: Path, base: str,
+             envs: list[str]) -> tuple[Path, dict[str, str], Path, Path]:
+    """(the project, the CLI's environment, its state dir, the node's directory) of a
+    one-host cluster on the host account behind `port`."""
+    project = _project(tmp_path, port, key, base, envs)
+    home = tmp_path / "home"
+    env = dict(os.environ, SPOTCTL_HOME=str(home), NO_COLOR="1")
+    env.pop("SPOTCTL_SSH_REMOTE_ROOT", None)
+    return project, env, home, HOME / ".spotctl" / "pyclean" / f"ssh-127-0-0-1-{port}"
+
+
+def _node_logs(ndir: Path) -> str:
+    logs = [ndir / "bootstrap.log", ndir / "agent.log", ndir / "work" / "torchrun.log"]
+    return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-2500:]}"
+                     for p in logs if p.exists())  # fmt: skip
+
+
+def _in_node_venv(ndir: Path, code: str) -> tuple[str, list[str]]:
+    """(the node's venv, what `code` printed there, split), run as the host account."""
+    vpy = json.loads(_as_node("cat", str(ndir / "agent.json")).stdout)["python"]
+    r = _as_node(vpy, "-c", code)
+    assert r.returncode == 0, r.stderr
+    return str(Path(vpy).parent.parent), r.stdout.split()
+
+
+def _train_until(project: Path, env: dict[str, str], ndir: Path,
+                 done: Callable[[int], bool]) -> None:
+    """Poll `status` until `done(step)`, for at most 120 s."""
+    deadline = time.monotonic() + 120
+    step = 0
+    while not done(step):
+        assert time.monotonic() < deadline, f"no progress\n{_node_logs(ndir)}"
+        time.sleep(1)
+        st = json.loads(_cli(project, env, "status", "--name", "pyclean", "--json").stdout)
+        step = st.get("step") or 0
+
+
 def test_node_python_is_probed_and_its_torch_environment_used(
     node_pythons: tuple[str, str], client_key: Path, tmp_path: Path
 ) -> None:
     py310, torch_py = node_pythons
     factory, s = _sshd_for_user(client_key)
-    project = _project(tmp_path, s.port, client_key, py310, [torch_py])
-    home = tmp_path / "home"
-    env = dict(os.environ, SPOTCTL_HOME=str(home), NO_COLOR="1")
-    env.pop("SPOTCTL_SSH_REMOTE_ROOT", None)
-    ndir = HOME / ".spotctl" / "pyclean" / f"ssh-127-0-0-1-{s.port}"
-
-    def debug() -> str:
-        logs = [ndir / "bootstrap.log", ndir / "agent.log", ndir / "work" / "torchrun.log"]
-        return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-2500:]}"
-                         for p in logs if p.exists())  # fmt: skip
-
+    project, env, home, ndir = _cluster(tmp_path, s.port, client_key, py310, [torch_py])
     try:
         up = _cli(project, env, "up", "--wait", "120")
-        assert up.returncode == 0, f"{up.stdout}\n{up.stderr}\n{debug()}"
-        deadline = time.monotonic() + 120
-        step = 0
-        while step < 6:
-            assert time.monotonic() < deadline, f"no progress\n{debug()}"
-            time.sleep(1)
-            st = json.loads(_cli(project, env, "status", "--name", "pyclean", "--json").stdout)
-            step = st.get("step") or 0
+        assert up.returncode == 0, f"{up.stdout}\n{up.stderr}\n{_node_logs(ndir)}"
+        _train_until(project, env, ndir, lambda step: step >= 6)
 
-        cfg = json.loads(_as_node("cat", str(ndir / "agent.json")).stdout)
-        vpy = cfg["python"]
-        venv = str(Path(vpy).parent.parent)
-        r = _as_node(vpy, "-c", "import sys, spotctl, torch, pip; print(sys.version_info[1]); "
-                     "print(spotctl.__file__); print(torch.__file__); print(pip.__file__)")
-        assert r.returncode == 0, r.stderr
-        minor, spotctl_file, torch_file, pip_file = r.stdout.split()
+        venv, (minor, spotctl_file, torch_file, pip_file) = _in_node_venv(
+            ndir, "import sys, spotctl, torch, pip; print(sys.version_info[1]); "
+            "print(spotctl.__file__); print(torch.__file__); print(pip.__file__)")
         assert int(minor) == sys.version_info[1]  # the torch environment's Python, not 3.10
         assert spotctl_file.startswith(venv) and pip_file.startswith(venv)
         assert torch_file.startswith(str(TORCH_ENV)) or "/.venv/" in torch_file, torch_file
@@ -367,39 +384,19 @@ def test_an_image_torch_older_than_2_9_is_left_unseen_and_the_pinned_torch_insta
     index = _serve_index(tmp_path / "index", [_pinned_torch_wheel(tmp_path / "wheels")])
     asked = next(index)
     factory, s = _sshd_for_user(client_key)
-    project = _project(tmp_path, s.port, client_key, old_py, [old_py])
-    home = tmp_path / "home"
-    env = dict(os.environ, SPOTCTL_HOME=str(home), NO_COLOR="1")
-    env.pop("SPOTCTL_SSH_REMOTE_ROOT", None)
-    ndir = HOME / ".spotctl" / "pyclean" / f"ssh-127-0-0-1-{s.port}"
-
-    def debug() -> str:
-        logs = [ndir / "bootstrap.log", ndir / "agent.log", ndir / "work" / "torchrun.log"]
-        return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-2500:]}"
-                         for p in logs if p.exists())  # fmt: skip
-
+    project, env, home, ndir = _cluster(tmp_path, s.port, client_key, old_py, [old_py])
     try:
         up = _cli(project, env, "up", "--wait", "120")
         out = " ".join((up.stdout + up.stderr).split())
-        assert up.returncode == 0, f"{up.stdout}\n{up.stderr}\n{debug()}"
+        assert up.returncode == 0, f"{up.stdout}\n{up.stderr}\n{_node_logs(ndir)}"
         assert "torch" in out and "is 2.7.1, older than 2.9: it got torch==2.13.0" in out, out
         assert any(p.startswith("/simple/torch/") for p in asked), asked
-        deadline = time.monotonic() + 120
-        step = 0
-        saved: list[Path] = []
-        while step < 6 or not saved:  # and the workers' own checkpoint, on the node
-            assert time.monotonic() < deadline, f"no progress\n{debug()}"
-            time.sleep(1)
-            st = json.loads(_cli(project, env, "status", "--name", "pyclean", "--json").stdout)
-            step = st.get("step") or 0
-            saved = sorted((HOME / "ckpt").glob("*/.metadata"))  # DCP's, at commit
-        cfg = json.loads(_as_node("cat", str(ndir / "agent.json")).stdout)
-        vpy = cfg["python"]
-        venv = str(Path(vpy).parent.parent)
-        r = _as_node(vpy, "-c", "import torch, importlib.metadata as md; "
-                     "print(md.version('torch')); print(torch.__file__)")
-        assert r.returncode == 0, r.stderr
-        version, torch_file = r.stdout.split()
+        # and the workers' own checkpoint, on the node (DCP's .metadata, at commit)
+        _train_until(project, env, ndir,
+                     lambda step: step >= 6 and any((HOME / "ckpt").glob("*/.metadata")))
+        venv, (version, torch_file) = _in_node_venv(
+            ndir, "import torch, importlib.metadata as md; print(md.version('torch')); "
+            "print(torch.__file__)")
         assert version == "2.13.0"  # the pinned one, installed into the venv
         assert not torch_file.startswith(str(OLD_TORCH_ENV)), torch_file
         assert list((Path(venv) / "lib").glob("python*/site-packages/torch-2.13.0.dist-info"))
@@ -424,10 +421,7 @@ def test_a_driver_too_old_for_the_pinned_torch_stops_the_node_before_the_downloa
     index = _serve_index(tmp_path / "index", [_pinned_torch_wheel(tmp_path / "wheels")])
     asked = next(index)
     factory, s = _sshd_for_user(client_key, f"SetEnv PATH={fakebin}:/usr/local/bin:/usr/bin:/bin\n")
-    project = _project(tmp_path, s.port, client_key, old_py, [old_py])
-    home = tmp_path / "home"
-    env = dict(os.environ, SPOTCTL_HOME=str(home), NO_COLOR="1")
-    env.pop("SPOTCTL_SSH_REMOTE_ROOT", None)
+    project, env, home, _ = _cluster(tmp_path, s.port, client_key, old_py, [old_py])
     try:
         up = _cli(project, env, "up", "--wait", "5")
         out = " ".join((up.stdout + up.stderr).split())
