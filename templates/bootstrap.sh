@@ -159,7 +159,7 @@ if sys.prefix != sys.base_prefix: print("\n".join(site.getsitepackages()))')
         case "${driver%%.*}" in
             '' | *[!0-9]*) ;;
             *) if [ "${driver%%.*}" -lt "$TORCH_DRIVER" ]; then
-                   echo "spotctl: the NVIDIA driver here is $driver; $TORCH_SPEC needs $TORCH_DRIVER or newer (CUDA 13): use an image with torch $MIN_TORCH or newer, or a newer driver"
+                   echo "spotctl: the NVIDIA driver here is $driver; $TORCH_SPEC needs $TORCH_DRIVER or newer: use an image with torch $MIN_TORCH or newer, or a newer driver"
                    exit 3
                fi ;;
         esac
