@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spotctl.errors import BootstrapError
+from spotctl.errors import BootstrapError, SpecError
 
 __all__ = [
     "NodePackage",
@@ -72,6 +72,33 @@ TORCH_DRIVER = 580
 # TORCH_SPEC. On 2.7 torchft cannot make its gloo process group and the torchrun engine's
 # FSDP2 rescale and timed saves fail; 2.9 (the default images' torch) and newer pass.
 MIN_TORCH = (2, 9)
+# An image's name as the clouds' deep-learning images spell their torch and driver:
+# GCP's families "pytorch-2-9-cu129-ubuntu-2404-nvidia-580", AWS's DLAMIs "... GPU PyTorch
+# 2.9 (Ubuntu 24.04) ..." and their SSM parameters "...-pytorch-2.9-ubuntu-24.04/..."
+_IMAGE_TORCH = re.compile(r"pytorch[-_ ]?(\d+)[.-](\d+)", re.I)
+_IMAGE_DRIVER = re.compile(r"nvidia[-_](\d{3})(?!\d)", re.I)
+
+
+def image_torch(name: str) -> str:
+    """What `check` says of a worker image by its name: "" when the name says nothing (or a
+    torch the nodes reuse); a note when its torch is older than MIN_TORCH (the nodes then
+    download TORCH_SPEC); a SpecError when its NVIDIA driver is also older than
+    TORCH_DRIVER (the nodes would stop at the bootstrap)."""
+    m = _IMAGE_TORCH.search(name)
+    if m is None or (int(m.group(1)), int(m.group(2))) >= MIN_TORCH:
+        return ""
+    old = f"{m.group(1)}.{m.group(2)}"
+    floor = ".".join(map(str, MIN_TORCH))
+    d = _IMAGE_DRIVER.search(name)
+    if d is not None and int(d.group(1)) < TORCH_DRIVER:
+        raise SpecError(
+            f"{name}: its PyTorch {old} is older than {floor}, so each node would install "
+            f"{TORCH_SPEC}, which needs NVIDIA driver {TORCH_DRIVER} or newer, and the "
+            f"image's is {d.group(1)}: pick an image with PyTorch {floor} or newer")
+    return (f"its PyTorch {old} is older than {floor}: each node downloads {TORCH_SPEC} "
+            f"instead (several GB; needs NVIDIA driver {TORCH_DRIVER} or newer)")
+
+
 # What a checkpoint_dir's scheme needs on the nodes besides spotctl (fsspec backends), as
 # installed on the controller: `pip install 'spotctl[storage]'` there.
 SCHEME_PACKAGES = {"s3": ("s3fs",), "gs": ("gcsfs",), "gcs": ("gcsfs",)}

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import boto3
 import pytest
@@ -182,3 +183,20 @@ def test_a_new_account_gets_every_missing_precondition_at_once(
     # the dry run was a dry run: nothing launched
     runs = fault_proxy.calls("RunInstances")
     assert runs and all("DryRun=true" in b for b in runs)
+
+
+def test_a_worker_ami_with_an_old_pytorch_is_noted(
+    make_provider: MakeProvider, ec2: Any, ami: str
+) -> None:
+    """The PyTorch 2.7 DLAMI: its torch is not used, so each node downloads the pinned one.
+    The name says no driver, so it is a note, not a stop."""
+    src = ec2.describe_images(ImageIds=[ami])["Images"][0]
+    name = "Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.7 (Ubuntu 22.04) 20250602"
+    old = ec2.register_image(Name=name, RootDeviceName=src["RootDeviceName"],
+                             BlockDeviceMappings=src["BlockDeviceMappings"],
+                             Architecture="x86_64")["ImageId"]  # fmt: skip
+    img = _by_name(make_provider(instance_types=["g5.xlarge"], ami=old))["image (workers)"]
+    assert img.ok, img  # type: ignore[attr-defined]
+    assert img.detail == (f"{old} ({name}); its PyTorch 2.7 is older than 2.9: each node "  # type: ignore[attr-defined]
+                          "downloads torch==2.13.0 instead (several GB; needs NVIDIA driver "
+                          "580 or newer)")

@@ -105,6 +105,12 @@ IMAGES: dict[tuple[str, str], tuple[str, int, tuple[str, ...]]] = {
         50,
         GVNIC_READY,
     ),
+    # the PyTorch 2.7 Deep Learning VM, on NVIDIA driver 570
+    ("deeplearning-platform-release", "pytorch-2-7-cu128-ubuntu-2204-nvidia-570"): (
+        "pytorch-2-7-cu128-ubuntu-2204-nvidia-570-v20250601",
+        50,
+        GVNIC_READY,
+    ),
     # an older image of the kind users bring, made before gVNIC: no GVNIC guest feature
     ("spotctl-test", "no-gvnic"): ("no-gvnic-v20190101", 10, ("VIRTIO_SCSI_MULTIQUEUE",)),
 }

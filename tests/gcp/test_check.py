@@ -150,3 +150,17 @@ def test_an_organization_that_enforces_os_login_is_refused_before_anything_is_ma
     line = _checks(p)["SSH login"]
     assert line.ok and "could not be read" in line.detail, line
     p.prepare()
+
+
+def test_a_worker_image_whose_torch_and_driver_are_too_old_blocks(fake, spotctl_home):
+    """The PyTorch 2.7 Deep Learning VM (driver 570): nodes would not use its torch, and the
+    pinned torch they would install needs driver 580, so `up` is stopped here."""
+    old = ("projects/deeplearning-platform-release/global/images/family/"
+           "pytorch-2-7-cu128-ubuntu-2204-nvidia-570")
+    img = _checks(GcpProvider(make_ctx(fake, spotctl_home, image=old)))["image (workers)"]
+    assert not img.ok and img.blocking, img
+    assert "its PyTorch 2.7 is older than 2.9" in img.detail, img
+    assert "the image's is 570" in img.detail, img
+    # the default image: nothing to say
+    img = _checks(GcpProvider(make_ctx(fake, spotctl_home)))["image (workers)"]
+    assert img.ok and img.detail == "pytorch-2-9-cu129-ubuntu-2404-nvidia-580-v20251105 (disk >= 50 GB)"

@@ -183,3 +183,33 @@ def test_an_older_python_gets_the_controllers_versions_as_upper_bounds(tmp_path)
     files = pkg.files()
     assert files["pkg/constraints.txt"] == pkg.older_constraints.encode()
     assert files["pkg/requirements-older.txt"] == pkg.older_requirements.encode()
+
+
+@pytest.mark.parametrize(("name", "says"), [
+    ("pytorch-2-9-cu129-ubuntu-2404-nvidia-580-v20251105", ""),
+    ("pytorch-2-10-cu130-ubuntu-2404-nvidia-580-v20260301", ""),
+    ("Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.9 (Ubuntu 24.04) 20260301", ""),
+    ("ubuntu-2404-noble-amd64-v20260101", ""),
+    ("Deep Learning OSS Nvidia Driver AMI GPU PyTorch 2.7 (Ubuntu 22.04) 20250602",
+     "its PyTorch 2.7 is older than 2.9: each node downloads torch==2.13.0 instead"),
+    ("/aws/service/deeplearning/ami/x86_64/oss-nvidia-driver-gpu-pytorch-2.7-ubuntu-22.04/"
+     "latest/ami-id", "its PyTorch 2.7 is older than 2.9"),
+    ("pytorch-2-8-cu128-ubuntu-2204-nvidia-580-v20250901", "its PyTorch 2.8 is older"),
+])
+def test_check_reads_the_torch_an_image_name_names(name: str, says: str) -> None:
+    from spotctl.remote.package import image_torch
+
+    got = image_torch(name)
+    assert (got.startswith(says) if says else got == ""), got
+
+
+def test_an_image_whose_torch_and_driver_are_both_too_old_blocks() -> None:
+    from spotctl.errors import SpecError
+    from spotctl.remote.package import image_torch
+
+    with pytest.raises(SpecError) as e:
+        image_torch("pytorch-2-7-cu128-ubuntu-2204-nvidia-570-v20250601")
+    assert str(e.value) == (
+        "pytorch-2-7-cu128-ubuntu-2204-nvidia-570-v20250601: its PyTorch 2.7 is older than "
+        "2.9, so each node would install torch==2.13.0, which needs NVIDIA driver 580 or "
+        "newer, and the image's is 570: pick an image with PyTorch 2.9 or newer")

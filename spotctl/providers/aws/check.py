@@ -19,6 +19,7 @@ from spotctl.providers.aws.api import SPOT_QUOTA_CODES, error_code
 from spotctl.providers.aws.launch import AwsLaunch
 from spotctl.providers.aws.offers import AwsOffers
 from spotctl.providers.checks import Check, run_check
+from spotctl.remote.package import image_torch
 
 
 class AwsChecks(AwsOffers, AwsLaunch):
@@ -223,4 +224,12 @@ class AwsChecks(AwsOffers, AwsLaunch):
     def _check_image(self, role: str) -> str:
         ami = self._ami(role)
         self._block_devices(ami, role)  # raises when the image does not exist here
-        return ami
+        if role != "worker":
+            return ami
+        # the workers' torch, as a Deep Learning AMI's name (or its SSM parameter) says it
+        images = self._call(f"describe image {ami}", self.ec2.describe_images,
+                            ImageIds=[ami]).get("Images", [])
+        name = str(images[0].get("Name") or "") if images else ""
+        param = "" if self.spec.ami else self.spec.ami_ssm_parameter
+        note = image_torch(name) or image_torch(param)
+        return ami + (f" ({name})" if name else "") + (f"; {note}" if note else "")

@@ -19,6 +19,7 @@ from spotctl.providers.checks import Check, run_check
 from spotctl.providers.gcp import placement
 from spotctl.providers.gcp.launch import GcpLaunch
 from spotctl.providers.gcp.storage import check_bucket_name
+from spotctl.remote.package import image_torch
 
 # GPU (catalog name) -> Compute Engine quota metric, without the PREEMPTIBLE_ prefix.
 GPU_QUOTA_METRICS = {
@@ -201,4 +202,7 @@ class GcpChecks(GcpLaunch):
 
     def _check_image(self, url: str) -> str:
         link, minimum = self._image(url)
-        return f"{link.rsplit('/', 1)[-1]} (disk >= {minimum} GB)"
+        name = link.rsplit('/', 1)[-1]
+        # the workers' torch and driver, as the Deep Learning VM names them
+        note = image_torch(name) if url == self.spec.image else ""
+        return f"{name} (disk >= {minimum} GB)" + (f"; {note}" if note else "")
