@@ -85,8 +85,7 @@ def probe(root: str | Path = "/") -> dict[str, Any]:
         "interfaces": interfaces[:MAX_INTERFACES],
         "rdma": rdma[:MAX_INTERFACES],
         "efa": sum(1 for x in rdma if x["kind"] == "efa"),
-        "libfabric": _any(r, ("/opt/amazon/efa/lib64/libfabric.so*",
-                              "/opt/amazon/efa/lib/libfabric.so*")),
+        "libfabric": _libfabric_dir(r) is not None,
         "ofi_nccl": ofi_plugin(r) is not None,
         "tcpx": _any(r, ("/var/lib/tcpx/lib64/libnccl-net*.so",
                          "/var/lib/tcpxo/lib64/libnccl-net*.so")),
@@ -101,16 +100,21 @@ OFI_PLUGIN_NAMES = ("libnccl-net-ofi.so", "libnccl-net-aws-ofi.so", "libnccl-net
 LIBFABRIC_DIRS = ("/opt/amazon/efa/lib", "/opt/amazon/efa/lib64")
 
 
+def _libfabric_dir(root: Path) -> str | None:
+    """The EFA installer's libfabric directory on the node, or None."""
+    return next((d for d in LIBFABRIC_DIRS if _any(root, (f"{d}/libfabric.so*",))), None)
+
+
 def ofi_plugin(root: str | Path = "/") -> tuple[str, list[str]] | None:
     """(the aws-ofi-nccl plugin's path on the node, the library directories it needs: its
     own and the EFA installer's libfabric's), or None where it is not installed."""
     r = Path(root)
-    for d in OFI_PLUGIN_DIRS:
-        for name in OFI_PLUGIN_NAMES:
-            if (r / d.lstrip("/") / name).is_file():
-                fabric = [f for f in LIBFABRIC_DIRS if glob.glob(str(r / f.lstrip("/") / "libfabric.so*"))]
-                return f"{d}/{name}", [d, *fabric[:1]]
-    return None
+    plugin = next((f"{d}/{n}" for d in OFI_PLUGIN_DIRS for n in OFI_PLUGIN_NAMES
+                   if (r / d.lstrip("/") / n).is_file()), None)  # fmt: skip
+    if plugin is None:
+        return None
+    fabric = _libfabric_dir(r)
+    return plugin, [plugin.rsplit("/", 1)[0], *([fabric] if fabric else [])]
 
 
 def efa_env(environ: dict[str, str], net: dict[str, Any] | None,
