@@ -197,7 +197,8 @@ class AwsApi:
         self._types: dict[str, dict[str, Any]] = {}
         self._prepared: tuple[str, str] | None = None  # (security group id, key name)
         self._amis: dict[str, str] = {}  # SSM parameter -> AMI id, looked up once
-        self._roots: dict[str, tuple[str, int]] = {}  # AMI -> (root device, snapshot GB)
+        # AMI -> (root device, snapshot GB, image name), described once
+        self._roots: dict[str, tuple[str, int, str]] = {}
         self._network: tuple[str, bool] | None = None  # (VPC id, is the default VPC)
         self._subnets: list[dict[str, Any]] | None = None
         self._placement: dict[str, str] = {}  # zone -> the cluster's placement group there

@@ -223,13 +223,10 @@ class AwsChecks(AwsOffers, AwsLaunch):
 
     def _check_image(self, role: str) -> str:
         ami = self._ami(role)
-        self._block_devices(ami, role)  # raises when the image does not exist here
+        _, _, name = self._image(ami)  # raises when the image does not exist here
         if role != "worker":
             return ami
         # the workers' torch, as a Deep Learning AMI's name (or its SSM parameter) says it
-        images = self._call(f"describe image {ami}", self.ec2.describe_images,
-                            ImageIds=[ami]).get("Images", [])
-        name = str(images[0].get("Name") or "") if images else ""
         param = "" if self.spec.ami else self.spec.ami_ssm_parameter
         note = image_torch(name) or image_torch(param)
         return ami + (f" ({name})" if name else "") + (f"; {note}" if note else "")

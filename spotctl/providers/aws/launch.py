@@ -81,9 +81,9 @@ class AwsLaunch(AwsNetwork, AwsStorage):
         self._amis[name] = ami
         return ami
 
-    def _block_devices(self, ami: str, role: str) -> list[dict[str, Any]]:
-        """Root volume sized for the role (workers: aws.root_volume_gb or 100 GB, the head
-        20 GB), never below the image's own snapshot; gp3, deleted with the instance."""
+    def _image(self, ami: str) -> tuple[str, int, str]:
+        """(root device, snapshot GB, name) of an AMI, described once; SpecError when the
+        image does not exist in this region."""
         if ami not in self._roots:
             images = self._call(
                 f"describe image {ami}", self.ec2.describe_images, ImageIds=[ami]
@@ -100,8 +100,13 @@ class AwsLaunch(AwsNetwork, AwsStorage):
                 ),
                 default=0,
             )
-            self._roots[ami] = (root, size)
-        root, minimum = self._roots[ami]
+            self._roots[ami] = (root, size, str(image.get("Name") or ""))
+        return self._roots[ami]
+
+    def _block_devices(self, ami: str, role: str) -> list[dict[str, Any]]:
+        """Root volume sized for the role (workers: aws.root_volume_gb or 100 GB, the head
+        20 GB), never below the image's own snapshot; gp3, deleted with the instance."""
+        root, minimum, _ = self._image(ami)
         want = (self.spec.root_volume_gb or 100) if role == "worker" else 20
         return [
             {
