@@ -49,7 +49,8 @@ class GcpChecks(GcpLaunch):
         out.append(run_check("network", self._check_network))
         out.append(run_check("SSH login", self._check_os_login))
         out.append(run_check("GPU network", self._check_gpu_network))
-        out.append(run_check("image (workers)", lambda: self._check_image(self.spec.image)))
+        out.append(run_check("image (workers)",
+                             lambda: self._check_image(self.spec.image, workers=True)))
         out.append(run_check("image (head)", lambda: self._check_image(self.spec.head_image)))
         out.append(run_check("checkpoint bucket", self._check_bucket))
         return out
@@ -200,9 +201,9 @@ class GcpChecks(GcpLaunch):
             per.setdefault(t, placement.describe(t, g, fast))
         return "; ".join(f"{t}: {d}" for t, d in per.items())
 
-    def _check_image(self, url: str) -> str:
+    def _check_image(self, url: str, workers: bool = False) -> str:
         link, minimum = self._image(url)
         name = link.rsplit('/', 1)[-1]
         # the workers' torch and driver, as the Deep Learning VM names them
-        note = image_torch(name) if url == self.spec.image else ""
+        note = image_torch(name) if workers else ""
         return f"{name} (disk >= {minimum} GB)" + (f"; {note}" if note else "")
