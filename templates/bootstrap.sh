@@ -71,14 +71,14 @@ has() {  # has PYTHON MODULE...: find_spec, not import (importing torch costs se
 sys.exit(0 if all(u.find_spec(m) for m in sys.argv[1:]) else 1)' "$@" >/dev/null 2>&1
 }
 
-torch_of() {  # torch_of PYTHON: its torch's version, from the metadata (never imported)
-    "$1" -c 'from importlib import metadata as md; print(md.version("torch"))' 2>/dev/null || true
-}
-
-torch_fits() {  # torch_fits VERSION: at least MIN_TORCH (major.minor)
-    printf '%s %s\n' "$1" "$MIN_TORCH" | awk '{
-        split($1, v, "."); split($2, m, ".")
-        exit !(v[1] + 0 > m[1] + 0 || (v[1] + 0 == m[1] + 0 && v[2] + 0 >= m[2] + 0)) }'
+old_torch() {  # old_torch PYTHON: its torch's version when older than MIN_TORCH, else
+    # nothing (read from the metadata, never imported)
+    "$1" -c 'import re, sys
+from importlib import metadata as md
+v = md.version("torch")
+m = re.match(r"(\d+)\.(\d+)", v)
+if m and (int(m.group(1)), int(m.group(2))) < tuple(map(int, sys.argv[1].split("."))):
+    print(v)' "$MIN_TORCH" 2>/dev/null || true
 }
 
 pip_q() {
@@ -130,13 +130,13 @@ install_deps() {
         return 1
     fi
     if [ ! -x "$VENV/bin/python" ]; then
-        image_torch=$(torch_of "$BASE")
-        if [ -n "$image_torch" ] && ! torch_fits "$image_torch"; then
+        image_torch=$(old_torch "$BASE")
+        if [ -n "$image_torch" ]; then
             # spotctl's engines need a newer torch than the image's: the venv does not see
             # it (without the system site-packages) and gets TORCH_SPEC below
             echo "spotctl: $BASE has torch $image_torch, older than $MIN_TORCH: installing $TORCH_SPEC"
             make_venv
-        elif [ -n "$image_torch" ] || has "$BASE" torch; then
+        elif has "$BASE" torch; then
             # the image's (CUDA) torch, seen through the system site-packages
             make_venv --system-site-packages
             # a base that is itself a venv (e.g. an image's /opt/pytorch): its packages too
