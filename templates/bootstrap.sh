@@ -30,8 +30,10 @@
 # workers run as TRAIN_USER (a system user, created if missing) and cannot read the node
 # token: the agent runs as root to switch its workers to that user and signal them. That
 # user gets search (o+x, not listing) on the directories down to the node's, read on the
-# venv and the project, and must then be able to run $PY with spotctl and torch; otherwise
-# (or without root) the agent and its workers run as the login user, as this line says.
+# venv and the project, and must then be able to run $PY with spotctl and torch, and be
+# unable to write anything $PY loads (WRITABLE_CHECK: root runs the agent from it);
+# otherwise (or without root) the agent and its workers run as the login user, as this
+# line says.
 set -eu
 umask 077
 
@@ -193,6 +195,46 @@ if sys.prefix != sys.base_prefix: print("\n".join(site.getsitepackages()))')
     return 0
 }
 
+# Prints the first path the running user could write (or replace, through a writable
+# directory above it) among what this interpreter loads: its executable, prefix and
+# pyvenv.cfg, libpython, and everything under each sys.path entry; nothing when none.
+# shellcheck disable=SC2016
+WRITABLE_CHECK='import glob, os, shutil, stat, subprocess, sys
+me = os.getuid()
+def chain(p):  # p, or a directory above it where p (or what leads to it) can be replaced
+    p = os.path.abspath(p)
+    if os.path.lexists(p) and os.access(p, os.W_OK):
+        return p
+    child, d = p, os.path.dirname(p)
+    while child != d:
+        if os.access(d, os.W_OK):
+            owner = os.lstat(child).st_uid if os.path.lexists(child) else me
+            if not (os.stat(d).st_mode & stat.S_ISVTX and owner != me):
+                return d
+        child, d = d, os.path.dirname(d)
+    return None
+def under(top):  # anything writable below a directory
+    if shutil.which("find"):
+        r = subprocess.run(["find", top, "-writable", "-print", "-quit"],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return r.stdout.strip() or None
+    for root, dirs, files in os.walk(top):
+        for n in dirs + files:
+            if os.access(os.path.join(root, n), os.W_OK):
+                return os.path.join(root, n)
+    return None
+paths = [sys.executable, sys.prefix, os.path.join(sys.prefix, "pyvenv.cfg"),
+         *glob.glob(os.path.join(sys.base_prefix, "lib", "libpython*"))]
+tops = [e for e in sys.path if os.path.isabs(e)]
+bad = None
+for p in paths + tops:
+    bad = bad or chain(p) or chain(os.path.realpath(p))
+walk = sorted({os.path.realpath(e) for e in tops if os.path.isdir(e)})
+for t in walk:  # once each: a site-packages inside the standard library is walked with it
+    if not any(t.startswith(o + os.sep) for o in walk):
+        bad = bad or under(t)
+print(bad or "")'
+
 search_down_to() {  # o+x on $1 and every directory above it
     d=$1
     while [ -n "$d" ] && [ "$d" != / ] && [ "$d" != . ]; do
@@ -225,14 +267,22 @@ setup_worker() {  # sets WORKER to the user training workers run as ("" = the lo
         $SUDO chmod -R o+rX "$VENV" || true
     fi
     # shellcheck disable=SC2016
-    if (cd / && $SUDO runuser -u "$TRAIN_USER" -- "$PY" -c 'import importlib.util as u, sys
+    if ! (cd / && $SUDO runuser -u "$TRAIN_USER" -- "$PY" -c 'import importlib.util as u, sys
 sys.exit(0 if all(u.find_spec(m) for m in ("spotctl", "torch")) else 1)') \
         >>"$DIR/bootstrap.log" 2>&1 </dev/null; then
-        WORKER=$TRAIN_USER
-        echo "spotctl: workers run as $WORKER"
-    else
         echo "spotctl: workers run as $(id -un): $TRAIN_USER cannot run $PY with spotctl and torch"
+        return 0
     fi
+    # The agent runs as root from $PY: if the workers' user could change anything that
+    # interpreter loads, a training script could run code as root. Asked as that user.
+    w=$(cd / && $SUDO runuser -u "$TRAIN_USER" -- "$PY" -I -c "$WRITABLE_CHECK" \
+        2>>"$DIR/bootstrap.log" </dev/null) || w="(the check failed: see $DIR/bootstrap.log)"
+    if [ -n "$w" ]; then
+        echo "spotctl: workers run as $(id -un): $TRAIN_USER can write $w, which the root agent's python loads"
+        return 0
+    fi
+    WORKER=$TRAIN_USER
+    echo "spotctl: workers run as $WORKER"
 }
 
 fallback_pid() {

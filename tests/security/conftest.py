@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from spotctl.agent.config import AgentConfig
 from spotctl.head.server import HeadServer
 
 
@@ -65,3 +67,44 @@ def interpreter_reachable() -> Iterator[None]:
     finally:
         for d, mode in changed.items():
             os.chmod(d, mode)
+
+
+def render_node(base: Path, run_as: str, python: str = sys.executable) -> Path:
+    """The bootstrap's files for one node (no package: `python` must have spotctl and
+    torch), written where the controller's SFTP would put them (umask 077 directories,
+    each file with its rendered mode)."""
+    from spotctl.remote.bootstrap import render_bootstrap
+    from spotctl.remote.ssh import HostTarget
+
+    node = base / "root" / "c1" / "n1"
+    node.mkdir(parents=True, mode=0o700)
+    for d in (base / "root", base / "root" / "c1", node):
+        os.chmod(d, 0o700)
+    (base / "root").parent.chmod(0o700)
+    script = base / "train.py"
+    cfg = AgentConfig(cluster="c1", node_id="n1", head_url="http://127.0.0.1:1",
+                      store_host="127.0.0.1", store_port=1, token_file="", workdir="work",
+                      script=str(script), run_as=run_as)
+    files = render_bootstrap(HostTarget("n1", "127.0.0.1", remote_dir=str(node)), cfg,
+                             "node:n1:" + "ab" * 32, python=python)
+    for f in files.files:
+        dst = node / f.name
+        dst.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        dst.write_bytes(f.content)
+        os.chmod(dst, f.mode)
+    return node
+
+
+def bootstrap_worker(node: Path) -> tuple[str, str]:
+    """`bootstrap.sh worker` on the node: (the user workers run as or "none", its output)."""
+    r = subprocess.run(["sh", str(node / "bootstrap.sh"), "worker"], capture_output=True,
+                       text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = [ln for ln in r.stdout.splitlines() if ln.startswith("spotctl-result ")]
+    assert result, r.stdout
+    return result[-1].split("worker=", 1)[1], r.stdout
+
+
+def as_user(user: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["runuser", "-u", user, "--", *argv], capture_output=True, text=True,
+                          timeout=60, cwd="/")

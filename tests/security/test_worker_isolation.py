@@ -19,6 +19,9 @@ import pytest
 from spotctl.agent.config import AgentConfig
 from spotctl.head.auth import node_token
 from tests.conftest import SPOTCTL, Head, wait_until
+from tests.security.conftest import as_user as _as
+from tests.security.conftest import bootstrap_worker as _bootstrap_worker
+from tests.security.conftest import render_node as _render_node
 
 pytestmark = [
     pytest.mark.slow,
@@ -194,45 +197,6 @@ def test_workers_run_unprivileged_and_cannot_read_credentials(
                 agent.kill()
                 agent.wait()
         head.close()
-
-
-def _render_node(base: Path, run_as: str) -> Path:
-    """The bootstrap's files for one node, written where the controller's SFTP would put
-    them (umask 077 directories, each file with its rendered mode)."""
-    from spotctl.remote.bootstrap import render_bootstrap
-    from spotctl.remote.ssh import HostTarget
-
-    node = base / "root" / "c1" / "n1"
-    node.mkdir(parents=True, mode=0o700)
-    for d in (base / "root", base / "root" / "c1", node):
-        os.chmod(d, 0o700)
-    (base / "root").parent.chmod(0o700)
-    script = base / "train.py"
-    cfg = AgentConfig(cluster="c1", node_id="n1", head_url="http://127.0.0.1:1",
-                      store_host="127.0.0.1", store_port=1, token_file="", workdir="work",
-                      script=str(script), run_as=run_as)
-    files = render_bootstrap(HostTarget("n1", "127.0.0.1", remote_dir=str(node)), cfg,
-                             "node:n1:" + "ab" * 32, python=sys.executable)
-    for f in files.files:
-        dst = node / f.name
-        dst.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        dst.write_bytes(f.content)
-        os.chmod(dst, f.mode)
-    return node
-
-
-def _bootstrap_worker(node: Path) -> tuple[str, str]:
-    r = subprocess.run(["sh", str(node / "bootstrap.sh"), "worker"], capture_output=True,
-                       text=True, timeout=120, stdin=subprocess.DEVNULL)
-    assert r.returncode == 0, r.stdout + r.stderr
-    result = [ln for ln in r.stdout.splitlines() if ln.startswith("spotctl-result ")]
-    assert result, r.stdout
-    return result[-1].split("worker=", 1)[1], r.stdout
-
-
-def _as(user: str, *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["runuser", "-u", user, "--", *argv], capture_output=True, text=True,
-                          timeout=60, cwd="/")
 
 
 def test_bootstrap_sets_up_the_worker_user_and_keeps_the_token_private(

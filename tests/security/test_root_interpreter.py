@@ -1,0 +1,106 @@
+"""The root agent never runs an interpreter the workers' user can change.
+
+The agent runs as root from the node's python so that it can run its training workers as
+`[train] run_as`. If that user could write anything the interpreter loads (its site
+directories, a `.pth` file, a module, a directory above them), a training script could run
+code as root the next time the agent starts. The bootstrap asks, as that user, what it can
+write; where it can write anything, the workers run as the login user instead (as for any
+other reason they cannot be switched) and `up` says so with the path.
+
+Each case is a venv of this machine's Python that reaches spotctl and torch through the
+project's environment, with one thing made writable as an image or a careless `chmod` can
+leave it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from spotctl.remote.bootstrap import worker_fallback_note
+from tests.security.conftest import as_user, bootstrap_worker, render_node
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="switching the workers' user needs a root agent (as on a cloud VM)")
+
+WORKER_USER = "nobody"
+
+
+@pytest.fixture
+def env(interpreter_reachable: None) -> Iterator[Path]:
+    """envdir/env: a venv (no pip) whose site-packages holds `_project.pth`, which adds the
+    project's environment and envdir/extra as site directories."""
+    top = Path(tempfile.mkdtemp(prefix="spotctl-py-"))
+    os.chmod(top, 0o755)
+    try:
+        subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv",
+                        "--without-pip", str(top / "env")], check=True, timeout=120)
+        (top / "extra").mkdir(mode=0o755)
+        site = Path(subprocess.run(
+            [str(top / "env" / "bin" / "python"), "-c",
+             "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True, text=True, check=True).stdout.strip())
+        (site / "_project.pth").write_text(
+            f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r}); "
+            f"site.addsitedir({str(top / 'extra')!r})\n")
+        os.chmod(site / "_project.pth", 0o644)
+        yield top
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def _site(top: Path) -> Path:
+    return next((top / "env" / "lib").glob("python3.*")) / "site-packages"
+
+
+def test_an_interpreter_the_worker_user_cannot_change_runs_its_workers_as_that_user(
+    env: Path, base: Path
+) -> None:
+    node = render_node(base, WORKER_USER, python=str(env / "env" / "bin" / "python"))
+    worker, out = bootstrap_worker(node)
+    assert worker == WORKER_USER, out
+    assert worker_fallback_note(out) == ""
+
+
+@pytest.mark.parametrize("what", ["site directory", "pth file", "directory above"])
+def test_anything_the_worker_user_can_write_in_the_interpreter_keeps_it_off_root(
+    env: Path, base: Path, what: str
+) -> None:
+    py = env / "env" / "bin" / "python"
+    if what == "site directory":
+        writable = env / "extra"
+        os.chmod(writable, 0o777)
+        # what that gives a training script: a .pth that root's next python start runs
+        marker = env / "ran-as"
+        evil = writable / "zz_evil.pth"
+        payload = f"import os; open({str(marker)!r}, 'w').write(str(os.getuid()))\n"
+        r = as_user(WORKER_USER, str(py), "-c", f"open({str(evil)!r}, 'w').write({payload!r})")
+        assert r.returncode == 0, r.stderr
+        subprocess.run([str(py), "-c", "pass"], check=True, timeout=60)
+        assert marker.read_text() == "0"
+        evil.unlink()
+        marker.unlink()
+    elif what == "pth file":
+        writable = _site(env) / "_project.pth"
+        os.chmod(writable, 0o666)
+    else:
+        writable = env
+        os.chmod(env, 0o777)
+    node = render_node(base, WORKER_USER, python=str(py))
+    worker, out = bootstrap_worker(node)
+    assert worker == "none", out
+    line = (f"spotctl: workers run as root: {WORKER_USER} can write {writable}, which the "
+            "root agent's python loads")
+    assert line in out.splitlines(), out
+    # and `up` says so, with the path
+    note = worker_fallback_note(out)
+    assert note.startswith("training workers run as root, not [train] run_as") and \
+        str(writable) in note, note
