@@ -605,7 +605,7 @@ def _old_torch_note(stdout: str) -> str:
     bootstrap.sh): the node downloaded the pinned torch instead, which the user should
     know (a multi-GB download on every such node)."""
     for line in stdout.splitlines():
-        m = re.match(r"spotctl: (\S+) has torch (\S+), older than (\S+): installing (\S+)$", line)
+        m = re.match(r"spotctl: (.+) has torch (\S+), older than (\S+): installing (\S+)$", line)
         if m:
             return (f"the image's torch ({m[1]}) is {m[2]}, older than {m[3]}: it got "
                     f"{m[4]} instead")
