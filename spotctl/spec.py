@@ -256,7 +256,16 @@ class LocalSpec(_Zoned):
     # each node in its own network namespace on a bridge (root + iproute2): real links,
     # which a test can cut to partition a node
     netns: bool = False
+    # the whole cluster in a network namespace of its own: its listeners (all on
+    # loopback) cannot be reached by other users of this machine (Linux user namespaces)
+    private_network: bool = False
 
+    @model_validator(mode="after")
+    def _one_network(self) -> LocalSpec:
+        if self.netns and self.private_network:
+            raise ValueError("netns and private_network cannot both be true: netns puts each "
+                             "node in a namespace of its own on a bridge of this machine")
+        return self
 
     @field_validator("capacity")
     @classmethod

@@ -1308,16 +1308,17 @@ def node_steps(logs: Path, node: str) -> list[dict[str, Any]]:
     return out
 
 
-def up_ft_train(c: Any, nodes: int, together: bool = True, **env: str) -> Path:
+def up_ft_train(c: Any, nodes: int, together: bool = True, spec_extra: str = "",
+                **env: str) -> Path:
     """`up` a local cluster of `nodes` on the torchft engine training
     tests/elastic/ft_train.py (FT_STEP_DELAY 0.05 s, a checkpoint every 25 steps, `env`
-    added to the workers'), each node logging its steps to `<tmp>/steps/<node>.jsonl`;
-    with `together`, wait until every node has trained in one quorum of all. Returns the
-    logs' directory."""
+    added to the workers', `spec_extra` to the spec as write_spec's `extra`), each node
+    logging its steps to `<tmp>/steps/<node>.jsonl`; with `together`, wait until every
+    node has trained in one quorum of all. Returns the logs' directory."""
     shutil.copy(REPO / "tests" / "elastic" / "ft_train.py", c.project / "train.py")
     logs = c.tmp / "steps"
     logs.mkdir()
-    c.write_spec(str(nodes), checkpoint_every=25, engine="torchft",
+    c.write_spec(str(nodes), checkpoint_every=25, engine="torchft", extra=spec_extra,
                  train_env={"FT_STEP_LOG": f"{logs}/{{node}}.jsonl", "FT_STEP_DELAY": "0.05",
                             **env})
     c.cli("up", "--wait", "120")

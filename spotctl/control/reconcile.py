@@ -151,6 +151,10 @@ def head_client(store: Store, name: str, timeout_s: float = 3.0) -> HeadClient:
             raise HeadUnavailable(f"cluster {name}: no SSH tunnel to the head: {e}") from None
     if not url:
         raise HeadUnavailable(f"cluster {name} has no head recorded")
+    # a local cluster on a private network: its head is reached from inside it
+    from spotctl.providers.local import private
+
+    private.join(store.cluster_dir(name).path)
     return HeadClient(url, store.cluster_dir(name).token(), timeout_s=timeout_s)
 
 

@@ -145,6 +145,8 @@ CASES: list[Case] = [
         "gpus-per-node-zero", up(), "local.gpus_per_node", toml=OK + "[local]\ngpus_per_node = 0\n"
     ),
     Case("local-zones-not-list", up(), "local.zones", toml=OK + '[local]\nzones = "a"\n'),
+    Case("local-netns-and-private-network", up(), "private_network",
+         toml=OK + "[local]\nnetns = true\nprivate_network = true\n"),
     Case("ssh-without-hosts", up(), "ssh.hosts", toml='name = "bad"\nprovider = "ssh"\n' + TRAIN),
     Case(
         "ssh-host-bad-port",

@@ -29,12 +29,16 @@ from spotctl.errors import CapacityError, NotFoundError, SpotctlError
 from spotctl.head.auth import node_token
 from spotctl.head.client import urlopen_direct
 from spotctl.providers.base import HeadInfo, Instance, Offer, ProviderContext
+from spotctl.providers.local import private
 from spotctl.state import write_json_atomic, write_private
 
 HEAD_START_TIMEOUT_S = 60.0
 
 
 def create(ctx: ProviderContext) -> LocalProvider:
+    # a cluster on a private network: this command joins it before anything else
+    # (spotctl.providers.local.private); `up` starts it in prepare()
+    private.join(ctx.cluster_dir.path)
     return LocalProvider(ctx)
 
 
@@ -303,6 +307,13 @@ class LocalProvider:
         self.cdir.token(create=True)
         if self.net is not None:
             self.net.ensure_bridge()
+        if self.spec.local.private_network and private.holder(self.cdir.path) is None:
+            if self._head_ok():
+                raise SpotctlError(
+                    f"cluster {self.ctx.cluster} runs on this machine's loopback: "
+                    "`spotctl down` it before turning [local] private_network on")
+            private.enter(private.start(self.cdir.path,
+                                        {proctree.TAG_VAR: self.tag("private-net")}))
         created = self._created_at()
         cap_file = self.cdir.path / "capacity.json"
         if self.spec.local.capacity:
@@ -420,6 +431,7 @@ class LocalProvider:
         if self.net is not None:
             self.net.remove_bridge()
             leaks += self.net.leftovers()
+        private.stop(self.cdir.path)
         return leaks
 
     # -- local-only controls

@@ -1,0 +1,208 @@
+"""A local cluster on a network of its own (`[local] private_network = true`).
+
+Every listener of a local cluster (the head's API and rendezvous store, the torchft
+Lighthouse, each node's metadata endpoint, worker stores, gloo) binds loopback, and on a
+shared machine every other user can reach loopback. With a private network the whole
+cluster lives in a network namespace of its own, with a loopback of its own that nothing
+outside it can reach:
+
+- `spotctl up` starts a holder process (`python -m spotctl.providers.local.private hold`)
+  that makes the namespace and brings its loopback up, then waits. Without root it makes
+  a user namespace too, in which only its own user id is mapped (what lets an ordinary
+  user own a network namespace); as root a network namespace alone.
+- Each `spotctl` command on that cluster joins the namespace before it does anything
+  else, and every process it starts (the head, each node and its workers) is born in it.
+  Another user cannot join it: joining needs privileges over the holder's namespaces,
+  which only its owner (and root) has.
+- `down` stops the holder with the rest; the namespace goes with it.
+
+Linux only, and it needs user namespaces enabled for ordinary users (most distributions
+do; some turn them off with a sysctl).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from spotctl.errors import SpotctlError
+
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWNET = 0x40000000
+HOLDER_FILE = "private-net.json"
+# Joining moves the whole process into the cluster's namespaces: only spotctl's own
+# commands do it (spotctl.cli.app.main run as a program sets this), never a process that
+# merely calls spotctl's functions (which then reach no private cluster's listeners)
+JOIN = False
+START_TIMEOUT_S = 10.0
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+
+
+def _loopback_up() -> None:
+    """ioctl(SIOCSIFFLAGS) on `lo`: a new network namespace's loopback starts down."""
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        req = struct.pack("16sH22x", b"lo", 0)
+        flags = struct.unpack("16sH22x", fcntl.ioctl(s, siocgifflags, req))[1]
+        fcntl.ioctl(s, siocsifflags, struct.pack("16sH22x", b"lo", flags | iff_up))
+
+
+def _ns_id(pid: int | str, kind: str) -> str:
+    return os.readlink(f"/proc/{pid}/ns/{kind}")
+
+
+def hold(path: Path) -> None:
+    """The holder: a network namespace (and, without root, a user namespace owning it)
+    with loopback up; writes `path` (its pid and namespace), then waits for SIGTERM."""
+    uid, gid = os.getuid(), os.getgid()
+    libc = _libc()
+    if os.geteuid() == 0:
+        _check(libc.unshare(CLONE_NEWNET), "unshare(network namespace)")
+    else:
+        _check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNET),
+               "unshare(user and network namespaces)")
+        # only this user's own ids exist in it (all an ordinary user may map)
+        Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1\n")
+        Path("/proc/self/setgroups").write_text("deny\n")
+        Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1\n")
+    _loopback_up()
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGINT, lambda *_: os._exit(0))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "net": _ns_id("self", "net"),
+                               "user": _ns_id("self", "user"),
+                               "started": _start_time(os.getpid())}))
+    os.replace(tmp, path)
+    while True:
+        signal.pause()
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time (field 22 of /proc/PID/stat): a pid reused by another
+    process is not taken for the holder."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def holder(cluster_dir: Path) -> dict[str, object] | None:
+    """The cluster's live holder (pid, namespaces), or None."""
+    try:
+        h = json.loads((cluster_dir / HOLDER_FILE).read_text())
+        pid = int(h["pid"])
+        if _start_time(pid) != h["started"] or _ns_id(pid, "net") != h["net"]:
+            return None
+        return h
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+def start(cluster_dir: Path, tag_env: dict[str, str]) -> dict[str, object]:
+    """The cluster's holder, started if it is not running."""
+    if not JOIN:
+        raise SpotctlError("[local] private_network: the cluster is started by the spotctl "
+                           "command, not from within another Python program")
+    h = holder(cluster_dir)
+    if h is not None:
+        return h
+    path = cluster_dir / HOLDER_FILE
+    path.unlink(missing_ok=True)
+    log = open(cluster_dir / "private-net.log", "ab")
+    try:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "spotctl.providers.local.private", "hold", str(path)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, **tag_env}, start_new_session=True, close_fds=True)
+    finally:
+        log.close()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        h = holder(cluster_dir)
+        if h is not None:
+            return h
+        if p.poll() is not None:
+            break
+        time.sleep(0.05)
+    p.kill()
+    why = (cluster_dir / "private-net.log").read_text(errors="replace").strip().splitlines()
+    raise SpotctlError(
+        "[local] private_network: could not make the cluster's network namespace ("
+        + (why[-1] if why else "no answer") + "); this needs Linux with user namespaces "
+        "open to ordinary users, or set private_network = false on a machine you do not "
+        "share")
+
+
+def enter(h: dict[str, object]) -> None:
+    """Join the holder's namespaces (nothing to do when this process is in them already).
+    Joining a user namespace needs a process with one thread: spotctl's CLI joins before
+    it starts any."""
+    pid = int(str(h["pid"]))
+    if _ns_id("self", "net") == h["net"] or not JOIN:
+        return
+    libc = _libc()
+    try:
+        if _ns_id("self", "user") != h["user"]:
+            if threading.active_count() > 1:
+                raise SpotctlError("[local] private_network: this process has threads and "
+                                   "cannot join the cluster's user namespace")
+            _join(libc, f"/proc/{pid}/ns/user", CLONE_NEWUSER, "user namespace")
+        _join(libc, f"/proc/{pid}/ns/net", CLONE_NEWNET, "network namespace")
+    except OSError as e:
+        raise SpotctlError(f"[local] private_network: cannot join the cluster's network "
+                           f"({e.strerror or errno.errorcode.get(e.errno or 0, e.errno)})"
+                           ) from None
+
+
+def _join(libc: ctypes.CDLL, path: str, kind: int, what: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _check(libc.setns(fd, kind), f"setns({what})")
+    finally:
+        os.close(fd)
+
+
+def join(cluster_dir: Path) -> None:
+    """Join the cluster's private network, if it has one (and this process may)."""
+    if JOIN:
+        h = holder(cluster_dir)
+        if h is not None:
+            enter(h)
+
+
+def stop(cluster_dir: Path) -> None:
+    h = holder(cluster_dir)
+    if h is not None:
+        try:
+            os.kill(int(str(h["pid"])), signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    (cluster_dir / HOLDER_FILE).unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "hold":
+        try:
+            hold(Path(sys.argv[2]))
+        except OSError as e:
+            print(f"spotctl private network: {e}", flush=True)
+            sys.exit(1)
+    sys.exit(2)
