@@ -307,7 +307,9 @@ class LocalProvider:
         self.cdir.token(create=True)
         if self.net is not None:
             self.net.ensure_bridge()
-        if self.spec.local.private_network and private.holder(self.cdir.path) is None:
+        # (an ssh cluster's head runs here too: its hosts reach it through this loopback)
+        if (self.spec.provider == "local" and self.spec.local.private_network
+                and private.holder(self.cdir.path) is None):
             if self._head_ok():
                 raise SpotctlError(
                     f"cluster {self.ctx.cluster} runs on this machine's loopback: "
