@@ -1,0 +1,51 @@
+"""`[local] private_network` in-process: which heads go private, and how a holder is
+recognised (the real namespaces: tests/security/test_local_private_network.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from spotctl.errors import SpotctlError
+from spotctl.providers.base import ProviderContext
+from spotctl.providers.local import private
+from spotctl.providers.local.provider import LocalProvider
+from spotctl.spec import ClusterSpec
+from spotctl.state import Store
+
+
+def _local(tmp_path: Path, provider: str) -> LocalProvider:
+    raw: dict[str, object] = {"name": "c1", "provider": provider,
+                              "local": {"private_network": True}}
+    if provider == "ssh":
+        raw["ssh"] = {"hosts": [{"address": "127.0.0.1"}]}
+    spec = ClusterSpec.model_validate(raw)
+    return LocalProvider(ProviderContext("c1", spec, Store(tmp_path / "home").cluster_dir("c1")))
+
+
+def test_an_ssh_clusters_head_stays_on_this_machines_loopback(tmp_path: Path) -> None:
+    p = _local(tmp_path, "ssh")
+    p.prepare()  # would start (here: refuse to start) a private network if it went private
+    assert not (p.cdir.path / private.HOLDER_FILE).exists()
+
+
+def test_only_the_spotctl_command_starts_a_private_cluster(tmp_path: Path) -> None:
+    assert private.JOIN is False  # pytest's process never joins one
+    with pytest.raises(SpotctlError, match="started by the spotctl command"):
+        _local(tmp_path, "local").prepare()
+
+
+def test_a_holder_file_naming_a_reused_pid_is_no_holder(tmp_path: Path) -> None:
+    f = tmp_path / private.HOLDER_FILE
+    me = os.getpid()
+    net = os.readlink("/proc/self/ns/net")
+    f.write_text(json.dumps({"pid": me, "net": net, "user": "", "started": "1"}))
+    assert private.holder(tmp_path) is None  # another start time: not the holder
+    f.write_text(json.dumps({"pid": me, "net": net, "user": "",
+                             "started": private._start_time(me)}))
+    assert private.holder(tmp_path) is not None
+    f.write_text("{")
+    assert private.holder(tmp_path) is None
