@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -138,10 +139,15 @@ def test_a_private_cluster_trains_while_no_one_outside_reaches_its_listeners(
     assert steps == list(range(1, len(steps) + 1)), steps
     assert {s["pid"] for s in n1} == {pids["n1"]}, "n1's worker was restarted"
 
+    # the holder killed: the namespace lives on in the cluster's processes, and the CLI
+    # still reaches it through one of them (and takes it down)
+    os.kill(holder["pid"], signal.SIGKILL)
+    wait_until(lambda: _gone(holder["pid"]), 10, "the holder to end", 0.1)
+    st = c.status()
+    assert st["world_size"] == 1 and not st.get("head_error"), st
     c.cli("down", "--name", "prv", "--yes")
     wait_until(lambda: not c.processes(), 30, "the cluster's processes to end", 0.5)
     assert not (c.cluster_dir / "private-net.json").exists()
-    wait_until(lambda: _gone(holder["pid"]), 10, "the holder to end", 0.1)
 
 
 def test_an_ordinary_user_gets_a_private_network_no_other_user_can_join(

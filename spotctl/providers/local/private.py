@@ -105,15 +105,28 @@ def _start_time(pid: int) -> str:
 
 
 def holder(cluster_dir: Path) -> dict[str, object] | None:
-    """The cluster's live holder (pid, namespaces), or None."""
+    """The cluster's live holder (pid, namespaces), or None. Should the holder itself have
+    died, the namespace lives on in the cluster's processes: then one of those stands in
+    for it (joined the same way), so that the cluster can still be reached and taken down."""
     try:
         h = json.loads((cluster_dir / HOLDER_FILE).read_text())
         pid = int(h["pid"])
-        if _start_time(pid) != h["started"] or _ns_id(pid, "net") != h["net"]:
-            return None
-        return h
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
+    except (OSError, ValueError, KeyError, TypeError):
         return None
+    try:
+        if _start_time(pid) == h["started"] and _ns_id(pid, "net") == h["net"]:
+            return dict(h)
+    except (OSError, IndexError, KeyError):
+        pass
+    from spotctl.agent import proctree
+
+    for other in proctree.tagged_prefix(f"{cluster_dir}/"):
+        try:
+            if _ns_id(other, "net") == h.get("net") and _ns_id(other, "user") == h.get("user"):
+                return {**h, "pid": other}
+        except OSError:
+            continue
+    return None
 
 
 def start(cluster_dir: Path, tag_env: dict[str, str]) -> dict[str, object]:
@@ -189,12 +202,14 @@ def join(cluster_dir: Path) -> None:
 
 
 def stop(cluster_dir: Path) -> None:
-    h = holder(cluster_dir)
-    if h is not None:
-        try:
-            os.kill(int(str(h["pid"])), signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+    """Stop the holder (never a process standing in for it), forget it."""
+    try:
+        h = json.loads((cluster_dir / HOLDER_FILE).read_text())
+        pid = int(h["pid"])
+        if _start_time(pid) == h["started"]:
+            os.kill(pid, signal.SIGTERM)
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        pass
     (cluster_dir / HOLDER_FILE).unlink(missing_ok=True)
 
 
