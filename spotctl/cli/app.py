@@ -61,13 +61,14 @@ _register_commands()
 
 
 def main(argv: list[str] | None = None) -> None:
-    if argv is None:
-        # a command of its own (not called with arguments from Python): it may join a
-        # local cluster's private network, which moves the whole process
-        from spotctl.providers.local import private
-
-        private.JOIN = True
     try:
+        if argv is None:
+            # a command of its own (not called with arguments from Python): it may join a
+            # local cluster's private network, which moves the whole process
+            from spotctl.providers.local import private
+
+            private.JOIN = True
+            private.join_from_env()
         app(args=argv, standalone_mode=False)
     except SpotctlError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -210,3 +210,39 @@ def test_an_ordinary_user_gets_a_private_network_no_other_user_can_join(
         if p.poll() is None:
             p.kill()
         subprocess.run(["rm", "-rf", str(d)], check=False)
+
+
+def test_a_command_that_has_started_threads_starts_again_inside(
+    tmp_path: Path, interpreter_reachable: None
+) -> None:
+    """A command with threads (a terminal's spinner) cannot join a user namespace: it
+    starts again as a fresh process that joins first thing, and goes on inside."""
+    d = Path(f"/tmp/spotctl-prv-{os.getpid()}-t")
+    d.mkdir(mode=0o777)
+    os.chmod(d, 0o777)
+    program = textwrap.dedent(f"""
+        import json, os, threading, time
+        from pathlib import Path
+        from spotctl.providers.local import private
+        private.JOIN = True
+        d = Path({str(d)!r})
+        with open(d / "runs", "a") as f:
+            f.write("run\\n")
+        private.join_from_env()  # what spotctl's main does first
+        h = private.holder(d) or private.start(d, {{}})
+        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+        private.enter(h)  # restarts this program once, then finds itself inside
+        (d / "inside").write_text(json.dumps({{"net": os.readlink("/proc/self/ns/net"),
+                                              "holder": h["net"]}}))
+        private.stop(d)
+    """)
+    try:
+        r = subprocess.run(["runuser", "-u", "nobody", "--", sys.executable, "-c", program],
+                           env=dict(os.environ, PYTHONPATH=str(REPO)), cwd="/",
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        got = json.loads((d / "inside").read_text())
+        assert got["net"] == got["holder"] != os.readlink("/proc/self/ns/net")
+        assert (d / "runs").read_text() == "run\nrun\n"  # started once more, not in a loop
+    finally:
+        subprocess.run(["rm", "-rf", str(d)], check=False)

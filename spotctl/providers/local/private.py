@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from spotctl.errors import SpotctlError
 
@@ -45,6 +46,7 @@ HOLDER_FILE = "private-net.json"
 # commands do it (spotctl.cli.app.main run as a program sets this), never a process that
 # merely calls spotctl's functions (which then reach no private cluster's listeners)
 JOIN = False
+JOIN_ENV = "SPOTCTL_PRIVATE_JOIN"  # set only across one restart of a command (enter)
 START_TIMEOUT_S = 10.0
 
 
@@ -171,18 +173,46 @@ def enter(h: dict[str, object]) -> None:
     pid = int(str(h["pid"]))
     if _ns_id("self", "net") == h["net"] or not JOIN:
         return
+    if threading.active_count() > 1:
+        # a user namespace takes only a process of one thread, and a network namespace
+        # would take only this thread: the command starts again as a fresh process that
+        # joins first thing (JOIN_ENV, read by join_from_env), whatever it had begun
+        _restart_joined(h)
     libc = _libc()
     try:
         if _ns_id("self", "user") != h["user"]:
-            if threading.active_count() > 1:
-                raise SpotctlError("[local] private_network: this process has threads and "
-                                   "cannot join the cluster's user namespace")
             _join(libc, f"/proc/{pid}/ns/user", CLONE_NEWUSER, "user namespace")
         _join(libc, f"/proc/{pid}/ns/net", CLONE_NEWNET, "network namespace")
     except OSError as e:
         raise SpotctlError(f"[local] private_network: cannot join the cluster's network "
                            f"({e.strerror or errno.errorcode.get(e.errno or 0, e.errno)})"
                            ) from None
+
+
+def _restart_joined(h: dict[str, object]) -> NoReturn:
+    if os.environ.get(JOIN_ENV):
+        raise SpotctlError("[local] private_network: this command started again to join the "
+                           "cluster's network and still could not")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    env = {**os.environ, JOIN_ENV: json.dumps(h)}
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def join_from_env() -> None:
+    """First thing in a spotctl command (one thread): join the namespaces that the same
+    command, started before, found it had to join too late (JOIN_ENV)."""
+    raw = os.environ.pop(JOIN_ENV, "")
+    if raw:
+        try:
+            h = json.loads(raw)
+        except ValueError:
+            return
+        os.environ[JOIN_ENV] = raw  # kept until joined: a second restart would loop
+        try:
+            enter(h)
+        finally:
+            os.environ.pop(JOIN_ENV, None)
 
 
 def _join(libc: ctypes.CDLL, path: str, kind: int, what: str) -> None:
