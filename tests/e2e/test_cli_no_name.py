@@ -2,12 +2,16 @@
 `events`, `logs`, `report --plot` and `down`, with no --name anywhere (the cluster comes
 from ./spotctl.toml, then from being the only one), on a real local cluster, on the engine
 a plain `init` writes (torchft), whose head replaces a preempted node by itself
-([rebalance] on_head). `init --engine torchrun` and the torchrun engine's CLI
-cycle: tests/unit (init) and tests/e2e/test_rescale.py."""
+([rebalance] on_head), on the private network `init` gives it where this machine can (so
+what this test reads from the head itself, it reads from inside that network, as `spotctl`
+does). `init --engine torchrun` and the torchrun engine's CLI cycle: tests/unit (init)
+and tests/e2e/test_rescale.py."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -15,10 +19,32 @@ import pytest
 
 from spotctl.agent import proctree
 from spotctl.head.auth import node_token
-from spotctl.head.client import HeadClient, HeadUnavailable
+from spotctl.providers.local import private
 from tests.conftest import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
+
+# the head's /api/status with a token, asked from inside the cluster's network (a
+# spotctl command joins it; this test's process does not): its JSON, or the error
+ASK_HEAD = """
+import json, sys
+from pathlib import Path
+from spotctl.head.client import HeadClient, HeadUnavailable
+from spotctl.providers.local import private
+private.JOIN = True
+private.join(Path(sys.argv[1]))
+try:
+    print(json.dumps(HeadClient(sys.argv[2], sys.argv[3]).status()))
+except HeadUnavailable as e:
+    print(e)
+"""
+
+
+def _ask_head(c: Any, url: str, token: str) -> str:
+    r = subprocess.run([sys.executable, "-c", ASK_HEAD, str(c.cluster_dir), url, token],
+                       env=c.env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout.strip()
 
 
 def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any) -> None:
@@ -26,6 +52,9 @@ def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any)
     c.cli("init", ".", "--force")  # the default engine, as a new user gets it
     spec = (c.project / "spotctl.toml").read_text()
     assert 'name = "demo"' in spec and 'engine = "torchft"' in spec
+    private_net = private.unavailable() == ""
+    assert ("\nprivate_network = true" in spec) is private_net
+    c.in_process = False  # status and events through the CLI, which joins that network
 
     up = c.cli("up", "--gpus", "1..2", "--wait", "150")
     assert "cluster demo: 2 node(s) launched, 2/2 reporting, training" in up.stdout
@@ -51,12 +80,17 @@ def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any)
     # the head runs the reconcile loop ([rebalance] on_head, on by default) as its own
     # child, so the loop lives and dies with it; only the controller may read what it did
     head = json.loads((c.cluster_dir / "head" / "head.json").read_text())
-    loop_pid = c.head_status()["rebalancer"]["pid"]
-    assert proctree.ppid(loop_pid) == head["pid"] and c.status()["rebalancer"]["running"]
     secret = (c.cluster_dir / "token").read_text().strip()
+    loop_pid = json.loads(_ask_head(c, head["url"], secret))["rebalancer"]["pid"]
+    assert proctree.ppid(loop_pid) == head["pid"] and c.status()["rebalancer"]["running"]
     for token, code in (("", 401), (node_token(secret, "n1"), 403)):
-        with pytest.raises(HeadUnavailable, match=f"answered {code} to /api/status"):
-            HeadClient(head["url"], token).status()
+        assert f"answered {code} to /api/status" in _ask_head(c, head["url"], token)
+    if private_net:  # and nobody outside that network reaches the head at all
+        outside = (c.cluster_dir / "private-net.json").exists() and subprocess.run(
+            [sys.executable, "-c", ASK_HEAD.replace("private.JOIN = True", ""),
+             str(c.cluster_dir), head["url"], secret],
+            env=c.env, capture_output=True, text=True, timeout=60).stdout
+        assert outside and "answered" not in outside and "rebalancer" not in outside, outside
     survivor = c.worker_pids(["n1"])
 
     p = c.cli("preempt", "n2", "--style", "aws", "--in", "6")

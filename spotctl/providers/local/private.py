@@ -73,9 +73,9 @@ def _ns_id(pid: int | str, kind: str) -> str:
     return os.readlink(f"/proc/{pid}/ns/{kind}")
 
 
-def hold(path: Path) -> None:
-    """The holder: a network namespace (and, without root, a user namespace owning it)
-    with loopback up; writes `path` (its pid and namespace), then waits for SIGTERM."""
+def _make() -> None:
+    """Move this process into a new network namespace (and, without root, a new user
+    namespace owning it) with its loopback up."""
     uid, gid = os.getuid(), os.getgid()
     libc = _libc()
     if os.geteuid() == 0:
@@ -88,6 +88,26 @@ def hold(path: Path) -> None:
         Path("/proc/self/setgroups").write_text("deny\n")
         Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1\n")
     _loopback_up()
+
+
+def unavailable() -> str:
+    """Why this machine cannot give a local cluster a private network ("" when it can),
+    asked of a short-lived process that makes one (`spotctl init`)."""
+    try:
+        r = subprocess.run([sys.executable, "-m", "spotctl.providers.local.private", "probe"],
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    if r.returncode == 0:
+        return ""
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    return lines[-1] if lines else f"exit {r.returncode}"
+
+
+def hold(path: Path) -> None:
+    """The holder: a network namespace (and, without root, a user namespace owning it)
+    with loopback up; writes `path` (its pid and namespace), then waits for SIGTERM."""
+    _make()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     signal.signal(signal.SIGINT, lambda *_: os._exit(0))
     tmp = path.with_suffix(".tmp")
@@ -244,10 +264,13 @@ def stop(cluster_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "hold":
-        try:
+    try:
+        if len(sys.argv) == 3 and sys.argv[1] == "hold":
             hold(Path(sys.argv[2]))
-        except OSError as e:
-            print(f"spotctl private network: {e}", flush=True)
-            sys.exit(1)
+        elif sys.argv[1:] == ["probe"]:
+            _make()
+            sys.exit(0)
+    except OSError as e:
+        print(f"spotctl private network: {e}", flush=True)
+        sys.exit(1)
     sys.exit(2)
