@@ -47,6 +47,19 @@ GET = textwrap.dedent("""
 """)
 
 
+# connects to 127.0.0.1:argv[1]; exit 0 only when what answers says argv[2] (another
+# listener that happens to have the same port number out here does not)
+PROBE = textwrap.dedent("""
+    import socket, sys
+    try:
+        with socket.create_connection(("127.0.0.1", int(sys.argv[1])), 3) as s:
+            s.settimeout(3)
+            sys.exit(0 if s.recv(64).decode() == sys.argv[2] else 3)
+    except OSError:
+        sys.exit(2)
+""")
+
+
 def _as_other(code: str, *args: str) -> str:
     r = subprocess.run(["runuser", "-u", OTHER_USER, "--", "/usr/bin/python3", "-c", code, *args],
                        capture_output=True, text=True, timeout=60, cwd="/")
@@ -115,13 +128,22 @@ def test_a_private_cluster_trains_while_no_one_outside_reaches_its_listeners(
         ports[f"{n}'s metadata"] = int(vm["metadata_url"].rsplit(":", 1)[1])
     for what, port in ports.items():
         assert _listening(int(head["pid"]), port), f"the {what} port {port} is not the cluster's"
-    urls = {"head API": head["url"] + "/api/health", "Lighthouse": lighthouse + "/status",
-            **{f"{n}'s metadata": vm["metadata_url"] + "/latest/meta-data/instance-id"
+    # what only these listeners grant to the cluster's token (200): another cluster's that
+    # happens to have the same port number out here would refuse it (401); the
+    # Lighthouse's status page asks no token, so the namespaces above stand for it
+    urls = {"head API": head["url"] + "/api/health",
+            **{f"{n}'s metadata": vm["metadata_url"] + "/_spotctl/state"
                for n, vm in vms.items()}}
     for what, url in urls.items():
+        inside = subprocess.run(
+            [sys.executable, "-c", "import sys; from spotctl.providers.local import private\n"
+             "private.JOIN = True; private.join(__import__('pathlib').Path(sys.argv[3]))\n"
+             + GET, url, token, str(c.cluster_dir)],
+            env=c.env, capture_output=True, text=True, timeout=60).stdout.strip()
+        assert inside == "answered 200", (what, inside)  # the probe itself works
         mine, theirs = _get(url, token), _as_other(GET, url, token)
-        assert not mine.startswith("answered"), (what, mine)
-        assert not theirs.startswith("answered"), (what, theirs)
+        assert mine != "answered 200", (what, mine)
+        assert theirs != "answered 200", (what, theirs)
     # and another user cannot join it (this process, root, could)
     joined = _as_other(JOIN, f"/proc/{holder['pid']}/ns/net")
     assert joined == "errno 1" or "PermissionError" in joined, joined  # setns or open refused
@@ -161,7 +183,8 @@ def test_an_ordinary_user_gets_a_private_network_no_other_user_can_join(
     os.chmod(d, 0o777)
     owner = "nobody"
     inside = textwrap.dedent(f"""
-        import socket, subprocess, sys, time
+        import os, socket, subprocess, sys, threading, time
+        PROBE = {PROBE!r}
         from pathlib import Path
         from spotctl.providers.local import private
         private.JOIN = True
@@ -170,10 +193,16 @@ def test_an_ordinary_user_gets_a_private_network_no_other_user_can_join(
         private.enter(h)
         s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()
         port = s.getsockname()[1]
+        secret = os.urandom(8).hex()  # what only this listener says
+        (d / "secret").write_text(secret)
+        def serve():
+            while True:
+                c, _ = s.accept()
+                c.sendall(secret.encode())
+                c.close()
+        threading.Thread(target=serve, daemon=True).start()
         # a child (as the cluster's processes are) reaches it
-        r = subprocess.run([sys.executable, "-c", "import socket, sys; "
-                            "socket.create_connection(('127.0.0.1', int(sys.argv[1])), 5)",
-                            str(port)])
+        r = subprocess.run([sys.executable, "-c", PROBE, str(port), secret])
         (d / "port").write_text(f"{{port}} {{r.returncode}}")
         while not (d / "done").exists():
             time.sleep(0.1)
@@ -191,12 +220,11 @@ def test_an_ordinary_user_gets_a_private_network_no_other_user_can_join(
         assert child_rc == 0, "a child inside could not reach the listener"
         holder = json.loads((d / "private-net.json").read_text())
         assert holder["user"] != os.readlink("/proc/self/ns/user")  # a user namespace of its own
-        probe = ("import socket, sys\ntry:\n socket.create_connection(('127.0.0.1', "
-                 "int(sys.argv[1])), 3); print('reached')\nexcept OSError as e: print(e.errno)")
+        secret = (d / "secret").read_text()
         for who in ("root", OTHER_USER):
-            r = subprocess.run(["runuser", "-u", who, "--", "/usr/bin/python3", "-c", probe,
-                                str(port)], capture_output=True, text=True, timeout=30)
-            assert r.stdout.strip() != "reached", (who, r.stdout, r.stderr)
+            r = subprocess.run(["runuser", "-u", who, "--", "/usr/bin/python3", "-c", PROBE,
+                                str(port), secret], capture_output=True, text=True, timeout=30)
+            assert r.returncode != 0, (who, r.stdout, r.stderr)
         joined = _as_other(JOIN, f"/proc/{holder['pid']}/ns/net")
         assert joined == "errno 1" or "PermissionError" in joined, joined
         joined_user = _as_other(JOIN.replace("0x40000000", "0x10000000"),
