@@ -256,9 +256,10 @@ class LocalSpec(_Zoned):
     # each node in its own network namespace on a bridge (root + iproute2): real links,
     # which a test can cut to partition a node
     netns: bool = False
-    # the whole cluster in a network namespace of its own: its listeners (all on
-    # loopback) cannot be reached by other users of this machine (Linux user namespaces)
-    private_network: bool = False
+    # The whole cluster in a network namespace of its own: its listeners (all on
+    # loopback) cannot be reached by other users of this machine (Linux user namespaces).
+    # Unset: so where this machine allows it (else `up` says why not); false: loopback.
+    private_network: bool | None = None
 
     @model_validator(mode="after")
     def _one_network(self) -> LocalSpec:

@@ -115,6 +115,8 @@ def _type(ann: Any) -> str:
 
 
 def _toml(v: Any) -> str:
+    if v is None:
+        return "unset"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, float):

@@ -27,7 +27,9 @@ from .core import LIB, Context
 
 # appended to a bench cluster's spotctl.toml: nodes are replaced only when the bench asks
 # (`up`, `rebalance`), never by the head's own reconcile loop racing what it measures
-NO_HEAD_LOOP = "\n[rebalance]\non_head = false\n"
+# no reconcile loop on the head, and the cluster on this machine's loopback: the
+# benchmark reads the head from its own process (a private network would hide it)
+NO_HEAD_LOOP = "\n[rebalance]\non_head = false\n\n[local]\nprivate_network = false\n"
 
 STEP_SLEEP_S = "0.05"
 

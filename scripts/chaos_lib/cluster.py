@@ -36,6 +36,19 @@ def head_loop_toml(extra: str) -> str:
     return extra + "\n[rebalance]\n" + line
 
 
+def loopback_toml(extra: str) -> str:
+    """`extra` with `[local] private_network = false` (unless it says otherwise): a harness
+    that reads a cluster's head and listeners from its own process needs them on this
+    machine's loopback, which a private network would take them off
+    (spotctl.providers.local.private; its own tests ask for one)."""
+    if "private_network" in extra or "netns" in extra:
+        return extra
+    line = "private_network = false\n"
+    if "[local]\n" in extra:
+        return extra.replace("[local]\n", "[local]\n" + line, 1)
+    return extra + "\n[local]\n" + line
+
+
 class Cluster:
     def __init__(
         self,
@@ -77,7 +90,7 @@ class Cluster:
             f'name = "{name}"\nprovider = "local"\ngpus = "{gpus}"\n\n'
             f'[train]\nengine = "{engine}"\nscript = "{script_name}"\n'
             f"checkpoint_every = {checkpoint_every}\n"
-            f"env = {{ {env_toml} }}\n{head_loop_toml(extra_toml)}\n"
+            f"env = {{ {env_toml} }}\n{loopback_toml(head_loop_toml(extra_toml))}\n"
         )
 
     # -- the CLI

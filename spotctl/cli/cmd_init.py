@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
                 raise SpecError(f"{dest} already exists (use --force to overwrite)")
             text = (tpl / name).read_text()
             if name == "spotctl.toml":
-                text = _with_private_network(_with_engine(text, engine))
+                text = _with_engine(text, engine)
             dest.write_text(text)
             print(f"wrote {dest}")
 
@@ -45,21 +45,4 @@ def _with_engine(spec: str, engine: str) -> str:
     value, sep, comment = lines[i].partition("#")
     width = len(value)
     lines[i] = f'engine = "{engine}"'.ljust(width) + sep + comment
-    return "".join(lines)
-
-
-def _with_private_network(spec: str) -> str:
-    """The template's commented `private_network = true` set, where this machine can give a
-    local cluster a network namespace of its own (spotctl.providers.local.private); left
-    commented, saying why, where it cannot."""
-    from spotctl.providers.local import private
-
-    lines = spec.splitlines(keepends=True)
-    i = next(i for i, x in enumerate(lines) if x.startswith("# private_network = "))
-    why = private.unavailable()
-    if why:
-        lines[i] = lines[i].rstrip("\n") + f"\n#   (not on this machine: {why})\n"
-    else:
-        lines[i] = ("private_network = true    # in a network namespace of its own: other users "
-                    "of this machine cannot reach it\n")
     return "".join(lines)

@@ -2,10 +2,10 @@
 `events`, `logs`, `report --plot` and `down`, with no --name anywhere (the cluster comes
 from ./spotctl.toml, then from being the only one), on a real local cluster, on the engine
 a plain `init` writes (torchft), whose head replaces a preempted node by itself
-([rebalance] on_head), on the private network `init` gives it where this machine can (so
-what this test reads from the head itself, it reads from inside that network, as `spotctl`
-does). `init --engine torchrun` and the torchrun engine's CLI cycle: tests/unit (init)
-and tests/e2e/test_rescale.py."""
+([rebalance] on_head), on the network of its own a local cluster gets where this machine
+allows it (so what this test reads from the head itself, it reads from inside that
+network, as `spotctl` does). `init --engine torchrun` and the torchrun engine's CLI
+cycle: tests/unit (init) and tests/e2e/test_rescale.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import pytest
 
 from spotctl.agent import proctree
 from spotctl.head.auth import node_token
-from spotctl.providers.local import private
 from tests.conftest import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
@@ -52,8 +51,7 @@ def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any)
     c.cli("init", ".", "--force")  # the default engine, as a new user gets it
     spec = (c.project / "spotctl.toml").read_text()
     assert 'name = "demo"' in spec and 'engine = "torchft"' in spec
-    private_net = private.unavailable() == ""
-    assert ("\nprivate_network = true" in spec) is private_net
+    assert "\nprivate_network" not in spec  # unset: private where this machine allows it
     c.in_process = False  # status and events through the CLI, which joins that network
 
     up = c.cli("up", "--gpus", "1..2", "--wait", "150")
@@ -63,6 +61,9 @@ def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any)
     assert "up: launching 2 x local in local-a" in up.stderr, up.stderr
     assert "up: booting" in up.stderr or "up: joining" in up.stderr, up.stderr
     assert "up: training: step " in up.stderr, up.stderr
+    # on a network of its own, or `up` said why not
+    private_net = (c.cluster_dir / "private-net.json").exists()
+    assert ("note: every user of this machine can reach" in up.stdout) is not private_net
 
     st = c.cli("status", "--once").stdout
     assert "cluster demo" in st and "n1" in st and "n2" in st and "running" in st

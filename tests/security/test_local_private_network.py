@@ -104,7 +104,9 @@ def test_a_private_cluster_trains_while_no_one_outside_reaches_its_listeners(
 ) -> None:
     c = local_cluster("prv")
     c.in_process = False  # status through the CLI, which joins the cluster's network
-    logs = up_ft_train(c, 2, spec_extra="[local]\nprivate_network = true\n")
+    # the default (private_network unset; the harness otherwise keeps its clusters on
+    # loopback to read them from this process)
+    logs = up_ft_train(c, 2, spec_extra="[local]\n# private_network: unset\n")
     holder = json.loads((c.cluster_dir / "private-net.json").read_text())
     assert holder["net"] != _net("self")
 

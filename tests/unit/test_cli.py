@@ -148,19 +148,3 @@ def test_the_cli_the_head_supervisor_and_the_agent_import_no_torch() -> None:
                          check=True).stdout
     assert out.strip() == "[]"
 
-
-def test_init_gives_the_local_cluster_a_private_network_where_this_machine_can(
-        home, capsys, monkeypatch):
-    from spotctl.providers.local import private
-    from spotctl.spec import load_spec
-
-    why = private.unavailable()
-    assert run(["init", str(home / "a")], capsys)[0] == 0
-    assert load_spec(home / "a" / "spotctl.toml").local.private_network is (why == "")
-    # where it cannot: left off, and the spec says why
-    monkeypatch.setattr(private, "unavailable", lambda: "unshare: Operation not permitted")
-    assert run(["init", str(home / "b")], capsys)[0] == 0
-    text = (home / "b" / "spotctl.toml").read_text()
-    assert load_spec(home / "b" / "spotctl.toml").local.private_network is False
-    assert "# private_network = true" in text
-    assert "(not on this machine: unshare: Operation not permitted)" in text

@@ -49,3 +49,28 @@ def test_a_holder_file_naming_a_reused_pid_is_no_holder(tmp_path: Path) -> None:
     assert private.holder(tmp_path) is not None
     f.write_text("{")
     assert private.holder(tmp_path) is None
+
+
+def test_unset_in_a_python_program_stays_on_loopback(tmp_path: Path) -> None:
+    spec = ClusterSpec.model_validate({"name": "c1", "provider": "local"})
+    assert spec.local.private_network is None  # unset: private where this machine allows
+    p = LocalProvider(ProviderContext("c1", spec, Store(tmp_path / "home").cluster_dir("c1")))
+    p.prepare()  # not the spotctl command: no network of its own, and no error
+    assert not (p.cdir.path / private.HOLDER_FILE).exists()
+
+
+def test_up_says_why_an_unset_cluster_stayed_on_loopback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(private, "JOIN", True)
+    (tmp_path / "private-net.log").write_text(
+        "spotctl private network: [Errno 1] unshare(user and network namespaces): "
+        "Operation not permitted\n")
+    note = private.missing_note(tmp_path, None)
+    assert note == (
+        "note: every user of this machine can reach this cluster's listeners ([Errno 1] "
+        "unshare(user and network namespaces): Operation not permitted); [local] "
+        "private_network = false says that is meant")
+    assert private.missing_note(tmp_path, False) == ""  # asked for: nothing to say
+    monkeypatch.setattr(private, "JOIN", False)
+    assert private.missing_note(tmp_path, None) == ""  # not the spotctl command

@@ -90,20 +90,6 @@ def _make() -> None:
     _loopback_up()
 
 
-def unavailable() -> str:
-    """Why this machine cannot give a local cluster a private network ("" when it can),
-    asked of a short-lived process that makes one (`spotctl init`)."""
-    try:
-        r = subprocess.run([sys.executable, "-m", "spotctl.providers.local.private", "probe"],
-                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return str(e)
-    if r.returncode == 0:
-        return ""
-    lines = (r.stdout + r.stderr).strip().splitlines()
-    return lines[-1] if lines else f"exit {r.returncode}"
-
-
 def hold(path: Path) -> None:
     """The holder: a network namespace (and, without root, a user namespace owning it)
     with loopback up; writes `path` (its pid and namespace), then waits for SIGTERM."""
@@ -243,6 +229,20 @@ def _join(libc: ctypes.CDLL, path: str, kind: int, what: str) -> None:
         os.close(fd)
 
 
+def missing_note(cluster_dir: Path, want: bool | None) -> str:
+    """`up`'s line for a local cluster left on this machine's loopback although its spec
+    did not ask for that (private_network unset): why, and what it means. "" otherwise."""
+    if want is not None or not JOIN or holder(cluster_dir) is not None:
+        return ""
+    try:
+        why = (cluster_dir / "private-net.log").read_text(errors="replace").strip()
+        why = why.splitlines()[-1].removeprefix("spotctl private network: ")
+    except (OSError, IndexError):
+        why = "it was started on this machine's loopback; `down` and `up` make it private"
+    return (f"note: every user of this machine can reach this cluster's listeners ({why}); "
+            "[local] private_network = false says that is meant")
+
+
 def join(cluster_dir: Path) -> None:
     """Join the cluster's private network, if it has one (and this process may)."""
     if JOIN:
@@ -267,9 +267,6 @@ if __name__ == "__main__":
     try:
         if len(sys.argv) == 3 and sys.argv[1] == "hold":
             hold(Path(sys.argv[2]))
-        elif sys.argv[1:] == ["probe"]:
-            _make()
-            sys.exit(0)
     except OSError as e:
         print(f"spotctl private network: {e}", flush=True)
         sys.exit(1)

@@ -307,15 +307,7 @@ class LocalProvider:
         self.cdir.token(create=True)
         if self.net is not None:
             self.net.ensure_bridge()
-        # (an ssh cluster's head runs here too: its hosts reach it through this loopback)
-        if (self.spec.provider == "local" and self.spec.local.private_network
-                and private.holder(self.cdir.path) is None):
-            if self._head_ok():
-                raise SpotctlError(
-                    f"cluster {self.ctx.cluster} runs on this machine's loopback: "
-                    "`spotctl down` it before turning [local] private_network on")
-            private.enter(private.start(self.cdir.path,
-                                        {proctree.TAG_VAR: self.tag("private-net")}))
+        self._private_network()
         created = self._created_at()
         cap_file = self.cdir.path / "capacity.json"
         if self.spec.local.capacity:
@@ -332,6 +324,32 @@ class LocalProvider:
                     {"override": old["override"]} if old.get("override") is not None else {}))
         else:
             cap_file.unlink(missing_ok=True)
+
+    def _private_network(self) -> None:
+        """Start the cluster's private network and move this command into it
+        ([local] private_network: true, or unset where this machine allows it), before
+        the head or any node is started. Unset and not to be had: the cluster stays on
+        this machine's loopback, and private-net.log says why (`up` prints it)."""
+        want = self.spec.local.private_network
+        # (an ssh cluster's head runs here too: its hosts reach it through this loopback)
+        if (self.spec.provider != "local" or want is False or self.spec.local.netns
+                or private.holder(self.cdir.path) is not None):
+            return
+        if self._head_ok():  # it runs on this machine's loopback already
+            if want:
+                raise SpotctlError(
+                    f"cluster {self.ctx.cluster} runs on this machine's loopback: "
+                    "`spotctl down` it before turning [local] private_network on")
+            return
+        if not private.JOIN and not want:
+            return  # called from a Python program, which no private network takes in
+        try:
+            h = private.start(self.cdir.path, {proctree.TAG_VAR: self.tag("private-net")})
+        except SpotctlError:
+            if want:
+                raise
+            return
+        private.enter(h)
 
     def ensure_head(self) -> HeadInfo:
         if self._head_ok():
