@@ -43,7 +43,7 @@ def test_cpu_capable_checks_pass_through_the_worker_path(check: str, tmp_path: P
                        capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(Path(f"{out}.r0").read_text())
-    assert res["ok"], res
+    assert res["ok"], (res, p.stderr[-3000:])  # what the worker logged: why it failed
 
 
 @pytest.mark.slow  # two replica groups in fresh processes, a join, a leave
