@@ -471,10 +471,9 @@ class LocalCluster(CliProject):
         env.update(train_env or {})
         env_toml = ", ".join(f'{k} = "{v}"' for k, v in env.items())
         engine_toml = f'engine = "{engine}"\n' if engine else ""
-        from scripts.chaos_lib.cluster import head_loop_toml, loopback_toml
+        from scripts.chaos_lib.cluster import harness_toml
 
-        # (this harness reads the head from this process: on loopback unless asked)
-        extra = loopback_toml(head_loop_toml(extra))
+        extra = harness_toml(extra)
         (self.project / "spotctl.toml").write_text(
             f'name = "{self.name}"\nprovider = "local"\ngpus = "{gpus}"\n\n'
             f'[train]\n{engine_toml}script = "train.py"\ncheckpoint_every = {checkpoint_every}\n'

@@ -26,27 +26,25 @@ class Timeout(AssertionError):
     pass
 
 
-def head_loop_toml(extra: str) -> str:
-    """`extra` (spec TOML after [train]) with `[rebalance] on_head = false`: only what a
-    scenario does (its own `rebalance`, `up`) replaces nodes, never the head's loop racing
-    what it checks."""
-    line = "on_head = false\n"
-    if "[rebalance]\n" in extra:
-        return extra.replace("[rebalance]\n", "[rebalance]\n" + line, 1)
-    return extra + "\n[rebalance]\n" + line
+def _in_section(extra: str, section: str, line: str) -> str:
+    """`extra` with `line` first in its `[section]`, which is added when it has none."""
+    head = f"[{section}]\n"
+    if head in extra:
+        return extra.replace(head, head + line, 1)
+    return extra + "\n" + head + line
 
 
-def loopback_toml(extra: str) -> str:
-    """`extra` with `[local] private_network = false` (unless it says otherwise): a harness
-    that reads a cluster's head and listeners from its own process needs them on this
-    machine's loopback, which a private network would take them off
-    (spotctl.providers.local.private; its own tests ask for one)."""
+def harness_toml(extra: str) -> str:
+    """`extra` (spec TOML after [train]) as a harness runs it:
+    - `[rebalance] on_head = false`: only what a scenario does (its own `rebalance`,
+      `up`) replaces nodes, never the head's loop racing what it checks;
+    - `[local] private_network = false` (unless it says otherwise): the harness reads the
+      cluster's head and listeners from its own process, which needs them on this
+      machine's loopback (spotctl.providers.local.private; its own tests ask for one)."""
+    extra = _in_section(extra, "rebalance", "on_head = false\n")
     if "private_network" in extra or "netns" in extra:
         return extra
-    line = "private_network = false\n"
-    if "[local]\n" in extra:
-        return extra.replace("[local]\n", "[local]\n" + line, 1)
-    return extra + "\n[local]\n" + line
+    return _in_section(extra, "local", "private_network = false\n")
 
 
 class Cluster:
@@ -90,7 +88,7 @@ class Cluster:
             f'name = "{name}"\nprovider = "local"\ngpus = "{gpus}"\n\n'
             f'[train]\nengine = "{engine}"\nscript = "{script_name}"\n'
             f"checkpoint_every = {checkpoint_every}\n"
-            f"env = {{ {env_toml} }}\n{loopback_toml(head_loop_toml(extra_toml))}\n"
+            f"env = {{ {env_toml} }}\n{harness_toml(extra_toml)}\n"
         )
 
     # -- the CLI

@@ -102,13 +102,12 @@ def register(app: typer.Typer) -> None:
             )
             for e in res.errors:
                 console().print(f"warning: {e}")
-            if spec.provider == "local" and not spec.local.netns:
-                from spotctl.providers.local import private
+            from spotctl.providers.local import private
 
-                note = private.missing_note(store.cluster_dir(spec.name).path,
-                                            spec.local.private_network)
-                if note:
-                    console().print(note, highlight=False, markup=False, soft_wrap=True)
+            note = private.missing_note(store.cluster_dir(spec.name).path,
+                                        private.setting(spec))
+            if note:
+                console().print(note, highlight=False, markup=False, soft_wrap=True)
             if spec.provider == "local" or spec.head_rebalances:
                 from spotctl.head.client import HeadUnavailable
 

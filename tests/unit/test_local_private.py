@@ -66,11 +66,23 @@ def test_up_says_why_an_unset_cluster_stayed_on_loopback(
     (tmp_path / "private-net.log").write_text(
         "spotctl private network: [Errno 1] unshare(user and network namespaces): "
         "Operation not permitted\n")
-    note = private.missing_note(tmp_path, None)
+    note = private.missing_note(tmp_path, "auto")
     assert note == (
         "note: every user of this machine can reach this cluster's listeners ([Errno 1] "
         "unshare(user and network namespaces): Operation not permitted); [local] "
         "private_network = false says that is meant")
-    assert private.missing_note(tmp_path, False) == ""  # asked for: nothing to say
+    assert private.missing_note(tmp_path, "off") == ""  # asked for: nothing to say
     monkeypatch.setattr(private, "JOIN", False)
-    assert private.missing_note(tmp_path, None) == ""  # not the spotctl command
+    assert private.missing_note(tmp_path, "auto") == ""  # not the spotctl command
+
+
+@pytest.mark.parametrize("raw,mode", [
+    ({}, "auto"),
+    ({"local": {"private_network": True}}, "on"),
+    ({"local": {"private_network": False}}, "off"),
+    ({"local": {"netns": True}}, "off"),  # nodes on a bridge of their own
+    ({"provider": "ssh", "ssh": {"hosts": [{"address": "127.0.0.1"}]},
+      "local": {"private_network": True}}, "off"),  # the head its hosts reach here
+])
+def test_what_a_spec_asks_of_the_private_network(raw: dict[str, object], mode: str) -> None:
+    assert private.setting(ClusterSpec.model_validate({"name": "c1", **raw})) == mode

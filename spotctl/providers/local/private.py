@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from spotctl.errors import SpotctlError
 
@@ -67,6 +67,17 @@ def _loopback_up() -> None:
         req = struct.pack("16sH22x", b"lo", 0)
         flags = struct.unpack("16sH22x", fcntl.ioctl(s, siocgifflags, req))[1]
         fcntl.ioctl(s, siocsifflags, struct.pack("16sH22x", b"lo", flags | iff_up))
+
+
+def setting(spec: Any) -> str:
+    """What a cluster's spec asks: "on" ([local] private_network = true), "auto" (unset:
+    where this machine allows it) or "off" (false; netns nodes, on a bridge of their own;
+    any provider but local, e.g. an ssh cluster's head, which its hosts reach through this
+    machine's loopback)."""
+    want = spec.local.private_network
+    if spec.provider != "local" or spec.local.netns or want is False:
+        return "off"
+    return "on" if want else "auto"
 
 
 def _ns_id(pid: int | str, kind: str) -> str:
@@ -112,20 +123,30 @@ def _start_time(pid: int) -> str:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
-def holder(cluster_dir: Path) -> dict[str, object] | None:
-    """The cluster's live holder (pid, namespaces), or None. Should the holder itself have
-    died, the namespace lives on in the cluster's processes: then one of those stands in
-    for it (joined the same way), so that the cluster can still be reached and taken down."""
+def _recorded(cluster_dir: Path) -> tuple[dict[str, object], bool] | None:
+    """The holder file (pid, namespaces, start time) and whether that holder still runs,
+    or None without a readable one."""
     try:
         h = json.loads((cluster_dir / HOLDER_FILE).read_text())
         pid = int(h["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     try:
-        if _start_time(pid) == h["started"] and _ns_id(pid, "net") == h["net"]:
-            return dict(h)
-    except (OSError, IndexError, KeyError):
-        pass
+        return h, _start_time(pid) == h.get("started") and _ns_id(pid, "net") == h.get("net")
+    except (OSError, IndexError):
+        return h, False
+
+
+def holder(cluster_dir: Path) -> dict[str, object] | None:
+    """The cluster's live holder (pid, namespaces), or None. Should the holder itself have
+    died, the namespace lives on in the cluster's processes: then one of those stands in
+    for it (joined the same way), so that the cluster can still be reached and taken down."""
+    rec = _recorded(cluster_dir)
+    if rec is None:
+        return None
+    h, alive = rec
+    if alive:
+        return h
     from spotctl.agent import proctree
 
     for other in proctree.tagged_prefix(f"{cluster_dir}/"):
@@ -229,10 +250,10 @@ def _join(libc: ctypes.CDLL, path: str, kind: int, what: str) -> None:
         os.close(fd)
 
 
-def missing_note(cluster_dir: Path, want: bool | None) -> str:
+def missing_note(cluster_dir: Path, mode: str) -> str:
     """`up`'s line for a local cluster left on this machine's loopback although its spec
-    did not ask for that (private_network unset): why, and what it means. "" otherwise."""
-    if want is not None or not JOIN or holder(cluster_dir) is not None:
+    did not ask for that (`setting` "auto"): why, and what it means. "" otherwise."""
+    if mode != "auto" or not JOIN or holder(cluster_dir) is not None:
         return ""
     try:
         why = (cluster_dir / "private-net.log").read_text(errors="replace").strip()
@@ -253,13 +274,12 @@ def join(cluster_dir: Path) -> None:
 
 def stop(cluster_dir: Path) -> None:
     """Stop the holder (never a process standing in for it), forget it."""
-    try:
-        h = json.loads((cluster_dir / HOLDER_FILE).read_text())
-        pid = int(h["pid"])
-        if _start_time(pid) == h["started"]:
-            os.kill(pid, signal.SIGTERM)
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
-        pass
+    rec = _recorded(cluster_dir)
+    if rec is not None and rec[1]:
+        try:
+            os.kill(int(str(rec[0]["pid"])), signal.SIGTERM)
+        except ProcessLookupError:
+            pass
     (cluster_dir / HOLDER_FILE).unlink(missing_ok=True)
 
 

@@ -330,11 +330,10 @@ class LocalProvider:
         ([local] private_network: true, or unset where this machine allows it), before
         the head or any node is started. Unset and not to be had: the cluster stays on
         this machine's loopback, and private-net.log says why (`up` prints it)."""
-        want = self.spec.local.private_network
-        # (an ssh cluster's head runs here too: its hosts reach it through this loopback)
-        if (self.spec.provider != "local" or want is False or self.spec.local.netns
-                or private.holder(self.cdir.path) is not None):
+        mode = private.setting(self.spec)
+        if mode == "off" or private.holder(self.cdir.path) is not None:
             return
+        want = mode == "on"
         if self._head_ok():  # it runs on this machine's loopback already
             if want:
                 raise SpotctlError(
