@@ -295,8 +295,14 @@ def test_a_notice_on_the_second_host_takes_the_spanning_group_out(
                          lambda: json.dumps(proj.events()[-10:]))
         [notice] = [e for e in evs if e["type"] == "notice"]
         assert (notice["node"], notice["source"]) == (second, "file"), notice
-        # the partner waits for a replacement (its agent's own log), not finished
-        log = (proj.remote / "ftn" / first / "agent.log").read_text()
+        # the partner waits for a replacement (its agent's own log), not finished: the
+        # agent says so once its torchrun has exited, which may come after the journal's
+        # leave
+        agent_log = proj.remote / "ftn" / first / "agent.log"
+        wait_until(lambda: "left the quorum" in agent_log.read_text(), 60,
+                   "the first host's agent to see its group leave", 0.5,
+                   lambda: agent_log.read_text()[-2000:])
+        log = agent_log.read_text()
         assert "left the quorum" in log and "training finished" not in log, log[-2000:]
 
 
