@@ -198,6 +198,10 @@ if sys.prefix != sys.base_prefix: print("\n".join(site.getsitepackages()))')
 # Prints the first path the running user could write (or replace, through a writable
 # directory above it) among what this interpreter loads: its executable, prefix and
 # pyvenv.cfg, libpython, and everything under each sys.path entry; nothing when none.
+# Run with -I -S, so that nothing from the site directories has run yet: site's setup is
+# then done here with each .pth file, its directory and the paths it names checked before
+# the file is processed (its import lines run code, and a .pth the user planted could
+# otherwise print that all is well).
 # shellcheck disable=SC2016
 WRITABLE_CHECK='import glob, os, shutil, stat, subprocess, sys
 me = os.getuid()
@@ -213,7 +217,12 @@ def chain(p):  # p, or a directory above it where p (or what leads to it) can be
                 return d
         child, d = d, os.path.dirname(d)
     return None
-def under(top):  # anything writable below a directory
+walked = []
+def under(top):  # anything writable below a directory (each tree walked once)
+    top = os.path.realpath(top)
+    if not os.path.isdir(top) or any(top == w or top.startswith(w + os.sep) for w in walked):
+        return None
+    walked.append(top)
     if shutil.which("find"):
         r = subprocess.run(["find", top, "-writable", "-print", "-quit"],
                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -223,17 +232,44 @@ def under(top):  # anything writable below a directory
             if os.access(os.path.join(root, n), os.W_OK):
                 return os.path.join(root, n)
     return None
-paths = [sys.executable, sys.prefix, os.path.join(sys.prefix, "pyvenv.cfg"),
-         *glob.glob(os.path.join(sys.base_prefix, "lib", "libpython*"))]
-tops = [e for e in sys.path if os.path.isabs(e)]
-bad = None
-for p in paths + tops:
-    bad = bad or chain(p) or chain(os.path.realpath(p))
-walk = sorted({os.path.realpath(e) for e in tops if os.path.isdir(e)})
-for t in walk:  # once each: a site-packages inside the standard library is walked with it
-    if not any(t.startswith(o + os.sep) for o in walk):
-        bad = bad or under(t)
-print(bad or "")'
+def check(*paths):  # reports the first writable one and stops before anything else runs
+    for p in paths:
+        bad = chain(p) or chain(os.path.realpath(p)) or under(p)
+        if bad:
+            print(bad, flush=True)
+            os._exit(0)
+def check_all():
+    cfgs = [os.path.join(d, "pyvenv.cfg") for d in
+            (sys.prefix, os.path.dirname(os.path.dirname(os.path.abspath(sys.executable))))]
+    check(sys.executable, sys.prefix, *cfgs,
+          *glob.glob(os.path.join(sys.base_prefix, "lib", "libpython*")),
+          *[e for e in sys.path if os.path.isabs(e)])
+check_all()
+import site
+def wrap(run, pth=False):
+    def checked(*a):
+        if pth:
+            sitedir, name = a[0], a[1]
+            f = os.path.join(sitedir, name)
+            check(f, sitedir)
+            try:
+                with open(f, "rb") as fh:
+                    lines = fh.read().decode("utf-8", "replace").splitlines()
+            except OSError:
+                lines = []
+            check(*[os.path.join(sitedir, ln.strip()) for ln in lines if ln.strip()
+                    and not ln.startswith(("#", "import ", "import\t"))])
+        check_all()
+        return run(*a)
+    return checked
+site.addpackage = wrap(site.addpackage, pth=True)
+site.execsitecustomize = wrap(site.execsitecustomize)
+site.execusercustomize = wrap(site.execusercustomize)
+site.main()
+check_all()
+import importlib.util
+spec = importlib.util.find_spec("spotctl")
+check(*((spec and spec.submodule_search_locations) or []))'
 
 search_down_to() {  # o+x on $1 and every directory above it
     d=$1
@@ -275,7 +311,7 @@ sys.exit(0 if all(u.find_spec(m) for m in ("spotctl", "torch")) else 1)') \
     fi
     # The agent runs as root from $PY: if the workers' user could change anything that
     # interpreter loads, a training script could run code as root. Asked as that user.
-    w=$(cd / && $SUDO runuser -u "$TRAIN_USER" -- "$PY" -I -c "$WRITABLE_CHECK" \
+    w=$(cd / && $SUDO runuser -u "$TRAIN_USER" -- "$PY" -I -S -c "$WRITABLE_CHECK" \
         2>>"$DIR/bootstrap.log" </dev/null) || w="(the check failed: see $DIR/bootstrap.log)"
     if [ -n "$w" ]; then
         echo "spotctl: workers run as $(id -un): $TRAIN_USER can write $w, which the root agent's python loads"

@@ -97,6 +97,10 @@ def test_anything_the_worker_user_can_write_in_the_interpreter_keeps_it_off_root
     node = render_node(base, WORKER_USER, python=str(py))
     worker, out = bootstrap_worker(node)
     assert worker == "none", out
+    _says_so(out, writable)
+
+
+def _says_so(out: str, writable: Path) -> None:
     line = (f"spotctl: workers run as root: {WORKER_USER} can write {writable}, which the "
             "root agent's python loads")
     assert line in out.splitlines(), out
@@ -104,3 +108,30 @@ def test_anything_the_worker_user_can_write_in_the_interpreter_keeps_it_off_root
     note = worker_fallback_note(out)
     assert note.startswith("training workers run as root, not [train] run_as") and \
         str(writable) in note, note
+
+
+def test_a_planted_pth_cannot_tell_the_check_that_all_is_well(env: Path, base: Path) -> None:
+    """The check itself runs that interpreter as the workers' user. A .pth that user planted
+    in a writable site directory (here one that another .pth adds, as images do) would run
+    in it and could silence it; the check processes no .pth before it has found its file,
+    directory and paths unwritable, so it reports the file and never runs it."""
+    py = env / "env" / "bin" / "python"
+    writable = env / "extra"
+    os.chmod(writable, 0o777)
+    ran = writable / "ran"
+    payload = (f"import os, sys; open({str(ran)!r}, 'a').write('%d ' % os.getuid()); "
+               "sys.stdout = open(os.devnull, 'w')\n")
+    evil = writable / "zz_quiet.pth"
+    r = as_user(WORKER_USER, str(py), "-c", f"open({str(evil)!r}, 'w').write({payload!r})")
+    assert r.returncode == 0, r.stderr
+    # it does silence a python start: what an earlier check, run with site's setup, printed
+    quiet = as_user(WORKER_USER, str(py), "-c", "print('all is well')")
+    assert quiet.returncode == 0 and quiet.stdout == "", quiet
+    ran.unlink()
+    node = render_node(base, WORKER_USER, python=str(py))
+    worker, out = bootstrap_worker(node)
+    assert worker == "none", out
+    _says_so(out, evil)  # the first writable thing it met: the planted file itself
+    # the bootstrap's other start as that user (can it import spotctl and torch?) runs
+    # site's setup and so the file, as that user only; root never ran it
+    assert "0" not in ran.read_text().split(), ran.read_text()
