@@ -14,6 +14,7 @@ leave it.
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import subprocess
@@ -34,14 +35,26 @@ pytestmark = pytest.mark.skipif(
 WORKER_USER = "nobody"
 
 
+def _older_python() -> str:
+    """pyenv's 3.10: a venv's prefix is then set by site itself (3.11 sets it at start)."""
+    root = os.environ.get("PYENV_ROOT", "/root/.pyenv")
+    found = sorted(glob.glob(os.path.join(root, "versions", "3.10.*", "bin", "python3")))
+    if not found:
+        pytest.skip("no Python 3.10 under pyenv on this machine")
+    return found[-1]
+
+
 @pytest.fixture
-def env(interpreter_reachable: None) -> Iterator[Path]:
+def env(request: pytest.FixtureRequest, interpreter_reachable: None) -> Iterator[Path]:
     """envdir/env: a venv (no pip) whose site-packages holds `_project.pth`, which adds the
-    project's environment and envdir/extra as site directories."""
+    project's environment and envdir/extra as site directories. Made from this python, or
+    from Python 3.10 where a test asks for "3.10"."""
+    base_py = (_older_python() if getattr(request, "param", None) == "3.10"
+               else getattr(sys, "_base_executable", sys.executable))
     top = Path(tempfile.mkdtemp(prefix="spotctl-py-"))
     os.chmod(top, 0o755)
     try:
-        subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv",
+        subprocess.run([base_py, "-m", "venv",
                         "--without-pip", str(top / "env")], check=True, timeout=120)
         (top / "extra").mkdir(mode=0o755)
         site = Path(subprocess.run(
@@ -61,6 +74,7 @@ def _site(top: Path) -> Path:
     return next((top / "env" / "lib").glob("python3.*")) / "site-packages"
 
 
+@pytest.mark.parametrize("env", ["this python", "3.10"], indirect=True)
 def test_an_interpreter_the_worker_user_cannot_change_runs_its_workers_as_that_user(
     env: Path, base: Path
 ) -> None:
@@ -110,6 +124,7 @@ def _says_so(out: str, writable: Path) -> None:
         str(writable) in note, note
 
 
+@pytest.mark.parametrize("env", ["this python", "3.10"], indirect=True)
 def test_a_planted_pth_cannot_tell_the_check_that_all_is_well(env: Path, base: Path) -> None:
     """The check itself runs that interpreter as the workers' user. A .pth that user planted
     in a writable site directory (here one that another .pth adds, as images do) would run
