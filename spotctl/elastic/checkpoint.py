@@ -13,6 +13,7 @@ rewritten nor deleted except by keep-last-K pruning, which runs off the training
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -21,6 +22,7 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -437,6 +439,59 @@ def optimizer_storages(optimizers: list[torch.optim.Optimizer]) -> set[int]:
     return keys
 
 
+_DAEMON_STORE: Any = None  # the checkpoint processes' store (rank 0), kept for the process
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+@contextlib.contextmanager
+def _daemon_store(pg: Any) -> Iterator[None]:
+    """Process mode: the checkpoint processes (one per rank, started by DCP at the first
+    save) meet over a store of spotctl's, listening on MASTER_ADDR only, on a port the
+    kernel gave it when it bound it. DCP's own way picks a free port, and the coordinator's
+    checkpoint process binds it seconds later on every interface: an unauthenticated
+    store open beyond the cluster's address, and a port that an outgoing connection on a
+    busy machine can take in between (the save then fails with EADDRINUSE). Collective
+    over `pg`; where the store cannot be had (no MASTER_ADDR, a torch without the prefix
+    store, rank 0 not on MASTER_ADDR's host) DCP's own way is left as it is."""
+    global _DAEMON_STORE
+    from torch.distributed.checkpoint import _async_process_executor as ape
+
+    addr = os.environ.get("MASTER_ADDR", "")
+    info = getattr(ape, "_ProcessGroupInitInfo", None)
+    if (getattr(ape, "_CHECKPOINT_PROCESS", None) is not None or not addr
+            or "use_prefix_store" not in getattr(info, "__annotations__", {})):
+        yield
+        return
+    port = torch.tensor([-1], dtype=torch.int64)
+    if dist.get_rank(pg) == 0:
+        from spotctl.sockets import listening_store
+
+        try:
+            _DAEMON_STORE = listening_store(addr, 0, wait_for_workers=False)
+            port[0] = _DAEMON_STORE.port
+        except (OSError, RuntimeError, ValueError) as e:
+            log.warning("checkpoint processes' store on %s: %s; DCP picks its port", addr, e)
+    dist.broadcast(port, src=0 if pg is None else dist.get_global_rank(pg, 0), group=pg)
+    if int(port[0]) < 0:
+        yield
+        return
+    keys = ("DCP_USE_PREFIX_STORE", "MASTER_PORT")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(DCP_USE_PREFIX_STORE="1", MASTER_PORT=str(int(port[0])))
+    try:  # DCP reads both while it starts the save, on this thread
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class Checkpointer:
     """mode: "thread" (DCP's async save in a thread of this process) or "process" (a
     persistent checkpoint process per rank), both fed through a persistent OverlapStager.
@@ -520,9 +575,10 @@ class Checkpointer:
         self.stager.protected = optimizer_storages(self._optimizers) if self._optimizers else set()
         kind = (AsyncCheckpointerType.PROCESS if self.mode == "process"
                 else AsyncCheckpointerType.THREAD)
-        return dcp.async_save(state, storage_writer=self.store.writer(step),
-                              process_group=self.pg, async_checkpointer_type=kind,
-                              async_stager=self.stager)
+        with _daemon_store(self.pg) if self.mode == "process" else _nothing():
+            return dcp.async_save(state, storage_writer=self.store.writer(step),
+                                  process_group=self.pg, async_checkpointer_type=kind,
+                                  async_stager=self.stager)
 
     @staticmethod
     def _upload(fut: Any) -> Future[Any]:

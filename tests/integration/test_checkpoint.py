@@ -519,3 +519,71 @@ def test_async_save_overlaps_training_without_a_torn_snapshot(tmp_path):
     spawn(_overlap_worker, 2, str(tmp_path / "ck"), str(out))
     assert out.read_text().splitlines() == [
         "thread: changed=True torn=[] waited=True", "process: changed=True torn=[] waited=True"]
+
+
+def _listeners(pids: list[int]) -> list[str]:
+    """host:port of every listening TCP socket the processes hold (from /proc)."""
+    inodes = set()
+    for pid in pids:
+        fd_dir = Path(f"/proc/{pid}/fd")
+        for fd in fd_dir.iterdir() if fd_dir.exists() else ():
+            try:
+                link = os.readlink(fd)
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # LISTEN
+                host, port = f[1].split(":")
+                found.append(f"{'*' if set(host) == {'0'} else host}:{int(port, 16)}")
+    return found
+
+
+def _daemon_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
+    """Process mode's first save while the port DCP would pick is taken (held here), as an
+    outgoing connection on a busy machine can take it: the save must still commit, and no
+    process of this rank (the worker, its checkpoint process) may listen on every
+    interface."""
+    import socket
+
+    from torch.distributed.checkpoint import _async_process_executor as ape
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    init_worker(rank, world, port)
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    ape.get_free_port = lambda: held.getsockname()[1]  # what DCP's own pick would be
+    pg = dist.new_group(backend="gloo")
+    ck = Checkpointer(root, keep_last=2, rank=rank, pg=pg, mode="process")
+    state = {"m": {"w": torch.full((64,), float(rank))}}
+    ck.save_async(5, state, {"epoch": 0, "offset": 0})
+    ck.wait_pending()
+    kids = [int(p) for t in Path(f"/proc/{os.getpid()}/task").iterdir()  # any thread's
+            for p in (t / "children").read_text().split()]
+    wild = [a for a in _listeners([os.getpid(), *kids]) if a.startswith("*:")]
+    Path(f"{out}.{rank}").write_text(json.dumps(
+        {"committed": ck.last_committed, "failures": ck.save_failures, "daemons": len(kids),
+         "wildcard": wild}))
+    ck.close()
+    held.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_checkpoint_processes_meet_on_the_cluster_address_over_a_store_bound_first(tmp_path):
+    """Process mode (the default on CUDA): DCP's own way found a free port and bound it on
+    every interface seconds later in the checkpoint process; here that port is taken in
+    between, and nothing listens on every interface."""
+    out = tmp_path / "r"
+    spawn(_daemon_worker, 2, str(tmp_path / "ck"), str(out))
+    for rank in (0, 1):
+        got = json.loads(Path(f"{out}.{rank}").read_text())
+        assert got["daemons"] >= 1, got  # the checkpoint process this rank started
+        assert got == {**got, "failures": 0, "wildcard": []}, got
+    assert json.loads(Path(f"{out}.0").read_text())["committed"] == 5
