@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from spotctl.agent import proctree
-from spotctl.elastic.checkpoint import COMMIT, committed_steps
+from spotctl.elastic.checkpoint import COMMIT, committed_steps, open_store
 
 from .replays import Window
 
@@ -278,6 +278,10 @@ class Cluster:
     # -- checkpoints
     def committed(self) -> list[int]:
         return committed_steps(self.ckpt_dir)
+
+    def uncommitted(self) -> list[int]:
+        """Steps whose save has begun (its directory exists) and has no COMMIT yet."""
+        return sorted(s for s, done in open_store(self.ckpt_dir).steps().items() if not done)
 
     def committed_before(self, t: float) -> int:
         """Newest step committed before wall time t (COMMIT's mtime)."""

@@ -61,6 +61,9 @@ def _cycle(
     fault()
     # read now too: keep_last prunes pre-fault checkpoints within seconds of resuming
     before = max(pre, (intact_before or c.committed_before)(t0))
+    # a save begun and not committed when the fault struck (a periodic one still
+    # uploading, or a drain the fault broke): the steps since `before` are trained again
+    in_flight = [s for s in c.uncommitted() if s > before]
     evs = _new_rescales(c, n0, world)
     resume = min(int(e["resume_step"]) for e in evs)
     c.training(world, past=max(int(e["resume_step"]) for e in evs) + 1)
@@ -69,6 +72,7 @@ def _cycle(
     replays.fill(res, window, sum(int(e.get("lost_steps") or 0) for e in evs))
     res.detail.update(
         committed_before=before,
+        uncommitted_at_fault=in_flight,
         resume_step=resume,
         rescales=[
             {
