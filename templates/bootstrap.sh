@@ -232,18 +232,18 @@ def under(top):  # anything writable below a directory (each tree walked once)
             if os.access(os.path.join(root, n), os.W_OK):
                 return os.path.join(root, n)
     return None
-def check(*paths):  # reports the first writable one and stops before anything else runs
+def check(*paths, walk=True):  # reports the first writable one and stops before anything else runs
     for p in paths:
-        bad = chain(p) or chain(os.path.realpath(p)) or under(p)
+        bad = chain(p) or chain(os.path.realpath(p)) or (walk and under(p))
         if bad:
             print(bad, flush=True)
             os._exit(0)
-def check_all():
+def check_all():  # the prefixes themselves, not all below them: only sys.path is loaded
     cfgs = [os.path.join(d, "pyvenv.cfg") for d in
             (sys.prefix, os.path.dirname(os.path.dirname(os.path.abspath(sys.executable))))]
     check(sys.executable, sys.prefix, *cfgs,
-          *glob.glob(os.path.join(sys.base_prefix, "lib", "libpython*")),
-          *[e for e in sys.path if os.path.isabs(e)])
+          *glob.glob(os.path.join(sys.base_prefix, "lib", "libpython*")), walk=False)
+    check(*[e for e in sys.path if os.path.isabs(e)])
 check_all()
 import site
 def wrap(run, pth=False):

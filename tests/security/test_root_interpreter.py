@@ -78,6 +78,10 @@ def _site(top: Path) -> Path:
 def test_an_interpreter_the_worker_user_cannot_change_runs_its_workers_as_that_user(
     env: Path, base: Path
 ) -> None:
+    # what the prefix holds beyond sys.path is not loaded, and not walked: a Debian
+    # python's /usr has links to /dev/null (masked systemd units), which any user can write
+    (env / "env" / "share").mkdir()
+    (env / "env" / "share" / "masked.service").symlink_to("/dev/null")
     node = render_node(base, WORKER_USER, python=str(env / "env" / "bin" / "python"))
     worker, out = bootstrap_worker(node)
     assert worker == WORKER_USER, out
