@@ -443,11 +443,6 @@ _DAEMON_STORE: Any = None  # the checkpoint processes' store (rank 0), kept for 
 
 
 @contextlib.contextmanager
-def _nothing() -> Iterator[None]:
-    yield
-
-
-@contextlib.contextmanager
 def _daemon_store(pg: Any) -> Iterator[None]:
     """Process mode: the checkpoint processes (one per rank, started by DCP at the first
     save) meet over a store of spotctl's, listening on MASTER_ADDR only, on a port the
@@ -575,7 +570,7 @@ class Checkpointer:
         self.stager.protected = optimizer_storages(self._optimizers) if self._optimizers else set()
         kind = (AsyncCheckpointerType.PROCESS if self.mode == "process"
                 else AsyncCheckpointerType.THREAD)
-        with _daemon_store(self.pg) if self.mode == "process" else _nothing():
+        with _daemon_store(self.pg) if self.mode == "process" else contextlib.nullcontext():
             return dcp.async_save(state, storage_writer=self.store.writer(step),
                                   process_group=self.pg, async_checkpointer_type=kind,
                                   async_stager=self.stager)
