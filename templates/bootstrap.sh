@@ -52,6 +52,7 @@ WORKER=""
 CONFIG="$DIR/agent.json"
 PIDFILE="$DIR/agent.pid"
 LOG="$DIR/agent.log"
+STARTED_FOR="$DIR/agent.worker"  # the workers' user the running agent was started for
 
 SUDO=""
 if [ "$(id -u)" != 0 ]; then
@@ -195,81 +196,9 @@ if sys.prefix != sys.base_prefix: print("\n".join(site.getsitepackages()))')
     return 0
 }
 
-# Prints the first path the running user could write (or replace, through a writable
-# directory above it) among what this interpreter loads: its executable, prefix and
-# pyvenv.cfg, libpython, and everything under each sys.path entry; nothing when none.
-# Run with -I -S, so that nothing from the site directories has run yet: site's setup is
-# then done here with each .pth file, its directory and the paths it names checked before
-# the file is processed (its import lines run code, and a .pth the user planted could
-# otherwise print that all is well).
-# shellcheck disable=SC2016
-WRITABLE_CHECK='import glob, os, shutil, stat, subprocess, sys
-me = os.getuid()
-def chain(p):  # p, or a directory above it where p (or what leads to it) can be replaced
-    p = os.path.abspath(p)
-    if os.path.lexists(p) and os.access(p, os.W_OK):
-        return p
-    child, d = p, os.path.dirname(p)
-    while child != d:
-        if os.access(d, os.W_OK):
-            owner = os.lstat(child).st_uid if os.path.lexists(child) else me
-            if not (os.stat(d).st_mode & stat.S_ISVTX and owner != me):
-                return d
-        child, d = d, os.path.dirname(d)
-    return None
-walked = []
-def under(top):  # anything writable below a directory (each tree walked once)
-    top = os.path.realpath(top)
-    if not os.path.isdir(top) or any(top == w or top.startswith(w + os.sep) for w in walked):
-        return None
-    walked.append(top)
-    if shutil.which("find"):
-        r = subprocess.run(["find", top, "-writable", "-print", "-quit"],
-                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        return r.stdout.strip() or None
-    for root, dirs, files in os.walk(top):
-        for n in dirs + files:
-            if os.access(os.path.join(root, n), os.W_OK):
-                return os.path.join(root, n)
-    return None
-def check(*paths, walk=True):  # reports the first writable one and stops before anything else runs
-    for p in paths:
-        bad = chain(p) or chain(os.path.realpath(p)) or (walk and under(p))
-        if bad:
-            print(bad, flush=True)
-            os._exit(0)
-def check_all():  # the prefixes themselves, not all below them: only sys.path is loaded
-    cfgs = [os.path.join(d, "pyvenv.cfg") for d in
-            (sys.prefix, os.path.dirname(os.path.dirname(os.path.abspath(sys.executable))))]
-    check(sys.executable, sys.prefix, *cfgs,
-          *glob.glob(os.path.join(sys.base_prefix, "lib", "libpython*")), walk=False)
-    check(*[e for e in sys.path if os.path.isabs(e)])
-check_all()
-import site
-def wrap(run, pth=False):
-    def checked(*a):
-        if pth:
-            sitedir, name = a[0], a[1]
-            f = os.path.join(sitedir, name)
-            check(f, sitedir)
-            try:
-                with open(f, "rb") as fh:
-                    lines = fh.read().decode("utf-8", "replace").splitlines()
-            except OSError:
-                lines = []
-            check(*[os.path.join(sitedir, ln.strip()) for ln in lines if ln.strip()
-                    and not ln.startswith(("#", "import ", "import\t"))])
-        check_all()
-        return run(*a)
-    return checked
-site.addpackage = wrap(site.addpackage, pth=True)
-site.execsitecustomize = wrap(site.execsitecustomize)
-site.execusercustomize = wrap(site.execusercustomize)
-site.main()
-check_all()
-import importlib.util
-spec = importlib.util.find_spec("spotctl")
-check(*((spec and spec.submodule_search_locations) or []))'
+# Prints the first path the running user could write among what this interpreter loads
+# (spotctl.agent.runas.WRITABLE_CHECK, where it is explained; the agent asks again at start)
+WRITABLE_CHECK=@@WRITABLE_CHECK@@
 
 search_down_to() {  # o+x on $1 and every directory above it
     d=$1
@@ -389,7 +318,7 @@ stop_agent() {
         done
         kill -KILL -- "-$pid" 2>/dev/null || true
     fi
-    rm -f "$PIDFILE"
+    rm -f "$PIDFILE" "$STARTED_FOR"
     echo "spotctl: agent stopped"
 }
 
@@ -399,11 +328,17 @@ ensure)
     setup_worker
     if [ "${2:-}" = restart ] && running; then
         stop_agent >/dev/null
+    elif running && [ "$(cat "$STARTED_FOR" 2>/dev/null)" != "$WORKER" ]; then
+        # the workers' user changes (e.g. that user can now write what the root agent's
+        # python loads): a running agent would go on as it was started
+        stop_agent >/dev/null
+        echo "spotctl: agent restarted: its workers now run as ${WORKER:-$(id -un)}"
     fi
     if running; then
         echo "spotctl: agent already running"
         echo "spotctl-result installed=$installed agent=running"
     else
+        printf '%s' "$WORKER" >"$STARTED_FOR"
         start_agent
         echo "spotctl-result installed=$installed agent=started"
     fi

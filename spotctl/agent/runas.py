@@ -96,21 +96,114 @@ print("\\n".join(bad))
 """
 
 
+def _run_as(user: WorkerUser, argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL, cwd="/", env={
+                              "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                              "HOME": user.home}, **user.popen_kwargs())
+
+
 def unusable(user: WorkerUser, python: str, want: dict[str, int]) -> list[str]:
     """What `user` cannot use of what workers need: `python` (run it and find spotctl and
     torch with it) and the paths of `want` ({path: os.access mode}). Checked by running
     that interpreter as that user, the way torchrun will be started."""
     args = [x for p, m in want.items() for x in (p, str(m))]
     try:
-        r = subprocess.run([python, "-c", _CHECK, *args], capture_output=True,
-                           text=True, timeout=120, stdin=subprocess.DEVNULL, cwd="/",
-                           env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-                                "HOME": user.home}, **user.popen_kwargs())
+        r = _run_as(user, [python, "-c", _CHECK, *args], 120)
     except (OSError, subprocess.SubprocessError) as e:
         return [f"{python} ({e})"]
     if r.returncode != 0:
         return [f"{python} (exit {r.returncode}: {r.stderr.strip()[-200:]})"]
     return [ln for ln in r.stdout.splitlines() if ln]
+
+
+# Prints the first path the running user could write (or replace, through a writable
+# directory above it) among what this interpreter loads: its executable, prefix and
+# pyvenv.cfg, libpython, and everything under each sys.path entry; nothing when none.
+# Run with -I -S, so that nothing from the site directories has run yet: site's setup is
+# then done here with each .pth file, its directory and the paths it names checked before
+# the file is processed (its import lines run code, and a .pth the user planted could
+# otherwise print that all is well). The bootstrap runs it (as the workers' user) before
+# it starts the agent as root; the root agent runs it again at start (writable_by).
+WRITABLE_CHECK = r'''import glob, os, shutil, stat, subprocess, sys
+me = os.getuid()
+def chain(p):  # p, or a directory above it where p (or what leads to it) can be replaced
+    p = os.path.abspath(p)
+    if os.path.lexists(p) and os.access(p, os.W_OK):
+        return p
+    child, d = p, os.path.dirname(p)
+    while child != d:
+        if os.access(d, os.W_OK):
+            owner = os.lstat(child).st_uid if os.path.lexists(child) else me
+            if not (os.stat(d).st_mode & stat.S_ISVTX and owner != me):
+                return d
+        child, d = d, os.path.dirname(d)
+    return None
+walked = []
+def under(top):  # anything writable below a directory (each tree walked once)
+    top = os.path.realpath(top)
+    if not os.path.isdir(top) or any(top == w or top.startswith(w + os.sep) for w in walked):
+        return None
+    walked.append(top)
+    if shutil.which("find"):
+        r = subprocess.run(["find", top, "-writable", "-print", "-quit"],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return r.stdout.strip() or None
+    for root, dirs, files in os.walk(top):
+        for n in dirs + files:
+            if os.access(os.path.join(root, n), os.W_OK):
+                return os.path.join(root, n)
+    return None
+def check(*paths, walk=True):  # reports the first writable one and stops before anything else runs
+    for p in paths:
+        bad = chain(p) or chain(os.path.realpath(p)) or (walk and under(p))
+        if bad:
+            print(bad, flush=True)
+            os._exit(0)
+def check_all():  # the prefixes themselves, not all below them: only sys.path is loaded
+    cfgs = [os.path.join(d, "pyvenv.cfg") for d in
+            (sys.prefix, os.path.dirname(os.path.dirname(os.path.abspath(sys.executable))))]
+    check(sys.executable, sys.prefix, *cfgs,
+          *glob.glob(os.path.join(sys.base_prefix, "lib", "libpython*")), walk=False)
+    check(*[e for e in sys.path if os.path.isabs(e)])
+check_all()
+import site
+def wrap(run, pth=False):
+    def checked(*a):
+        if pth:
+            sitedir, name = a[0], a[1]
+            f = os.path.join(sitedir, name)
+            check(f, sitedir)
+            try:
+                with open(f, "rb") as fh:
+                    lines = fh.read().decode("utf-8", "replace").splitlines()
+            except OSError:
+                lines = []
+            check(*[os.path.join(sitedir, ln.strip()) for ln in lines if ln.strip()
+                    and not ln.startswith(("#", "import ", "import\t"))])
+        check_all()
+        return run(*a)
+    return checked
+site.addpackage = wrap(site.addpackage, pth=True)
+site.execsitecustomize = wrap(site.execsitecustomize)
+site.execusercustomize = wrap(site.execusercustomize)
+site.main()
+check_all()
+import importlib.util
+spec = importlib.util.find_spec("spotctl")
+check(*((spec and spec.submodule_search_locations) or []))'''
+
+
+def writable_by(user: WorkerUser, python: str) -> str:
+    """The first path `user` could write among what `python` loads ("" when none): what
+    would let a training script run code as root through this interpreter."""
+    try:
+        r = _run_as(user, [python, "-I", "-S", "-c", WRITABLE_CHECK], 300)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"(the check could not run {python}: {e})"
+    if r.returncode != 0:
+        return f"(the check failed: exit {r.returncode}: {r.stderr.strip()[-200:]})"
+    return r.stdout.strip()
 
 
 def read_status(path: Path, limit: int = MAX_STATUS_BYTES) -> bytes | None:

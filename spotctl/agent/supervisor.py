@@ -228,6 +228,16 @@ class Agent:
                       "that user access (search on the directories above) or clear run_as",
                       w.name, ", ".join(bad))
             return False
+        # this agent is root (resolve) and runs from sys.executable: if the workers' user
+        # could change what that loads, a training script could run code as root at the
+        # next start. The bootstrap asked before it started this agent; asked again here
+        # for an agent started otherwise, or an interpreter changed since.
+        path = runas.writable_by(w, sys.executable)
+        if path:
+            log.error("run_as=%s can write %s, which this root agent's python loads: "
+                      "training workers run as root instead; make it unwritable by that "
+                      "user or clear run_as", w.name, path)
+            return False
         log.info("training workers run as %s (uid %d)", w.name, w.uid)
         return True
 

@@ -31,6 +31,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Protocol
 
 from spotctl.agent.config import AgentConfig
+from spotctl.agent.runas import WRITABLE_CHECK
 from spotctl.errors import BootstrapError
 from spotctl.head.auth import node_token
 from spotctl.head.client import urlopen_direct
@@ -294,6 +295,7 @@ def render_bootstrap(
         "AGENT_ARGV": shlex.join(argv),
         # the training workers' user; the script decides whether this host allows it
         "TRAIN_USER": shlex.quote(config.run_as),
+        "WRITABLE_CHECK": shlex.quote(WRITABLE_CHECK),
     }
     script = _fill((tdir / SCRIPT).read_text(), values)
     unit_text = _fill(

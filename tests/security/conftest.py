@@ -47,7 +47,23 @@ def base() -> Iterator[Path]:
 
 
 @pytest.fixture
-def interpreter_reachable() -> Iterator[None]:
+def interpreter_modes() -> Iterator[None]:
+    """Held by every test that changes, or depends on, the modes of the directories above
+    this interpreter (interpreter_reachable, and the tests that need it unreachable): one
+    at a time across the parallel workers, or one's restored modes break another's run."""
+    import fcntl
+
+    with open(os.path.join(tempfile.gettempdir(), "spotctl-test-interpreter-modes.lock"),
+              "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture
+def interpreter_reachable(interpreter_modes: None) -> Iterator[None]:
     """The worker user must be able to run the agent's interpreter. On a node the bootstrap
     installs it where that user can; here it may live under a 0700 home (pyenv in /root),
     so each directory above it gets search permission (o+x, no listing) for the test and

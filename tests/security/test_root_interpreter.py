@@ -154,3 +154,91 @@ def test_a_planted_pth_cannot_tell_the_check_that_all_is_well(env: Path, base: P
     # the bootstrap's other start as that user (can it import spotctl and torch?) runs
     # site's setup and so the file, as that user only; root never ran it
     assert "0" not in ran.read_text().split(), ran.read_text()
+
+
+_AGENT = """
+import logging, os, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+from spotctl.agent.config import AgentConfig
+from spotctl.agent.supervisor import Agent
+base, token = sys.argv[1], sys.argv[2]
+cfg = AgentConfig(cluster="c1", node_id="n1", head_url="http://127.0.0.1:1",
+                  store_host="127.0.0.1", store_port=1, token_file=token,
+                  workdir=os.path.join(base, "work"), script=os.path.join(base, "train.py"),
+                  run_as=sys.argv[3])
+agent = Agent(cfg)
+print("worker=" + (agent.worker.name if agent.worker else "root"))
+"""
+
+
+def test_a_root_agent_asks_too_whoever_started_it(env: Path, base: Path) -> None:
+    """An agent started as root other than by the bootstrap (by hand, or after the
+    interpreter changed) asks the same question before it switches any worker: where the
+    workers' user can write what its own python loads, its workers stay root, and it
+    says which path in one line."""
+    py = env / "env" / "bin" / "python"
+    token = base / "token"
+    fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.write(fd, ("node:n1:" + "ab" * 32).encode())
+    os.close(fd)
+    (base / "train.py").write_text("pass\n")
+    os.chmod(base / "train.py", 0o644)
+
+    def start() -> tuple[str, str]:
+        r = subprocess.run([str(py), "-c", _AGENT, str(base), str(token), WORKER_USER],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout.strip(), r.stderr
+
+    first = start()
+    assert first[0] == f"worker={WORKER_USER}", first[1][-3000:]  # nothing writable: switched
+    writable = env / "extra"
+    os.chmod(writable, 0o777)
+    worker, log = start()
+    assert worker == "worker=root", log[-3000:]
+    assert (f"run_as={WORKER_USER} can write {writable}, which this root agent's python "
+            "loads: training workers run as root instead") in log, log[-3000:]
+
+
+def test_a_running_root_agent_is_restarted_once_its_workers_cannot_be_switched(
+    env: Path, base: Path
+) -> None:
+    """The bootstrap run again on a node whose agent runs: where the workers' user can now
+    write what the root agent's python loads, the agent is started again (a running one
+    goes on as it was started), and that agent asks too."""
+    from tests.conftest import wait_until
+
+    py = env / "env" / "bin" / "python"
+    (base / "train.py").write_text("pass\n")
+    os.chmod(base / "train.py", 0o644)
+    node = render_node(base, WORKER_USER, python=str(py))
+
+    def ensure() -> str:
+        r = subprocess.run(["sh", str(node / "bootstrap.sh"), "ensure"], capture_output=True,
+                           text=True, timeout=300, stdin=subprocess.DEVNULL)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
+
+    def agent_says(line: str) -> None:
+        wait_until(lambda: line in (node / "agent.log").read_text(), 60, line,
+                   0.2, lambda: (node / "agent.log").read_text()[-2000:])
+
+    def pid() -> int:
+        return int((node / "agent.pid").read_text())
+
+    try:
+        out = ensure()
+        assert f"spotctl: workers run as {WORKER_USER}" in out and "agent=started" in out, out
+        agent_says(f"training workers run as {WORKER_USER}")
+        first = pid()
+        out = ensure()
+        assert "agent=running" in out and pid() == first, out
+        writable = env / "extra"
+        os.chmod(writable, 0o777)
+        out = ensure()
+        assert "spotctl: agent restarted: its workers now run as root" in out, out
+        assert "agent=started" in out and pid() != first, out
+        agent_says(f"run_as={WORKER_USER} can write {writable}")
+    finally:
+        subprocess.run(["sh", str(node / "bootstrap.sh"), "stop"], capture_output=True,
+                       timeout=120, stdin=subprocess.DEVNULL)

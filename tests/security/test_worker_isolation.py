@@ -220,7 +220,7 @@ def test_bootstrap_sets_up_the_worker_user_and_keeps_the_token_private(
 
 
 def test_bootstrap_without_a_usable_interpreter_says_workers_run_as_the_login_user(
-    base: Path,
+    base: Path, interpreter_modes: None
 ) -> None:
     import spotctl
 
@@ -248,7 +248,7 @@ def test_bootstrap_with_no_run_as_leaves_workers_to_the_login_user(base: Path) -
 
 
 def test_root_agent_whose_worker_user_cannot_run_python_says_so(
-    base: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    base: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, interpreter_modes: None
 ) -> None:
     """An agent started as root by hand, with a run_as user who cannot run its interpreter,
     keeps its workers as root (as without run_as) and logs why, in one line."""
