@@ -217,12 +217,12 @@ def _set_rng_state(st: dict[str, Any]) -> None:
     import random
 
     random.setstate(st["python"])
-    torch.set_rng_state(st["torch"])
+    torch.set_rng_state(st["torch"].cpu())  # (CPU tensors only, as is the CUDA state)
     np = sys.modules.get("numpy")
     if np is not None and "numpy" in st:
         np.random.set_state(st["numpy"])
     if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state(st["cuda"])
+        torch.cuda.set_rng_state(st["cuda"].cpu())
 
 
 REDUCE_DTYPES = (torch.bfloat16, torch.float16)

@@ -370,6 +370,10 @@ class OverlapStager:
 
         def copy_rest() -> Any:
             if self._stream is not None:
+                # a new thread's device is GPU 0: on any other rank's GPU, the stream's
+                # context switch would make a CUDA context on GPU 0 (memory every rank
+                # then holds there)
+                torch.cuda.set_device(self._stream.device)
                 with torch.cuda.stream(self._stream):
                     out = self._later.stage(tensors, non_blocking=True)
                 self._stream.synchronize()

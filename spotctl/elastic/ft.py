@@ -365,6 +365,17 @@ def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
     return out
 
 
+def _on_device(tree: Any, device_type: str) -> Any:
+    """A heal's target: the tensors on the transport's device; any other (on NCCL: the CPU
+    RNG states, an optimizer's CPU step counts) is left out. Given a target elsewhere,
+    torchft receives onto its own device and leaves the tensor there (torch.set_rng_state
+    then refuses a CUDA tensor); given none, it hands back a CPU copy."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: None if isinstance(t, torch.Tensor)
+                    and t.device.type != device_type else t, tree)
+
+
 def _storage(t: torch.Tensor) -> int:
     return int(t.untyped_storage().data_ptr())
 
@@ -729,14 +740,18 @@ class FtRun(Run):
         self._wait(self.manager.allreduce(t))
         self._grads_synced = True
 
-    def _wait(self, work: Any) -> None:
+    def _wait(self, work: Any, host: bool = False) -> None:
         """Wait for a cross-replica collective: until it completes, or until the watch
         finds a member of the quorum gone (the step then fails, as on a timeout). On
-        NCCL the watch aborts the group, which ends the wait."""
+        NCCL the watch aborts the group, which ends the wait. NCCL's wait only orders
+        the current stream after the collective; `host`: the host waits for it too (a
+        value read next, such as whether it failed)."""
         inner = getattr(work, "_work", None)
         if inner is None or self._ft_device.type == "cuda":
             with self._watch.watching():
                 work.wait()
+                if host and self._ft_device.type == "cuda":
+                    torch.cuda.current_stream().synchronize()
             return
         try:
             self._watch.guard(inner.get_future()).wait()
@@ -774,7 +789,7 @@ class FtRun(Run):
         self.ckpt.wait_staged()
         for o in self.optimizers:
             _create_optimizer_state(o)
-        st = self._live_state()
+        st = _on_device(self._live_state(), self._ft_device.type)
         self._heal_storages = {_storage(t) for t in _tensor_leaves(st)}
         # the shape torchft sends (Manager._manager_state_dict): ours under "default"
         return {"user": {"default": st}, "torchft": {}}
@@ -867,7 +882,8 @@ class FtRun(Run):
         x = t.to(self._ft_device)
         rop = {"sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "max": ReduceOp.MAX,
                "min": ReduceOp.MIN}[op]
-        self._wait(self.manager.allreduce(x, reduce_op=rop))
+        # (host: all_reduce reads whether it failed next)
+        self._wait(self.manager.allreduce(x, reduce_op=rop), host=True)
         t.copy_(x.to(dev))
 
     def all_reduce(self, value: Any, op: str = "sum") -> Any:
@@ -903,6 +919,12 @@ class FtRun(Run):
         already averaged across replicas during backward), the others follow it."""
         if self._decision is None:
             self.sync_grads()
+            if self._ft_device.type == "cuda":
+                # NCCL's waits only order streams: the host waits here (should_commit
+                # would, unwatched), so the watch looks meanwhile and a replica gone
+                # mid-step aborts the group instead of holding everyone to the timeout
+                with self._watch.watching():
+                    torch.cuda.current_stream().synchronize()
             self._decision = bool(self.manager.should_commit())
         return self._decision
 
