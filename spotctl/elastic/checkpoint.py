@@ -347,12 +347,17 @@ class OverlapStager:
         self.protected: set[int] = set()
         self.future: Future[Any] | None = None
         self.wait_s = 0.0  # how long wait() blocked, summed since the last stage()
+        self.staged_bytes = 0  # the tensors the last stage() copied
 
     @property
     def should_synchronize_after_execute(self) -> bool:
         return False
 
     def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        from torch.utils._pytree import tree_leaves
+
+        self.staged_bytes = sum(t.nbytes for t in tree_leaves(state_dict)
+                                if isinstance(t, torch.Tensor))
         slots: list[tuple[tuple[Any, ...], torch.Tensor]] = []
         skeleton = _split(state_dict, self.protected, slots, ())
         staged = self._now.stage(skeleton)  # buffers, small tensors, non-tensor values
@@ -427,6 +432,63 @@ def _split(obj: Any, protected: set[int], slots: list[tuple[tuple[Any, ...], tor
     if isinstance(obj, list):
         return [_split(v, protected, slots, (*path, i)) for i, v in enumerate(obj)]
     return obj
+
+
+def _plain_tensors(obj: Any, path: tuple[Any, ...], out: list[tuple[tuple[Any, ...], Any]]) -> None:
+    """(path, tensor) of every plain tensor held as a dict's value under obj (not a
+    DTensor: FSDP2's shards are each rank's own; not a list's item: dropping one would
+    renumber the rest)."""
+    from torch.distributed.tensor import DTensor
+
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(
+        obj, list) else ()
+    for k, v in items:
+        if isinstance(v, torch.Tensor):
+            if isinstance(obj, dict) and not isinstance(v, DTensor):
+                out.append(((*path, k), v))
+        else:
+            _plain_tensors(v, (*path, k), out)
+
+
+def _without(obj: Any, drop: set[tuple[Any, ...]], path: tuple[Any, ...]) -> Any:
+    if isinstance(obj, dict):
+        return {k: _without(v, drop, (*path, k)) for k, v in obj.items() if (*path, k) not in drop}
+    if isinstance(obj, list):
+        return [_without(v, drop, (*path, i)) for i, v in enumerate(obj)]
+    return obj
+
+
+def share_of(state: dict[str, Any], pg: Any) -> dict[str, Any]:
+    """This rank's share of `state` for a save. DCP writes a tensor that every rank holds
+    under one name (DDP's whole model and optimizer) from one rank only, but a save first
+    copies the state it is given: every rank would stage all of it (a node of 8 GPUs, 8
+    copies in host memory). Each rank passes on instead its share of those tensors,
+    balanced by size, and everything else. The shares are worked out alike on every rank
+    from names, shapes and dtypes, and used only where those agree on every rank (one
+    collective of `pg`); otherwise the whole state goes, as DCP is given it without this."""
+    import hashlib
+
+    world = dist.get_world_size(pg)
+    found: list[tuple[tuple[Any, ...], Any]] = []
+    _plain_tensors(state, (), found)
+    if world < 2 or not found:
+        return state
+    found.sort(key=lambda pt: (-pt[1].nbytes, repr(pt[0])))
+    digest = hashlib.blake2b(repr([(p, t.nbytes, str(t.dtype), tuple(t.shape))
+                                   for p, t in found]).encode(), digest_size=7).digest()
+    h = int.from_bytes(digest, "big")
+    both = torch.tensor([h, -h], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=pg)
+    if int(both[0]) != h or int(both[1]) != -h:
+        return state  # the ranks hold different tensors: DCP sorts it out, as before
+    me, load = dist.get_rank(pg), [0] * world
+    drop: set[tuple[Any, ...]] = set()
+    for path, t in found:  # largest first, each to the least loaded rank (lowest on a tie)
+        r = min(range(world), key=lambda i: (load[i], i))
+        load[r] += max(1, t.nbytes)
+        if r != me:
+            drop.add(path)
+    return _without(state, drop, ())
 
 
 def optimizer_storages(optimizers: list[torch.optim.Optimizer]) -> set[int]:
@@ -574,6 +636,7 @@ class Checkpointer:
         self.stager.protected = optimizer_storages(self._optimizers) if self._optimizers else set()
         kind = (AsyncCheckpointerType.PROCESS if self.mode == "process"
                 else AsyncCheckpointerType.THREAD)
+        state = share_of(state, self.pg)
         with _daemon_store(self.pg) if self.mode == "process" else contextlib.nullcontext():
             return dcp.async_save(state, storage_writer=self.store.writer(step),
                                   process_group=self.pg, async_checkpointer_type=kind,
@@ -630,7 +693,7 @@ class Checkpointer:
             return True
         ok = 1
         try:
-            dcp.save(state, storage_writer=self.store.writer(step), process_group=pg)
+            dcp.save(share_of(state, pg), storage_writer=self.store.writer(step), process_group=pg)
         except _CKPT_ERRORS as e:
             self._failed(step, e)
             ok = 0

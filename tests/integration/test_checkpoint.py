@@ -587,3 +587,90 @@ def test_checkpoint_processes_meet_on_the_cluster_address_over_a_store_bound_fir
         assert got["daemons"] >= 1, got  # the checkpoint process this rank started
         assert got == {**got, "failures": 0, "wildcard": []}, got
     assert json.loads(Path(f"{out}.0").read_text())["committed"] == 5
+
+
+def _share_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
+    """A DDP-like state (the same model and AdamW state on every rank) saved async by
+    `world` ranks; with `odd`, rank 1 also holds a tensor the others lack."""
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.set_num_threads(1)
+    init_worker(rank, world, port)
+    pg = dist.new_group(backend="gloo")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 32))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    if "odd" in root and rank == 1:
+        state["only_rank1"] = torch.ones(1000)
+    ck = Checkpointer(root, keep_last=2, rank=rank, pg=pg, mode="thread")
+    ck.save_async(7, state, {"epoch": 0, "offset": 0})
+    staged = ck.stager.staged_bytes if ck.stager else -1
+    ck.wait_pending()
+    ck.close()
+    total = sum(t.nbytes for d in (msd, osd["state"]) for t in
+                ([*d.values()] if d is msd else [v for st in d.values() for v in st.values()]))
+    Path(f"{out}.{rank}").write_text(json.dumps({"staged": staged, "total": total}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _load_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    init_worker(rank, world, port)
+    pg = dist.new_group(backend="gloo")
+    torch.manual_seed(0)  # the same start as the savers: their step is redone for the answer
+    model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 32))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    want_m, want_o = get_state_dict(model, opt)
+    want_m = {k: v.clone() for k, v in want_m.items()}
+    want_o = {k: {n: v.clone() for n, v in st.items()} for k, st in want_o["state"].items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    for st in opt.state.values():
+        for v in st.values():
+            v.zero_()
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    if "odd" in root:
+        state["only_rank1"] = torch.zeros(1000)
+    meta = Checkpointer(root, keep_last=2, rank=rank, pg=pg).load_latest(state)
+    same = (meta is not None and meta["step"] == 7
+            and all(torch.equal(state["model"][k], v) for k, v in want_m.items())
+            and all(torch.equal(state["optim"]["state"][k][n], v)
+                    for k, st in want_o.items() for n, v in st.items())
+            and ("odd" not in root or torch.equal(state["only_rank1"], torch.ones(1000))))
+    Path(f"{out}.{rank}").write_text(json.dumps({"same": bool(same)}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ranks", ["alike", "odd"])
+def test_each_rank_stages_its_share_of_what_every_rank_holds(tmp_path, ranks):
+    """DCP writes a tensor every rank holds under one name from one rank; each rank of an
+    async save copies only its share of them (about 1/world of a DDP state), and the
+    checkpoint loads whole at another world size. Ranks that hold different tensors
+    each stage everything, as DCP is given it, and load back the same."""
+    root, out = str(tmp_path / f"ck-{ranks}"), tmp_path / "r"
+    spawn(_share_worker, 2, root, str(out))
+    got = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+    total = got[0]["total"]
+    if ranks == "alike":
+        assert sum(g["staged"] for g in got) == total, got
+        largest = 128 * 64 * 4  # the first layer's weight, or a moment of it
+        assert all(abs(g["staged"] - total / 2) <= largest for g in got), got
+    else:
+        assert got[0]["staged"] == total and got[1]["staged"] == total + 4000, got
+    for world in (1, 3):
+        spawn(_load_worker, world, root, str(out) + f"-load{world}")
+        for r in range(world):
+            assert json.loads(Path(f"{out}-load{world}.{r}").read_text())["same"], (world, r)
