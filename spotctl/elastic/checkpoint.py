@@ -20,6 +20,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -505,6 +506,35 @@ def optimizer_storages(optimizers: list[torch.optim.Optimizer]) -> set[int]:
     return keys
 
 
+def _no_main_in_checkpoint_process() -> None:
+    """DCP starts its checkpoint process with multiprocessing's spawn, which runs the
+    parent's main script again in the child before anything else (as `__mp_main__`). A
+    training script whose loop is not under `if __name__ == "__main__":` would then train
+    a second time in there, and the save waits for a child that never reports. The child
+    needs nothing of the script (the state it is sent holds tensors, plain values and
+    bytes), so the preparation data of that one process leaves the main script out; every
+    other spawn (a DataLoader's, the user's) keeps it."""
+    import multiprocessing.spawn as mps
+
+    if getattr(mps.get_preparation_data, "_spotctl", False):
+        return
+    orig = mps.get_preparation_data
+
+    def prepare(name: str) -> dict[str, Any]:
+        d: dict[str, Any] = orig(name)
+        f = sys._getframe(1)
+        while f is not None:
+            if f.f_code.co_filename.endswith("_async_process_executor.py"):
+                d.pop("init_main_from_path", None)
+                d.pop("init_main_from_name", None)
+                break
+            f = f.f_back
+        return d
+
+    prepare._spotctl = True  # type: ignore[attr-defined]
+    mps.get_preparation_data = prepare
+
+
 _DAEMON_STORE: Any = None  # the checkpoint processes' store (rank 0), kept for the process
 
 
@@ -637,8 +667,15 @@ class Checkpointer:
         kind = (AsyncCheckpointerType.PROCESS if self.mode == "process"
                 else AsyncCheckpointerType.THREAD)
         state = share_of(state, self.pg)
+        writer = self.store.writer(step)
+        # what it writes is staged in host memory already: DCP's loader that copies ahead
+        # from the GPU (its choice for one writer when CUDA is there) would only make a
+        # CUDA context on GPU 0 in the thread or checkpoint process that writes
+        writer.per_thread_copy_ahead = 0
+        if self.mode == "process":
+            _no_main_in_checkpoint_process()
         with _daemon_store(self.pg) if self.mode == "process" else contextlib.nullcontext():
-            return dcp.async_save(state, storage_writer=self.store.writer(step),
+            return dcp.async_save(state, storage_writer=writer,
                                   process_group=self.pg, async_checkpointer_type=kind,
                                   async_stager=self.stager)
 

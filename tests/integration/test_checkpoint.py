@@ -543,6 +543,13 @@ def _listeners(pids: list[int]) -> list[str]:
     return found
 
 
+def _read(p: Path) -> str:
+    try:
+        return p.read_text()
+    except FileNotFoundError:  # a thread that ended since the listing
+        return ""
+
+
 def _daemon_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     """Process mode's first save while the port DCP would pick is taken (held here), as an
     outgoing connection on a busy machine can take it: the save must still commit, and no
@@ -565,7 +572,7 @@ def _daemon_worker(rank: int, world: int, port: int, root: str, out: str) -> Non
     ck.save_async(5, state, {"epoch": 0, "offset": 0})
     ck.wait_pending()
     kids = [int(p) for t in Path(f"/proc/{os.getpid()}/task").iterdir()  # any thread's
-            for p in (t / "children").read_text().split()]
+            for p in _read(t / "children").split()]
     wild = [a for a in _listeners([os.getpid(), *kids]) if a.startswith("*:")]
     Path(f"{out}.{rank}").write_text(json.dumps(
         {"committed": ck.last_committed, "failures": ck.save_failures, "daemons": len(kids),
@@ -674,3 +681,62 @@ def test_each_rank_stages_its_share_of_what_every_rank_holds(tmp_path, ranks):
         spawn(_load_worker, world, root, str(out) + f"-load{world}")
         for r in range(world):
             assert json.loads(Path(f"{out}-load{world}.{r}").read_text())["same"], (world, r)
+
+
+def test_an_async_save_writes_without_a_cuda_call(tmp_path, monkeypatch):
+    """Where CUDA is there, DCP writes with one writer through a loader that copies ahead
+    from the GPU on the current stream: in the thread or checkpoint process that writes an
+    async save (no device set there) that makes a CUDA context on GPU 0, on every rank. An
+    async save's data is staged in host memory already, so its writer asks CUDA nothing.
+    CUDA is stood in here by is_available() answering yes on this CPU build, where any
+    real CUDA call raises."""
+    from spotctl.elastic.checkpoint import OverlapStager
+
+    with single_rank_group() as pg:
+        ck = Checkpointer(str(tmp_path / "ck"), keep_last=2, rank=0, pg=pg, mode="thread")
+        ck.stager = OverlapStager("thread")  # made before: with CUDA it would pin memory
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        ck.save_async(3, {"m": {"w": torch.ones(1000)}}, {"epoch": 0, "offset": 0})
+        ck.wait_pending()
+        assert (ck.last_committed, ck.save_failures) == (3, 0)
+        ck.close()
+
+
+_UNGUARDED = """
+import json, os
+open(os.environ["MARK"], "a").write(f"{os.getpid()}\\n")  # each time this file runs
+import torch
+import torch.distributed as dist
+from spotctl.elastic.checkpoint import Checkpointer
+
+dist.init_process_group("gloo", rank=0, world_size=1)
+ck = Checkpointer(os.environ["ROOT"], keep_last=2, rank=0,
+                  pg=dist.new_group(backend="gloo"), mode="process")
+ck.save_async(5, {"m": {"w": torch.ones(64)}}, {"epoch": 0, "offset": 0})
+ck.wait_pending()
+print(json.dumps({"committed": ck.last_committed, "failures": ck.save_failures}))
+ck.close()
+dist.destroy_process_group()
+"""
+
+
+def test_a_script_without_a_main_guard_saves_in_a_checkpoint_process(tmp_path):
+    """Process mode (the default on CUDA) with a script whose loop is at module level, as
+    many are: multiprocessing's spawn would run it again inside the checkpoint process
+    (it trained twice there, and the save waited on a child that never reported). It runs
+    once, and the save commits."""
+    import subprocess
+    import sys as _sys
+
+    from tests.conftest import free_port
+
+    script, mark = tmp_path / "train.py", tmp_path / "ran"
+    script.write_text(_UNGUARDED)
+    env = dict(os.environ, MARK=str(mark), ROOT=str(tmp_path / "ck"), RANK="0", WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    r = subprocess.run([_sys.executable, str(script)], env=env, capture_output=True,
+                       text=True, timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(mark.read_text().split()) == 1, mark.read_text()  # the worker's run alone
+    assert json.loads(r.stdout.splitlines()[-1]) == {"committed": 5, "failures": 0}, r.stdout
