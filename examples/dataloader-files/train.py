@@ -69,7 +69,7 @@ class Seen:
 
 
 def main():
-    elastic.init()
+    device = elastic.init()  # this rank's GPU, or the CPU
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not (DATA_DIR / "index.json").exists():
         from prepare import write_shards  # one copy per node (a node-local folder)
 
@@ -86,9 +86,10 @@ def main():
                                  persistent_workers=LOADER_WORKERS > 0))
     while run.next_step():
         opt.zero_grad()
-        total = torch.zeros(())
-        mine = torch.zeros(len(ds), dtype=torch.int64)
+        total = torch.zeros((), device=device)
+        mine = torch.zeros(len(ds), dtype=torch.int64)  # (on the CPU, as the indices)
         for x, y, i in run.micro_batches(loader):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss_sum = F.cross_entropy(run.model(x), y, reduction="sum")
             (loss_sum * run.loss_scale).backward()
             total += loss_sum.detach()

@@ -48,7 +48,7 @@ def build():
 
 
 def main():
-    elastic.init()
+    device = elastic.init()  # this rank's GPU, or the CPU
     model, opt, sched = build()
     ds = make_dataset()
     run = elastic.Run(model, opt, dataset_size=len(ds), global_batch=GLOBAL_BATCH, seed=SEED,
@@ -56,8 +56,9 @@ def main():
     loader = iter(run.dataloader(ds))
     while run.next_step():
         opt.zero_grad()
-        total = torch.zeros(())
+        total = torch.zeros((), device=device)
         for x, y in run.micro_batches(loader):
+            x, y = x.to(device), y.to(device)
             loss_sum = F.mse_loss(run.model(x), y, reduction="sum")
             (loss_sum * run.loss_scale).backward()
             total += loss_sum.detach()

@@ -503,8 +503,12 @@ class Agent:
         self.zygote_path.unlink(missing_ok=True)
         env = worker_env(os.environ, self.head.token)
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+        # the spec's [train] env as well: what a process reads as it starts (the library
+        # path, LD_PRELOAD, the CUDA allocator's settings) counts here, not in a forked
+        # worker's os.environ
+        env.update(self.cfg.env)
         if self.cfg.expect_gpus:  # the library path is read at process start
-            env.update(netprobe.efa_env({**env, **self.cfg.env}, self.net))
+            env.update(netprobe.efa_env(env, self.net))
         if self.worker is not None:
             self.worker.env(env)
         log_f = open(self.workdir / "zygote.log", "ab")

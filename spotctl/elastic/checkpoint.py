@@ -340,6 +340,8 @@ class OverlapStager:
 
         self.cuda = torch.cuda.is_available()
         shm = mode == "process"
+        if shm:
+            _more_open_files()
         # two caches, one per thread: a StateDictStager is not thread-safe
         self._now = StateDictStager(pin_memory=self.cuda, share_memory=shm)
         self._later = StateDictStager(pin_memory=self.cuda, share_memory=shm)
@@ -433,6 +435,26 @@ def _split(obj: Any, protected: set[int], slots: list[tuple[tuple[Any, ...], tor
     if isinstance(obj, list):
         return [_split(v, protected, slots, (*path, i)) for i, v in enumerate(obj)]
     return obj
+
+
+def _more_open_files() -> None:
+    """Process mode shares each staged tensor's memory with the checkpoint process through
+    a file descriptor of its own, held in both processes (torch's file_descriptor
+    strategy): a few hundred tensors (FSDP2's shards with Adam's two moments: three a
+    parameter) pass systemd's default soft limit of 1024 open files with the job's sockets,
+    and the save fails. The soft limit goes up to the hard one (the checkpoint process,
+    started later, inherits it)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError) as e:
+        log.warning("open files limit stays %d (process-mode saves hold one per tensor): %s",
+                    soft, e)
 
 
 def _plain_tensors(obj: Any, path: tuple[Any, ...], out: list[tuple[tuple[Any, ...], Any]]) -> None:

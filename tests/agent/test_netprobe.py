@@ -246,14 +246,15 @@ def test_the_zygote_of_an_efa_node_starts_with_the_plugin(
     secret = "s" * 43
     (tmp_path / "head").mkdir()
 
-    def zygote_environ(net: dict[str, object], node: str) -> dict[str, str]:
+    def zygote_environ(net: dict[str, object], node: str,
+                       env: dict[str, str] | None = None) -> dict[str, str]:
         tok = tmp_path / f"token-{node}"
         tok.write_text(node_token(secret, node))
         tok.chmod(0o600)
         cfg = AgentConfig(cluster="c", node_id=node, head_url=srv.url, store_host="127.0.0.1",
                           store_port=1, token_file=str(tok), workdir=str(tmp_path / node),
                           script=str(tmp_path / "train.py"), nproc_per_node=1,
-                          expect_gpus=1, gpu_wait_s=0)
+                          expect_gpus=1, gpu_wait_s=0, env=env or {})
         agent = Agent(cfg)
         agent.net = net
         agent._zygote_socket()
@@ -274,3 +275,10 @@ def test_the_zygote_of_an_efa_node_starts_with_the_plugin(
         env = zygote_environ({"efa": 0}, "n2")
         assert "NCCL_NET_PLUGIN" not in env
         assert str(plugin.parent) not in env.get("LD_LIBRARY_PATH", "")
+        # the spec's [train] env too: what a process reads as it starts (the library path,
+        # a preload, the CUDA allocator's settings) counts in the zygote, not in a forked
+        # worker's os.environ
+        mine = {"LD_LIBRARY_PATH": "/opt/mine/lib", "LD_PRELOAD": "/opt/mine/libx.so",
+                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+        env = zygote_environ({"efa": 0}, "n3", mine)
+        assert {k: env.get(k) for k in mine} == mine, env

@@ -725,18 +725,58 @@ def test_a_script_without_a_main_guard_saves_in_a_checkpoint_process(tmp_path):
     many are: multiprocessing's spawn would run it again inside the checkpoint process
     (it trained twice there, and the save waited on a child that never reported). It runs
     once, and the save commits."""
+    mark = tmp_path / "ran"
+    got = _one_rank_script(tmp_path, _UNGUARDED, MARK=str(mark))
+    assert len(mark.read_text().split()) == 1, mark.read_text()  # the worker's run alone
+    assert got == {"committed": 5, "failures": 0}, got
+
+
+def _one_rank_script(tmp_path: Path, source: str, **env: str) -> dict:
+    """Run `source` as a one-rank job's script (ROOT: a checkpoint directory); the JSON
+    its last line prints."""
     import subprocess
     import sys as _sys
 
     from tests.conftest import free_port
 
-    script, mark = tmp_path / "train.py", tmp_path / "ran"
-    script.write_text(_UNGUARDED)
-    env = dict(os.environ, MARK=str(mark), ROOT=str(tmp_path / "ck"), RANK="0", WORLD_SIZE="1",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    r = subprocess.run([_sys.executable, str(script)], env=env, capture_output=True,
-                       text=True, timeout=150)
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    r = subprocess.run([_sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=150, env=dict(
+                           os.environ, ROOT=str(tmp_path / "ck"), RANK="0", WORLD_SIZE="1",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                           PYTHONPATH=str(Path(__file__).resolve().parents[2]), **env))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert len(mark.read_text().split()) == 1, mark.read_text()  # the worker's run alone
-    assert json.loads(r.stdout.splitlines()[-1]) == {"committed": 5, "failures": 0}, r.stdout
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+_MANY_TENSORS = """
+import json, os, resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+import torch
+import torch.distributed as dist
+from spotctl.elastic.checkpoint import Checkpointer
+
+dist.init_process_group("gloo", rank=0, world_size=1)
+ck = Checkpointer(os.environ["ROOT"], keep_last=2, rank=0,
+                  pg=dist.new_group(backend="gloo"), mode="process")
+ck.save_async(5, {"m": {f"t{i}": torch.full((16,), float(i)) for i in range(600)}},
+              {"epoch": 0, "offset": 0})
+ck.wait_pending()
+print(json.dumps({"committed": ck.last_committed, "failures": ck.save_failures}))
+ck.close()
+dist.destroy_process_group()
+"""
+
+
+def test_a_checkpoint_process_save_of_many_tensors_is_not_held_to_a_low_open_files_limit(
+        tmp_path):
+    """Process mode shares each staged tensor with the checkpoint process through a file
+    descriptor: 600 tensors under a soft limit of 256 (systemd's default is 1024; an FSDP2
+    model with Adam has three tensors a parameter) failed with "Too many open files". The
+    soft limit is raised to the hard one, and the save commits."""
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 2048:
+        pytest.skip("this machine's hard limit on open files is too low to raise to")
+    assert _one_rank_script(tmp_path, _MANY_TENSORS) == {"committed": 5, "failures": 0}
