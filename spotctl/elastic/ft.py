@@ -546,6 +546,12 @@ class FtRun(Run):
         if backend == "nccl":
             # torchft warns and sets it itself when unset: its bound on a non-blocking op
             env.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(timeout))
+            # c10d's watchdog, by default, takes the process down at a collective's error:
+            # a replica that died mid-collective (its connections closed) would take every
+            # survivor with it, before the watch or torchft could fail the step. Clean-up
+            # only (abort the communicator, raise in the step) leaves that to them. Read
+            # as each NCCL group is made: torchft's, made at each quorum, and later ones.
+            env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
             self._ft_pg = ProcessGroupNCCL(timeout=timedelta(seconds=timeout))
         elif backend == "gloo":
             self._ft_pg = _gloo_group(timeout)
@@ -594,7 +600,8 @@ class FtRun(Run):
         # a quorum member that stops heartbeating while a collective waits for it fails
         # the step at once, not after the timeout above
         self._watch = Watch(env["TORCHFT_LIGHTHOUSE"], self.manager._replica_id or "",
-                            lambda: self._quorums.replica_ids, self._replica_gone)
+                            lambda: self._quorums.replica_ids, self._replica_gone,
+                            device=self._ft_device)
         self.manager.load_state_dict({"step": self.step, "batches_committed": 0})
         for o in self.optimizers:
             o.step = self._gated(o.step)  # type: ignore[method-assign]
@@ -702,6 +709,11 @@ class FtRun(Run):
         return t if self.reduce_dtype in (None, t.dtype) else t.to(self.reduce_dtype)
 
     def _fsdp_hook(self, reduced: torch.Tensor) -> None:
+        if reduced.is_cuda:
+            # made on FSDP's reduce-scatter stream, reduced on this one: without the mark
+            # the allocator could hand it to the next reduce-scatter (FSDP drops it once
+            # cast to the parameters' dtype) while the cross-replica reduction still runs
+            reduced.record_stream(torch.cuda.current_stream())
         wire = self._on_wire(reduced)
         self._cross_replica_mean(wire)
         if wire is not reduced:
@@ -722,8 +734,12 @@ class FtRun(Run):
         if t.device.type == "cuda" or inner is None:
             with self._watch.watching():
                 work.wait()
-            fut = work.get_future()
-            return getattr(fut, "_fut", None) or fut  # type: ignore[return-value]
+            self._track()
+            fut = getattr(work.get_future(), "_fut", None)
+            if fut is None:  # torchft failed before its chain existed: the vote fails
+                fut = torch.futures.Future()
+                fut.set_result(t)
+            return fut  # type: ignore[no-any-return]
         # torchft's Work builds its averaging chain only once the collective is done (its
         # callbacks read a loop variable), so the chain here is our own: sum, then divide
         n = self.manager.num_participants()
@@ -752,6 +768,11 @@ class FtRun(Run):
                 work.wait()
                 if host and self._ft_device.type == "cuda":
                     torch.cuda.current_stream().synchronize()
+                    # an abort at torchft's own timeout marks only its group
+                    if (err := self._ft_pg.errored()) is not None:
+                        self.manager.report_error(err)
+            if not host:
+                self._track()
             return
         try:
             self._watch.guard(inner.get_future()).wait()
@@ -759,6 +780,15 @@ class FtRun(Run):
             self.manager.report_error(e)
             return
         work.wait()  # done: runs torchft's own continuation (an average's division)
+
+    def _track(self) -> None:
+        """NCCL: the collective just waited for only ordered the current stream; the watch
+        looks until the stream has passed it, wherever the host then blocks."""
+        if self._ft_device.type != "cuda":
+            return
+        ev = torch.cuda.Event()
+        ev.record()
+        self._watch.track(ev.query)
 
     def _replica_gone(self, err: Exception) -> None:
         self.manager.report_error(err)

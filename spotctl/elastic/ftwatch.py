@@ -64,7 +64,11 @@ def heartbeats(page: str) -> dict[str, float]:
 def vanished(members: Iterable[str], own: str, beats: dict[str, float],
              stale_s: float) -> str | None:
     """The first member of the quorum (not this replica, `own` or `own:<uuid>`) the
-    Lighthouse has not heard from for `stale_s`, or that it no longer lists."""
+    Lighthouse has not heard from for `stale_s`, or that it no longer lists. None while
+    it does not list this replica either: a Lighthouse started again lists nobody until
+    the next heartbeats, which says nothing about a peer."""
+    if not any(r == own or r.startswith(own + ":") for r in beats):
+        return None
     for m in members:
         if m == own or m.startswith(own + ":"):
             continue
@@ -76,7 +80,9 @@ def vanished(members: Iterable[str], own: str, beats: dict[str, float],
 class Watch:
     def __init__(self, lighthouse: str, own: str, members: Callable[[], Iterable[str]],
                  on_gone: Callable[[Exception], None], *, after_s: float = 1.0,
-                 poll_s: float = 0.5, stale_s: float = 2.0):
+                 poll_s: float = 0.5, stale_s: float = 2.0, device: Any = None):
+        self.device = device  # a CUDA device: the watch's thread asks events on it
+        self._done: dict[int, Callable[[], bool]] = {}  # track()'s entries
         self.lighthouse = lighthouse
         self.own = own
         self.members = members
@@ -111,6 +117,24 @@ class Watch:
             with self._lock:
                 self._pending.pop(key, None)
 
+    def track(self, done: Callable[[], bool]) -> None:
+        """NCCL's case: a collective's wait only orders the stream, and the host blocks
+        later, anywhere (backward's launch queue full, an .item(), the commit). The
+        collective counts as waited for until `done()` (an event recorded after it on the
+        stream: Event.query) says so; the watch prunes it then."""
+        key = self._add(torch.futures.Future())
+        with self._lock:
+            self._done[key] = done
+
+    def _prune(self) -> None:
+        with self._lock:
+            checks = list(self._done.items())
+        over = [k for k, done in checks if done()]
+        with self._lock:
+            for k in over:
+                self._done.pop(k, None)
+                self._pending.pop(k, None)
+
     def guard(self, fut: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
         g: torch.futures.Future[Any] = torch.futures.Future()
         key = self._add(g)
@@ -142,7 +166,10 @@ class Watch:
             thread.join()
 
     def _loop(self) -> None:
+        if self.device is not None and getattr(self.device, "type", "") == "cuda":
+            torch.cuda.set_device(self.device)  # (a new thread's device is GPU 0)
         while not self._closed.wait(self.poll_s):
+            self._prune()
             t0 = self._oldest()
             if t0 is None or time.monotonic() - t0 < self.after_s:
                 continue
@@ -156,6 +183,7 @@ class Watch:
             with self._lock:
                 waiting = [g for _, g in self._pending.values()]
                 self._pending.clear()
+                self._done.clear()
             if not waiting:
                 continue
             err = RuntimeError(f"replica {gone} stopped heartbeating to the Lighthouse "

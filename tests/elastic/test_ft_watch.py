@@ -58,9 +58,12 @@ def test_the_status_page_gives_each_replicas_heartbeat_age(lighthouse: Any) -> N
     b.on = False
     assert list(ages) == ["n1:abc"] and 0 <= ages["n1:abc"] < 1, ages
     # this replica (with or without torchft's uuid) is never the one gone
-    assert vanished(["n1:x", "n2:y"], "n1", {"n2:y": 0.1}, 2.0) is None
-    assert vanished(["n1:x", "n2:y"], "n1", {"n2:y": 3.0}, 2.0) == "n2:y"
-    assert vanished(["n1:x", "n2:y"], "n1", {}, 2.0) == "n2:y"  # no longer listed
+    assert vanished(["n1:x", "n2:y"], "n1", {"n1:x": 5.0, "n2:y": 0.1}, 2.0) is None
+    assert vanished(["n1:x", "n2:y"], "n1", {"n1:x": 0.1, "n2:y": 3.0}, 2.0) == "n2:y"
+    assert vanished(["n1:x", "n2:y"], "n1", {"n1:x": 0.1}, 2.0) == "n2:y"  # no longer listed
+    # a Lighthouse started again lists nobody (this replica neither) until the next
+    # heartbeats: that says nothing about n2
+    assert vanished(["n1:x", "n2:y"], "n1", {}, 2.0) is None
 
 
 def test_an_id_chosen_by_a_cluster_member_cannot_age_a_real_replica(lighthouse: Any) -> None:
@@ -80,7 +83,7 @@ def test_an_id_chosen_by_a_cluster_member_cannot_age_a_real_replica(lighthouse: 
     with urllib.request.urlopen(f"{lighthouse.address}/status", timeout=5) as r:
         ages = heartbeats(r.read().decode())
     assert ages["n2:real"] < 1, ages
-    assert vanished(["n1:x", "n2:real"], "n1", ages, 2.0) is None
+    assert vanished(["n1:x", "n2:real"], "n1", {**ages, "n1:x": 0.1}, 2.0) is None
 
 
 def test_a_wait_on_a_replica_that_stopped_heartbeating_fails_in_seconds(lighthouse: Any) -> None:
@@ -136,3 +139,33 @@ def test_a_wait_only_the_watch_can_end_is_ended_by_it(lighthouse: Any) -> None:
         assert not w._pending
     finally:
         a.on = b.on = False
+
+
+def test_a_collective_the_stream_has_not_passed_keeps_the_watch_looking(lighthouse: Any) -> None:
+    """NCCL's wait returns at once (it only orders the stream) and the host blocks later,
+    wherever: the collective is tracked by an event recorded after it (here, a flag
+    standing for Event.query) until the stream has passed it. Passed, it is pruned and a
+    replica that stops afterwards aborts nothing; not passed, that replica's silence
+    aborts the group."""
+    a = Beats(lighthouse.address, "n1:aaa")
+    b = Beats(lighthouse.address, "n2:bbb")
+    aborted = threading.Event()
+    w = Watch(lighthouse.address, "n1", lambda: ["n1:aaa", "n2:bbb"], lambda e: aborted.set(),
+              after_s=0.5, poll_s=0.2, stale_s=1.0)
+    try:
+        passed = threading.Event()
+        w.track(passed.is_set)
+        time.sleep(1.5)  # pending past after_s, every member heartbeating: nothing
+        assert not aborted.is_set() and w._pending
+        passed.set()
+        time.sleep(0.6)
+        assert not w._pending  # pruned at the next poll
+        b.on = False
+        time.sleep(2.5)  # n2 silent, nothing in flight: nothing to abort
+        assert not aborted.is_set()
+        w.track(lambda: False)  # a collective the stream never passes
+        assert aborted.wait(20), "the watch did not abort the group"
+        assert w.found == ["n2:bbb"] and not w._pending
+    finally:
+        a.on = b.on = False
+        w.close()
