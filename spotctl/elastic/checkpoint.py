@@ -458,16 +458,17 @@ def _more_open_files() -> None:
 
 
 def _plain_tensors(obj: Any, path: tuple[Any, ...], out: list[tuple[tuple[Any, ...], Any]]) -> None:
-    """(path, tensor) of every plain tensor held as a dict's value under obj (not a
-    DTensor: FSDP2's shards are each rank's own; not a list's item: dropping one would
-    renumber the rest)."""
+    """(path, tensor) of every plain tensor under obj through dicts alone (not a DTensor:
+    FSDP2's shards are each rank's own; nothing under a list, such as an optimizer's
+    param_groups: DCP may write a list whole, and one rank's copy would then lack what
+    another's has)."""
     from torch.distributed.tensor import DTensor
 
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(
-        obj, list) else ()
-    for k, v in items:
+    if not isinstance(obj, dict):
+        return
+    for k, v in obj.items():
         if isinstance(v, torch.Tensor):
-            if isinstance(obj, dict) and not isinstance(v, DTensor):
+            if not isinstance(v, DTensor):
                 out.append(((*path, k), v))
         else:
             _plain_tensors(v, (*path, k), out)

@@ -36,7 +36,9 @@ KNOBS = {"SPOTCTL_FT_JOIN_TIMEOUT_MS", "SPOTCTL_FT_HEARTBEAT_TIMEOUT_MS", "SPOTC
          # the cross-replica timeout (docs/concepts.md, docs/reference/spec.md)
          "SPOTCTL_FT_TIMEOUT_S",
          # the controller's address for an unset ssh_cidr (docs/getting-started/aws.md)
-         "SPOTCTL_CONTROLLER_ADDRESS"}
+         "SPOTCTL_CONTROLLER_ADDRESS",
+         # how periodic checkpoints are written (docs/concepts.md, docs/reference/spec.md)
+         "SPOTCTL_ASYNC_SAVE"}
 
 
 def _names(paths: list[Path]) -> set[str]:
