@@ -661,8 +661,8 @@ def _load_worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("ranks", ["alike", "odd"])
-def test_each_rank_stages_its_share_of_what_every_rank_holds(tmp_path, ranks):
+@pytest.mark.parametrize("ranks,load_world", [("alike", 3), ("odd", 1)])
+def test_each_rank_stages_its_share_of_what_every_rank_holds(tmp_path, ranks, load_world):
     """DCP writes a tensor every rank holds under one name from one rank; each rank of an
     async save copies only its share of them (about 1/world of a DDP state), and the
     checkpoint loads whole at another world size. Ranks that hold different tensors
@@ -677,10 +677,9 @@ def test_each_rank_stages_its_share_of_what_every_rank_holds(tmp_path, ranks):
         assert all(abs(g["staged"] - total / 2) <= largest for g in got), got
     else:
         assert got[0]["staged"] == total and got[1]["staged"] == total + 4000, got
-    for world in (1, 3):
-        spawn(_load_worker, world, root, str(out) + f"-load{world}")
-        for r in range(world):
-            assert json.loads(Path(f"{out}-load{world}.{r}").read_text())["same"], (world, r)
+    spawn(_load_worker, load_world, root, str(out) + "-load")
+    for r in range(load_world):
+        assert json.loads(Path(f"{out}-load.{r}").read_text())["same"], (load_world, r)
 
 
 def test_an_async_save_writes_without_a_cuda_call(tmp_path, monkeypatch):
