@@ -121,14 +121,20 @@ def test_a_wait_on_a_replica_that_stopped_heartbeating_fails_in_seconds(lighthou
         a.on = b.on = False
 
 
-def test_a_wait_only_the_watch_can_end_is_ended_by_it(lighthouse: Any) -> None:
-    """NCCL's case: the host blocks in the collective's own wait, which the watch ends
-    through on_gone (there, the group's abort; here, an event the wait is on)."""
+def _two_replicas(lighthouse: Any) -> tuple[Beats, Beats, threading.Event, Watch]:
+    """n1 (this replica) and n2 heartbeating, and n1's watch, whose on_gone sets the event."""
     a = Beats(lighthouse.address, "n1:aaa")
     b = Beats(lighthouse.address, "n2:bbb")
     aborted = threading.Event()
     w = Watch(lighthouse.address, "n1", lambda: ["n1:aaa", "n2:bbb"], lambda e: aborted.set(),
               after_s=0.5, poll_s=0.2, stale_s=1.0)
+    return a, b, aborted, w
+
+
+def test_a_wait_only_the_watch_can_end_is_ended_by_it(lighthouse: Any) -> None:
+    """NCCL's case: the host blocks in the collective's own wait, which the watch ends
+    through on_gone (there, the group's abort; here, an event the wait is on)."""
+    a, b, aborted, w = _two_replicas(lighthouse)
     try:
         with w.watching():
             b.on = False
@@ -147,11 +153,7 @@ def test_a_collective_the_stream_has_not_passed_keeps_the_watch_looking(lighthou
     standing for Event.query) until the stream has passed it. Passed, it is pruned and a
     replica that stops afterwards aborts nothing; not passed, that replica's silence
     aborts the group."""
-    a = Beats(lighthouse.address, "n1:aaa")
-    b = Beats(lighthouse.address, "n2:bbb")
-    aborted = threading.Event()
-    w = Watch(lighthouse.address, "n1", lambda: ["n1:aaa", "n2:bbb"], lambda e: aborted.set(),
-              after_s=0.5, poll_s=0.2, stale_s=1.0)
+    a, b, aborted, w = _two_replicas(lighthouse)
     try:
         passed = threading.Event()
         w.track(passed.is_set)
