@@ -45,16 +45,44 @@ MANAGER_BEAT_S = 0.05
 STEP_S = 0.05
 
 
+def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants (the head's Lighthouse runs in a child of its own)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            try:
+                todo.extend(int(c) for c in task.read_text().split())
+            except OSError:
+                pass
+    return out
+
+
 def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User and system seconds of `pid` and its descendants."""
+    total = 0.0
+    for p in _tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    """Resident memory of `pid` and its descendants."""
+    total = 0.0
+    for p in _tree(pid):
+        try:
+            text = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) / 1024
+    return total
 
 
 def _pct(vals: list[float], q: float) -> float:

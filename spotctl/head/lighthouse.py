@@ -107,15 +107,129 @@ class Lighthouse:
         self._server.shutdown()
 
 
-def start_lighthouse(host: str, port: int) -> Lighthouse | None:
+class LighthouseProcess:
+    """The head's Lighthouse: the same server and filter as `Lighthouse`, in a process of
+    their own. The filter parses every frame in Python; in the head's process it shared one
+    interpreter lock with the API's thread per request, and at 64 nodes (256 heartbeats a
+    second) a quorum took about twice what it took with the API idle (`scripts/bench
+    scale`). Its own process also lets the head start it again should it die (`alive`,
+    `restart`): on the same port, so the Managers reconnect to the address they have. It
+    exits when the head does (its stdin closes; and the kernel's parent-death signal)."""
+
+    def __init__(self, host: str, port: int = 0):
+        import importlib.util
+
+        for mod in ("torchft", "hpack"):
+            if importlib.util.find_spec(mod) is None:
+                raise ImportError(mod)
+        self.host = host
+        self.timing = LighthouseTiming.from_env()  # the child reads the same variables
+        self.port = port
+        self.inner_port = 0
+        self.restarts = 0
+        self._proc: Any = None
+        self._start()
+
+    def _start(self) -> None:
+        import json
+        import subprocess
+        import sys
+
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "spotctl.head.lighthouse", self.host, str(self.port)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, text=True,
+            env=dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn")))
+        line = self._proc.stdout.readline()
+        try:
+            info = json.loads(line)
+        except ValueError:
+            self._proc.kill()
+            self._proc.wait()
+            raise OSError(
+                f"the Lighthouse process did not start (exit {self._proc.returncode})") from None
+        self.port, self.inner_port = int(info["port"]), int(info["inner_port"])
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def restart(self) -> None:
+        """A new Lighthouse process on the same port (a quorum forms anew from the
+        Managers' next requests, as after a head restart)."""
+        self.stop()
+        self.restarts += 1
+        self._start()
+
+    @property
+    def address(self) -> str:
+        h = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{h}:{self.port}"
+
+    @property
+    def inner_address(self) -> str:
+        return f"http://127.0.0.1:{self.inner_port}"
+
+    @property
+    def refused(self) -> int:
+        """Connections the filter closed for what they sent (asked of the process)."""
+        if not self.alive():
+            return 0
+        self._proc.stdin.write("refused\n")
+        self._proc.stdin.flush()
+        return int(self._proc.stdout.readline() or 0)
+
+    def stop(self) -> None:
+        p = self._proc
+        if p is None:
+            return
+        try:
+            p.stdin.close()
+        except OSError:
+            pass
+        try:
+            p.wait(5)
+        except Exception:  # noqa: BLE001 - it is going either way
+            p.kill()
+            p.wait(5)
+
+
+def _serve_child(host: str, port: int) -> int:
+    """`python -m spotctl.head.lighthouse HOST PORT`: the Lighthouse and its filter; one JSON
+    line with the ports on stdout, then a count of refusals per `refused` line on stdin;
+    exits at stdin's end (the head closed it, or died)."""
+    import ctypes
+    import json
+    import signal
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s lighthouse %(message)s")
+    try:  # PR_SET_PDEATHSIG: a head killed outright takes this process with it
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    lh = Lighthouse(host, port)
+    print(json.dumps({"port": lh.port, "inner_port": lh.inner_port}), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "refused":
+            print(lh.refused, flush=True)
+    lh.stop()
+    return 0
+
+
+def start_lighthouse(host: str, port: int) -> LighthouseProcess | None:
     """The head's hook: a Lighthouse when asked for (port >= 0) and torchft is installed."""
     if port < 0:
         return None
     try:
-        lh = Lighthouse(host, port)
+        lh = LighthouseProcess(host, port)
     except ImportError:
         log.error("the spec asks for the torchft engine but torchft or hpack is not installed "
                   "on the head (pip install 'spotctl[train]')")
         return None
-    log.info("torchft lighthouse on %s (%s)", lh.address, lh.timing)
+    log.info("torchft lighthouse on %s (%s), process %s", lh.address, lh.timing, lh._proc.pid)
     return lh
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(_serve_child(sys.argv[1], int(sys.argv[2])))

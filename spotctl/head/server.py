@@ -718,6 +718,7 @@ class HeadServer:
             if time.time() - last_capacity >= 1.0:
                 last_capacity = time.time()
                 self._local_capacity()
+                self._lighthouse_alive()
             self._stop.wait(0.2)
         if self.rebalancer is not None:
             self.rebalancer.stop()
@@ -730,6 +731,21 @@ class HeadServer:
                 self.steps.save()
             except OSError:
                 pass
+
+    def _lighthouse_alive(self) -> None:
+        """The Lighthouse runs in a process of its own: should it die, it starts again on
+        its port (the Managers' next quorum requests find it there)."""
+        lh = self.lighthouse
+        if lh is None or lh.alive():
+            return
+        log.error("the Lighthouse process exited; starting it again on port %s", lh.port)
+        try:
+            lh.restart()
+        except OSError as e:
+            log.error("the Lighthouse did not start again: %s", e)
+            return
+        with self.lock:
+            self.coord.record("lighthouse-restarted", port=lh.port, restarts=lh.restarts)
 
     def _local_capacity(self) -> None:
         if self.reclaim is None:

@@ -115,3 +115,49 @@ def test_head_runs_the_lighthouse_only_when_asked(tmp_path: Path) -> None:
     finally:
         on.stop()
         t.join(10)
+
+
+@pytest.mark.skipif(not HAVE_FT, reason="torchft is not installed (the 'ft' extra)")
+def test_head_lighthouse_runs_apart_and_comes_back(tmp_path: Path) -> None:
+    """The head's Lighthouse (and its filter) run in a process of their own, so its quorums
+    do not wait on the API's threads for the interpreter lock; killed, it starts again on
+    the same port and a Manager's quorum request gets an answer there, and the journal
+    says so."""
+    import os
+    import signal
+    from datetime import timedelta
+
+    from torchft.coordination import LighthouseClient
+
+    from spotctl.head.server import HeadServer
+    from tests.conftest import wait_until
+
+    head = HeadServer(tmp_path / "h", "tok", with_store=False, lighthouse_port=0)
+    (tmp_path / "h").mkdir()
+    t = threading.Thread(target=head.serve, daemon=True)
+    t.start()
+
+    def quorum() -> int:
+        c = LighthouseClient(lh.address, connect_timeout=timedelta(seconds=5))
+        c.heartbeat("r0")
+        q = c.quorum(replica_id="r0", timeout=timedelta(seconds=10), address="a",
+                     store_address="s", step=1, world_size=1)
+        return len(q.participants)
+
+    try:
+        lh = head.lighthouse
+        assert lh is not None
+        first = lh._proc.pid
+        assert first != os.getpid()
+        assert quorum() == 1
+        port = lh.port
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: lh.alive() and lh._proc.pid != first, 30,
+                   "the head to start its Lighthouse again")
+        assert lh.port == port
+        assert quorum() == 1
+        assert any(e["type"] == "lighthouse-restarted" for e in head.coord.events)
+    finally:
+        head.stop()
+        t.join(10)
+    assert not lh.alive()
