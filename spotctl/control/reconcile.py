@@ -592,7 +592,7 @@ def _head_event(e: Any) -> tuple[int, float, str, dict[str, Any]] | None:
 _NUMERIC_EVENT_FIELDS = frozenset({
     "lost_steps", "resume_step", "checkpoint_step", "from_world_size", "to_world_size",
     "world_size", "notice_to_resume_s", "worker_spawned_after_s", "gen", "step",
-    "previous_seq", "silent_s", "count", "price",
+    "previous_seq", "silent_s", "count", "price", "replica_pause_s", "pause_s",
 })
 
 

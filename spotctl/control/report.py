@@ -91,6 +91,7 @@ def marks_of(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     """The events the plot marks. A hard loss is a node lost without a notice: one that
     went unresponsive and never came back, or that the provider no longer lists."""
     noticed: set[str] = set()
+    pauses = rescale_pauses(events)
     out: dict[str, list[dict[str, Any]]] = {k: [] for k in MARK_KINDS}
     for i, e in enumerate(events):
         t = e.get("type")
@@ -109,10 +110,30 @@ def marks_of(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
             out["rescale"].append({
                 "ts": e["ts"], "from": e.get("from_world_size"), "to": e.get("to_world_size"),
                 "reason": e.get("reason"), "lost_steps": e.get("lost_steps"),
-                "pause_s": e.get("notice_to_resume_s"),
+                "pause_s": pauses.get(i),
             })
         elif t == "join":
             out["join"].append({"ts": e["ts"], "node": node})
+    return out
+
+
+def rescale_pauses(events: list[dict[str, Any]]) -> dict[int, float | None]:
+    """Each rescale's pause (by its index in `events`): the head's own timing (notice_to_resume_s) when
+    it saw the cause, else the survivors' measure of their regroup (torchft: a join, or a
+    loss the head learnt of late), journaled with the rescale or in a later `pause` event
+    for the same incarnation; None when neither was measured."""
+    later = {e.get("incarnation"): e.get("pause_s") for e in events if e.get("type") == "pause"}
+    out: dict[int, float | None] = {}
+    for i, e in enumerate(events):
+        if e.get("type") != "rescale":
+            continue
+        got = None
+        for p in (e.get("notice_to_resume_s"), e.get("replica_pause_s"),
+                  later.get(e.get("incarnation")) if e.get("incarnation") else None):
+            if isinstance(p, (int, float)) and not isinstance(p, bool) and p >= 0:
+                got = float(p)
+                break
+        out[i] = got
     return out
 
 
@@ -151,12 +172,13 @@ def build(store: Store, name: str, now: float | None = None) -> Report:
     samples = [s for s in read_samples(store.cluster_dir(name).head_dir / SAMPLES_FILE)
                if start <= s["ts"] <= end]
 
+    pauses = rescale_pauses(events)
     world: list[tuple[float, int]] = []
-    for e in events:
+    for i, e in enumerate(events):
         if e["type"] == "train-start":
             world.append((e["ts"], int(e.get("world_size") or 0)))
         elif e["type"] == "rescale":
-            pause = float(e.get("notice_to_resume_s") or 0.0)
+            pause = pauses.get(i) or 0.0
             if world and pause > 0 and e["ts"] - pause > world[-1][0]:
                 world.append((e["ts"] - pause, 0))  # no step ran while the group re-formed
             world.append((e["ts"], int(e.get("to_world_size") or 0)))
@@ -174,8 +196,7 @@ def build(store: Store, name: str, now: float | None = None) -> Report:
                          if e["type"] in ("rescale", "regroup"))
     tot.pauses = len(rescales)
     # (a negative one, written by an older head, measured nothing either)
-    measured = [float(p) for p in (e.get("notice_to_resume_s") for e in rescales)
-                if isinstance(p, (int, float)) and p >= 0]
+    measured = [p for p in pauses.values() if p is not None]
     tot.pause_s = round(sum(measured), 3)
     tot.pauses_unmeasured = len(rescales) - len(measured)
     tot.notices = len(marks["notice"])

@@ -41,6 +41,7 @@ import hashlib
 import json
 import logging
 import os
+import statistics
 import sys
 import time
 from datetime import timedelta
@@ -522,6 +523,14 @@ class FtRun(Run):
         self.replica_rank: int | None = None
         self.failed_steps = 0
         self._quorum_seen: int | None = None
+        # the pause of the last regroup this replica went through, measured by itself:
+        # the gap between its last commit in the old quorum and its first in the new,
+        # less its usual step time then (a join's pause too, which the head cannot time:
+        # torchft regroups before the head learns why)
+        self.regroup_pause_s: float | None = None
+        self._last_commit_t: float | None = None
+        self._gaps: list[float] = []
+        self._regroup_from: tuple[float, float] | None = None
         # seconds the last next_step() waited for its (synchronous) quorum: the per-step
         # price of splitting each step's batch over its quorum (scripts/bench quorum)
         self.quorum_s = 0.0
@@ -879,6 +888,10 @@ class FtRun(Run):
             self.incarnation = f"ft-q{self._quorums.lighthouse_quorum_id}-{qid:012x}"
             self.resume_step = self.step
             self.first_step_at = None
+            if self._last_commit_t is not None:
+                usual = statistics.median(self._gaps) if self._gaps else 0.0
+                self._regroup_from = (self._last_commit_t, usual)
+            self._gaps = []
         if self.max_steps and self.step >= self.max_steps:  # healed to the end
             return False
         return True
@@ -1009,10 +1022,18 @@ class FtRun(Run):
             self.epoch += 1
             self.offset = 0
         self.loss = loss if loss is None or loss == loss else None
+        t = time.time()
         if self.first_step_at is None:
-            self.first_step_at = time.time()
+            self.first_step_at = t
             self.startup["first_step"] = round(self.first_step_at - self._t_ready, 3)
+            if self._regroup_from is not None:
+                since, usual = self._regroup_from
+                self.regroup_pause_s = round(max(0.0, t - since - usual), 3)
+                self._regroup_from = None
             self._report(force=True)
+        elif self._last_commit_t is not None:
+            self._gaps = [*self._gaps[-19:], t - self._last_commit_t]
+        self._last_commit_t = t
         # (every replica keeps the timer in step; replica 0 of the quorum saves)
         if self._save_now() and self.replica_rank == 0:
             self._save_due = self.step
@@ -1073,6 +1094,7 @@ class FtRun(Run):
             "epoch": self.epoch, "offset": self.offset,
             "startup": getattr(self, "startup", None), "engine": "torchft",
             "replicas": self.replicas, "failed_steps": self.failed_steps, "micro_batch": self.micro_batch,
+            "regroup_pause_s": self.regroup_pause_s,
             "manager": getattr(self, "manager_address", ""),
         }
         path = self.status_dir / f"worker-{self.local_rank}.json"

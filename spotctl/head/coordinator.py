@@ -56,6 +56,8 @@ class WorkerReport:
     # reported; the head's validation must pass both fields through)
     replicas: int = 0
     failed_steps: int | None = None
+    # torchft: the pause of the last regroup this replica went through, timed by itself
+    regroup_pause_s: float | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> WorkerReport:
@@ -151,6 +153,10 @@ class Coordinator:
         # reported and as already charged to a journaled regroup, by (node, pid, local rank)
         self._failed_seen: dict[tuple[str, int, int], int] = {}
         self._failed_charged: dict[tuple[str, int, int], int] = {}
+        # torchft: rescales journaled with no pause the head could time (a join, a loss it
+        # learnt of late), by incarnation: the first survivor's own measure of its regroup
+        # pause (WorkerReport.regroup_pause_s) is journaled as a `pause` event for it
+        self._pause_wanted: dict[str, float] = {}
         # A restarted head starts its generations from 0 again: agents reset theirs when
         # this id changes, so a new drain is never mistaken for an old one.
         self.head_id = f"{clock():.6f}"
@@ -441,6 +447,10 @@ class Coordinator:
     # -- worker reports and rescale accounting
     def _observe_worker(self, w: WorkerReport, now: float) -> None:
         self.last_ckpt = max(self.last_ckpt, w.last_ckpt)
+        if w.regroup_pause_s is not None and w.incarnation in self._pause_wanted:
+            del self._pause_wanted[w.incarnation]
+            self.record("pause", incarnation=w.incarnation, pause_s=w.regroup_pause_s,
+                        measured_by="replicas")
         inc = self.incarnation
         if inc is not None and w.incarnation == inc["id"]:
             self.max_step = max(self.max_step, w.step)
@@ -541,8 +551,22 @@ class Coordinator:
         pause = None if inferred or unseen else round(inc["first_step_at"] - cause.at, 3)
         if pause is not None and pause < 0:
             pause = None
+        replica_pause = None
+        if pause is None and ft:
+            # the survivors time their own regroup: the first one that reported it now,
+            # else the first that does later (a `pause` event for this incarnation)
+            replica_pause = next((w.regroup_pause_s for n in self.nodes.values()
+                                  for w in n.workers if w.incarnation == inc["id"]
+                                  and w.regroup_pause_s is not None), None)
+            if replica_pause is None:
+                self._pause_wanted[inc["id"]] = self.clock()
+                while len(self._pause_wanted) > 16:  # bounded: the oldest is given up
+                    del self._pause_wanted[min(self._pause_wanted,
+                                               key=lambda k: self._pause_wanted[k])]
         self.record(
             "rescale",
+            incarnation=inc["id"],
+            **({"replica_pause_s": replica_pause} if ft else {}),
             from_world_size=inc["prev_world"],
             to_world_size=inc["world_size"],
             reason=cause.reason,

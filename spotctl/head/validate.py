@@ -110,6 +110,11 @@ def worker(v: Any, i: int, max_world: int = MAX_GPUS) -> dict[str, Any]:
     # was thrown away (the coordinator's lost steps come from these counts)
     if v.get("replicas") is not None:
         out["replicas"] = _int(v["replicas"], f"{w}.replicas", 0, max_world)
+    if v.get("regroup_pause_s") is not None:
+        pause = _num(v["regroup_pause_s"], f"{w}.regroup_pause_s")
+        if pause is None or not 0 <= pause <= 1e6:
+            raise BadInput(f"{w}.regroup_pause_s must be seconds in [0, 1e6]")
+        out["regroup_pause_s"] = pause
     if v.get("failed_steps") is not None:
         out["failed_steps"] = _int(v["failed_steps"], f"{w}.failed_steps", 0, MAX_STEP)
     st = v.get("startup")

@@ -151,7 +151,19 @@ def test_notice_join_gcp_kill_cycle_on_torchft(local_cluster):
     hot(lambda: c.cli("preempt", "n1", "--name", "rescft", "--style", "aws"), "notice",
         ["n2", "n3"], (3, 2), leaver="n1")
     # 2. join: `up` adds n4, whose replica heals from a live peer while the others train
-    hot(lambda: c.cli("up", "--wait", "120"), "join", ["n2", "n3"], (2, 3))
+    joined = hot(lambda: c.cli("up", "--wait", "120"), "join", ["n2", "n3"], (2, 3))
+    # the head cannot time a join on torchft (the replicas regroup before it learns why):
+    # the survivors time their own pause, journaled with the rescale or just after it
+    from spotctl.control.report import rescale_pauses
+
+    def join_pause() -> float | None:
+        evs = c.events()
+        at = next(i for i, e in enumerate(evs) if e["type"] == "rescale"
+                  and e.get("incarnation") == joined["incarnation"])
+        return rescale_pauses(evs)[at]
+
+    pause = wait_until(join_pause, 30, "the survivors' own timing of the join's pause")
+    assert 0 <= pause < 30, pause
     # 3. GCP-style notice (30 s to hard stop): n2 leaves well inside the window (its
     # torchrun's exit, which the leave event waits for, took over 15 s in one CI run)
     hot(lambda: c.cli("preempt", "n2", "--name", "rescft", "--style", "gcp"), "notice",

@@ -367,3 +367,33 @@ def test_torchft_lost_steps_without_the_replicas_counts_are_unknown_or_the_resum
     hb(c, "a", workers=[w(0, "ft-q3", 14, ws=1, resume=13, first=clk.t)])
     ev = [e for e in c.events if e["type"] == "rescale"][-1]
     assert (ev["reason"], ev["lost_steps"]) == ("failure", 1), ev
+
+
+def test_torchft_join_pause_is_timed_by_the_survivors():
+    """A join on torchft is inferred (the replicas regroup before the head learns why), so
+    the head times no pause for it; the survivors time their own (the gap between their
+    last commit in the old quorum and their first in the new, less their usual step): the
+    rescale carries it when a survivor reported it already, else a `pause` event does once
+    one reports it, and `report` counts it as measured (issue 58: "1 not measured")."""
+    from spotctl.control.report import rescale_pauses
+
+    clk, c = training(["a", "b"], "ft-q1", 10, engine="torchft")
+    clk.t += 5
+    # the joiner is the new quorum's rank 0 and has no earlier quorum: nothing to time
+    hb(c, "new", workers=[w(0, "ft-q2", 11, ws=3, resume=11, first=clk.t)])
+    ev = [e for e in c.events if e["type"] == "rescale"][-1]
+    assert (ev["reason"], ev["cause_seen"]) == ("join", False)
+    assert ev["notice_to_resume_s"] is None and ev["replica_pause_s"] is None
+    assert rescale_pauses(c.events)[c.events.index(ev)] is None
+    hb(c, "a", workers=[w(1, "ft-q2", 11, ws=3, regroup_pause_s=0.42)])
+    hb(c, "b", workers=[w(2, "ft-q2", 11, ws=3, regroup_pause_s=0.44)])
+    pauses = [e for e in c.events if e["type"] == "pause"]
+    assert len(pauses) == 1, pauses  # the first survivor's, once
+    assert pauses[0]["incarnation"] == "ft-q2" and pauses[0]["pause_s"] == 0.42
+    assert rescale_pauses(c.events)[c.events.index(ev)] == 0.42
+    # a rescale whose survivor reported with its first step carries the pause itself
+    clk.t += 5
+    hb(c, "a", workers=[w(0, "ft-q3", 12, ws=2, resume=12, first=clk.t, regroup_pause_s=0.3)])
+    ev = [e for e in c.events if e["type"] == "rescale"][-1]
+    assert ev["to_world_size"] == 2 and ev["replica_pause_s"] == 0.3
+    assert rescale_pauses(c.events)[c.events.index(ev)] == 0.3

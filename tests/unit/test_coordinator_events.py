@@ -49,8 +49,8 @@ def notice_then_reform(
 def test_a_notice_rescale_event_whole() -> None:
     clk, c = notice_then_reform(startup_at=3.0)
     assert of(c, "rescale") == [{
-        "type": "rescale", "from_world_size": 3, "to_world_size": 2, "reason": "notice",
-        "cause_seen": True, "checkpoint_step": 52, "resume_step": 52, "lost_steps": 0,
+        "type": "rescale", "incarnation": "inc2", "from_world_size": 3, "to_world_size": 2,
+        "reason": "notice", "cause_seen": True, "checkpoint_step": 52, "resume_step": 52, "lost_steps": 0,
         "engine": "torchrun", "notice_to_resume_s": 8.0,
         "worker_start": {**STARTUP, "started_at": 1004.0},  # the notice at 1001, + 3 s
         "worker_spawned_after_s": 3.0,
