@@ -27,13 +27,43 @@ def test_new_project_without_spot_gpu_quota_is_blocked_with_the_metric(fake, spo
     assert checks["region"].ok and "4 zones" in checks["region"].detail
     q = checks["spot GPU quota"]
     assert not q.ok and q.blocking
-    assert "PREEMPTIBLE_NVIDIA_T4_GPUS 0, 0 in use (1 needed for gpus.min 1)" in q.detail
+    # no preemptible quota granted: Spot VMs count against the standard one
+    assert "NVIDIA_T4_GPUS 0, 0 in use (1 needed for gpus.min 1)" in q.detail
+    assert "PREEMPTIBLE_" not in q.detail
     assert checks["network"].ok
     assert checks["image (workers)"].ok and "disk >= 50 GB" in checks["image (workers)"].detail
     assert checks["image (head)"].ok and "debian-12" in checks["image (head)"].detail
     fake.region_quotas["PREEMPTIBLE_NVIDIA_T4_GPUS"] = 8
     fake.project_quotas["GPUS_ALL_REGIONS"] = 8
     assert {c.name: c for c in p.checks()}["spot GPU quota"].ok
+
+
+def test_spot_vms_use_standard_gpu_quota_unless_preemptible_quota_was_granted(
+    fake, spotctl_home
+):
+    """Compute Engine docs, "Allocation quotas" (preemptible quotas) and "Create and use
+    Spot VMs": Spot VMs consume preemptible quota where the project was granted some, and
+    standard quota otherwise; Compute Engine lists PREEMPTIBLE_* at limit 0 where none was
+    granted. The fake's inserts count the same way (gpu_quota on)."""
+    from spotctl.errors import QuotaError
+
+    p = GcpProvider(make_ctx(fake, spotctl_home, gpu="T4"))
+    fake.project_quotas["GPUS_ALL_REGIONS"] = 8
+    fake.region_quotas["NVIDIA_T4_GPUS"] = 8  # standard quota only
+    q = _checks(p)["spot GPU quota"]
+    assert q.ok, q
+    assert q.detail.startswith("NVIDIA_T4_GPUS 8, 0 in use"), q.detail
+    fake.gpu_quota = True
+    [offer] = [o for o in p.offers() if o.zone == "us-central1-a" and o.gpus == 1][:1]
+    assert p.launch(offer, 1, "r-standard")  # counted against the standard quota
+    assert fake.quota_usage["NVIDIA_T4_GPUS"] == 1
+    # a grant of preemptible quota takes over: 1 is less than gpus.min's 1 + what runs
+    fake.region_quotas["PREEMPTIBLE_NVIDIA_T4_GPUS"] = 1
+    fake.quota_usage["PREEMPTIBLE_NVIDIA_T4_GPUS"] = 1
+    q = _checks(p)["spot GPU quota"]
+    assert not q.ok and q.detail.startswith("PREEMPTIBLE_NVIDIA_T4_GPUS 1, 1 in use"), q.detail
+    with pytest.raises(QuotaError, match="PREEMPTIBLE_NVIDIA_T4_GPUS"):
+        p.launch(offer, 1, "r-preemptible")
 
 
 def test_gpu_network_names_each_machine_types_network_and_needs_an_image_with_gvnic(

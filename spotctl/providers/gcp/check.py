@@ -2,9 +2,12 @@
 
 This module owns `spotctl check --provider gcp`: one line each for credentials and the
 project (a disabled Compute Engine API, as on a new project, named with the command that
-enables it), the region, the Spot (preemptible) GPU quota of the region for the GPUs the
-spec wants (PREEMPTIBLE_NVIDIA_*_GPUS; GCP falls back to the regular GPU quota where a
-project has no preemptible one) and the project-wide GPUS_ALL_REGIONS, each as its limit
+enables it), the region, the GPU quota of the region that Spot VMs of the GPUs the spec
+wants count against: PREEMPTIBLE_NVIDIA_*_GPUS where the project was granted preemptible
+quota (its limit is above 0), else the standard NVIDIA_*_GPUS (Compute Engine docs,
+"Allocation quotas", preemptible quotas: Spot and preemptible VMs use preemptible quota
+where the project has it and standard quota otherwise; Compute Engine lists the
+PREEMPTIBLE_ metrics at 0 on a project without such a grant) and the project-wide GPUS_ALL_REGIONS, each as its limit
 minus usage against the cluster's gpus.min, the network the firewall rules go on, the worker and head
 images (and their minimum disk sizes), and the checkpoint bucket (reachable, to be
 created, or blocked).
@@ -149,7 +152,8 @@ class GcpChecks(GcpLaunch):
             if not metric:
                 continue
             spot = f"PREEMPTIBLE_{metric}"
-            used = spot if spot in quotas else metric
+            # Spot VMs count against preemptible quota only where it was granted
+            used = spot if quotas.get(spot, (0.0, 0.0))[0] > 0 else metric
             limit, usage = quotas.get(used, (0.0, 0.0))
             ok = limit - usage >= gpus and all_free >= gpus
             region_ok = region_ok or limit - usage >= gpus
