@@ -84,6 +84,10 @@ ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
         ("GET", "resourcePolicies.list", P + r"/regions/(?P<region>[^/]+)/resourcePolicies"),
         ("GET", "resourcePolicies.get",
          P + r"/regions/(?P<region>[^/]+)/resourcePolicies/(?P<name>[^/]+)"),
+        ("GET", "resourcePolicies.getIamPolicy",
+         P + r"/regions/(?P<region>[^/]+)/resourcePolicies/(?P<name>[^/]+)/getIamPolicy"),
+        ("POST", "resourcePolicies.setIamPolicy",
+         P + r"/regions/(?P<region>[^/]+)/resourcePolicies/(?P<name>[^/]+)/setIamPolicy"),
         ("DELETE", "resourcePolicies.delete",
          P + r"/regions/(?P<region>[^/]+)/resourcePolicies/(?P<name>[^/]+)"),
         ("GET", "regionOperations.get",
@@ -251,6 +255,8 @@ class FakeCompute:
         # counts against PREEMPTIBLE_<metric> where the project was granted it (limit > 0),
         # else against the standard metric (Compute Engine docs, "Allocation quotas").
         self.gpu_quota = False
+        # (region, policy name) -> the resource policy's own IAM policy (bindings, etag)
+        self.policy_iam: dict[tuple[str, str], dict[str, Any]] = {}
         self.pending_polls = 0
         self._by_request_id: dict[str, str] = {}
         self._ids = itertools.count(1000)
@@ -500,6 +506,22 @@ class FakeCompute:
             raise ApiError(404, "notFound", f"The resource 'projects/{project}/regions/{region}/"
                            f"resourcePolicies/{name}' was not found")
         return pol
+
+    def _resourcePolicies_getIamPolicy(self, project: str, region: str, name: str, **_: Any
+                                       ) -> dict[str, Any]:
+        self._resourcePolicies_get(project=project, region=region, name=name)
+        return dict(self.policy_iam.get((region, name)) or {"etag": "BwX0", "version": 1})
+
+    def _resourcePolicies_setIamPolicy(self, project: str, region: str, name: str,
+                                       body: dict[str, Any], **_: Any) -> dict[str, Any]:
+        self._resourcePolicies_get(project=project, region=region, name=name)
+        new = dict((body or {}).get("policy") or {})
+        have = self.policy_iam.get((region, name)) or {"etag": "BwX0"}
+        if new.get("etag") and new["etag"] != have.get("etag"):
+            raise ApiError(412, "conditionNotMet", "etag mismatch")
+        new["etag"] = f"BwX{int(have['etag'][3:] or 0) + 1}"
+        self.policy_iam[(region, name)] = new
+        return dict(new)
 
     def _resourcePolicies_list(self, project: str, region: str, **_: Any) -> dict[str, Any]:
         return {"kind": "compute#resourcePolicyList",

@@ -50,6 +50,11 @@ class _Failure:
     error: ProviderError | None = None
 
 
+# the role `up` grants the head's account on each compact placement policy (its own IAM
+# policy), for compute.resourcePolicies.use when the head inserts a replacement
+HEAD_POLICY_ROLE = "roles/compute.instanceAdmin.v1"
+
+
 class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
     """VMs of the cluster: list, launch, terminate."""
 
@@ -208,9 +213,9 @@ class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
         pending: builtins.list[tuple[str, Any]] = []
         failure = _Failure()
         _, compact = placement.network_for(offer.instance_type, offer.gpus, self.fast_network)
-        # the head ([rebalance] on_head) launches without one: IAM conditions cannot scope
-        # resource policies to this cluster, so its account gets none
-        policy = self._compact_policy(zone) if compact and names and not self._on_head else ""
+        # the head ([rebalance] on_head) uses the zone's policy the controller made, on
+        # which `up` let the head's account use it (it creates none)
+        policy = self._compact_policy(zone) if compact and names else ""
 
         def insert(name: str) -> Any:
             resource = self._instance_resource(
@@ -401,6 +406,14 @@ class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
         if got is not None and got.description != mine:
             raise SpecError(f"gcp: resource policy {name} exists but is not cluster "
                             f"{self.cluster}'s; delete it or pick another cluster name")
+        if self._on_head:
+            # the head's account may use the policy (`up` granted it on the policy
+            # itself) but not create one: a zone the controller never launched in
+            # gets its replacements without compact placement (their label says so)
+            if got is None:
+                return ""
+            self._policies[zone] = name
+            return url
         if got is None:
             pol = compute_v1.ResourcePolicy(
                 name=name, description=mine,
@@ -422,8 +435,30 @@ class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
                 err = self._wait(op, f"create resource policy {name}", None, region=region)
                 if err is not None:
                     raise err
+        if self.ctx.spec.head_rebalances:
+            self._let_head_use(region, name)
         self._policies[zone] = name
         return url
+
+    def _let_head_use(self, region: str, name: str) -> None:
+        """Let the head's account put its replacements in this policy: a binding on the
+        policy itself (resourcePolicies.setIamPolicy), so the grant reaches this one
+        policy and nothing else (an IAM condition on the project binding cannot name
+        resource policies). The role is the instance admin role the head holds on its
+        own workers, which includes compute.resourcePolicies.use."""
+        from google.cloud import compute_v1
+
+        member = f"serviceAccount:{self.head_account}"
+        get = partial(self.clients.resource_policies.get_iam_policy, project=self.project,
+                      region=region, resource=name, retry=None)
+        pol = self._call(f"read the IAM policy of resource policy {name}", get)
+        if any(b.role == HEAD_POLICY_ROLE and member in b.members for b in pol.bindings):
+            return
+        pol.bindings.append(compute_v1.Binding(role=HEAD_POLICY_ROLE, members=[member]))
+        req = compute_v1.RegionSetPolicyRequest(policy=pol)
+        self._call(f"let the head use resource policy {name}", partial(
+            self.clients.resource_policies.set_iam_policy, project=self.project,
+            region=region, resource=name, region_set_policy_request_resource=req, retry=None))
 
     def _list_policies(self) -> builtins.list[Any]:
         """The cluster's placement policies in its region."""
