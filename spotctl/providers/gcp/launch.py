@@ -452,6 +452,7 @@ class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
         get = partial(self.clients.resource_policies.get_iam_policy, project=self.project,
                       region=region, resource=name, retry=None)
         pol = self._call(f"read the IAM policy of resource policy {name}", get)
+        assert pol is not None
         if any(b.role == HEAD_POLICY_ROLE and member in b.members for b in pol.bindings):
             return
         pol.bindings.append(compute_v1.Binding(role=HEAD_POLICY_ROLE, members=[member]))
