@@ -22,7 +22,7 @@ def test_new_project_without_spot_gpu_quota_is_blocked_with_the_metric(fake, spo
     checks = {c.name: c for c in p.checks()}
     assert list(checks) == ["credentials", "region", "spot GPU quota", "network",
                             "SSH login", "GPU network", "image (workers)", "image (head)",
-                            "checkpoint bucket"]  # fmt: skip
+                            "launch request", "checkpoint bucket"]  # fmt: skip
     assert checks["credentials"].ok and PROJECT in checks["credentials"].detail
     assert checks["region"].ok and "4 zones" in checks["region"].detail
     q = checks["spot GPU quota"]
@@ -194,3 +194,41 @@ def test_a_worker_image_whose_torch_and_driver_are_too_old_blocks(fake, spotctl_
     # the default image: nothing to say
     img = _checks(GcpProvider(make_ctx(fake, spotctl_home)))["image (workers)"]
     assert img.ok and img.detail == "pytorch-2-9-cu129-ubuntu-2404-nvidia-580-v20251105 (disk >= 50 GB)"
+
+
+def test_check_shows_the_insert_up_would_send_and_up_dry_run_the_same(
+    fake, spotctl_home, tmp_path, monkeypatch
+):
+    """One launch request, two uses, as far as the Compute API allows (it has no dry run
+    for instances.insert): `check` builds the insert body of the first plan's launch with
+    `up`'s own code, and `up --dry-run --json` shows the same body."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from spotctl.cli.app import app
+
+    monkeypatch.setenv("SPOTCTL_GCP_ENDPOINT", fake.endpoint)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "spotctl.toml").write_text(
+        'name = "a2check"\nprovider = "gcp"\ngpus = "1..1"\n'
+        f'[gcp]\nproject = "{PROJECT}"\nregion = "us-central1"\nzones = ["us-central1-a"]\n'
+        'machine_types = ["a2-highgpu-1g"]\nssh_cidr = "198.51.100.7/32"\n')
+    up = CliRunner().invoke(app, ["up", "--dry-run", "--json"])
+    assert up.exit_code == 0, up.output
+    (launch,) = json.loads(up.stdout)["actions"]
+    sent = launch["request"]
+    checked = CliRunner().invoke(app, ["check", "--provider", "gcp", "--json"])
+    line = {c["name"]: c for c in json.loads(checked.stdout)["checks"]}["launch request"]
+    assert line["ok"], line
+    assert line["data"]["request"] == sent
+    inst = sent["instance"]
+    assert inst["labels"]["spotctl-cluster"] == "a2check"
+    assert inst["scheduling"]["provisioningModel"] == "SPOT"
+    assert inst["resourcePolicies"] == [
+        f"projects/{PROJECT}/regions/us-central1/resourcePolicies/spotctl-a2check-us-central1-a"]
+    assert inst["networkInterfaces"][0]["nicType"] == "GVNIC"
+    assert inst["serviceAccounts"][0]["email"].startswith("spotctl-")
+    # nothing was made: no VM, no policy, no key
+    assert not fake.calls("instances.insert") and not fake.calls("resourcePolicies.insert")

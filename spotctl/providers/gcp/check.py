@@ -15,9 +15,10 @@ created, or blocked).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
-from spotctl.errors import AuthError, ProviderError, SpecError
+from spotctl.errors import AuthError, ProviderError, SpecError, SpotctlError
 from spotctl.providers.checks import Check, run_check
 from spotctl.providers.gcp import placement
 from spotctl.providers.gcp.launch import GcpLaunch
@@ -55,8 +56,36 @@ class GcpChecks(GcpLaunch):
         out.append(run_check("image (workers)",
                              lambda: self._check_image(self.spec.image, workers=True)))
         out.append(run_check("image (head)", lambda: self._check_image(self.spec.head_image)))
+        out.append(self._check_launch())
         out.append(run_check("checkpoint bucket", self._check_bucket))
         return out
+
+    def _check_launch(self) -> Check:
+        """The instances.insert body `up` would send for the first plan's launch (the same
+        code: preview), for the spec's cluster name. Compute Engine has no dry run for an
+        insert, so what can be checked is checked above (image, disk, NIC, quota); whether
+        the identity may insert it (IAM, conditions) only a real insert says."""
+        name = "launch request"
+        try:
+            first = self.ctx.options.get("first_launch")
+            pick = first(self.offers()) if callable(first) else None
+            if pick is None:
+                return Check(name, False, "the first plan launches nothing here (no offer "
+                             "fits the spec), so no request to show", blocking=False)
+            offer, count = pick
+            twin = type(self)(replace(self.ctx, cluster=self.ctx.spec.name))
+            req = twin.preview(offer, count)
+        except SpotctlError as e:
+            return Check(name, False, " ".join(str(e).split()))
+        inst = req["instance"]
+        return Check(name, True, (
+            f"the first plan's {count} x {offer.instance_type} (spot) in {offer.zone}: "
+            f"{len(inst.get('networkInterfaces', []))} NIC "
+            f"({inst['networkInterfaces'][0].get('nicType', 'VirtIO')}), "
+            + ("compact placement" if inst.get("resourcePolicies") else "no placement policy")
+            + ", runs as " + inst["serviceAccounts"][0]["email"]
+            + " (no dry run for an insert: IAM is judged by the first real one)"),
+            blocking=False, data={"request": req})
 
     def _check_bucket(self) -> str:
         """One line: the bucket is reachable, will be created, or what blocks it."""

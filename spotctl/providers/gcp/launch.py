@@ -10,6 +10,7 @@ boot disk, NIC, metadata, the workers' service account); and `terminate` / delet
 from __future__ import annotations
 
 import builtins
+import json
 import random
 import time
 import uuid
@@ -199,6 +200,38 @@ class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
                 f"in {', '.join(exhausted) or offer.zone}" + (f" ({last})" if last else "")
             )
         return launched
+
+    def preview(self, offer: Offer, count: int) -> dict[str, Any]:
+        """The instances.insert body `launch(offer, count, ...)` sends for its first VM,
+        built by the same code and made as a dry run (nothing created: the request id is
+        a placeholder, the compact placement policy is named as `up` would make it, the
+        cluster's SSH key shown as a placeholder until `up` makes it). What `check` shows
+        and `up --dry-run --json` shows: the Compute API has no dry run for an insert."""
+        from google.cloud import compute_v1
+
+        zone = offer.zone
+        _, compact = placement.network_for(offer.instance_type, offer.gpus, self.fast_network)
+        policy = ""
+        if compact:
+            region = zone.rsplit("-", 1)[0]
+            policy = (f"projects/{self.project}/regions/{region}/resourcePolicies/"
+                      f"{placement.policy_name(self.cluster, zone)}")
+        priv = self._key_path()
+        pub = priv.with_suffix(".pub")
+        saved = self.ctx.options.get("ssh_public_key")
+        if not saved:
+            self.ctx.options["ssh_public_key"] = (
+                pub.read_text() if pub.exists() else "(the cluster's SSH key, made by up)")
+        try:
+            res = self._instance_resource(
+                name=instance_name(self.cluster, "preview", 0), zone=zone,
+                machine_type=offer.instance_type, role="worker", rid="preview", spot=True,
+                accel=self._guest_accelerator(offer), gpus=offer.gpus, policy=policy)
+        finally:
+            if not saved:
+                self.ctx.options.pop("ssh_public_key", None)
+        body: dict[str, Any] = json.loads(compute_v1.Instance.to_json(res))
+        return {"zone": zone, "count": count, "instance": body}
 
     def _insert_in_zone(
         self, zone: str, offer: Offer, names: builtins.list[str], rid: str, attempt: int = 1
