@@ -60,7 +60,10 @@ def register(app: typer.Typer) -> None:
                             offer = _offer_of(res.plan, la)
                             la["network"] = network_of(spec, offer)
                             if hasattr(provider, "preview"):  # the request `up` would send
-                                la["request"] = jsonable(provider.preview(offer, la["count"]))
+                                try:
+                                    la["request"] = jsonable(provider.preview(offer, la["count"]))
+                                except SpotctlError as err:  # e.g. no image: `check` says
+                                    la["request_error"] = " ".join(str(err).split())
                 return print_json(out)
             con = console()
             if not res.plan.actions:
