@@ -42,7 +42,8 @@ def test_zero_spot_quota_blocks_with_the_quota_codes(
     p = make_provider(instance_types=["g5.xlarge", "p4d.24xlarge"],
                       options={"service_quotas_endpoint_url": quotas.url})  # fmt: skip
     checks = {c.name: c for c in p.checks()}
-    assert list(checks) == ["credentials", "region", "spot GPU quota", "network",
+    assert list(checks) == ["credentials", "region", "spot GPU quota", "Elastic IP quota",
+                            "network",
                             "GPU network", "image (workers)", "image (head)", "launch (dry run)",
                             "checkpoint bucket"]  # fmt: skip
     assert checks["checkpoint bucket"].ok
@@ -59,6 +60,17 @@ def test_zero_spot_quota_blocks_with_the_quota_codes(
     assert "\n" not in q.detail
     quotas.values["L-3819A6DF"] = 100_000.0
     assert {c.name: c for c in p.checks()}["spot GPU quota"].ok
+    # p4d nodes (4 EFA interfaces) each hold an Elastic IP: unread, then read
+    eip = checks["Elastic IP quota"]
+    assert not eip.ok and not eip.blocking and "L-0263D0A3): unreadable" in eip.detail
+    quotas.values["L-0263D0A3"] = 0.0
+    eip = {c.name: c for c in p.checks()}["Elastic IP quota"]
+    # g5.xlarge needs none, so it warns; with p4d alone it would block
+    assert not eip.ok and not eip.blocking, eip
+    assert re.search(r"L-0263D0A3\): 0, \d+ allocated; gpus.min 1 on p4d.24xlarge needs 1",
+                     eip.detail), eip.detail
+    quotas.values["L-0263D0A3"] = 10_000.0
+    assert {c.name: c for c in p.checks()}["Elastic IP quota"].ok
 
 
 def test_gpu_network_names_each_types_network_as_ec2_describes_it(

@@ -96,6 +96,8 @@ def quota_family(instance_type: str) -> str:
     if family.startswith("p5"):
         return "p5"
     return family[:1] if family[:1] in ("g", "p") else ""
+# Elastic IPs per region (5 by default): one per running node with several EFA interfaces
+ELASTIC_IP_QUOTA = ("L-0263D0A3", "EC2-VPC Elastic IPs")
 ON_DEMAND_STANDARD_QUOTA = ("L-1216C47A", "Running On-Demand Standard instances")
 THROTTLE_CODES = frozenset(
     {

@@ -19,7 +19,12 @@ from typing import Any
 
 from spotctl.errors import AuthError, ProviderError, SpecError, SpotctlError
 from spotctl.providers.aws import efa
-from spotctl.providers.aws.api import SPOT_QUOTA_CODES, error_code, quota_family
+from spotctl.providers.aws.api import (
+    ELASTIC_IP_QUOTA,
+    SPOT_QUOTA_CODES,
+    error_code,
+    quota_family,
+)
 from spotctl.providers.aws.launch import AwsLaunch
 from spotctl.providers.aws.offers import AwsOffers
 from spotctl.providers.checks import Check, jsonable, run_check
@@ -35,6 +40,9 @@ class AwsChecks(AwsOffers, AwsLaunch):
             return out  # every other call would fail the same way
         out.append(run_check("region", self._check_region))
         out.append(self._check_spot_quota())
+        eips = self._check_elastic_ips()
+        if eips is not None:
+            out.append(eips)
         out.append(run_check("network", self._check_network))
         out.append(run_check("GPU network", self._check_gpu_network))
         image = run_check("image (workers)", lambda: self._check_image("worker"))
@@ -159,6 +167,44 @@ class AwsChecks(AwsOffers, AwsLaunch):
             False,
             detail + " -- ask for more in the Service Quotas console (EC2, these codes)",
         )
+
+    def _check_elastic_ips(self) -> Check | None:
+        """Elastic IPs left (quota minus those allocated) for gpus.min on the wanted types
+        launched with several EFA interfaces, each node of which holds one (efa.py);
+        None when no such type is wanted."""
+        name = "Elastic IP quota"
+        try:
+            types = self._describe_types(self._wanted_types(), strict=False)
+        except (ProviderError, SpecError):
+            return None
+        want = max(1, self.ctx.spec.gpus.min)
+        nodes: dict[str, int] = {}
+        for t, info in types.items():
+            gpus = sum(int(g.get("Count", 0))
+                       for g in (info.get("GpuInfo") or {}).get("Gpus") or [])
+            if self.fast_network and gpus and efa.elastic_ip(t, efa.efa_count(t)):
+                nodes[t] = -(-want // gpus)
+        if not nodes:
+            return None
+        itype, need = min(nodes.items(), key=lambda kv: (kv[1], kv[0]))
+        only = len(nodes) == len(types)  # every wanted type needs them
+        code, title = ELASTIC_IP_QUOTA
+        quotas = self._client(
+            "service-quotas", str(self.ctx.options.get("service_quotas_endpoint_url") or ""))
+        try:
+            used = len(self._call(f"count Elastic IPs in {self.region}",
+                                  self.ec2.describe_addresses).get("Addresses", []))
+            value = float(self._call(f"read quota {code}", quotas.get_service_quota,
+                                     ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"])
+        except ProviderError as e:
+            return Check(name, False, f"{title} ({code}): unreadable ({error_code(e) or e}); "
+                         f"gpus.min {want} on {itype} needs {need}", blocking=False)
+        detail = (f"{title} ({code}): {value:g}, {used} allocated; gpus.min {want} on "
+                  f"{itype} needs {need} (one per node with several EFA interfaces)")
+        if value - used >= need:
+            return Check(name, True, detail)
+        return Check(name, False, detail + " -- ask for more in the Service Quotas console "
+                     "(EC2, this code)", blocking=only)
 
     def _check_launch(self) -> Check:
         """RunInstances with DryRun of the request `up` would send first: the first plan's
