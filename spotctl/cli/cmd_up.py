@@ -50,11 +50,20 @@ def register(app: typer.Typer) -> None:
 
             res = reconcile.reconcile(store, spec, dry_run=True)
             if json_out:
+                from spotctl.providers.checks import jsonable
+
                 out = res.to_json()
+                provider = reconcile.provider_for(store, spec, None)
                 for a in out.get("actions", []):  # each launch names its nodes' network
                     for la in [a, *a.get("launches", [])]:
                         if la.get("instance_type"):
-                            la["network"] = network_of(spec, _offer_of(res.plan, la))
+                            offer = _offer_of(res.plan, la)
+                            la["network"] = network_of(spec, offer)
+                            if hasattr(provider, "preview"):  # the request `up` would send
+                                try:
+                                    la["request"] = jsonable(provider.preview(offer, la["count"]))
+                                except SpotctlError as err:  # e.g. no image: `check` says
+                                    la["request_error"] = " ".join(str(err).split())
                 return print_json(out)
             con = console()
             if not res.plan.actions:
@@ -153,7 +162,8 @@ def _offer_of(plan: Any, d: dict[str, Any]) -> Any:
     for act in plan.actions:
         for a in (*act.launches, act):
             o = a.offer
-            if o is not None and (o.instance_type, o.zone, o.provider) == (
-                    d.get("instance_type"), d.get("zone"), d.get("provider")):
+            if o is not None and (o.instance_type, o.zone, o.provider, o.placement) == (
+                    d.get("instance_type"), d.get("zone"), d.get("provider"),
+                    d.get("placement", "")):
                 return o
     raise KeyError(d.get("instance_type"))

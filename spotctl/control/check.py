@@ -36,13 +36,28 @@ def check_account(
             cluster=CHECK_CLUSTER,
             spec=spec,
             cluster_dir=store.cluster_dir(CHECK_CLUSTER),
-            options=dict(options or {}),
+            options={"first_launch": lambda offers: first_launch(spec, offers),
+                     **(options or {})},
         )
         checks: list[Check] = get_provider(provider, ctx).checks()  # type: ignore[attr-defined]
     finally:
         store.close()
     return [*checks, run_check("storage extra", lambda: storage_extra(provider, spec)),
             run_check("ssh_cidr", lambda: ssh_cidr_line(spec, lookup)[1])]
+
+
+def first_launch(spec: ClusterSpec, offers: list[Any]) -> tuple[Any, int] | None:
+    """(offer, count) of the first launch of a new cluster's first plan (what `up` would
+    launch first, as `up --dry-run` shows it), None when that plan launches nothing."""
+    import time
+
+    from spotctl.control.planner import Observed, plan
+
+    for act in plan(spec, Observed(), offers, {}, time.time()).actions:
+        for la in (act.launches if act.type == "move" else (act,)):
+            if la.offer is not None and la.count > 0:
+                return la.offer, la.count
+    return None
 
 
 DEFAULT_SCHEME = {"aws": "s3", "gcp": "gs"}

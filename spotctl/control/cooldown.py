@@ -20,6 +20,9 @@ Rules (cool-downs rank, they do not forbid):
 - A successful launch in a zone resets its back-off (k = 0) and its cap, and a cool-down
   that ran out without a new error forgets both.
 - A preemption sets no back-off: capacity that comes back is used at the next reconcile.
+- Events that name a `placement` (a launch into one placement group of the zone) are kept
+  under zone/placement (Offer.slot): a full placement group backs off alone, and the
+  zone's other placements stay usable.
 """
 
 from __future__ import annotations
@@ -46,9 +49,11 @@ class ZoneCooldowns:
 
     def offers(self, offers: Sequence[Offer]) -> list[Offer]:
         """`offers` with each capped zone's availability lowered to its cap."""
+        from spotctl.control.planner import with_placements
+
         out = []
-        for o in offers:
-            cap = self.caps.get(o.zone)
+        for o in with_placements(offers):
+            cap = self.caps.get(o.slot, self.caps.get(o.zone))
             if cap is not None and (o.available is None or o.available > cap):
                 o = replace(o, available=cap)
             out.append(o)
@@ -86,6 +91,8 @@ def zone_cooldowns(
         zone, ts, typ = ev.get("zone"), float(ev["ts"]), ev["type"]
         if not zone or ts > now:
             continue
+        if ev.get("placement"):  # a launch into one placement of the zone (Offer.slot)
+            zone = f"{zone}/{ev['placement']}"
         if typ == "launch":
             failures.pop(zone, None)
             retry.pop(zone, None)

@@ -20,6 +20,13 @@ randomness (same input, same plan). Every action carries a reason. Rules, in ord
    the $/h saving reaches `spec.rebalance.replace_saving_pct` (launch new, then drain
    old). At most one drain per plan, and none while a drain is in progress.
 
+Placements: an offer that lists placement choices (base.Offer.placements: on AWS, an EFA
+type's cluster placement group of the zone, a second group, none) stands for one offer per
+choice, ranked in that order at the same price. Capacity errors back off the choice they
+happened in (`blocked` keyed by `Offer.slot`, zone/placement), so launches go to the next
+choice and the plan says so in a note; when the first one's back-off ends it ranks first
+again, and launches go back to it. Such an error does not cool the zone down.
+
 Cool-downs rank, they do not forbid. Zones with `cooling[zone] > now` (a preemption or a
 capacity error there recently) are tried last: only when the other offers cannot reach
 the target, and never for a replacement. Zones with `blocked[zone] > now` are not
@@ -40,7 +47,7 @@ import math
 import operator
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from spotctl.providers.base import Offer
@@ -130,6 +137,8 @@ class Action:
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"type": self.type, "reason": self.reason}
         if self.offer is not None:
+            if self.offer.placement:
+                d["placement"] = self.offer.placement
             d.update(
                 provider=self.offer.provider,
                 region=self.offer.region,
@@ -191,10 +200,28 @@ def offer_rank(o: Offer) -> tuple[float, int, str, str]:
     return (round(o.price_per_gpu_hour, 6), band, o.zone, o.instance_type)
 
 
+def with_placements(offers: Sequence[Offer]) -> list[Offer]:
+    """One offer per placement choice of each offer that lists several (base.Offer:
+    AWS EFA types, the zone's placement group, a second one, none); others as they are."""
+    out: list[Offer] = []
+    for o in offers:
+        if o.placements and not o.placement:
+            out += [replace(o, placement=p) for p in o.placements]
+        else:
+            out.append(o)
+    return out
+
+
+def _placement_rank(o: Offer) -> int:
+    """0 for the first placement choice (or an offer without any), then its position."""
+    return o.placements.index(o.placement) if o.placement in o.placements else 0
+
+
 def _total_rank(o: Offer) -> tuple[Any, ...]:
     """offer_rank made total, so the order of `offers` never changes the plan."""
     return (
         *offer_rank(o),
+        _placement_rank(o),
         o.spot_price,
         o.gpus,
         o.provider,
@@ -215,6 +242,7 @@ def _usable(offers: Sequence[Offer], blocked: Mapping[str, float], now: float) -
             and o.spot_price >= 0
             and (o.available is None or o.available > 0)
             and blocked.get(o.zone, -math.inf) <= now
+            and blocked.get(o.slot, -math.inf) <= now
         ),
         key=_total_rank,
     )
@@ -526,6 +554,7 @@ def plan(
     only. Either choice is that of the nodes running (the most-held one, if a cluster
     mixes them), else the one whose plan reaches the most GPUs, then costs least."""
     by_zone = spec.provider != "ssh" and not spec.placement.spread_zones
+    offers = with_placements(offers)
 
     def sized(offs: Sequence[Offer]) -> Plan:
         def one(g: int) -> Plan:
@@ -717,6 +746,14 @@ def _plan(
                     out.region = target_region
                     out.gpus_after, out.usd_per_hour_after = f.gpus, f.cost
                     return out
+        for a in out.launches:
+            lo_ = a.offer
+            if lo_ is not None and lo_.placement and _placement_rank(lo_) > 0:
+                o, first = lo_, lo_.placements[0]
+                out.notes.append(
+                    f"placement {first} in {o.zone} is backing off after capacity errors: "
+                    f"{o.instance_type} launches with placement {o.placement} instead, and "
+                    f"back in {first} once its back-off ends")
         late = sorted(
             {a.offer.zone for a in out.launches if a.offer and a.offer.zone in cool_zones}
         )

@@ -383,10 +383,11 @@ def _launch(store: Store, spec: ClusterSpec, provider: Any, act: Any, head: Head
         (cdir.path / "launch-intent.json").unlink(missing_ok=True)
         store.add_event(spec.name, "capacity-error", {
             "zone": act.offer.zone, "instance_type": act.offer.instance_type, "count": act.count,
-            "error": str(e)})
+            "error": str(e), **({"placement": act.offer.placement} if act.offer.placement
+                                else {})})
         result.errors.append(str(e))
         return False
-    _journal_launch(store, spec, insts, act.reason, req)
+    _journal_launch(store, spec, insts, act.reason, req, act.offer.placement)
     (cdir.path / "launch-intent.json").unlink(missing_ok=True)
     result.launched.extend(insts)
     if hasattr(provider, "bootstrap") and insts:
@@ -430,12 +431,13 @@ def _stop_nodes(store: Store, spec: ClusterSpec, provider: Any, ids: list[str], 
 
 
 def _journal_launch(store: Store, spec: ClusterSpec, insts: list[Instance], reason: str,
-                    req: str) -> None:
+                    req: str, placement: str = "") -> None:
     for inst in insts:
         store.upsert_node(_row(inst, spec.name, spec.provider))
         store.add_event(spec.name, "launch", {
             "node": inst.id, "zone": inst.zone, "instance_type": inst.instance_type,
             "gpus": inst.gpus, "price": inst.price, "request_id": req, "reason": reason,
+            **({"placement": placement} if placement else {}),
         })
 
 
@@ -449,7 +451,8 @@ def _resume_intent(store: Store, spec: ClusterSpec, provider: Any, result: Recon
 
     try:
         intent = json.loads(p.read_text())
-        offer = Offer(**intent["offer"])
+        raw = dict(intent["offer"])
+        offer = Offer(**{**raw, "placements": tuple(raw.get("placements") or ())})
         if not isinstance(intent["request_id"], str) or int(intent["count"]) < 1:
             raise ValueError("bad request_id or count")
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -465,7 +468,8 @@ def _resume_intent(store: Store, spec: ClusterSpec, provider: Any, result: Recon
     except SpotctlError as e:
         result.errors.append(f"replaying interrupted launch: {e}")
         insts = []
-    _journal_launch(store, spec, insts, intent.get("reason", "resume"), intent["request_id"])
+    _journal_launch(store, spec, insts, intent.get("reason", "resume"), intent["request_id"],
+                    offer.placement)
     p.unlink(missing_ok=True)
     result.launched.extend(insts)
 

@@ -39,10 +39,23 @@ class Offer:
     gpu_memory_gib: float = 0.0  # per GPU
     # Instances purchasable now (e.g. a local capacity schedule); None when unknown.
     available: int | None = None
+    # Where in the zone a launch goes, for providers that place nodes in groups (AWS EFA
+    # types: "group-1" the cluster's placement group, "group-2" a second one, "none");
+    # "" where the provider does not say. `placements` lists the choices in order of
+    # preference on an offer as the provider lists it; the planner turns it into one
+    # offer per choice (planner.with_placements) and falls back along it after capacity
+    # errors, as it backs off from a zone (`slot` is what the back-off is keyed by).
+    placement: str = ""
+    placements: tuple[str, ...] = ()
 
     @property
     def price_per_gpu_hour(self) -> float:
         return self.spot_price / self.gpus if self.gpus else float("inf")
+
+    @property
+    def slot(self) -> str:
+        """The zone, or zone/placement: what capacity errors and back-offs are kept by."""
+        return f"{self.zone}/{self.placement}" if self.placement else self.zone
 
     @property
     def savings_pct(self) -> float | None:
@@ -52,6 +65,8 @@ class Offer:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        if not self.placements and not self.placement:  # a provider without placements
+            del d["placement"], d["placements"]
         d["price_per_gpu_hour"] = round(self.price_per_gpu_hour, 6)
         d["savings_pct"] = None if self.savings_pct is None else round(self.savings_pct, 2)
         return d

@@ -21,9 +21,21 @@ class Check:
     ok: bool
     detail: str  # one line: what was found, or what is wrong and what to do
     blocking: bool = True  # a failure here stops `up`; False: a warning
+    # what the check looked at, for --json (the launch check: the request it DryRan)
+    data: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        if d["data"] is None:
+            del d["data"]
+        return d
+
+
+def jsonable(value: Any) -> Any:
+    """A request as JSON would carry it (tuples as lists, everything else as str)."""
+    import json
+
+    return json.loads(json.dumps(value, default=str))
 
 
 def run_check(name: str, fn: Callable[[], str], blocking: bool = True) -> Check:

@@ -42,13 +42,14 @@ def test_zero_spot_quota_blocks_with_the_quota_codes(
     p = make_provider(instance_types=["g5.xlarge", "p4d.24xlarge"],
                       options={"service_quotas_endpoint_url": quotas.url})  # fmt: skip
     checks = {c.name: c for c in p.checks()}
-    assert list(checks) == ["credentials", "region", "spot GPU quota", "network",
+    assert list(checks) == ["credentials", "region", "spot GPU quota", "Elastic IP quota",
+                            "network",
                             "GPU network", "image (workers)", "image (head)", "launch (dry run)",
                             "checkpoint bucket"]  # fmt: skip
     assert checks["checkpoint bucket"].ok
     assert checks["credentials"].ok and "account 123456789012" in checks["credentials"].detail
     assert checks["region"].ok and checks["network"].ok and checks["image (workers)"].ok
-    assert checks["launch (dry run)"].ok and "g5.xlarge" in checks["launch (dry run)"].detail
+    assert checks["launch (dry run)"].ok and "would be allowed" in checks["launch (dry run)"].detail
     q = checks["spot GPU quota"]
     assert not q.ok and q.blocking
     # (vCPUs in use: whatever spot instances other tests left in this session's moto)
@@ -59,6 +60,17 @@ def test_zero_spot_quota_blocks_with_the_quota_codes(
     assert "\n" not in q.detail
     quotas.values["L-3819A6DF"] = 100_000.0
     assert {c.name: c for c in p.checks()}["spot GPU quota"].ok
+    # p4d nodes (4 EFA interfaces) each hold an Elastic IP: unread, then read
+    eip = checks["Elastic IP quota"]
+    assert not eip.ok and not eip.blocking and "L-0263D0A3): unreadable" in eip.detail
+    quotas.values["L-0263D0A3"] = 0.0
+    eip = {c.name: c for c in p.checks()}["Elastic IP quota"]
+    # g5.xlarge needs none, so it warns; with p4d alone it would block
+    assert not eip.ok and not eip.blocking, eip
+    assert re.search(r"L-0263D0A3\): 0, \d+ allocated; gpus.min 1 on p4d.24xlarge needs 1",
+                     eip.detail), eip.detail
+    quotas.values["L-0263D0A3"] = 10_000.0
+    assert {c.name: c for c in p.checks()}["Elastic IP quota"].ok
 
 
 def test_gpu_network_names_each_types_network_as_ec2_describes_it(
@@ -68,7 +80,7 @@ def test_gpu_network_names_each_types_network_as_ec2_describes_it(
     net = _by_name(p)["GPU network"]
     assert net.ok, net  # type: ignore[attr-defined]
     assert net.detail == ("g5.xlarge: ENA (no EFA on this type); "  # type: ignore[attr-defined]
-                          "p4d.24xlarge: EFA x4, cluster placement group")
+                          "p4d.24xlarge: EFA x4, cluster placement group, Elastic IP")
     # spotctl's table asking for more EFA than EC2 says the type has: blocked here, not at
     # the launch (EC2 refuses the interfaces)
     from spotctl.providers.aws import efa
@@ -200,3 +212,64 @@ def test_a_worker_ami_with_an_old_pytorch_is_noted(
     assert img.detail == (f"{old} ({name}); its PyTorch 2.7 is older than 2.9: each node "  # type: ignore[attr-defined]
                           "downloads torch==2.13.0 instead (several GB; needs NVIDIA driver "
                           "580 or newer)")
+
+
+def test_check_dry_runs_exactly_the_request_up_would_send_on_a_p5_spec(
+    make_provider: MakeProvider, home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One launch request, two uses: `up --dry-run --json` shows the request of the first
+    plan's launch, and `check` DryRuns that same request (tags with the cluster's name,
+    subnet, 32 EFA interfaces without a public address, placement group, instance profile,
+    image). P5 spot vCPUs are read from P5's own quota (L-C4BD4855), not P2-P4's."""
+    from typer.testing import CliRunner
+
+    from spotctl.cli.app import app
+    from spotctl.providers.aws import efa
+
+    name = "p5check"
+    p = make_provider(name=name, instance_types=["p5.48xlarge"], zones=["us-east-1a"])
+    p.prepare()  # what a first `up` made: the group, key pair and the workers' profile
+    p._placement_group("us-east-1a")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "spotctl.toml").write_text(
+        f'name = "{name}"\nprovider = "aws"\ngpus = "8..8"\n'
+        f'[aws]\nregion = "{REGION}"\nami = "{p.spec.ami}"\ninstance_types = ["p5.48xlarge"]\n'
+        'zones = ["us-east-1a"]\nssh_cidr = "198.51.100.7/32"\n')
+    up = CliRunner().invoke(app, ["up", "--dry-run", "--json"])
+    assert up.exit_code == 0, up.output
+    (launch,) = json.loads(up.stdout)["actions"]
+    sent = launch["request"]
+    checked = CliRunner().invoke(app, ["check", "--provider", "aws", "--json"])
+    by = {c["name"]: c for c in json.loads(checked.stdout)["checks"]}
+    line = by["launch (dry run)"]
+    assert line["ok"], line
+    assert line["data"]["request"] == sent
+    assert "the first plan's 1 x p5.48xlarge (spot) in us-east-1a would be allowed" in line["detail"]
+    # the request is up's own: what the cluster's IAM policy and EC2 look at
+    tags = {t["Key"]: t["Value"] for t in sent["TagSpecifications"][0]["Tags"]}
+    assert tags["spotctl:cluster"] == name and tags["spotctl:network"] == "efa32"
+    nics = sent["NetworkInterfaces"]
+    assert len(nics) == 32 and not [n for n in nics if "AssociatePublicIpAddress" in n]
+    assert {n["SubnetId"] for n in nics} == {p._subnet("us-east-1a", explicit=True)}
+    assert sent["Placement"] == {"AvailabilityZone": "us-east-1a",
+                                 "GroupName": f"spotctl-{name}-us-east-1a"}
+    assert sent["IamInstanceProfile"] == {"Name": f"spotctl-{name}-node"}
+    assert sent["ImageId"] == p.spec.ami and sent["KeyName"] == f"spotctl-{name}"
+    assert sent["InstanceMarketOptions"]["MarketType"] == "spot"
+    # P5's own spot quota (moto has no EC2 quotas: read, unreadable, by that code)
+    q = by["spot GPU quota"]
+    assert "L-C4BD4855" in q["detail"] and "L-7212CCBC" not in q["detail"], q
+    # the request main sent (a public address with 32 interfaces): check now sees EC2's no
+    real = efa.network_interfaces
+
+    def old_layout(*args: Any, **kw: Any) -> list[dict[str, Any]]:
+        out = real(*args, **kw)
+        out[0]["AssociatePublicIpAddress"] = True
+        return out
+
+    monkeypatch.setattr(efa, "network_interfaces", old_layout)
+    bad = CliRunner().invoke(app, ["check", "--provider", "aws", "--json"])
+    line = {c["name"]: c for c in json.loads(bad.stdout)["checks"]}["launch (dry run)"]
+    assert not line["ok"] and line["blocking"] and "InvalidParameterCombination" in line["detail"]
+    assert p.cleanup() == []

@@ -72,7 +72,8 @@ def test_p5_gets_32_efa_interfaces_one_per_card_in_the_zones_placement_group(
     # node's address), then one EFA-only interface per further card at device index 0
     assert [(int(n["NetworkCardIndex"]), int(n["DeviceIndex"]), n["InterfaceType"])
             for n in nics] == [(0, 0, "efa")] + [(c, 0, "efa-only") for c in range(1, 32)]
-    assert [n.get("AssociatePublicIpAddress") for n in nics[:2]] == [True, None]
+    # several interfaces: no public address asked at launch (EC2 refuses it)
+    assert not [n for n in nics if "AssociatePublicIpAddress" in n]
     sub = _subnet(ec2, "us-east-1a")
     (gid,) = {g for n in nics for g in n["Groups"]}
     assert {n["SubnetId"] for n in nics} == {sub}
@@ -85,6 +86,87 @@ def test_p5_gets_32_efa_interfaces_one_per_card_in_the_zones_placement_group(
     assert listed.meta["node_env"] == {"FI_PROVIDER": "efa", "FI_EFA_FORK_SAFE": "1",
                                        "FI_EFA_USE_DEVICE_RDMA": "1"}
     assert gid.startswith("sg-")
+
+
+def test_a_public_address_with_several_interfaces_is_refused_as_ec2_does(
+    make_provider: MakeProvider, ec2: Any, ami: str
+) -> None:
+    """EC2 API reference, InstanceNetworkInterfaceSpecification.AssociatePublicIpAddress:
+    "The public IP address can only be assigned to a network interface for eth0 ... You
+    cannot specify more than one network interface in the request." EC2 answers
+    InvalidParameterCombination; the stand-in does too, DryRun or not."""
+    sub = _subnet(ec2, "us-east-1a")
+    nics = [{"SubnetId": sub, "NetworkCardIndex": 0, "DeviceIndex": 0, "InterfaceType": "efa",
+             "AssociatePublicIpAddress": True},
+            {"SubnetId": sub, "NetworkCardIndex": 1, "DeviceIndex": 0,
+             "InterfaceType": "efa-only"}]
+    for dry in (True, False):
+        with pytest.raises(Exception, match="InvalidParameterCombination.*associatePublicIP"
+                                            "Address parameter cannot be specified when "
+                                            "launching with multiple network interfaces"):
+            ec2.run_instances(ImageId=ami, InstanceType="p5.48xlarge", MinCount=1, MaxCount=1,
+                              NetworkInterfaces=nics, DryRun=dry)
+    # one interface may ask for one
+    one = efa.network_interfaces("g5.8xlarge", 1, sub, "", public=True)
+    assert one[0]["AssociatePublicIpAddress"] is True
+    # spotctl's own layouts never ask for one with several interfaces
+    for t, (n, _) in efa.EFA.items():
+        layout = efa.network_interfaces(t, n, sub, "sg-1", public=True)
+        assert (n > 1) == (not any("AssociatePublicIpAddress" in x for x in layout)), t
+        assert efa.elastic_ip(t, n) == (n > 1)
+
+
+def test_a_node_with_several_interfaces_gets_an_elastic_ip_released_by_down(
+    make_provider: MakeProvider, ec2: Any
+) -> None:
+    """The reachable EFA node: launched without a public address, it gets one of the
+    cluster's Elastic IPs on its primary interface once it runs (bootstrap does it before
+    the first SSH); a node gone leaves its address to the next; `down` releases them."""
+    p = make_provider(instance_types=TYPES)
+    (a,) = p.launch(_offer(p, "p4d.24xlarge"), 1, "req-eip-a")
+    assert not _raw(ec2, [a.id])[0].get("PublicIpAddress")
+    raw = p._ensure_public_address(p._wait_running(a.id))
+    flt = [{"Name": f"tag:{TAG_CLUSTER}", "Values": [p.ctx.cluster]}]
+    (addr,) = ec2.describe_addresses(Filters=flt)["Addresses"]
+    assert raw["PublicIpAddress"] == addr["PublicIp"] and p._to_instance(raw).public_address
+    assert p._ensure_public_address(raw) == raw  # once is enough
+    # a plain node keeps the address its launch asked for: no Elastic IP
+    (g5,) = p.launch(_offer(p, "g5.xlarge"), 1, "req-eip-g5")
+    p._ensure_public_address(p._wait_running(g5.id))
+    assert len(ec2.describe_addresses(Filters=flt)["Addresses"]) == 1
+    # the node goes (a preemption): its address is free, and the next node takes it
+    p.terminate([a.id])
+    (b,) = p.launch(_offer(p, "p4d.24xlarge"), 1, "req-eip-b")
+    raw_b = p._ensure_public_address(p._wait_running(b.id))
+    assert raw_b["PublicIpAddress"] == addr["PublicIp"]
+    assert len(ec2.describe_addresses(Filters=flt)["Addresses"]) == 1
+    assert p.cleanup() == []
+    assert ec2.describe_addresses(Filters=flt)["Addresses"] == []
+
+
+def test_a_refused_interface_layout_fails_over_to_the_next_offer(
+    make_provider: MakeProvider, ec2: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Were EC2 to refuse a type's layout (InvalidParameterCombination), the walk moves on
+    to the next offer (a plain type launches) instead of stopping at the first."""
+    from spotctl.errors import CapacityError
+    from spotctl.providers.aws.launch import launch_with_failover
+
+    p = make_provider(instance_types=TYPES)
+    real = efa.network_interfaces
+
+    def old_layout(*args: Any, **kw: Any) -> list[dict[str, Any]]:  # main's request
+        out = real(*args, **kw)
+        out[0]["AssociatePublicIpAddress"] = True
+        return out
+
+    monkeypatch.setattr(efa, "network_interfaces", old_layout)
+    with pytest.raises(CapacityError, match="InvalidParameterCombination"):
+        p.launch(_offer(p, "p4d.24xlarge"), 1, "req-layout-1")
+    offer, insts = launch_with_failover(
+        p, [_offer(p, "p4d.24xlarge"), _offer(p, "g5.xlarge")], 1, "req-layout-2")
+    assert offer.instance_type == "g5.xlarge" and len(insts) == 1
+    assert p.cleanup() == []
 
 
 def test_p4d_gets_4_efa_with_ena_and_g5_xlarge_one_plain_interface(
@@ -188,19 +270,36 @@ def test_efa_where_the_type_has_none_is_refused_before_any_call(ec2: Any, ami: s
 def test_the_security_group_lets_all_traffic_to_and_from_itself(
     make_provider: MakeProvider, ec2: Any
 ) -> None:
-    """EFA's requirement: every protocol and port between members of the group."""
+    """EFA's requirement (EC2 User Guide, "Prepare an EFA-enabled security group"): all
+    traffic in from and out to the group itself; a 0.0.0.0/0 egress rule does not carry
+    EFA, which is not IP. Two EFA nodes "connect" (the stand-in's NCCL-over-EFA
+    handshake) only then; a group made before the egress rule gets it at the next `up`."""
     p = make_provider(instance_types=TYPES)
     p.prepare()
-    (g,) = ec2.describe_security_groups(
-        Filters=[{"Name": f"tag:{TAG_CLUSTER}", "Values": [p.ctx.cluster]}])["SecurityGroups"]
+    flt = [{"Name": f"tag:{TAG_CLUSTER}", "Values": [p.ctx.cluster]}]
+    (g,) = ec2.describe_security_groups(Filters=flt)["SecurityGroups"]
+    gid = g["GroupId"]
     ingress = [r for r in g["IpPermissions"] if r["IpProtocol"] == "-1"]
-    assert [[x["GroupId"] for x in r["UserIdGroupPairs"]] for r in ingress] == [[g["GroupId"]]]
-    assert any(r["IpProtocol"] == "-1" and {"CidrIp": "0.0.0.0/0"} in r.get("IpRanges", [])
-               for r in g["IpPermissionsEgress"])
+    assert [[x["GroupId"] for x in r["UserIdGroupPairs"]] for r in ingress] == [[gid]]
+    egress = [r for r in g["IpPermissionsEgress"] if r["IpProtocol"] == "-1"]
+    assert any({"CidrIp": "0.0.0.0/0"} in r.get("IpRanges", []) for r in egress)
+    assert [x["GroupId"] for r in egress for x in r.get("UserIdGroupPairs", [])] == [gid]
+    a, b = p.launch(_offer(p, "p4d.24xlarge"), 2, "req-sg")
+    ec2_placement.efa_connect(ec2, a.id, b.id)
+    # without the egress rule (a group as main made it), the handshake fails
+    own = [r for r in egress if r.get("UserIdGroupPairs")]
+    ec2.revoke_security_group_egress(GroupId=gid, IpPermissions=own)
+    with pytest.raises(ec2_placement.EfaRefused, match="no egress rule"):
+        ec2_placement.efa_connect(ec2, a.id, b.id)
+    again = make_provider(name=p.ctx.cluster, instance_types=TYPES)
+    again.prepare()
+    ec2_placement.efa_connect(ec2, a.id, b.id)
+    assert again.cleanup() == []
 
 
 def test_describe_names_the_network_a_node_gets() -> None:
-    assert efa.describe("p5.48xlarge", True) == "EFA x32, cluster placement group"
+    assert efa.describe("p5.48xlarge", True) == "EFA x32, cluster placement group, Elastic IP"
+    assert efa.describe("p5.4xlarge", True) == "EFA x1, cluster placement group"
     assert efa.describe("p5.48xlarge", False).startswith("ENA (fast network off")
     assert efa.describe("g5.xlarge", True) == "ENA (no EFA on this type)"
 
@@ -223,10 +322,11 @@ def test_up_dry_run_names_each_launchs_network(
     res = CliRunner().invoke(app, ["up", "--dry-run", "--json"])
     assert res.exit_code == 0, res.output
     actions = json.loads(res.stdout)["actions"]
-    assert actions and {a["network"] for a in actions} == {"EFA x4, cluster placement group"}
+    assert actions and {a["network"] for a in actions} == {
+        "EFA x4, cluster placement group, Elastic IP"}
     res = CliRunner().invoke(app, ["up", "--dry-run"])
     assert res.exit_code == 0, res.output
-    assert "network EFA x4, cluster placement group" in res.stdout, res.stdout
+    assert "network EFA x4, cluster placement group, Elastic IP" in res.stdout, res.stdout
     # nothing was made: the dry run creates no placement group either
     flt = [{"Name": "tag:spotctl:cluster", "Values": ["efadry"]}]
     assert ec2.describe_placement_groups(Filters=flt)["PlacementGroups"] == []

@@ -25,7 +25,7 @@ from .conftest import REGION, FaultProxy
 pytestmark = pytest.mark.aws
 
 WRITES = ("ec2:Create", "ec2:Delete", "ec2:Authorize", "ec2:Revoke", "ec2:Import",
-          "ec2:Modify")  # fmt: skip
+          "ec2:Modify", "ec2:Allocate", "ec2:Associate", "ec2:Release")  # fmt: skip
 
 
 def _actions(st: dict[str, Any]) -> list[str]:
@@ -56,6 +56,8 @@ def test_the_heads_loop_calls_only_what_its_scoped_role_allows(
     # an EFA type: its placement group, made by the head in a zone the cluster had none
     (efa,) = on.launch(next(o for o in on.offers() if o.instance_type == "p4d.24xlarge"), 1,
                        "req-head-efa")
+    # ... and its public address, an Elastic IP of the cluster (several EFA interfaces)
+    assert on._ensure_public_address(on._wait_running(efa.id)).get("PublicIpAddress")
     assert {i.id for i in on.list(name)} >= {old.id, new.id, efa.id, head.instance_id}
     on.console_host_keys(new.id)
     on.terminate([old.id])
@@ -64,8 +66,9 @@ def test_the_heads_loop_calls_only_what_its_scoped_role_allows(
     policy = on.head_policy()
     allowed = {a for st in policy["Statement"] for a in _actions(st)}
     assert called <= allowed, f"the head's loop calls what its role refuses: {called - allowed}"
-    made = [a for a in called if a.startswith(WRITES)]
-    assert made == ["ec2:CreatePlacementGroup"], called
+    made = sorted(a for a in called if a.startswith(WRITES))
+    assert made == ["ec2:AllocateAddress", "ec2:AssociateAddress",
+                    "ec2:CreatePlacementGroup"], called
     assert len(fault_proxy.calls("RunInstances")) == 2  # the replacements, not a head
     # the launch carries the tags the role requires of what it creates
     # (the proxy records the form as "key=value key=value ...")
@@ -101,7 +104,14 @@ def test_the_heads_loop_calls_only_what_its_scoped_role_allows(
                 "StringEquals": {"ec2:ResourceTag/spotctl:cluster": name}}, st
     [tag] = by_action["ec2:CreateTags"]
     assert tag["Condition"] == {"StringEquals": {
-        "ec2:CreateAction": ["RunInstances", "CreatePlacementGroup"]}}
+        "ec2:CreateAction": ["RunInstances", "CreatePlacementGroup", "AllocateAddress"]}}
+    [alloc] = by_action["ec2:AllocateAddress"]
+    assert alloc["Resource"].endswith(":elastic-ip/*"), alloc
+    assert alloc["Condition"] == {"StringEquals": {"aws:RequestTag/spotctl:cluster": name}}
+    eip, eni = sorted(by_action["ec2:AssociateAddress"], key=lambda st: st["Resource"])
+    assert eip["Resource"].endswith(":elastic-ip/*") and eip["Condition"] == {
+        "StringEquals": {"ec2:ResourceTag/spotctl:cluster": name}}, eip
+    assert eni["Resource"].endswith(":network-interface/*"), eni
     [pg] = by_action["ec2:CreatePlacementGroup"]
     assert pg["Resource"].endswith(f":placement-group/spotctl-{name}-*"), pg
     assert pg["Condition"] == {"StringEquals": {"aws:RequestTag/spotctl:cluster": name}}

@@ -84,6 +84,10 @@ ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
         ("GET", "resourcePolicies.list", P + r"/regions/(?P<region>[^/]+)/resourcePolicies"),
         ("GET", "resourcePolicies.get",
          P + r"/regions/(?P<region>[^/]+)/resourcePolicies/(?P<name>[^/]+)"),
+        ("GET", "resourcePolicies.getIamPolicy",
+         P + r"/regions/(?P<region>[^/]+)/resourcePolicies/(?P<name>[^/]+)/getIamPolicy"),
+        ("POST", "resourcePolicies.setIamPolicy",
+         P + r"/regions/(?P<region>[^/]+)/resourcePolicies/(?P<name>[^/]+)/setIamPolicy"),
         ("DELETE", "resourcePolicies.delete",
          P + r"/regions/(?P<region>[^/]+)/resourcePolicies/(?P<name>[^/]+)"),
         ("GET", "regionOperations.get",
@@ -121,6 +125,11 @@ NO_HYPERDISK = ("e2-", "n1-")  # Compute Engine docs, Hyperdisk: machine type su
 GVNIC_REQUIRED = ("g2-", "a3-", "a4-", "c3-", "c4-", "n4-", "h3-")
 # Families a compact placement policy takes (Compute Engine: placement policies overview).
 COMPACT_OK = ("a2-", "a3-", "a4-", "g2-", "c2-", "c2d-", "c3-", "c3d-", "h3-", "n2-", "n2d-")
+
+# accelerator type -> its standard GPU quota metric (Compute Engine "GPU quotas")
+GPU_METRICS = {"nvidia-tesla-t4": "NVIDIA_T4_GPUS", "nvidia-l4": "NVIDIA_L4_GPUS",
+               "nvidia-tesla-a100": "NVIDIA_A100_GPUS", "nvidia-a100-80gb": "NVIDIA_A100_80GB_GPUS",
+               "nvidia-h100-80gb": "NVIDIA_H100_GPUS", "nvidia-tesla-v100": "NVIDIA_V100_GPUS"}
 
 _LABEL_TERM = r'labels\.([a-z0-9_-]+)\s*=\s*"([^"]*)"'
 
@@ -241,6 +250,13 @@ class FakeCompute:
         self.guest_host_keys: dict[tuple[str, str], dict[str, str]] = {}
         # External (in-use) addresses allowed per region; a region not listed is unlimited.
         self.address_quota: dict[str, int] = {}
+        # Inserts count GPUs against the region's quota as Compute Engine does (off by
+        # default: the new-project quotas above would refuse every GPU VM). A Spot VM
+        # counts against PREEMPTIBLE_<metric> where the project was granted it (limit > 0),
+        # else against the standard metric (Compute Engine docs, "Allocation quotas").
+        self.gpu_quota = False
+        # (region, policy name) -> the resource policy's own IAM policy (bindings, etag)
+        self.policy_iam: dict[tuple[str, str], dict[str, Any]] = {}
         self.pending_polls = 0
         self._by_request_id: dict[str, str] = {}
         self._ids = itertools.count(1000)
@@ -491,6 +507,22 @@ class FakeCompute:
                            f"resourcePolicies/{name}' was not found")
         return pol
 
+    def _resourcePolicies_getIamPolicy(self, project: str, region: str, name: str, **_: Any
+                                       ) -> dict[str, Any]:
+        self._resourcePolicies_get(project=project, region=region, name=name)
+        return dict(self.policy_iam.get((region, name)) or {"etag": "BwX0", "version": 1})
+
+    def _resourcePolicies_setIamPolicy(self, project: str, region: str, name: str,
+                                       body: dict[str, Any], **_: Any) -> dict[str, Any]:
+        self._resourcePolicies_get(project=project, region=region, name=name)
+        new = dict((body or {}).get("policy") or {})
+        have = self.policy_iam.get((region, name)) or {"etag": "BwX0"}
+        if new.get("etag") and new["etag"] != have.get("etag"):
+            raise ApiError(412, "conditionNotMet", "etag mismatch")
+        new["etag"] = f"BwX{int(have['etag'][3:] or 0) + 1}"
+        self.policy_iam[(region, name)] = new
+        return dict(new)
+
     def _resourcePolicies_list(self, project: str, region: str, **_: Any) -> dict[str, Any]:
         return {"kind": "compute#resourcePolicyList",
                 "items": [p for (r, _n), p in sorted(self.policies.items()) if r == region]}
@@ -596,6 +628,9 @@ class FakeCompute:
                 ]
             }
             status = 403
+        elif self.gpu_quota and (over := self._over_gpu_quota(zone, body)):
+            error = {"errors": [{"code": "QUOTA_EXCEEDED", "message": over}]}
+            status = 403
         else:
             for f in self.op_faults:
                 if f[3] > 0 and f[2] in ("", zone):
@@ -626,6 +661,9 @@ class FakeCompute:
         if error is None:
             # The VM is visible (PROVISIONING) while its insert operation runs, as in GCP.
             self.instances[(zone, name)] = vm
+            if self.gpu_quota:
+                for metric, count in self._gpu_metrics(body):
+                    self.quota_usage[metric] = self.quota_usage.get(metric, 0.0) + count
         op = self._new_op(project, zone, "insert", target, create, error, status)
         if rid:
             self._by_request_id[rid] = op["name"]
@@ -698,6 +736,28 @@ class FakeCompute:
                     f"Invalid value for field 'resource.networkInterfaces[{i}].nicType': "
                     f"'{nic.get('nicType', '')}'. {machine} requires gVNIC.",
                 )
+
+    def _gpu_metrics(self, body: dict[str, Any]) -> list[tuple[str, float]]:
+        """(quota metric, GPUs) the VM counts against: a Spot VM's preemptible metric
+        where its limit is above 0, else the standard one."""
+        spot = (body.get("scheduling") or {}).get("provisioningModel") == "SPOT"
+        out = []
+        for acc in body.get("guestAccelerators") or []:
+            metric = GPU_METRICS.get(str(acc.get("acceleratorType", "")).rsplit("/", 1)[-1])
+            if not metric:
+                continue
+            if spot and self.region_quotas.get(f"PREEMPTIBLE_{metric}", 0.0) > 0:
+                metric = f"PREEMPTIBLE_{metric}"
+            out.append((metric, float(acc.get("acceleratorCount", 0))))
+        return out
+
+    def _over_gpu_quota(self, zone: str, body: dict[str, Any]) -> str:
+        region = zone.rsplit("-", 1)[0]
+        for metric, count in self._gpu_metrics(body):
+            limit = self.region_quotas.get(metric, 0.0)
+            if self.quota_usage.get(metric, 0.0) + count > limit:
+                return f"Quota '{metric}' exceeded.  Limit: {limit:.1f} in region {region}."
+        return ""
 
     def _over_address_quota(self, zone: str, body: dict[str, Any]) -> bool:
         region = zone.rsplit("-", 1)[0]

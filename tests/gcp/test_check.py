@@ -22,18 +22,48 @@ def test_new_project_without_spot_gpu_quota_is_blocked_with_the_metric(fake, spo
     checks = {c.name: c for c in p.checks()}
     assert list(checks) == ["credentials", "region", "spot GPU quota", "network",
                             "SSH login", "GPU network", "image (workers)", "image (head)",
-                            "checkpoint bucket"]  # fmt: skip
+                            "launch request", "checkpoint bucket"]  # fmt: skip
     assert checks["credentials"].ok and PROJECT in checks["credentials"].detail
     assert checks["region"].ok and "4 zones" in checks["region"].detail
     q = checks["spot GPU quota"]
     assert not q.ok and q.blocking
-    assert "PREEMPTIBLE_NVIDIA_T4_GPUS 0, 0 in use (1 needed for gpus.min 1)" in q.detail
+    # no preemptible quota granted: Spot VMs count against the standard one
+    assert "NVIDIA_T4_GPUS 0, 0 in use (1 needed for gpus.min 1)" in q.detail
+    assert "PREEMPTIBLE_" not in q.detail
     assert checks["network"].ok
     assert checks["image (workers)"].ok and "disk >= 50 GB" in checks["image (workers)"].detail
     assert checks["image (head)"].ok and "debian-12" in checks["image (head)"].detail
     fake.region_quotas["PREEMPTIBLE_NVIDIA_T4_GPUS"] = 8
     fake.project_quotas["GPUS_ALL_REGIONS"] = 8
     assert {c.name: c for c in p.checks()}["spot GPU quota"].ok
+
+
+def test_spot_vms_use_standard_gpu_quota_unless_preemptible_quota_was_granted(
+    fake, spotctl_home
+):
+    """Compute Engine docs, "Allocation quotas" (preemptible quotas) and "Create and use
+    Spot VMs": Spot VMs consume preemptible quota where the project was granted some, and
+    standard quota otherwise; Compute Engine lists PREEMPTIBLE_* at limit 0 where none was
+    granted. The fake's inserts count the same way (gpu_quota on)."""
+    from spotctl.errors import QuotaError
+
+    p = GcpProvider(make_ctx(fake, spotctl_home, gpu="T4"))
+    fake.project_quotas["GPUS_ALL_REGIONS"] = 8
+    fake.region_quotas["NVIDIA_T4_GPUS"] = 8  # standard quota only
+    q = _checks(p)["spot GPU quota"]
+    assert q.ok, q
+    assert q.detail.startswith("NVIDIA_T4_GPUS 8, 0 in use"), q.detail
+    fake.gpu_quota = True
+    [offer] = [o for o in p.offers() if o.zone == "us-central1-a" and o.gpus == 1][:1]
+    assert p.launch(offer, 1, "r-standard")  # counted against the standard quota
+    assert fake.quota_usage["NVIDIA_T4_GPUS"] == 1
+    # a grant of preemptible quota takes over: 1 is less than gpus.min's 1 + what runs
+    fake.region_quotas["PREEMPTIBLE_NVIDIA_T4_GPUS"] = 1
+    fake.quota_usage["PREEMPTIBLE_NVIDIA_T4_GPUS"] = 1
+    q = _checks(p)["spot GPU quota"]
+    assert not q.ok and q.detail.startswith("PREEMPTIBLE_NVIDIA_T4_GPUS 1, 1 in use"), q.detail
+    with pytest.raises(QuotaError, match="PREEMPTIBLE_NVIDIA_T4_GPUS"):
+        p.launch(offer, 1, "r-preemptible")
 
 
 def test_gpu_network_names_each_machine_types_network_and_needs_an_image_with_gvnic(
@@ -164,3 +194,41 @@ def test_a_worker_image_whose_torch_and_driver_are_too_old_blocks(fake, spotctl_
     # the default image: nothing to say
     img = _checks(GcpProvider(make_ctx(fake, spotctl_home)))["image (workers)"]
     assert img.ok and img.detail == "pytorch-2-9-cu129-ubuntu-2404-nvidia-580-v20251105 (disk >= 50 GB)"
+
+
+def test_check_shows_the_insert_up_would_send_and_up_dry_run_the_same(
+    fake, spotctl_home, tmp_path, monkeypatch
+):
+    """One launch request, two uses, as far as the Compute API allows (it has no dry run
+    for instances.insert): `check` builds the insert body of the first plan's launch with
+    `up`'s own code, and `up --dry-run --json` shows the same body."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from spotctl.cli.app import app
+
+    monkeypatch.setenv("SPOTCTL_GCP_ENDPOINT", fake.endpoint)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "spotctl.toml").write_text(
+        'name = "a2check"\nprovider = "gcp"\ngpus = "1..1"\n'
+        f'[gcp]\nproject = "{PROJECT}"\nregion = "us-central1"\nzones = ["us-central1-a"]\n'
+        'machine_types = ["a2-highgpu-1g"]\nssh_cidr = "198.51.100.7/32"\n')
+    up = CliRunner().invoke(app, ["up", "--dry-run", "--json"])
+    assert up.exit_code == 0, up.output
+    (launch,) = json.loads(up.stdout)["actions"]
+    sent = launch["request"]
+    checked = CliRunner().invoke(app, ["check", "--provider", "gcp", "--json"])
+    line = {c["name"]: c for c in json.loads(checked.stdout)["checks"]}["launch request"]
+    assert line["ok"], line
+    assert line["data"]["request"] == sent
+    inst = sent["instance"]
+    assert inst["labels"]["spotctl-cluster"] == "a2check"
+    assert inst["scheduling"]["provisioningModel"] == "SPOT"
+    assert inst["resourcePolicies"] == [
+        f"projects/{PROJECT}/regions/us-central1/resourcePolicies/spotctl-a2check-us-central1-a"]
+    assert inst["networkInterfaces"][0]["nicType"] == "GVNIC"
+    assert inst["serviceAccounts"][0]["email"].startswith("spotctl-")
+    # nothing was made: no VM, no policy, no key
+    assert not fake.calls("instances.insert") and not fake.calls("resourcePolicies.insert")

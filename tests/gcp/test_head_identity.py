@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 
 from spotctl.providers import get_provider
+from spotctl.providers.gcp import placement
 from spotctl.providers.gcp.api import head_name, instance_name
+from spotctl.providers.gcp.launch import HEAD_POLICY_ROLE
 from spotctl.providers.gcp.storage import ACT_AS_ROLE, HEAD_NET_ROLE, HEAD_READ_ROLE, HEAD_ROLE
 
 from .conftest import GCP_NOTHING, PROJECT, gcp_leftovers, make_ctx
@@ -127,9 +129,18 @@ def test_the_heads_account_its_scope_its_calls_and_its_end(fake: Any, spotctl_ho
     calls = {r.key for r in fake.requests[n:] if r.key}
     assert "instances.insert" in calls and "instances.delete" in calls, calls
     [ins] = [r for r in fake.requests[n:] if r.key == "instances.insert"]
-    # no compact placement from the head: its account has no grant on resource policies
-    assert not ins.body.get("resourcePolicies"), ins.body
-    assert not [c for c in calls if c.startswith("resourcePolicies.")], calls
+    # compact placement from the head too, as `up` gives it: the zone's policy the
+    # controller made (the head makes none), which `up` let the head's account use by a
+    # binding on that policy alone (its own IAM policy, not the project's)
+    url = (f"projects/{PROJECT}/regions/us-central1/resourcePolicies/"
+           f"{placement.policy_name('demo', offer.zone)}")
+    assert ins.body.get("resourcePolicies") == [url], ins.body
+    assert ins.body["labels"][placement.LABEL_NETWORK] == "gvnic-compact"
+    assert not [c for c in calls if c.startswith("resourcePolicies.")
+                and c != "resourcePolicies.get"], calls
+    (grant,) = fake.policy_iam.values()
+    assert [b for b in grant["bindings"] if member in b["members"]] == [
+        {"role": HEAD_POLICY_ROLE, "members": [member]}]
     needed = set().union(*(PERMISSIONS[k] for k in calls)) - {"compute.resourcePolicies.use"}
     beyond = needed - HEAD_MAY_ANYWHERE - HEAD_MAY_ON_ITS_OWN
     assert not beyond, f"the head's loop needs what its roles do not give: {beyond}"

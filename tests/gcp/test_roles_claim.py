@@ -49,6 +49,8 @@ PERMISSIONS: dict[str, set[str]] = {
     "resourcePolicies.get": {"compute.resourcePolicies.get"},
     "resourcePolicies.list": {"compute.resourcePolicies.list"},
     "resourcePolicies.delete": {"compute.resourcePolicies.delete"},
+    "resourcePolicies.getIamPolicy": {"compute.resourcePolicies.getIamPolicy"},
+    "resourcePolicies.setIamPolicy": {"compute.resourcePolicies.setIamPolicy"},
     "regionOperations.get": {"compute.regionOperations.get"},
     "regionOperations.wait": {"compute.regionOperations.get"},
     # checkpoint bucket, the workers' service account and its bucket bindings (storage.py)

@@ -81,11 +81,23 @@ AUTH_CODES = frozenset(
 # Account limits: the same launch fails the same way in every zone, so they stop the walk.
 # MaxSpotInstanceCountExceeded is the spot vCPU quota (0 on new accounts), not capacity.
 QUOTA_CODES = frozenset({"MaxSpotInstanceCountExceeded", "VcpuLimitExceeded"})
-# Service Quotas codes (service "ec2") of the vCPU limits spot GPU launches count against.
+# Service Quotas codes (service "ec2") of the vCPU limits spot GPU launches count against,
+# per quota family (quota_family): the P5 generation (p5, p5e, p5en) has its own.
 SPOT_QUOTA_CODES = {
     "g": ("L-3819A6DF", "All G and VT Spot Instance Requests"),
-    "p": ("L-7212CCBC", "All P Spot Instance Requests"),
+    "p": ("L-7212CCBC", "All P4, P3 and P2 Spot Instance Requests"),
+    "p5": ("L-C4BD4855", "All P5 Spot Instance Requests"),
 }
+
+
+def quota_family(instance_type: str) -> str:
+    """The SPOT_QUOTA_CODES key a type's spot vCPUs count against ("" for none of them)."""
+    family = instance_type.split(".", 1)[0]
+    if family.startswith("p5"):
+        return "p5"
+    return family[:1] if family[:1] in ("g", "p") else ""
+# Elastic IPs per region (5 by default): one per running node with several EFA interfaces
+ELASTIC_IP_QUOTA = ("L-0263D0A3", "EC2-VPC Elastic IPs")
 ON_DEMAND_STANDARD_QUOTA = ("L-1216C47A", "Running On-Demand Standard instances")
 THROTTLE_CODES = frozenset(
     {
@@ -237,9 +249,10 @@ class AwsApi:
                     msg += f" (gave up after {attempt} tries)"
                 if code == "MaxSpotInstanceCountExceeded":
                     g, p = SPOT_QUOTA_CODES["g"][0], SPOT_QUOTA_CODES["p"][0]
+                    p5 = SPOT_QUOTA_CODES["p5"][0]
                     msg += (
                         f" (spot vCPU quota: ask for more in Service Quotas, ec2 {g} for G/VT, "
-                        f"{p} for P; `spotctl check --provider aws` shows it)"
+                        f"{p} for P2-P4, {p5} for P5; `spotctl check --provider aws` shows it)"
                     )
                 if code == "PendingVerification":
                     msg += (" (AWS is still verifying this new account, usually for minutes, "

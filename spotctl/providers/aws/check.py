@@ -2,23 +2,32 @@
 
 This module owns `spotctl check --provider aws`: one line each for credentials (STS), the
 region (its zones), the spot GPU vCPU quotas that spot launches count against (Service
-Quotas codes L-3819A6DF for G/VT and L-7212CCBC for P; new accounts have 0) minus the
+Quotas codes L-3819A6DF for G/VT, L-7212CCBC for P2-P4, L-C4BD4855 for the P5 generation;
+new accounts have 0) minus the
 spot vCPUs already running, against what the cluster's gpus.min takes, the VPC and
-subnets the cluster would use, the worker and head images, a dry-run launch (IAM, and a
-new account's PendingVerification), and the checkpoint bucket. A failing line that would
+subnets the cluster would use, the worker and head images, a dry-run launch of exactly
+the request `up` sends for the cluster's first plan (AwsLaunch.preview: tags, subnet,
+interfaces, placement group, instance profile, image; IAM, and a new account's
+PendingVerification), and the checkpoint bucket. A failing line that would
 stop `up` is blocking; a quota that cannot be read is a warning.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from spotctl.errors import AuthError, ProviderError, SpecError
+from spotctl.errors import AuthError, ProviderError, SpecError, SpotctlError
 from spotctl.providers.aws import efa
-from spotctl.providers.aws.api import SPOT_QUOTA_CODES, error_code
+from spotctl.providers.aws.api import (
+    ELASTIC_IP_QUOTA,
+    SPOT_QUOTA_CODES,
+    error_code,
+    quota_family,
+)
 from spotctl.providers.aws.launch import AwsLaunch
 from spotctl.providers.aws.offers import AwsOffers
-from spotctl.providers.checks import Check, run_check
+from spotctl.providers.checks import Check, jsonable, run_check
 from spotctl.remote.package import image_torch
 
 
@@ -31,16 +40,25 @@ class AwsChecks(AwsOffers, AwsLaunch):
             return out  # every other call would fail the same way
         out.append(run_check("region", self._check_region))
         out.append(self._check_spot_quota())
+        eips = self._check_elastic_ips()
+        if eips is not None:
+            out.append(eips)
         out.append(run_check("network", self._check_network))
         out.append(run_check("GPU network", self._check_gpu_network))
         image = run_check("image (workers)", lambda: self._check_image("worker"))
         out.append(image)
         out.append(run_check("image (head)", lambda: self._check_image("head")))
-        out.append(run_check("launch (dry run)", self._check_launch) if image.ok else
+        out.append(self._run_launch_check() if image.ok else
                    Check("launch (dry run)", False, "not tried without a worker image",
                          blocking=False))  # fmt: skip
         out.append(run_check("checkpoint bucket", self._check_bucket))
         return out
+
+    def _run_launch_check(self) -> Check:
+        try:
+            return self._check_launch()
+        except SpotctlError as e:
+            return Check("launch (dry run)", False, " ".join(str(e).split()))
 
     def _check_bucket(self) -> str:
         bucket = self.bucket_name()
@@ -76,7 +94,7 @@ class AwsChecks(AwsOffers, AwsLaunch):
         want = max(1, self.ctx.spec.gpus.min)
         need: dict[str, tuple[int, str, int]] = {}
         for t, info in types.items():
-            fam = t[0]
+            fam = quota_family(t)
             gpus = sum(int(g.get("Count", 0)) for g in (info.get("GpuInfo") or {}).get("Gpus") or [])
             if fam not in SPOT_QUOTA_CODES or gpus <= 0:
                 continue
@@ -94,13 +112,13 @@ class AwsChecks(AwsOffers, AwsLaunch):
             f"count spot instances in {self.region}",
         )
         spot = [i for i in raw if i.get("InstanceLifecycle") == "spot"
-                and str(i.get("InstanceType", ""))[:1] in SPOT_QUOTA_CODES]  # fmt: skip
+                and quota_family(str(i.get("InstanceType", "")))]  # fmt: skip
         types = self._describe_types(sorted({str(i["InstanceType"]) for i in spot}), strict=False)
         used: dict[str, int] = {}
         for i in spot:
             t = str(i["InstanceType"])
             vcpus = int((types.get(t, {}).get("VCpuInfo") or {}).get("DefaultVCpus", 0))
-            used[t[0]] = used.get(t[0], 0) + vcpus
+            used[quota_family(t)] = used.get(quota_family(t), 0) + vcpus
         return used
 
     def _check_spot_quota(self) -> Check:
@@ -150,27 +168,71 @@ class AwsChecks(AwsOffers, AwsLaunch):
             detail + " -- ask for more in the Service Quotas console (EC2, these codes)",
         )
 
-    def _check_launch(self) -> str:
-        """RunInstances with DryRun: the identity may launch the spot type, and the account
-        may launch at all (a new one is refused with PendingVerification for a while)."""
-        types = self._existing_wanted_types()
-        need = self._quota_need(types)
-        itype = min(need.values())[1] if need else next(iter(types))
+    def _check_elastic_ips(self) -> Check | None:
+        """Elastic IPs left (quota minus those allocated) for gpus.min on the wanted types
+        launched with several EFA interfaces, each node of which holds one (efa.py);
+        None when no such type is wanted."""
+        name = "Elastic IP quota"
         try:
-            self._call(
-                f"dry-run launch of {itype}",
-                self.ec2.run_instances,
-                DryRun=True,
-                ImageId=self._ami("worker"),
-                InstanceType=itype,
-                MinCount=1,
-                MaxCount=1,
-                InstanceMarketOptions={"MarketType": "spot"},
-            )
+            types = self._describe_types(self._wanted_types(), strict=False)
+        except (ProviderError, SpecError):
+            return None
+        want = max(1, self.ctx.spec.gpus.min)
+        nodes: dict[str, int] = {}
+        for t, info in types.items():
+            gpus = sum(int(g.get("Count", 0))
+                       for g in (info.get("GpuInfo") or {}).get("Gpus") or [])
+            if self.fast_network and gpus and efa.elastic_ip(t, efa.efa_count(t)):
+                nodes[t] = -(-want // gpus)
+        if not nodes:
+            return None
+        itype, need = min(nodes.items(), key=lambda kv: (kv[1], kv[0]))
+        only = len(nodes) == len(types)  # every wanted type needs them
+        code, title = ELASTIC_IP_QUOTA
+        quotas = self._client(
+            "service-quotas", str(self.ctx.options.get("service_quotas_endpoint_url") or ""))
+        try:
+            used = len(self._call(f"count Elastic IPs in {self.region}",
+                                  self.ec2.describe_addresses).get("Addresses", []))
+            value = float(self._call(f"read quota {code}", quotas.get_service_quota,
+                                     ServiceCode="ec2", QuotaCode=code)["Quota"]["Value"])
+        except ProviderError as e:
+            return Check(name, False, f"{title} ({code}): unreadable ({error_code(e) or e}); "
+                         f"gpus.min {want} on {itype} needs {need}", blocking=False)
+        detail = (f"{title} ({code}): {value:g}, {used} allocated; gpus.min {want} on "
+                  f"{itype} needs {need} (one per node with several EFA interfaces)")
+        if value - used >= need:
+            return Check(name, True, detail)
+        return Check(name, False, detail + " -- ask for more in the Service Quotas console "
+                     "(EC2, this code)", blocking=only)
+
+    def _check_launch(self) -> Check:
+        """RunInstances with DryRun of the request `up` would send first: the first plan's
+        launch (ctx.options["first_launch"], from the planner) built by the same code as
+        `up`'s (preview), for the spec's cluster name. The identity may launch it (the IAM
+        policy's tag conditions see the cluster tag), the account may launch at all (a new
+        one is refused with PendingVerification for a while), and EC2 takes the request's
+        shape (interfaces, placement, profile)."""
+        name = "launch (dry run)"
+        first = self.ctx.options.get("first_launch")
+        offers = self.offers()
+        if callable(first):
+            pick = first(offers)
+        else:  # a provider made without `check`'s planner: the cheapest offer, one node
+            best = min(offers, key=lambda o: (o.price_per_gpu_hour, o.zone, o.instance_type),
+                       default=None)
+            pick = (best, 1) if best is not None else None
+        if pick is None:
+            return Check(name, False, "the first plan launches nothing here (no offer fits "
+                         "the spec), so no request to try", blocking=False)
+        offer, count = pick
+        twin = type(self)(replace(self.ctx, cluster=self.ctx.spec.name))
+        req = twin.preview(offer, count)
+        what = f"{count} x {offer.instance_type} (spot) in {offer.zone}"
+        try:
+            self._call(f"dry-run launch of {what}", self.ec2.run_instances, DryRun=True, **req)
         except ProviderError as e:
             code = error_code(e)
-            if code == "DryRunOperation":
-                return f"a spot {itype} would be allowed"
             if code == "PendingVerification":
                 raise AuthError(
                     "AWS is still verifying this new account (PendingVerification): no "
@@ -179,11 +241,23 @@ class AwsChecks(AwsOffers, AwsLaunch):
                 ) from None
             if code == "UnauthorizedOperation":
                 raise AuthError(
-                    f"this identity may not launch {itype} (UnauthorizedOperation): attach "
-                    "the policy in templates/aws-iam-policy.json to it"
+                    f"this identity may not launch {what} as `up` asks "
+                    "(UnauthorizedOperation: RunInstances with the cluster's tags, subnet, "
+                    "interfaces, placement group and instance profile, which needs "
+                    "iam:PassRole): attach the policy in templates/aws-iam-policy.json to it"
                 ) from None
-            raise
-        return f"a spot {itype} would be allowed"
+            if code != "DryRunOperation":
+                raise
+        nics = req.get("NetworkInterfaces", [])
+        parts = [f"the first plan's {what} would be allowed",
+                 f"{len(nics)} interface(s)" if nics else "the default subnet's interface",
+                 f"placement group {req['Placement']['GroupName']}"
+                 if req.get("Placement", {}).get("GroupName") else "no placement group",
+                 f"profile {req['IamInstanceProfile']['Name']}"
+                 if req.get("IamInstanceProfile") else "no profile"]
+        if twin.dry_notes:
+            parts.append("stand-ins until up makes them: " + "; ".join(twin.dry_notes))
+        return Check(name, True, ", ".join(parts), data={"request": jsonable(req)})
 
     def _check_network(self) -> str:
         vpc, default = self._vpc()

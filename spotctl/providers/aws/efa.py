@@ -10,6 +10,17 @@ cards"): the primary interface sits on network card 0, device index 0, and may b
 with ENA (`InterfaceType: efa`), never EFA-only. Every further card gets one interface:
 `efa-only` at device index 0 where the type supports EFA-only interfaces, else an EFA
 with ENA at device index 1 (the index the guide gives interfaces that carry ENA).
+
+Public addresses: RunInstances takes `AssociatePublicIpAddress` only on a request with
+one network interface, the new one at device index 0 (EC2 API reference,
+InstanceNetworkInterfaceSpecification: "The public IP address can only be assigned to a
+network interface for eth0 ... You cannot specify more than one network interface in the
+request"; EC2 answers InvalidParameterCombination otherwise). A type launched with
+several EFA interfaces therefore starts without a public address, and its node gets one
+of the cluster's Elastic IPs on its primary interface once it runs (launch.py,
+`_ensure_public_address`): SSH from the controller and egress (S3, the image's package
+mirrors) work on the default VPC and on any subnet routed to an internet gateway, with
+no NAT gateway to pay for. Each such node holds one Elastic IP while it runs.
 """
 
 from __future__ import annotations
@@ -38,6 +49,11 @@ EFA: dict[str, tuple[int, bool]] = {
     "p5e.48xlarge": (32, True),
     "p5en.48xlarge": (16, True),
 }
+# Where in a zone an EFA worker goes (base.Offer.placement): the cluster's placement group
+# of the zone, its second one, or none; the planner falls back in this order after
+# capacity errors and comes back once the first one's back-off ends.
+PLACEMENT_FIRST, PLACEMENT_SECOND, PLACEMENT_NONE = "group-1", "group-2", "none"
+PLACEMENTS = (PLACEMENT_FIRST, PLACEMENT_SECOND, PLACEMENT_NONE)
 # Types whose EFA does GPUDirect RDMA (libfabric's FI_EFA_USE_DEVICE_RDMA).
 RDMA_FAMILIES = ("p4d", "p4de", "p5", "p5e", "p5en")
 
@@ -47,11 +63,19 @@ def efa_count(instance_type: str) -> int:
     return EFA.get(instance_type, (0, False))[0]
 
 
+def elastic_ip(instance_type: str, count: int) -> bool:
+    """Whether a node launched with `count` EFA interfaces needs an Elastic IP for its
+    public address (several interfaces: the launch may not ask for one)."""
+    return count > 1 and efa_count(instance_type) >= count
+
+
 def network_interfaces(
     instance_type: str, count: int, subnet: str, group: str, public: bool
 ) -> list[dict[str, Any]]:
     """RunInstances' NetworkInterfaces for `count` EFA interfaces (0: one plain ENA).
-    Refuses EFA the type does not have: more than the table allows, or a type without."""
+    Refuses EFA the type does not have: more than the table allows, or a type without.
+    `public` asks for a public address at launch, which EC2 takes only on a request of
+    one interface: with several it is left out (the node gets an Elastic IP instead)."""
     most, efa_only = EFA.get(instance_type, (0, False))
     if count > most:
         raise SpecError(
@@ -59,7 +83,7 @@ def network_interfaces(
             f"{count} asked (EFA types: {', '.join(sorted(EFA))})")
     base: dict[str, Any] = {"SubnetId": subnet, "Groups": [group], "DeleteOnTermination": True}
     primary: dict[str, Any] = {**base, "NetworkCardIndex": 0, "DeviceIndex": 0}
-    if public:
+    if public and count <= 1:
         primary["AssociatePublicIpAddress"] = True
     if count <= 0:
         return [primary]
@@ -89,6 +113,8 @@ def node_env(instance_type: str) -> dict[str, str]:
 def describe(instance_type: str, fast: bool) -> str:
     """The network a node of this type gets, in a few words (plans, status)."""
     n = efa_count(instance_type)
+    if fast and n > 1:
+        return f"EFA x{n}, cluster placement group, Elastic IP"
     if fast and n:
         return f"EFA x{n}, cluster placement group"
     if n:

@@ -28,6 +28,7 @@ from spotctl.providers.aws.api import (
     TAG_PRICE,
     TAG_REQUEST,
     TAG_ROLE,
+    _coded,
     _tag_map,
     _tags,
     error_code,
@@ -49,6 +50,21 @@ def client_token(request_id: str, offer: Offer) -> str:
     """
     digest = hashlib.sha256(f"{offer.zone}/{offer.instance_type}".encode()).hexdigest()[:10]
     return f"{request_id[:53]}-{digest}"
+
+
+PREVIEW_REQUEST = "preview"  # request id and client token of a previewed request
+
+
+def network_tag(n_efa: int, placement: str) -> str:
+    """The spotctl:network tag (and status's network column): "ena", "efaN", or "efaN"
+    with the placement when it is a fallback."""
+    if not n_efa:
+        return "ena"
+    if placement == efa.PLACEMENT_SECOND:
+        return f"efa{n_efa}, second placement group"
+    if placement == efa.PLACEMENT_NONE:
+        return f"efa{n_efa}, no placement group"
+    return f"efa{n_efa}"
 
 
 class AwsLaunch(AwsNetwork, AwsStorage):
@@ -185,10 +201,66 @@ class AwsLaunch(AwsNetwork, AwsStorage):
         role: str,
         tags: dict[str, str],
         spot: bool,
+        placement: str = "",
     ) -> list[Instance]:
-        self.prepare()
-        assert self._prepared is not None
-        group, key = self._prepared
+        """RunInstances for one role (see `launch_request`); the instances it started."""
+        kwargs = self.launch_request(instance_type=instance_type, zone=zone, count=count,
+                                     request_id=request_id, token=token, role=role, tags=tags,
+                                     spot=spot, placement=placement)
+        attempt = 0
+        while True:
+            try:
+                resp = self._call(what, self.ec2.run_instances, **kwargs)
+                break
+            except ProviderError as e:
+                attempt += 1
+                just_made = "instance profile" in str(e).lower()
+                if error_code(e) == "InvalidParameterValue" and just_made:
+                    if self._wait_profile_usable(attempt):
+                        continue
+                if (error_code(e) == "InvalidParameterCombination"
+                        and len(kwargs.get("NetworkInterfaces", [])) > 1):
+                    # EC2 refused this type's interface layout: another offer (a plain
+                    # type, another zone) may launch, so the walk moves on
+                    raise _coded(CapacityError(
+                        f"{e} (the interface layout of {instance_type} was refused; "
+                        "trying the next offer)"), "InvalidParameterCombination") from None
+                raise
+        return [self._to_instance(i) for i in resp.get("Instances", [])]
+
+    def launch_request(
+        self,
+        *,
+        instance_type: str,
+        zone: str,
+        count: int,
+        request_id: str,
+        token: str,
+        role: str,
+        tags: dict[str, str],
+        spot: bool,
+        placement: str = "",
+        dry: bool = False,
+    ) -> dict[str, Any]:
+        """The RunInstances parameters of a launch: `up` sends them, and `check` and
+        `up --dry-run` show (and `check` DryRuns) the same for the cluster's first plan.
+
+        `placement` picks where in the zone an EFA worker goes: "" or "group-1" the
+        cluster's placement group of the zone, "group-2" its second one, "none" no group
+        (the planner's fallbacks after capacity errors, base.Offer.placements).
+
+        With `dry` nothing is made: resources `up` would create first are used where they
+        exist, and otherwise stood in for (the VPC's default security group for the
+        cluster's, no key pair, placement group or instance profile yet); each stand-in is
+        named in `self.dry_notes`.
+        """
+        self.dry_notes: list[str] = []
+        if dry:
+            group, key = self._dry_group_and_key()
+        else:
+            self.prepare()
+            assert self._prepared is not None
+            group, key = self._prepared
         all_tags = {
             TAG_CLUSTER: self.ctx.cluster,
             TAG_ROLE: role,
@@ -198,10 +270,10 @@ class AwsLaunch(AwsNetwork, AwsStorage):
         }
         ami = self._ami(role)
         # a worker of an EFA type, fast network on: its EFA interfaces, in the cluster's
-        # placement group of the zone
+        # placement group of the zone (or the fallback the plan picked)
         n_efa = efa.efa_count(instance_type) if role == "worker" and self.fast_network else 0
         if role == "worker":
-            all_tags[TAG_NETWORK] = f"efa{n_efa}" if n_efa else "ena"
+            all_tags[TAG_NETWORK] = network_tag(n_efa, placement)
         kwargs: dict[str, Any] = dict(
             ImageId=ami,
             BlockDeviceMappings=self._block_devices(ami, role),
@@ -210,7 +282,6 @@ class AwsLaunch(AwsNetwork, AwsStorage):
             # that cannot fit the whole count fails over to the next offer.
             MinCount=count,
             MaxCount=count,
-            KeyName=key,
             SecurityGroupIds=[group],
             ClientToken=token,
             MetadataOptions={
@@ -223,15 +294,21 @@ class AwsLaunch(AwsNetwork, AwsStorage):
                 {"ResourceType": "volume", "Tags": _tags({TAG_CLUSTER: self.ctx.cluster})},
             ],
         )
+        if key:
+            kwargs["KeyName"] = key
         if zone:
             kwargs["Placement"] = {"AvailabilityZone": zone}
         if n_efa:
             if not zone:
                 raise SpecError(f"aws: EFA launches of {instance_type} need a zone")
             del kwargs["SecurityGroupIds"]
+            # several interfaces: no public address at launch (EC2 refuses it), an Elastic
+            # IP once the node runs (_ensure_public_address)
             kwargs["NetworkInterfaces"] = efa.network_interfaces(
                 instance_type, n_efa, self._subnet(zone, explicit=True), group, public=True)
-            kwargs["Placement"]["GroupName"] = self._placement_group(zone)
+            group_name = self._placement_for(zone, placement, dry)
+            if group_name:
+                kwargs["Placement"]["GroupName"] = group_name
         elif subnet := self._subnet(zone):
             # Not the default VPC: its subnets do not hand out public addresses by
             # default, and SSH from the controller needs one.
@@ -253,25 +330,124 @@ class AwsLaunch(AwsNetwork, AwsStorage):
                     "InstanceInterruptionBehavior": "terminate",
                 },
             }
+        profile = ""
         if role == "worker":
             # Workers reach the cluster's checkpoint prefix, and only it (storage.py).
-            kwargs["IamInstanceProfile"] = {"Name": self.node_profile}
+            profile = self.node_profile
         elif self.ctx.spec.head_rebalances:
             # The head replaces this cluster's lost workers, and can do nothing else.
-            kwargs["IamInstanceProfile"] = {"Name": self.head_profile}
-        attempt = 0
-        while True:
+            profile = self.head_profile
+        if profile and dry and not self._profile_exists(profile):
+            self.dry_notes.append(f"no instance profile (up makes {profile})")
+        elif profile:
+            kwargs["IamInstanceProfile"] = {"Name": profile}
+        return kwargs
+
+    def _dry_group_and_key(self) -> tuple[str, str]:
+        """The cluster's security group and key pair where they exist; else the VPC's
+        default group and no key (a dry run makes nothing), said in `dry_notes`."""
+        groups = self._find_groups()
+        if groups:
+            group = str(groups[0]["GroupId"])
+        else:
+            vpc, _ = self._vpc()
+            found = self._call(
+                f"find the default security group of {vpc}", self.ec2.describe_security_groups,
+                Filters=[{"Name": "vpc-id", "Values": [vpc]},
+                         {"Name": "group-name", "Values": ["default"]}],
+            ).get("SecurityGroups", [])
+            group = str(found[0]["GroupId"]) if found else ""
+            self.dry_notes.append(f"security group {group or '?'} (the VPC's default) "
+                                  f"stands in for {self._group_name}, which up makes")
+        pairs = self._call(
+            f"find key pair {self.key_name}", self.ec2.describe_key_pairs,
+            Filters=[{"Name": "key-name", "Values": [self.key_name]}],
+        ).get("KeyPairs", [])
+        if not pairs:
+            self.dry_notes.append(f"no key pair (up makes {self.key_name})")
+        return group, (self.key_name if pairs else "")
+
+    def _profile_exists(self, name: str) -> bool:
+        iam = self._session.client("iam", **self._client_kwargs)
+        try:
+            self._call(f"find instance profile {name}", iam.get_instance_profile,
+                       InstanceProfileName=name)
+        except ProviderError as e:
+            if error_code(e) == "NoSuchEntity":
+                return False
+            raise
+        return True
+
+    def _placement_for(self, zone: str, placement: str, dry: bool = False) -> str:
+        """The placement group name an EFA launch names: the zone's first or second
+        cluster group, or "" for none. A dry run names only a group that exists."""
+        if placement == efa.PLACEMENT_NONE:
+            return ""
+        second = placement == efa.PLACEMENT_SECOND
+        if not dry:
+            return self._placement_group(zone, second=second)
+        name = self._placement_name(zone, second)
+        if not any(g.get("GroupName") == name for g in self._find_placement_groups()):
+            self.dry_notes.append(f"no placement group (up makes {name})")
+            return ""
+        return name
+
+    def _ensure_public_address(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """A running worker launched with several EFA interfaces starts without a public
+        address (efa.py): its primary interface gets one of the cluster's Elastic IPs, a
+        free one first (a node gone since left it), else a new one, tagged with the
+        cluster (`down` releases them). Returns the instance as EC2 describes it after."""
+        tags = _tag_map(raw)
+        net = tags.get(TAG_NETWORK, "")
+        m = re.match(r"efa(\d+)", net)
+        count = int(m.group(1)) if m else 0
+        if raw.get("PublicIpAddress") or tags.get(TAG_ROLE, "worker") != "worker" \
+                or not efa.elastic_ip(str(raw.get("InstanceType", "")), count):
+            return raw
+        primary = [n for n in raw.get("NetworkInterfaces", [])
+                   if int((n.get("Attachment") or {}).get("DeviceIndex", -1)) == 0
+                   and int((n.get("Attachment") or {}).get("NetworkCardIndex", 0) or 0) == 0]
+        if not primary:
+            raise ProviderError(f"aws: {raw['InstanceId']} has no primary network interface "
+                                "to give an Elastic IP")
+        eni = str(primary[0]["NetworkInterfaceId"])
+        for _ in range(3):
+            free = [a for a in self._cluster_addresses() if not a.get("AssociationId")]
+            if free:
+                alloc = str(free[0]["AllocationId"])
+            else:
+                alloc = str(self._call(
+                    f"allocate an Elastic IP for {raw['InstanceId']}", self.ec2.allocate_address,
+                    Domain="vpc", TagSpecifications=[{"ResourceType": "elastic-ip", "Tags": _tags(
+                        {TAG_CLUSTER: self.ctx.cluster})}])["AllocationId"])
             try:
-                resp = self._call(what, self.ec2.run_instances, **kwargs)
+                self._call(f"give {raw['InstanceId']} its Elastic IP", self.ec2.associate_address,
+                           AllocationId=alloc, NetworkInterfaceId=eni, AllowReassociation=False)
                 break
+            except ProviderError as e:  # taken meanwhile by another node: take another
+                if error_code(e) != "Resource.AlreadyAssociated":
+                    raise
+        again = self._describe([{"Name": "instance-id", "Values": [str(raw["InstanceId"])]}],
+                               f"describe {raw['InstanceId']}")
+        return again[0] if again else raw
+
+    def _cluster_addresses(self) -> builtins.list[dict[str, Any]]:
+        return list(self._call(
+            f"find Elastic IPs of cluster {self.ctx.cluster}", self.ec2.describe_addresses,
+            Filters=self._cluster_filter()).get("Addresses", []))
+
+    def _release_addresses(self) -> builtins.list[str]:
+        """Release the cluster's Elastic IPs (after its instances are gone); one line per
+        address still held."""
+        left = []
+        for a in self._cluster_addresses():
+            try:
+                self._call(f"release Elastic IP {a.get('PublicIp', '')}",
+                           self.ec2.release_address, AllocationId=str(a["AllocationId"]))
             except ProviderError as e:
-                attempt += 1
-                just_made = "instance profile" in str(e).lower()
-                if error_code(e) == "InvalidParameterValue" and just_made:
-                    if self._wait_profile_usable(attempt):
-                        continue
-                raise
-        return [self._to_instance(i) for i in resp.get("Instances", [])]
+                if error_code(e) != "InvalidAllocationID.NotFound":
+                    left.append(f"Elastic IP {a.get('PublicIp', '')} ({a['AllocationId']}): {e}")
+        return left
 
     def launch(self, offer: Offer, count: int, request_id: str) -> list[Instance]:
         """Start `count` spot workers of `offer`; idempotent by `request_id`.
@@ -309,7 +485,21 @@ class AwsLaunch(AwsNetwork, AwsStorage):
                 TAG_GPUS: str(offer.gpus),
             },
             spot=True,
+            placement=offer.placement,
         )
+
+    def preview(self, offer: Offer, count: int) -> dict[str, Any]:
+        """The RunInstances request `launch(offer, count, ...)` would send, made as a dry
+        run (nothing created; the request and client token are placeholders): what
+        `check` DryRuns and `up --dry-run --json` shows. `dry_notes` says what stands in
+        for resources `up` makes first."""
+        return self.launch_request(
+            instance_type=offer.instance_type, zone=offer.zone, count=count,
+            request_id=PREVIEW_REQUEST, token=PREVIEW_REQUEST, role="worker",
+            tags={TAG_PRICE: f"{offer.spot_price:g}",
+                  TAG_ON_DEMAND: f"{offer.on_demand_price or 0:g}",
+                  TAG_GPUS: str(offer.gpus)},
+            spot=True, placement=offer.placement, dry=True)
 
     def list(self, cluster: str) -> list[Instance]:
         raw = self._describe(

@@ -142,6 +142,8 @@ class AwsNetwork(AwsApi):
         groups = self._find_groups()
         if groups:
             gid = str(groups[0]["GroupId"])
+            if not self._self_egress(groups[0]):  # a group made before the rule was
+                self._allow_self_egress(gid)
             # only `up`, run by the controller, moves it: a reconcile elsewhere (a head's
             # rebalance with the spec it was given) would move it back to an old address
             follow = self.ctx.options.get(FOLLOW_SSH_CIDR)
@@ -180,7 +182,34 @@ class AwsNetwork(AwsApi):
                 },
             ],
         )
+        self._allow_self_egress(gid)
         return gid
+
+    @staticmethod
+    def _self_egress(group: dict[str, Any]) -> bool:
+        """Whether the group lets all traffic out to its own members."""
+        return any(p.get("IpProtocol") == "-1"
+                   and any(pair.get("GroupId") == group["GroupId"]
+                           for pair in p.get("UserIdGroupPairs", []))
+                   for p in group.get("IpPermissionsEgress", []))
+
+    def _allow_self_egress(self, gid: str) -> None:
+        """All traffic out to the group's own members. EFA needs it beside the inbound
+        rule: its traffic is not IP, so the default 0.0.0.0/0 egress rule does not cover
+        it (EC2 User Guide, "Prepare an EFA-enabled security group": inbound and outbound
+        all traffic to and from the group itself)."""
+        try:
+            self._call(
+                f"let {self._group_name} reach its own members", self.ec2.authorize_security_group_egress,
+                GroupId=gid,
+                IpPermissions=[{
+                    "IpProtocol": "-1",
+                    "UserIdGroupPairs": [{"GroupId": gid, "Description": "cluster members (EFA)"}],
+                }],
+            )
+        except ProviderError as e:  # added meanwhile by another run of `up`
+            if error_code(e) != "InvalidPermission.Duplicate":
+                raise
 
     def _follow_ssh_cidr(self, gid: str, group: dict[str, Any], cidr: str) -> None:
         """The existing group's SSH rule to `cidr` only: the controller's address (which
@@ -246,13 +275,17 @@ class AwsNetwork(AwsApi):
     def _placement_prefix(self) -> str:
         return f"spotctl-{self.ctx.cluster}-"
 
-    def _placement_group(self, zone: str) -> str:
+    def _placement_name(self, zone: str, second: bool = False) -> str:
+        return f"{self._placement_prefix}{zone}" + ("-2" if second else "")
+
+    def _placement_group(self, zone: str, second: bool = False) -> str:
         """The cluster's placement group in `zone` (strategy cluster: one zone's nodes
         close together for EFA), created on the first launch there, tagged, found by
-        name. One per zone: a cluster group's first instance fixes its zone."""
-        if zone in self._placement:
-            return self._placement[zone]
-        name = f"{self._placement_prefix}{zone}"
+        name. One per zone: a cluster group's first instance fixes its zone. `second`:
+        the zone's second group, where launches go while the first is out of capacity."""
+        name = self._placement_name(zone, second)
+        if name in self._placement.values():
+            return name
         try:
             found = self._call(f"find placement group {name}", self.ec2.describe_placement_groups,
                                GroupNames=[name]).get("PlacementGroups", [])
@@ -276,7 +309,7 @@ class AwsNetwork(AwsApi):
             except ProviderError as e:  # made meanwhile by another launch of this cluster
                 if error_code(e) != "InvalidPlacementGroup.Duplicate":
                     raise
-        self._placement[zone] = name
+        self._placement[f"{zone}/{int(second) + 1}"] = name
         return name
 
     def _find_placement_groups(self) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from spotctl.errors import ProviderError, SpecError
 from spotctl.providers.aws import catalog as catalog_aws
+from spotctl.providers.aws import efa
 from spotctl.providers.aws.api import AwsApi, _listed, error_code
 from spotctl.providers.base import Offer
 
@@ -146,6 +147,9 @@ class AwsOffers(AwsApi):
                     on_demand_price=catalog_aws.on_demand_price(itype, self.region),
                     interruption_band=catalog_aws.interruption_band(itype, self.region),
                     gpu_memory_gib=mem,
+                    # an EFA worker's placement group, and where it goes when that is full
+                    placements=efa.PLACEMENTS if self.fast_network and efa.efa_count(itype)
+                    else (),
                 )
             )
         return out

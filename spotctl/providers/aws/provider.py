@@ -155,7 +155,9 @@ class AwsProvider(AwsChecks):
         failed: builtins.list[HostResult] = []
         for inst in instances:
             try:
-                ready.append(self._to_instance(self._wait_running(inst.id)))
+                # several EFA interfaces: its public address is an Elastic IP, given now
+                raw = self._ensure_public_address(self._wait_running(inst.id))
+                ready.append(self._to_instance(raw))
             except ProviderError as e:
                 failed.append(HostResult(inst.id, False, str(e), False, 0.0))
         for inst in ready:
@@ -276,6 +278,8 @@ class AwsProvider(AwsChecks):
             td.step(f"key pair {pair['KeyName']}",
                     lambda k=pair["KeyName"]: self._call(f"delete key pair {k}",
                                                          self.ec2.delete_key_pair, KeyName=k))
+        # Elastic IPs of nodes with several EFA interfaces, once their instances are gone
+        td.leaks += td.step("the cluster's Elastic IPs", self._release_addresses, [])
         # The workers' role and profile go; the checkpoints stay unless purged.
         td.leaks += td.step("the workers' role", self._delete_node_identity, [])
         if self.ctx.options.get("purge"):

@@ -27,7 +27,7 @@ HEAD_DESCRIBES = (
     "ec2:DescribeInstances", "ec2:DescribeInstanceTypes", "ec2:DescribeSpotPriceHistory",
     "ec2:DescribeImages", "ec2:DescribeVpcs", "ec2:DescribeSubnets",
     "ec2:DescribeAvailabilityZones", "ec2:DescribeSecurityGroups", "ec2:DescribeKeyPairs",
-    "ec2:DescribePlacementGroups",
+    "ec2:DescribePlacementGroups", "ec2:DescribeAddresses",
 )
 _GONE = ("NoSuchEntity", "NoSuchBucket", "404", "NotFound")
 
@@ -214,10 +214,21 @@ class AwsStorage(ClusterCheckpoints, AwsApi):
                  "Action": "ec2:CreatePlacementGroup",
                  "Resource": f"{ec2}:placement-group/spotctl-{name}-*",
                  "Condition": {"StringEquals": {f"aws:RequestTag/{TAG_CLUSTER}": name}}},
+                # a replacement with several EFA interfaces gets one of the cluster's
+                # Elastic IPs (efa.py): a free one, else a new one tagged for the cluster
+                {"Sid": "ElasticIpsOfThisCluster", "Effect": "Allow",
+                 "Action": "ec2:AllocateAddress", "Resource": f"{ec2}:elastic-ip/*",
+                 "Condition": {"StringEquals": {f"aws:RequestTag/{TAG_CLUSTER}": name}}},
+                {"Sid": "AssociateOnlyThisClustersElasticIps", "Effect": "Allow",
+                 "Action": "ec2:AssociateAddress", "Resource": f"{ec2}:elastic-ip/*",
+                 "Condition": own},
+                {"Sid": "AssociateWithAnInterface", "Effect": "Allow",
+                 "Action": "ec2:AssociateAddress", "Resource": f"{ec2}:network-interface/*"},
                 {"Sid": "TagOnlyWhileCreating", "Effect": "Allow", "Action": "ec2:CreateTags",
                  "Resource": "*",
                  "Condition": {"StringEquals": {
-                     "ec2:CreateAction": ["RunInstances", "CreatePlacementGroup"]}}},
+                     "ec2:CreateAction": ["RunInstances", "CreatePlacementGroup",
+                                          "AllocateAddress"]}}},
                 {"Sid": "EndAndReadOnlyThisClustersInstances", "Effect": "Allow",
                  "Action": ["ec2:TerminateInstances", "ec2:GetConsoleOutput"],
                  "Resource": f"{ec2}:instance/*", "Condition": own},

@@ -2,9 +2,12 @@
 
 This module owns `spotctl check --provider gcp`: one line each for credentials and the
 project (a disabled Compute Engine API, as on a new project, named with the command that
-enables it), the region, the Spot (preemptible) GPU quota of the region for the GPUs the
-spec wants (PREEMPTIBLE_NVIDIA_*_GPUS; GCP falls back to the regular GPU quota where a
-project has no preemptible one) and the project-wide GPUS_ALL_REGIONS, each as its limit
+enables it), the region, the GPU quota of the region that Spot VMs of the GPUs the spec
+wants count against: PREEMPTIBLE_NVIDIA_*_GPUS where the project was granted preemptible
+quota (its limit is above 0), else the standard NVIDIA_*_GPUS (Compute Engine docs,
+"Allocation quotas", preemptible quotas: Spot and preemptible VMs use preemptible quota
+where the project has it and standard quota otherwise; Compute Engine lists the
+PREEMPTIBLE_ metrics at 0 on a project without such a grant) and the project-wide GPUS_ALL_REGIONS, each as its limit
 minus usage against the cluster's gpus.min, the network the firewall rules go on, the worker and head
 images (and their minimum disk sizes), and the checkpoint bucket (reachable, to be
 created, or blocked).
@@ -12,9 +15,10 @@ created, or blocked).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
-from spotctl.errors import AuthError, ProviderError, SpecError
+from spotctl.errors import AuthError, ProviderError, SpecError, SpotctlError
 from spotctl.providers.checks import Check, run_check
 from spotctl.providers.gcp import placement
 from spotctl.providers.gcp.launch import GcpLaunch
@@ -52,8 +56,36 @@ class GcpChecks(GcpLaunch):
         out.append(run_check("image (workers)",
                              lambda: self._check_image(self.spec.image, workers=True)))
         out.append(run_check("image (head)", lambda: self._check_image(self.spec.head_image)))
+        out.append(self._check_launch())
         out.append(run_check("checkpoint bucket", self._check_bucket))
         return out
+
+    def _check_launch(self) -> Check:
+        """The instances.insert body `up` would send for the first plan's launch (the same
+        code: preview), for the spec's cluster name. Compute Engine has no dry run for an
+        insert, so what can be checked is checked above (image, disk, NIC, quota); whether
+        the identity may insert it (IAM, conditions) only a real insert says."""
+        name = "launch request"
+        try:
+            first = self.ctx.options.get("first_launch")
+            pick = first(self.offers()) if callable(first) else None
+            if pick is None:
+                return Check(name, False, "the first plan launches nothing here (no offer "
+                             "fits the spec), so no request to show", blocking=False)
+            offer, count = pick
+            twin = type(self)(replace(self.ctx, cluster=self.ctx.spec.name))
+            req = twin.preview(offer, count)
+        except SpotctlError as e:
+            return Check(name, False, " ".join(str(e).split()))
+        inst = req["instance"]
+        return Check(name, True, (
+            f"the first plan's {count} x {offer.instance_type} (spot) in {offer.zone}: "
+            f"{len(inst.get('networkInterfaces', []))} NIC "
+            f"({inst['networkInterfaces'][0].get('nicType', 'VirtIO')}), "
+            + ("compact placement" if inst.get("resourcePolicies") else "no placement policy")
+            + ", runs as " + inst["serviceAccounts"][0]["email"]
+            + " (no dry run for an insert: IAM is judged by the first real one)"),
+            blocking=False, data={"request": req})
 
     def _check_bucket(self) -> str:
         """One line: the bucket is reachable, will be created, or what blocks it."""
@@ -149,7 +181,8 @@ class GcpChecks(GcpLaunch):
             if not metric:
                 continue
             spot = f"PREEMPTIBLE_{metric}"
-            used = spot if spot in quotas else metric
+            # Spot VMs count against preemptible quota only where it was granted
+            used = spot if quotas.get(spot, (0.0, 0.0))[0] > 0 else metric
             limit, usage = quotas.get(used, (0.0, 0.0))
             ok = limit - usage >= gpus and all_free >= gpus
             region_ok = region_ok or limit - usage >= gpus

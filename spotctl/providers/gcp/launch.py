@@ -10,6 +10,7 @@ boot disk, NIC, metadata, the workers' service account); and `terminate` / delet
 from __future__ import annotations
 
 import builtins
+import json
 import random
 import time
 import uuid
@@ -48,6 +49,11 @@ class _Failure:
 
     names: list[str] = field(default_factory=list)
     error: ProviderError | None = None
+
+
+# the role `up` grants the head's account on each compact placement policy (its own IAM
+# policy), for compute.resourcePolicies.use when the head inserts a replacement
+HEAD_POLICY_ROLE = "roles/compute.instanceAdmin.v1"
 
 
 class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
@@ -195,6 +201,38 @@ class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
             )
         return launched
 
+    def preview(self, offer: Offer, count: int) -> dict[str, Any]:
+        """The instances.insert body `launch(offer, count, ...)` sends for its first VM,
+        built by the same code and made as a dry run (nothing created: the request id is
+        a placeholder, the compact placement policy is named as `up` would make it, the
+        cluster's SSH key shown as a placeholder until `up` makes it). What `check` shows
+        and `up --dry-run --json` shows: the Compute API has no dry run for an insert."""
+        from google.cloud import compute_v1
+
+        zone = offer.zone
+        _, compact = placement.network_for(offer.instance_type, offer.gpus, self.fast_network)
+        policy = ""
+        if compact:
+            region = zone.rsplit("-", 1)[0]
+            policy = (f"projects/{self.project}/regions/{region}/resourcePolicies/"
+                      f"{placement.policy_name(self.cluster, zone)}")
+        priv = self._key_path()
+        pub = priv.with_suffix(".pub")
+        saved = self.ctx.options.get("ssh_public_key")
+        if not saved:
+            self.ctx.options["ssh_public_key"] = (
+                pub.read_text() if pub.exists() else "(the cluster's SSH key, made by up)")
+        try:
+            res = self._instance_resource(
+                name=instance_name(self.cluster, "preview", 0), zone=zone,
+                machine_type=offer.instance_type, role="worker", rid="preview", spot=True,
+                accel=self._guest_accelerator(offer), gpus=offer.gpus, policy=policy)
+        finally:
+            if not saved:
+                self.ctx.options.pop("ssh_public_key", None)
+        body: dict[str, Any] = json.loads(compute_v1.Instance.to_json(res))
+        return {"zone": zone, "count": count, "instance": body}
+
     def _insert_in_zone(
         self, zone: str, offer: Offer, names: builtins.list[str], rid: str, attempt: int = 1
     ) -> tuple[builtins.list[Instance], _Failure]:
@@ -208,9 +246,9 @@ class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
         pending: builtins.list[tuple[str, Any]] = []
         failure = _Failure()
         _, compact = placement.network_for(offer.instance_type, offer.gpus, self.fast_network)
-        # the head ([rebalance] on_head) launches without one: IAM conditions cannot scope
-        # resource policies to this cluster, so its account gets none
-        policy = self._compact_policy(zone) if compact and names and not self._on_head else ""
+        # the head ([rebalance] on_head) uses the zone's policy the controller made, on
+        # which `up` let the head's account use it (it creates none)
+        policy = self._compact_policy(zone) if compact and names else ""
 
         def insert(name: str) -> Any:
             resource = self._instance_resource(
@@ -401,6 +439,14 @@ class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
         if got is not None and got.description != mine:
             raise SpecError(f"gcp: resource policy {name} exists but is not cluster "
                             f"{self.cluster}'s; delete it or pick another cluster name")
+        if self._on_head:
+            # the head's account may use the policy (`up` granted it on the policy
+            # itself) but not create one: a zone the controller never launched in
+            # gets its replacements without compact placement (their label says so)
+            if got is None:
+                return ""
+            self._policies[zone] = name
+            return url
         if got is None:
             pol = compute_v1.ResourcePolicy(
                 name=name, description=mine,
@@ -422,8 +468,31 @@ class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
                 err = self._wait(op, f"create resource policy {name}", None, region=region)
                 if err is not None:
                     raise err
+        if self.ctx.spec.head_rebalances:
+            self._let_head_use(region, name)
         self._policies[zone] = name
         return url
+
+    def _let_head_use(self, region: str, name: str) -> None:
+        """Let the head's account put its replacements in this policy: a binding on the
+        policy itself (resourcePolicies.setIamPolicy), so the grant reaches this one
+        policy and nothing else (an IAM condition on the project binding cannot name
+        resource policies). The role is the instance admin role the head holds on its
+        own workers, which includes compute.resourcePolicies.use."""
+        from google.cloud import compute_v1
+
+        member = f"serviceAccount:{self.head_account}"
+        get = partial(self.clients.resource_policies.get_iam_policy, project=self.project,
+                      region=region, resource=name, retry=None)
+        pol = self._call(f"read the IAM policy of resource policy {name}", get)
+        assert pol is not None
+        if any(b.role == HEAD_POLICY_ROLE and member in b.members for b in pol.bindings):
+            return
+        pol.bindings.append(compute_v1.Binding(role=HEAD_POLICY_ROLE, members=[member]))
+        req = compute_v1.RegionSetPolicyRequest(policy=pol)
+        self._call(f"let the head use resource policy {name}", partial(
+            self.clients.resource_policies.set_iam_policy, project=self.project,
+            region=region, resource=name, region_set_policy_request_resource=req, retry=None))
 
     def _list_policies(self) -> builtins.list[Any]:
         """The cluster's placement policies in its region."""
