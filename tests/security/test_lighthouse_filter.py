@@ -64,6 +64,25 @@ def _refused_at(frames: list[bytes]) -> bytes:
     raise AssertionError("the filter passed every frame")
 
 
+def test_a_large_frame_is_streamed_not_held() -> None:
+    """A member's 16 MiB frames held whole cost 16 MiB per connection (issue 60): frames
+    other than header blocks pass as their bytes arrive; a header block over 64 KiB is
+    refused from its frame header."""
+    enc = Encoder()
+    f = H2RequestFilter(LIGHTHOUSE_METHODS)
+    opened = _frame(0x1, 0x4, 1, enc.encode(_req(QUORUM)))
+    assert f.feed(opened) == opened
+    head = (16 * 1024 * 1024 - 1).to_bytes(3, "big") + bytes([0x0, 0x0]) + (1).to_bytes(4, "big")
+    chunk = b"\0" * 65536
+    assert f.feed(head + chunk) == head + chunk
+    for _ in range(16):
+        assert f.feed(chunk) == chunk
+    assert len(f._buf) == 0
+    with pytest.raises(Refused):
+        H2RequestFilter(LIGHTHOUSE_METHODS).feed((70000).to_bytes(3, "big") + b"\x01\x04"
+                                                 + (1).to_bytes(4, "big"))
+
+
 def test_the_kill_route_never_reaches_the_lighthouse_however_encoded() -> None:
     enc = Encoder()
     ok = _frame(0x1, 0x4, 1, enc.encode(_req(QUORUM)))
