@@ -67,13 +67,56 @@ def resolve(run_as: str) -> WorkerUser | None:
 
 def own_dir(path: Path, user: WorkerUser, mode: int = 0o700) -> None:
     """Make `path` a directory of `user` (created if missing). Refuses a link or a
-    non-directory in its place rather than chown something it points at."""
+    non-directory in its place rather than chown something it points at; the chown and
+    chmod go through a descriptor opened without following links, so a link swapped in
+    after the check is refused too (where fs.protected_symlinks is 0)."""
     path.mkdir(parents=True, exist_ok=True)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"{path} is not a directory")
-    os.chown(path, user.uid, user.gid, follow_symlinks=False)
-    os.chmod(path, mode)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        raise ValueError(f"{path} is not a directory (or is a link)") from None
+    try:
+        os.fchown(fd, user.uid, user.gid)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+class UnsafeDir(ValueError):
+    """A directory in the place of one only its owner may have made."""
+
+
+def private_dir(path: Path, uid: int, gid: int, made: bool = False) -> Path:
+    """`path` as a directory only `uid` can use: created here (mkdir, mode 0700; made over
+    to `uid` through a descriptor that follows no link), or an existing one that is no
+    link, is owned by `uid` and lets nobody else in. Anything else in its place raises
+    UnsafeDir naming what is wrong: another user's directory is never taken over. `made`:
+    this process has just created `path` itself (mkdtemp)."""
+    created = True
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        created = made
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:
+        raise UnsafeDir(f"{path} is not a directory this process made (a link or a file "
+                        f"is in its place: {e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if created and (st.st_uid, st.st_gid) != (uid, gid):
+            os.fchown(fd, uid, gid)
+            os.fchmod(fd, 0o700)
+            st = os.fstat(fd)
+        if st.st_uid != uid:
+            raise UnsafeDir(f"{path} belongs to uid {st.st_uid}, not {uid}: another user "
+                            f"made it; refusing to use it")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            raise UnsafeDir(f"{path} has mode {stat.S_IMODE(st.st_mode):o}; it must let "
+                            f"only its owner in (0700)")
+    finally:
+        os.close(fd)
+    return path
 
 
 def allow_search(path: Path) -> None:

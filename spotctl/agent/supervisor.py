@@ -17,6 +17,7 @@ restarts them into the next rendezvous round).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -111,20 +112,57 @@ def _endpoint(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _zygote_path(workdir: Path, worker: runas.WorkerUser | None = None) -> Path:
-    """A short socket path (unix socket paths are limited to 107 bytes) in a 0700 dir of
-    the user the zygote and its workers run as."""
-    import hashlib
+SUN_PATH_MAX = 107  # a unix socket's path, in bytes, without its NUL
+
+
+def _zygote_path(workdir: Path, worker: runas.WorkerUser | None = None) -> Path | None:
+    """The zygote's socket, in a 0700 directory of the user the zygote and its workers run
+    as, which that user (or the agent, for it) made: `run-<uid>` in the node's work dir,
+    where no other user can write. Where that path is too long for a unix socket, a fresh
+    directory with a random name in the temp dir (mkdtemp: created here or not at all).
+    Never a fixed name in a shared temp dir, which another local user could create first
+    and then answer in the zygote's place (issue 60). None, with one error line, when the
+    directory in the work dir is not one only its owner could have made (cold starts)."""
     import tempfile
 
-    d = Path(tempfile.gettempdir()) / f"spotctl-{worker.uid if worker else os.getuid()}"
-    if worker is None:
-        d.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(d, 0o700)
-    else:
-        runas.own_dir(d, worker)
-    key = hashlib.sha256(str(workdir.resolve()).encode()).hexdigest()[:16]
-    return d / f"z-{key}.sock"
+    uid, gid = (worker.uid, worker.gid) if worker else (os.getuid(), os.getgid())
+    d = workdir / f"run-{uid}"
+    made = False
+    try:
+        if len(os.fsencode(str(d / "z.sock"))) > SUN_PATH_MAX:
+            d, made = Path(tempfile.mkdtemp(prefix=f"spotctl-{uid}-")), True
+            # where it is, for remove_zygote_dirs after an agent that could not clean up
+            with open(workdir / ZYGOTE_DIR_NOTE, "a") as f:
+                f.write(f"{d}\n")
+        return runas.private_dir(d, uid, gid, made) / "z.sock"
+    except (runas.UnsafeDir, OSError) as e:
+        log.error("no warm zygote (workers start cold): %s", e)
+        return None
+
+
+ZYGOTE_DIR_NOTE = "zygote-dir"
+
+
+def remove_zygote_dirs(workdir: Path) -> None:
+    """Remove a stopped node's zygote socket and its directory (the local provider, after
+    it killed the node's processes)."""
+    import shutil
+    import tempfile
+
+    for d in workdir.glob("run-*"):
+        shutil.rmtree(d, ignore_errors=True)
+    note = workdir / ZYGOTE_DIR_NOTE
+    try:
+        made = note.read_text().split("\n")
+    except OSError:
+        return
+    for line in made:
+        d = Path(line.strip())
+        # only a directory of the shape _zygote_path makes in the temp dir
+        if line and d.parent == Path(tempfile.gettempdir()) \
+                and d.name.startswith("spotctl-") and not d.is_symlink():
+            shutil.rmtree(d, ignore_errors=True)
+    note.unlink(missing_ok=True)
 
 
 class Agent:
@@ -496,6 +534,8 @@ class Agent:
     def _zygote_socket(self) -> str:
         """Start (or keep) the node's warm zygote; '' when it cannot run (cold starts)."""
         z = self.zygote
+        if self.zygote_path is None:
+            return ""
         if z is not None and z.poll() is None:
             return str(self.zygote_path)
         if z is not None:
@@ -801,7 +841,11 @@ class Agent:
             self.zygote.kill()
         if self._leaver is not None and self._leaver.poll() is None:
             self._leaver.kill()
-        self.zygote_path.unlink(missing_ok=True)
+        if self.zygote_path is not None:
+            self.zygote_path.unlink(missing_ok=True)
+            if self.zygote_path.parent.name.startswith("spotctl-"):  # mkdtemp's
+                with contextlib.suppress(OSError):
+                    self.zygote_path.parent.rmdir()
         return 0
 
     def stop(self) -> None:

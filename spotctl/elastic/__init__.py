@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from spotctl.elastic.checkpoint import Checkpointer  # noqa: E402
+from spotctl.elastic.ckptsafe import load_extra  # noqa: E402
 from spotctl.elastic.data import (  # noqa: E402
     ElasticBatchSampler,
     PermutationCache,
@@ -559,7 +560,7 @@ class Run:
         set_state_dict(self.model, self.optimizers, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         if state["extra"]:
-            extra = torch.load(io.BytesIO(state["extra"]), weights_only=False)
+            extra = load_extra(state["extra"])
             for s, sd in zip(self.schedulers, extra["schedulers"], strict=False):
                 s.load_state_dict(sd)
             if self.scaler is not None and extra.get("scaler"):

@@ -4,7 +4,9 @@ atomic commit, keep-last-K, resume at any world size, on a local path or an obje
 Layout under the checkpoint root (a path, or an fsspec URL such as s3://bucket/prefix or
 gs://bucket/prefix):
     step-00000120/            DCP files (one per rank) + .metadata
-    step-00000120/COMMIT      written by rank 0 after every rank's data is stored
+    step-00000120/.spotctl-files.json   every file's size and sha256 (spotctl.elastic.ckptsafe)
+    step-00000120/COMMIT      written by rank 0 after every rank's data is stored, with
+                              those sizes and digests; a load checks the files against it
 A step without COMMIT is never loaded. Rank 0 writes COMMIT last, only after DCP's finish
 step has gathered all ranks' write results: on a path atomically (tmp+rename, fsync), on an
 object store as one PUT (an object appears whole or not at all). A committed step is never
@@ -31,6 +33,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+from spotctl.elastic.ckptsafe import (  # noqa: E402
+    FILES,
+    DigestingWriter,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeCheckpoint,
+    digest_file,
+    safe_fsspec_reader,
+)
 
 log = logging.getLogger("spotctl.elastic")
 COMMIT = "COMMIT"
@@ -87,7 +99,7 @@ class _AutoWriters:
         return super().write_data(plan, planner)  # type: ignore[misc]
 
 
-class AutoFileSystemWriter(_AutoWriters, dcp.FileSystemWriter):
+class AutoFileSystemWriter(DigestingWriter, _AutoWriters, dcp.FileSystemWriter):
     pass
 
 
@@ -102,7 +114,8 @@ def _fsspec_writer() -> type:
 
         from spotctl.elastic.parts import PartsWriterMixin
 
-        cls = type("AutoFsspecWriter", (_AutoWriters, PartsWriterMixin, FsspecWriter),
+        cls = type("AutoFsspecWriter",
+                   (DigestingWriter, _AutoWriters, PartsWriterMixin, FsspecWriter),
                    {"__module__": __name__})
         globals()["AutoFsspecWriter"] = cls
     return cls
@@ -112,6 +125,20 @@ def __getattr__(name: str) -> Any:
     if name == "AutoFsspecWriter":
         return _fsspec_writer()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _why(e: BaseException) -> str:
+    """One line for a failed load: DCP wraps each rank's error in a CheckpointException
+    whose own text names only the ranks."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict):
+        for f in failures.values():
+            inner = f[0] if isinstance(f, tuple) else f
+            lines = [ln for ln in str(inner).splitlines() if ln.strip()]
+            if lines:
+                return lines[-1].strip()
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__
 
 
 class Store:
@@ -178,7 +205,15 @@ class Store:
         return self._writer(AutoFileSystemWriter, step)
 
     def reader(self, step: int) -> Any:
-        return dcp.FileSystemReader(self.step_id(step))
+        return SafeFileSystemReader(self.step_id(step))
+
+    def files(self, step: int) -> dict[str, int]:
+        """Every file of a step: name -> size."""
+        d = self.root / _step_name(step)
+        return {p.name: p.stat().st_size for p in d.iterdir() if p.is_file()}
+
+    def open(self, step: int, name: str) -> Any:
+        return open(self.root / _step_name(step) / name, "rb")
 
 
 class FsspecStore(Store):
@@ -261,9 +296,15 @@ class FsspecStore(Store):
         return self._writer(_fsspec_writer(), step, sync_files=False, **self.options)
 
     def reader(self, step: int) -> Any:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        return safe_fsspec_reader(self.step_id(step), **self.options)
 
-        return FsspecReader(self.step_id(step), **self.options)
+    def files(self, step: int) -> dict[str, int]:
+        self._fresh()
+        return {str(e["name"]).rsplit("/", 1)[-1]: int(e.get("size") or 0)
+                for e in self.fs.ls(self._p(step), detail=True) if e.get("type") == "file"}
+
+    def open(self, step: int, name: str) -> Any:
+        return self.fs.open(self._p(step, name), "rb")
 
 
 def writers_from_env() -> int:
@@ -771,7 +812,10 @@ class Checkpointer:
         try:
             if not self.store.has_metadata(step):
                 raise RuntimeError("DCP metadata missing")
-            self.store.write_commit(step, {**meta, "step": step, "committed_at": time.time()})
+            with self.store.open(step, FILES) as f:
+                files = json.loads(f.read())
+            self.store.write_commit(step, {**meta, "step": step, "committed_at": time.time(),
+                                           "files": files})
         except _CKPT_ERRORS as e:
             self._failed(step, e)
             return
@@ -842,13 +886,38 @@ class Checkpointer:
                 meta: dict[str, Any] = {}
                 try:
                     meta = self.store.read_commit(s)
-                    dcp.load(state, storage_reader=self.store.reader(s), process_group=self.pg)
+                    self.verify(s, meta)
                 except _CKPT_ERRORS as e:
-                    log.warning("loading checkpoint step %d (attempt %d): %s", s, attempt + 1, e)
-                    errors.append(f"step {s}: {e}".splitlines()[0])
-                    ok = 0
+                    ok = -1 if isinstance(e, UnsafeCheckpoint) else 0
+                    log.error("refused checkpoint step %d: %s", s, _why(e)) if ok < 0 else \
+                        log.warning("loading checkpoint step %d (attempt %d): %s", s,
+                                    attempt + 1, _why(e))
+                    errors.append(f"step {s}: {_why(e)}")
+                # every rank enters DCP's load (collectives) only when every rank's check
+                # passed
+                checked = torch.tensor([ok])
+                dist.all_reduce(checked, op=dist.ReduceOp.MIN, group=self.pg)
+                if int(checked.item()) == -1:
+                    break
+                if int(checked.item()) == 0:
+                    time.sleep(0.5 * (attempt + 1))
+                    continue
+                try:
+                    dcp.load(state, storage_reader=self.store.reader(s),
+                             planner=SafeLoadPlanner(), process_group=self.pg)
+                except _CKPT_ERRORS as e:
+                    why = _why(e)
+                    unsafe = isinstance(e, UnsafeCheckpoint) or "spotctl does not load" in why \
+                        or "not plain data" in why
+                    log.error("refused checkpoint step %d: %s", s, why) if unsafe else \
+                        log.warning("loading checkpoint step %d (attempt %d): %s", s,
+                                    attempt + 1, why)
+                    errors.append(f"step {s}: {why}")
+                    ok = -1 if unsafe else 0  # refused: not tried again
                 flag = torch.tensor([ok])
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.pg)
+                if int(flag.item()) == -1:
+                    break
                 if int(flag.item()) == 1:
                     if s != steps[0]:
                         log.error("resumed from step %d: newer committed checkpoints %s did not "
@@ -858,6 +927,32 @@ class Checkpointer:
                 time.sleep(0.5 * (attempt + 1))
         raise RuntimeError(f"committed checkpoints {steps} exist under {self.root} but none "
                            f"loads ({'; '.join(errors[-2:])}); refusing to start over")
+
+    def verify(self, step: int, meta: dict[str, Any]) -> None:
+        """Refuse (UnsafeCheckpoint) a step whose files differ from what its COMMIT
+        recorded: every file's size and the metadata's digest here, the data files'
+        digests split across the ranks (the load's agreement fails them all)."""
+        want = meta.get("files")
+        if want is None:
+            log.warning("checkpoint step %d was committed without file digests (an older "
+                        "spotctl): its files are not checked", step)
+            return
+        if not isinstance(want, dict) or ".metadata" not in want:
+            raise UnsafeCheckpoint(f"step {step}: its COMMIT's file list is malformed")
+        have = self.store.files(step)
+        world = dist.get_world_size(self.pg) if self.pg is not None else 1
+        rank = dist.get_rank(self.pg) if self.pg is not None else 0
+        names = sorted(want)
+        mine = {".metadata", *names[rank::world]}
+        for name in names:
+            size, digest = want[name]
+            if have.get(name) != size:
+                raise UnsafeCheckpoint(f"step {step}: {name} is {have.get(name)} bytes, its "
+                                       f"COMMIT recorded {size}; refusing the checkpoint")
+            if name in mine and digest_file(lambda n=name: self.store.open(step, n))[1] \
+                    != digest:
+                raise UnsafeCheckpoint(f"step {step}: {name} differs from what its COMMIT "
+                                       f"recorded (sha256); refusing the checkpoint")
 
     def load_latest(self, state: dict[str, Any]) -> dict[str, Any] | None:
         """COMMIT meta of the newest loadable checkpoint, None for a fresh start."""

@@ -15,17 +15,33 @@ this filter, which passes:
   a header block on an opened stream (trailers) carries no pseudo-header. Anything else,
   a frame that breaks the framing, an undecodable block, a PUSH_PROMISE, closes the
   connection before the offending frame reaches the Lighthouse.
-- HTTP/1.x: one `GET` of a path in `http1_get` (the status page spotctl.elastic.ft reads
-  before a new cluster's first quorum), without a body (`Content-Length: 0` at most) or an
-  upgrade, sent on with `Connection: close`; nothing after it on that connection reaches
-  the Lighthouse.
+- HTTP/1.x: a strict subset, one request per connection: a `GET` of a path in `http1_get`
+  (the status page spotctl.elastic.ft reads before a new cluster's first quorum; torchft's
+  Managers speak only HTTP/2), its head in printable ASCII with CRLF line ends (no bare LF
+  or CR, NUL, other control byte or byte over 0x7E; HTAB only inside a header value), no
+  body (`Content-Length: 0` at most), no upgrade, and nothing after the head: it is sent
+  on with `Connection: close` and nothing more from that connection reaches the
+  Lighthouse. torchft's parser (hyper) takes a bare LF as a line end, so a header value
+  holding LF LF would otherwise end the allowed request and start a second one (the
+  dashboard's kill route) behind it.
   Every other HTTP/1.x request is answered 403 and closed.
 
-Bounds: a new connection has 10 s to show which it is; HTTP/1 heads are at most 8 KiB, a
-header block 64 KiB, a frame 16 MiB - 1 (the protocol's largest); at most 4,096
-connections (newcomers beyond are closed). There is no cap per address: on local clusters
-and ssh hosts (through the controller's reverse forwards) every replica connects from
-loopback, and a head takes up to 1,024 nodes, each Manager holding a connection or two.
+Every refusal is logged (one line each, at most 20 per 10 s; beyond that, one line per
+window with the count left out).
+
+Bounds, below the process's own descriptor limit (read at start: RLIMIT_NOFILE; the head
+raises its soft limit to the hard one, spotctl.head.server): a forwarded connection holds
+three descriptors of the process (the client's, the filter's to the Lighthouse and the
+Lighthouse's accepted end), so at most a fifth of the limit in connections (4,096 at
+most), half of them from one address. A connection is pending until its first request
+passes: it has HELLO_S (10 s) for it, holds no upstream connection meanwhile, at most 16
+are pending per address, and when the process is at its cap the oldest pending one is
+closed for a newcomer. A connection with no bytes either way for IDLE_S (10 min, above a
+quorum's 2 min long poll) is closed. Memory per connection: frames other than header
+blocks are streamed (never buffered whole), a header block is at most 64 KiB, an HTTP/1
+head 8 KiB. On local clusters and ssh hosts (through the controller's reverse forwards)
+every replica connects from loopback, so the per-address caps are per-address for
+cloud clusters only.
 """
 
 from __future__ import annotations
@@ -33,8 +49,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import resource
 import socket
 import threading
+import time
 from collections.abc import Iterable
 
 log = logging.getLogger("spotctl.head.grpc_filter")
@@ -43,26 +61,44 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 # the LighthouseService methods torchft 0.2.0's Managers call (its lighthouse client)
 LIGHTHOUSE_METHODS = frozenset({"/torchft.LighthouseService/Quorum",
                                 "/torchft.LighthouseService/Heartbeat"})
-HELLO_S = 10.0
+HELLO_S = 10.0  # from accept to the first request passed
+IDLE_S = 600.0  # no bytes either way
 MAX_HTTP1_HEAD = 8 * 1024
 MAX_HEADER_BLOCK = 64 * 1024
-MAX_CONNS = 4096
+MAX_CONNS = 4096  # the most, whatever the descriptor limit
+PENDING_PER_ADDR = 16
+FDS_PER_CONN = 3
+LOG_WINDOW_S, LOG_PER_WINDOW = 10.0, 20
 
 _DATA, _HEADERS, _PUSH_PROMISE, _CONTINUATION = 0x0, 0x1, 0x5, 0x9
 _END_HEADERS, _PADDED, _PRIORITY = 0x4, 0x8, 0x20
 _FORBIDDEN_HTTP1 = (b"content-length", b"transfer-encoding", b"upgrade", b"expect",
                     b"http2-settings", b"connection")
-_REQUEST_LINE = re.compile(rb"GET (\S+) HTTP/1\.[01]")
+_REQUEST_LINE = re.compile(rb"GET (/[!-~]*) HTTP/1\.[01]")
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_VALUE = re.compile(rb"[\t -~]*")  # HTAB, SP and visible ASCII: no other control byte
 
 
 class Refused(Exception):
     """What the filter does not pass; the connection is closed."""
 
 
+def conn_budget(limit: int | None = None) -> int:
+    """Connections the filter may hold under a descriptor limit (the process's soft
+    RLIMIT_NOFILE when None): a fifth of it in forwarded connections of FDS_PER_CONN
+    descriptors each, leaving the rest to the store, the API and the Lighthouse's own."""
+    if limit is None:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        limit = soft if soft != resource.RLIM_INFINITY else 1 << 20
+    return max(8, min(MAX_CONNS, limit * 3 // (5 * FDS_PER_CONN)))
+
+
 class H2RequestFilter:
     """The client side of one HTTP/2 connection, after the preface: `feed` takes bytes as
-    they arrive and returns those that may go on to the server, frame by frame; it raises
-    Refused at the first frame that may not (nothing of it, or after it, is returned)."""
+    they arrive and returns those that may go on to the server; it raises Refused at the
+    first frame that may not (nothing of it, or after it, is returned). Header blocks are
+    held until whole (64 KiB at most) and checked; every other frame is passed on as its
+    bytes arrive, so a connection never holds a whole (up to 16 MiB) frame."""
 
     def __init__(self, allowed: Iterable[str]):
         from hpack import Decoder
@@ -70,6 +106,7 @@ class H2RequestFilter:
         self.allowed = frozenset(p.encode() for p in allowed)
         self._decoder = Decoder()
         self._buf = bytearray()
+        self._pass = 0  # bytes of a streamed frame's payload still to pass on
         self._block: bytearray | None = None  # a header block awaiting its END_HEADERS
         self._held: list[bytes] = []  # its frames, sent on once the block passes
         self._block_sid = 0
@@ -79,13 +116,34 @@ class H2RequestFilter:
     def feed(self, data: bytes) -> bytes:
         self._buf += data
         out = bytearray()
-        while len(self._buf) >= 9:
-            length = int.from_bytes(self._buf[0:3], "big")
-            if len(self._buf) < 9 + length:
+        while True:
+            if self._pass:
+                n = min(self._pass, len(self._buf))
+                out += self._buf[:n]
+                del self._buf[:n]
+                self._pass -= n
+                if self._pass:
+                    break
+                continue
+            if len(self._buf) < 9:
                 break
-            frame = bytes(self._buf[:9 + length])
-            del self._buf[:9 + length]
-            out += self._frame(frame)
+            length, ftype = int.from_bytes(self._buf[0:3], "big"), self._buf[3]
+            if ftype in (_HEADERS, _CONTINUATION):
+                if length > MAX_HEADER_BLOCK:
+                    raise Refused("a header block over 64 KiB")
+                if len(self._buf) < 9 + length:
+                    break
+                frame = bytes(self._buf[:9 + length])
+                del self._buf[:9 + length]
+                out += self._frame(frame)
+                continue
+            if self._block is not None:
+                raise Refused("a frame inside a header block")
+            if ftype == _PUSH_PROMISE:
+                raise Refused("a PUSH_PROMISE from a client")
+            out += self._buf[:9]
+            del self._buf[:9]
+            self._pass = length
         return bytes(out)
 
     def _frame(self, frame: bytes) -> bytes:
@@ -104,17 +162,11 @@ class H2RequestFilter:
                     raise Refused("a short PRIORITY field")
                 payload = payload[5:]
             self._block, self._held, self._block_sid = bytearray(payload), [frame], sid
-        elif ftype == _CONTINUATION:
+        else:  # CONTINUATION
             if self._block is None or sid != self._block_sid:
                 raise Refused("a CONTINUATION frame outside a header block")
             self._block += frame[9:]
             self._held.append(frame)
-        elif self._block is not None:
-            raise Refused("a frame inside a header block")
-        elif ftype == _PUSH_PROMISE:
-            raise Refused("a PUSH_PROMISE from a client")
-        else:
-            return frame
         if len(self._block) > MAX_HEADER_BLOCK:
             raise Refused("a header block over 64 KiB")
         if not flags & _END_HEADERS:
@@ -147,16 +199,22 @@ class H2RequestFilter:
 
 def http1_request(head: bytes, allowed_get: Iterable[str]) -> bytes:
     """The request to send on for an HTTP/1.x head (up to and without its blank line):
-    a GET of an allowed path with its headers and `Connection: close`; Refused otherwise."""
+    a GET of an allowed path with its headers and `Connection: close`; Refused otherwise.
+    Lines end in CRLF only; a bare CR or LF, or any other control byte, refuses."""
     lines = head.split(b"\r\n")
+    for line in lines:
+        if b"\r" in line or b"\n" in line:
+            raise Refused("a bare CR or LF in an HTTP/1 head")
     m = _REQUEST_LINE.fullmatch(lines[0])
     if m is None or m.group(1).decode("latin-1") not in set(allowed_get):
         raise Refused(f"HTTP/1 request {lines[0][:80]!r}")
     kept = [lines[0]]
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
-        if not sep or name != name.strip() or not name:
-            raise Refused("a malformed HTTP/1 header line")
+        if not sep or not _TOKEN.fullmatch(name):
+            raise Refused(f"a malformed HTTP/1 header line {line[:80]!r}")
+        if not _VALUE.fullmatch(value):
+            raise Refused(f"a control byte in HTTP/1 header {name.decode('latin-1')!r}")
         if name.lower() == b"content-length" and value.strip() == b"0":
             kept.append(line)
             continue
@@ -169,9 +227,20 @@ def http1_request(head: bytes, allowed_get: Iterable[str]) -> bytes:
     return b"\r\n".join(kept) + b"\r\n\r\n"
 
 
+class _Conn:
+    """One client connection's place in the filter's accounting."""
+
+    def __init__(self, addr: str, writer: asyncio.StreamWriter):
+        self.addr = addr
+        self.writer = writer
+        self.pending = True  # until its first request passes
+        self.last = time.monotonic()  # bytes either way
+
+
 class GrpcFilter:
-    """Serves host:port (port 0 = any free one) and forwards what passes to `upstream`.
-    Runs its own event loop in a daemon thread; bound (or raising OSError) on return."""
+    """Serves host:port (port 0 = any free one) and forwards what passes to `upstream`
+    (which may be changed while serving: new connections go to the new one). Runs its own
+    event loop in a daemon thread; bound (or raising OSError) on return."""
 
     def __init__(self, host: str, port: int, upstream: tuple[str, int],
                  allowed: Iterable[str] = LIGHTHOUSE_METHODS,
@@ -180,12 +249,16 @@ class GrpcFilter:
         self.name = name
         self.allowed = frozenset(allowed)
         self.http1_get = frozenset(http1_get)
+        self.max_conns = min(MAX_CONNS, conn_budget())
+        self.max_per_addr = max(4, self.max_conns // 2)
         fam = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.create_server((host, port), family=fam, backlog=256)
         self.port = int(self._sock.getsockname()[1])
         self.refused = 0  # connections closed for what they sent (tests read it)
+        self.dropped = 0  # connections closed for a cap or a timeout
         self._open: set[asyncio.StreamWriter] = set()  # both sides of every connection
-        self._conns = 0
+        self._conns: dict[asyncio.StreamWriter, _Conn] = {}  # in accept order
+        self._log_window = (0.0, 0, 0)  # start, lines logged, lines left out
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name.replace(" ", "-"),
@@ -198,6 +271,7 @@ class GrpcFilter:
 
         async def serve() -> None:
             self._server = await asyncio.start_server(self._handle, sock=self._sock)
+            self._reaper = self._loop.create_task(self._reap())
             self._ready.set()
 
         self._loop.run_until_complete(serve())
@@ -206,6 +280,7 @@ class GrpcFilter:
     def stop(self) -> None:
         def close() -> None:
             self._server.close()
+            self._reaper.cancel()
             for w in list(self._open):
                 w.close()
             self._loop.call_later(0.2, self._loop.stop)
@@ -215,29 +290,94 @@ class GrpcFilter:
             self._thread.join(5)
         self._sock.close()
 
+    @property
+    def connections(self) -> int:
+        return len(self._conns)
+
+    def _note(self, addr: str, why: object) -> None:
+        """Log a refusal: every one, at most LOG_PER_WINDOW lines per LOG_WINDOW_S, then
+        one line with how many the window left out."""
+        now = time.monotonic()
+        start, shown, hidden = self._log_window
+        if now - start >= LOG_WINDOW_S:
+            if hidden:
+                log.warning("%s: %d more refusals in %.0f s not logged one by one (%d so far)",
+                            self.name, hidden, LOG_WINDOW_S, self.refused)
+            start, shown, hidden = now, 0, 0
+        if shown < LOG_PER_WINDOW:
+            log.warning("%s: closed a connection from %s: %s (%d so far)", self.name, addr,
+                        why, self.refused)
+            shown += 1
+        else:
+            hidden += 1
+        self._log_window = (start, shown, hidden)
+
+    def _admit(self, conn: _Conn) -> str | None:
+        """Why `conn` may not be held (None: it may), closing the oldest pending
+        connection of its address, or of all, to make room where that is the cap."""
+        mine = [c for c in self._conns.values() if c.addr == conn.addr]
+        pending = [c for c in mine if c.pending]
+        if len(pending) >= PENDING_PER_ADDR:
+            self._drop(pending[0])
+        elif len(mine) >= self.max_per_addr:
+            return f"{len(mine)} connections from this address (at most {self.max_per_addr})"
+        elif len(self._conns) >= self.max_conns:
+            oldest = next((c for c in self._conns.values() if c.pending), None)
+            if oldest is None:
+                return f"{len(self._conns)} connections (at most {self.max_conns})"
+            self._drop(oldest)
+        return None
+
+    def _drop(self, conn: _Conn) -> None:
+        self.dropped += 1
+        self._conns.pop(conn.writer, None)
+        conn.writer.close()
+
+    async def _reap(self) -> None:
+        """Close connections silent past HELLO_S before their first request, or IDLE_S."""
+        while True:
+            await asyncio.sleep(min(1.0, HELLO_S / 4))
+            now = time.monotonic()
+            for c in list(self._conns.values()):
+                if now - c.last > (HELLO_S if c.pending else IDLE_S):
+                    self._drop(c)
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
-        addr = str(peer[0]) if peer else "?"
-        if self._conns >= MAX_CONNS:
+        conn = _Conn(str(peer[0]) if peer else "?", writer)
+        full = self._admit(conn)
+        if full is not None:
+            self.dropped += 1
+            self._note(conn.addr, full)
             writer.close()
             return
-        self._conns += 1
+        self._conns[writer] = conn
         self._open.add(writer)
         up_w: asyncio.StreamWriter | None = None
         try:
             first = await asyncio.wait_for(self._hello(reader), HELLO_S)
             if first.startswith(PREFACE):
                 flt = H2RequestFilter(self.allowed)
-                send = PREFACE + flt.feed(first[len(PREFACE):])
+                send = bytearray(PREFACE + flt.feed(first[len(PREFACE):]))
+                while not flt.requests:  # no upstream connection before a request passes
+                    data = await reader.read(65536)
+                    if not data:
+                        raise ConnectionError("closed before a request")
+                    send += flt.feed(data)
+                    if len(send) > MAX_HEADER_BLOCK + 65536:
+                        raise Refused("more than 128 KiB before a request")
+                conn.pending = False
+                conn.last = time.monotonic()
                 up_r, up_w = await asyncio.open_connection(*self.upstream)
                 self._open.add(up_w)
-                up_w.write(send)
-                back = asyncio.ensure_future(self._copy(up_r, writer))
+                up_w.write(bytes(send))
+                back = asyncio.ensure_future(self._copy(up_r, writer, conn))
                 try:
                     while True:
                         data = await reader.read(65536)
                         if not data:
                             break
+                        conn.last = time.monotonic()
                         up_w.write(flt.feed(data))
                         await up_w.drain()
                 finally:
@@ -245,25 +385,28 @@ class GrpcFilter:
             else:
                 end = first.find(b"\r\n\r\n")
                 try:
-                    request = http1_request(first[:end], self.http1_get)
+                    request = http1_request(first if end < 0 else first[:end], self.http1_get)
+                    if end < 0:
+                        raise Refused("an HTTP/1 head with no CRLF CRLF end")
+                    if first[end + 4:]:
+                        raise Refused("bytes after the HTTP/1 request (one per connection)")
                 except Refused:
                     writer.write(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n"
                                  b"Connection: close\r\n\r\n")
                     await writer.drain()
                     raise
+                conn.pending = False
                 up_r, up_w = await asyncio.open_connection(*self.upstream)
                 self._open.add(up_w)
                 up_w.write(request)
-                await self._copy(up_r, writer)
+                await self._copy(up_r, writer, conn)
         except Refused as e:
             self.refused += 1
-            if self.refused <= 20 or self.refused % 1000 == 0:  # a flood cannot fill the log
-                log.warning("%s: closed a connection from %s: %s (%d so far)", self.name,
-                            addr, e, self.refused)
+            self._note(conn.addr, e)
         except (asyncio.TimeoutError, ConnectionError, OSError):
             pass
         finally:
-            self._conns -= 1
+            self._conns.pop(writer, None)
             for w in (writer, up_w):
                 if w is not None:
                     self._open.discard(w)
@@ -276,8 +419,13 @@ class GrpcFilter:
         while True:
             if len(buf) >= len(PREFACE) and buf.startswith(PREFACE):
                 return buf
-            if not PREFACE.startswith(buf[:len(PREFACE)]) and b"\r\n\r\n" in buf:
-                return buf
+            if not PREFACE.startswith(buf[:len(PREFACE)]):
+                if b"\r\n\r\n" in buf:
+                    return buf
+                # a strict HTTP/1 head holds no LF but in CRLF: refuse at once, not at 8 KiB
+                if re.search(rb"[\x00-\x08\x0a-\x1f\x7f-\xff]", buf.replace(b"\r\n", b"")):
+                    if not buf.endswith(b"\r"):
+                        return buf
             if len(buf) > MAX_HTTP1_HEAD:
                 raise Refused("an HTTP/1 head over 8 KiB")
             data = await reader.read(4096)
@@ -286,12 +434,14 @@ class GrpcFilter:
             buf += data
 
     @staticmethod
-    async def _copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    async def _copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter,
+                    conn: _Conn) -> None:
         try:
             while True:
                 data = await src.read(65536)
                 if not data:
                     break
+                conn.last = time.monotonic()
                 dst.write(data)
                 await dst.drain()
         except (ConnectionError, OSError):

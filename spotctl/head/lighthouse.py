@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 log = logging.getLogger("spotctl.head.lighthouse")
+WATCH_S = 2.0  # how often the inner listener is checked
 
 
 @dataclass(frozen=True)
@@ -72,19 +75,65 @@ class Lighthouse:
 
         t = timing or LighthouseTiming.from_env()
         self.host = host
-        self._server: Any = LighthouseServer(
-            bind="127.0.0.1:0", min_replicas=t.min_replicas, join_timeout_ms=t.join_timeout_ms,
-            quorum_tick_ms=t.quorum_tick_ms, heartbeat_timeout_ms=t.heartbeat_timeout_ms,
-        )
-        # its own address() names the machine's hostname; the filter uses the bound address
-        self.inner_port = int(str(self._server.address()).rsplit(":", 1)[1].strip("/"))
+        self.timing = t
+        self._make = LighthouseServer
+        self._server: Any = self._start_inner(0)
         try:
             self._filter = GrpcFilter(host, port, ("127.0.0.1", self.inner_port))
         except BaseException:
             self._server.shutdown()
             raise
         self.port = self._filter.port
-        self.timing = t
+        self.restarts = 0
+        self._stopping = threading.Event()
+        self._watch = threading.Thread(target=self._watch_inner, name="lighthouse-watch",
+                                       daemon=True)
+        self._watch.start()
+
+    def _start_inner(self, port: int) -> Any:
+        t = self.timing
+        server = self._make(
+            bind=f"127.0.0.1:{port}", min_replicas=t.min_replicas,
+            join_timeout_ms=t.join_timeout_ms, quorum_tick_ms=t.quorum_tick_ms,
+            heartbeat_timeout_ms=t.heartbeat_timeout_ms,
+        )
+        # its own address() names the machine's hostname; the filter uses the bound address
+        self.inner_port = int(str(server.address()).rsplit(":", 1)[1].strip("/"))
+        return server
+
+    def _watch_inner(self) -> None:
+        """torchft's listener ends for good when an accept fails (it did at the open-file
+        limit, issue 60): check that it still accepts every WATCH_S and start a new one in
+        its place when it does not (on its port if free). The Managers' clients reconnect
+        to the filter's address, which does not change; the new Lighthouse forms a new
+        quorum from their next requests (spotctl.elastic.ft's quorum ids stay unique)."""
+        while not self._stopping.wait(WATCH_S):
+            try:
+                socket.create_connection(("127.0.0.1", self.inner_port), timeout=5).close()
+                continue
+            except ConnectionRefusedError:
+                pass
+            except OSError:
+                continue  # a timeout or this process's own limit: not the listener's end
+            if self._stopping.is_set():
+                return
+            log.error("torchft's Lighthouse listener on 127.0.0.1:%d is gone; starting a "
+                      "new one", self.inner_port)
+            old = self._server
+            try:
+                old.shutdown()
+            except Exception:  # noqa: BLE001 - it is being replaced either way
+                pass
+            for port in (self.inner_port, 0):
+                try:
+                    self._server = self._start_inner(port)
+                    break
+                except Exception as e:  # noqa: BLE001 - e.g. the port taken meanwhile
+                    log.error("could not start torchft's Lighthouse on port %d: %s", port, e)
+            else:
+                continue
+            self._filter.upstream = ("127.0.0.1", self.inner_port)
+            self.restarts += 1
 
     @property
     def address(self) -> str:
@@ -103,6 +152,8 @@ class Lighthouse:
         return self._filter.refused
 
     def stop(self) -> None:
+        self._stopping.set()
+        self._watch.join(10)
         self._filter.stop()
         self._server.shutdown()
 

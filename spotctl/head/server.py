@@ -763,6 +763,22 @@ class HeadServer:
         self._stop.set()
 
 
+def raise_nofile() -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (systemd's and most
+    shells' soft default is 1,024, which a flood of idle connections fills: issue 60).
+    The Lighthouse filter sizes its connection caps from the result. Returns (soft, hard)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, e)
+    return soft, hard
+
+
 def run_head(
     dir: Path, token_file: Path, host: str, http_port: int, store_port: int,
     reclaim: Callable[[], list[str]] | None = None, lighthouse_port: int = -1,
@@ -771,6 +787,8 @@ def run_head(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s head %(message)s")
     dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     token = token_file.read_text().strip()
+    soft, _ = raise_nofile()
+    log.info("open-file limit %d", soft)
     srv = HeadServer(dir, token, host=host, http_port=http_port, store_port=store_port,
                      reclaim=reclaim, lighthouse_port=lighthouse_port, max_world=max_world,
                      rebalancer=rebalancer)

@@ -256,7 +256,7 @@ def test_an_object_store_writer_follows_the_share_unless_set(monkeypatch):
             ck.close()
         files = sorted(n.rsplit("/", 1)[1] for n in fake.storage.objects["ckpts"]
                        if n.startswith("auto/step-00000005/"))  # fmt: skip
-    assert files == [".metadata", "COMMIT", "__0_0.distcp"], files
+    assert files == [".metadata", ".spotctl-files.json", "COMMIT", "__0_0.distcp"], files
 
 
 class _SlowParts:

@@ -22,6 +22,7 @@ from spotctl.head.grpc_filter import (  # noqa: E402
     Refused,
     http1_request,
 )
+from tests.conftest import send_and_read, wait_until  # noqa: E402
 from tests.security.torchft_attacks import _frame, grpc_call, http1, kill_request  # noqa: E402
 
 HAVE_FT = importlib.util.find_spec("torchft") is not None
@@ -61,6 +62,25 @@ def _refused_at(frames: list[bytes]) -> bytes:
         except Refused:
             return passed
     raise AssertionError("the filter passed every frame")
+
+
+def test_a_large_frame_is_streamed_not_held() -> None:
+    """A member's 16 MiB frames held whole cost 16 MiB per connection (issue 60): frames
+    other than header blocks pass as their bytes arrive; a header block over 64 KiB is
+    refused from its frame header."""
+    enc = Encoder()
+    f = H2RequestFilter(LIGHTHOUSE_METHODS)
+    opened = _frame(0x1, 0x4, 1, enc.encode(_req(QUORUM)))
+    assert f.feed(opened) == opened
+    head = (16 * 1024 * 1024 - 1).to_bytes(3, "big") + bytes([0x0, 0x0]) + (1).to_bytes(4, "big")
+    chunk = b"\0" * 65536
+    assert f.feed(head + chunk) == head + chunk
+    for _ in range(16):
+        assert f.feed(chunk) == chunk
+    assert len(f._buf) == 0
+    with pytest.raises(Refused):
+        H2RequestFilter(LIGHTHOUSE_METHODS).feed((70000).to_bytes(3, "big") + b"\x01\x04"
+                                                 + (1).to_bytes(4, "big"))
 
 
 def test_the_kill_route_never_reaches_the_lighthouse_however_encoded() -> None:
@@ -106,6 +126,105 @@ def test_http1_passes_only_a_get_of_the_status_page() -> None:
                  b"GET /status HTTP/1.1\r\nHost : h", b"GET  /status HTTP/1.1"):
         with pytest.raises(Refused):
             http1_request(head, ["/status"])
+
+
+def test_http1_is_a_strict_subset_with_crlf_line_ends_and_no_control_bytes() -> None:
+    # hyper (torchft's HTTP/1 parser) takes a bare LF as a line end: each of these would
+    # end the allowed GET inside a header and start a second request behind it
+    smuggle = b"POST /replica/r1/kill HTTP/1.1\r\nHost: h\r\nContent-Length: 0"
+    for head in (b"GET /status HTTP/1.1\r\nX-A: a\n\n" + smuggle,
+                 b"GET /status HTTP/1.1\r\nX-A: a\n" + smuggle,
+                 b"GET /status HTTP/1.1\nHost: h",
+                 b"GET /status HTTP/1.1\r\nX-A: a\rb",
+                 b"GET /status HTTP/1.1\r\nX-A: a\x00b",
+                 b"GET /status HTTP/1.1\r\nX-A: a\x0bb",
+                 b"GET /status HTTP/1.1\r\nX-A: a\x7fb",
+                 b"GET /status HTTP/1.1\r\nX-A: \xc3\xa9",
+                 b"GET /status HTTP/1.1\r\nX\x00A: a",
+                 b"GET /status\x00 HTTP/1.1",
+                 b"GET /status HTTP/1.1\r\n: a"):
+        with pytest.raises(Refused):
+            http1_request(head, ["/status"])
+    # HTAB inside a value is the one control byte allowed
+    assert http1_request(b"GET /status HTTP/1.1\r\nX-A: a\tb", ["/status"]).startswith(
+        b"GET /status HTTP/1.1\r\nX-A: a\tb\r\n")
+
+
+class _FakeManagerAddress:
+    """A listener given to the Lighthouse as a replica's Manager address: its dashboard's
+    kill route makes the Lighthouse dial it (torchft's ManagerClient, then `Kill`), so a
+    connection here is the Lighthouse serving a kill."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.dialled: list[bytes] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            with c:
+                c.settimeout(5)
+                try:
+                    self.dialled.append(c.recv(4096) or b"(closed)")
+                except OSError:
+                    self.dialled.append(b"(no bytes)")
+
+
+@pytest.mark.skipif(not HAVE_FT, reason="torchft is not installed (the 'ft' extra)")
+def test_a_kill_smuggled_behind_the_status_page_never_reaches_the_lighthouse(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 60, finding 1: `GET /status` with a header value holding LF LF and the kill
+    route behind it. Judged by the Lighthouse's own behaviour: it dials the replica's
+    Manager address to serve a kill, and through the filter it never does."""
+    from torchft.coordination import LighthouseClient
+
+    from spotctl.head.lighthouse import Lighthouse
+    manager = _FakeManagerAddress()
+    lh = Lighthouse("127.0.0.1")
+    try:
+        client = LighthouseClient(lh.address, connect_timeout=timedelta(seconds=10))
+        client.heartbeat("r1")
+        client.quorum("r1", timeout=timedelta(seconds=10), address=manager.address,
+                      store_address="127.0.0.1:9", step=1, world_size=1)
+        kill = b"POST /replica/r1/kill HTTP/1.1\r\nHost: h\r\nContent-Length: 0\r\n\r\n"
+        attacks = [
+            b"GET /status HTTP/1.1\r\nHost: h\r\nX-A: a\n\n" + kill,  # the issue's
+            b"GET /status HTTP/1.1\nHost: h\n\n" + kill,  # LF line ends throughout
+            b"GET /status HTTP/1.1\r\nHost: h\r\n\r\n" + kill,  # plainly pipelined
+            b"GET /status HTTP/1.1\r\nHost: h\r\nX-A: a\r\x00\n\n" + kill,
+        ]
+        with caplog.at_level("WARNING", logger="spotctl.head.grpc_filter"):
+            for a in attacks:
+                answer = send_and_read("127.0.0.1", lh.port, a)
+                assert answer.startswith(b"HTTP/1.1 403") and answer.count(b"HTTP/1.") == 1, \
+                    answer[:200]
+        # each answered before any kill could have been (the Lighthouse answers a kill
+        # once it has dialled the Manager)
+        assert manager.dialled == [], "the Lighthouse served a smuggled kill"
+        assert lh.refused == len(attacks)
+        assert len([r for r in caplog.records if "closed a connection" in r.message]) \
+            == len(attacks)
+        # the same bytes on torchft's own (unfiltered, loopback) listener are served: the
+        # probe sees a kill when there is one, and it is the first it saw
+        with socket.create_connection(("127.0.0.1", lh.inner_port), timeout=10) as s:
+            s.sendall(attacks[0])
+            wait_until(lambda: manager.dialled, 30, "the Lighthouse to dial the Manager address")
+        # and the status page still passes, alone
+        with urllib.request.urlopen(f"{lh.address}/status", timeout=10) as r:
+            assert b"<b>r1</b>" in r.read()
+    finally:
+        lh.stop()
+        manager.sock.close()
 
 
 @pytest.mark.skipif(not HAVE_FT, reason="torchft is not installed (the 'ft' extra)")
@@ -168,11 +287,12 @@ def test_connections_are_capped_and_a_silent_one_is_dropped(
         held = [socket.create_connection(("127.0.0.1", f.port), timeout=10) for _ in range(2)]
         for s in held:
             s.sendall(b"PRI * HTTP/2.0\r\n")  # half a preface: each holds a slot
-        with socket.create_connection(("127.0.0.1", f.port), timeout=10) as third:
-            third.sendall(b"GET /status HTTP/1.1\r\n\r\n")
-            assert _closed(third)  # over the cap: closed, not served
-        for s in held:  # silent past HELLO_S: closed, and the slots free again
-            assert _closed(s)
+        wait_until(lambda: f.connections == 2, 10, "both held")
+        # at the cap, a newcomer takes the place of the oldest that has sent no request
+        assert http1(url, "GET", "/status").status == "200"
+        assert _closed(held[0])
+        assert _closed(held[1])  # silent past HELLO_S: closed
+        for s in held:
             s.close()
         assert http1(url, "GET", "/status").status == "200"
     finally:

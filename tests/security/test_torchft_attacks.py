@@ -3,8 +3,9 @@ client with no token and no torchft client, judged by the workers' own step logs
 and step of every committed step), not by the head's view:
 
 - the head's Lighthouse port: torchft 0.2.0 serves its dashboard there, and its
-  `POST /replica/<id>/kill` (over HTTP/1.1 or HTTP/2) made the Lighthouse call that
-  replica's Manager `Kill` RPC, which exits the worker. The head's filter
+  `POST /replica/<id>/kill` (over HTTP/1.1 or HTTP/2, or smuggled behind `GET /status`
+  after a header value's LF LF, issue 60) made the Lighthouse call that replica's
+  Manager `Kill` RPC, which exits the worker. The head's filter
   (spotctl.head.grpc_filter) passes only the Lighthouse's gRPC methods and its status
   page: every replica keeps its worker and trains on in the same quorum.
 - a replica's Manager: torchft has no way not to serve its `Kill` RPC. A one-node
@@ -24,13 +25,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import last_step, node_steps, up_ft_train, wait_until
+from tests.conftest import last_step, node_steps, send_and_read, up_ft_train, wait_until
 from tests.security.torchft_attacks import (
     grpc_call,
     http1,
@@ -65,9 +67,16 @@ def test_torchft_kill_routes(local_cluster: Any) -> None:
 
     # (a) the dashboard's kill route on the head's Lighthouse port, both protocols
     answers = []
+    smuggled = []
+    host, port = urllib.parse.urlsplit(lighthouse).hostname, urllib.parse.urlsplit(lighthouse).port
+    assert host and port
     for rid in found:
         answers.append(http1(lighthouse, "POST", f"/replica/{rid}/kill"))
         answers.append(grpc_call(lighthouse, f"/replica/{rid}/kill"))
+        # (issue 60) the kill behind the status page, after a header value's LF LF
+        smuggled.append(send_and_read(host, port, (
+            f"GET /status HTTP/1.1\r\nHost: h\r\nX-A: a\n\nPOST /replica/{rid}/kill "
+            f"HTTP/1.1\r\nHost: h\r\nContent-Length: 0\r\n\r\n").encode()))
     wait_until(lambda: all(last_step(logs, n) >= marks[n] + 30 for n in NODES), 180,
                "both replicas 30 steps past the kill requests", 0.5, c.debug)
     for n in NODES:
@@ -77,6 +86,8 @@ def test_torchft_kill_routes(local_cluster: Any) -> None:
         assert {s["pid"] for s in after} == {pids[n]}, f"{n}'s worker was restarted"
         assert {s["replicas"] for s in after} == {2}, f"{n} left the quorum"
     assert [a.status for a in answers[0::2]] == ["403", "403"], answers
+    assert all(a.startswith(b"HTTP/1.1 403") and a.count(b"HTTP/1.") == 1 for a in smuggled), \
+        smuggled
     assert all(a.closed for a in answers[1::2]), answers
 
     # (b) the documented limit: a Manager's Kill RPC, from a process of its node

@@ -268,9 +268,9 @@ class LocalProvider:
             proctree.kill_tag(self.tag(nid), root=int(vm.get("pid") or 0) or None)
             if self.net is not None:
                 self.net.remove_node(int(nid[1:]))
-            from spotctl.agent.supervisor import _zygote_path
+            from spotctl.agent.supervisor import remove_zygote_dirs
 
-            _zygote_path(self.nodes_dir / nid).unlink(missing_ok=True)
+            remove_zygote_dirs(self.nodes_dir / nid)
             if vm.get("state") in ("running", "pending"):
                 vm["state"] = "terminated"
                 vm["ended_at"] = time.time()
