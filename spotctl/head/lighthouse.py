@@ -1,7 +1,8 @@
 """torchft's Lighthouse on the head: the quorum server of the torchft engine.
 
-It runs inside the head process (so the head's supervisor restarts it with the store).
-torchft's server itself binds loopback (an ephemeral port); the head's address (like the
+It runs in a child process of the head (LighthouseProcess: the filter's parsing does not
+share the API's interpreter lock; the head starts it again should it die, and it dies
+with the head). torchft's server itself binds loopback (an ephemeral port); the head's address (like the
 rendezvous store: no authentication, reachable only from the cluster's nodes) is served by
 spotctl.head.grpc_filter, which passes only the LighthouseService methods the Managers
 call and the status page, never the dashboard's kill route. Started only for clusters

@@ -36,13 +36,6 @@ OTHER_SERVICES = {"ssm:GetParameter", "servicequotas:GetServiceQuota"} | {
 }  # fmt: skip
 
 
-# What the EFA work (issue 59) calls that templates/aws-iam-policy.json does not list yet:
-# that file is issue 60's to change. The self-referencing egress rule EFA needs, and the
-# Elastic IPs of nodes with several EFA interfaces. Remove from here once it lists them.
-AWAITING_THE_POLICY = {"ec2:AuthorizeSecurityGroupEgress", "ec2:DescribeAddresses",
-                       "ec2:AllocateAddress", "ec2:AssociateAddress", "ec2:ReleaseAddress"}
-
-
 def _policy_actions() -> set[str]:
     actions: set[str] = set()
     for st in json.loads(POLICY.read_text())["Statement"]:
@@ -78,8 +71,6 @@ def test_policy_matches_the_calls_of_a_whole_lifecycle(
     # STS speaks the same query protocol: its GetCallerIdentity needs no permission.
     called = {f"ec2:{a}" for a, _, _ in fault_proxy.seen if a and a != "GetCallerIdentity"}
     allowed = _policy_actions()
-    assert AWAITING_THE_POLICY <= called, AWAITING_THE_POLICY - called
-    allowed |= AWAITING_THE_POLICY
     assert called <= allowed, f"calls missing from the policy: {called - allowed}"
     assert OTHER_SERVICES <= allowed
     # A region without a default VPC adds subnet lookups (tests/aws/test_network.py).
