@@ -39,12 +39,20 @@ def _timed_run(clock: _Clock, every_s: float) -> Run:
     return run
 
 
-def _saved_steps(run: Run, clock: _Clock, step_s: float, steps: int) -> list[int]:
-    """Run `steps` steps of `step_s` each (the flags agreed at each step's start, as
-    end_step's control all_reduce does on one rank); the steps that saved."""
-    saved = []
+def _saved_steps(run: Run, clock: _Clock, step_s: float, steps: int,
+                 late: bool = False) -> list[int]:
+    """Run `steps` steps of `step_s` each; the steps that saved. The control flags are
+    made at each step's start and read at once (torchft's _leave_agreed) or, `late`, at
+    the next step's start (the restart path's next_step: an async all_reduce read a step
+    later)."""
+    saved, sent = [], None
     for _ in range(steps):
-        run._take_flags(run._control_flags())
+        if late:
+            if sent is not None:
+                run._take_flags(sent)
+            sent = run._control_flags()
+        else:
+            run._take_flags(run._control_flags())
         clock.now += step_s
         run.step += 1
         if run._save_now():
@@ -64,6 +72,25 @@ def test_a_timed_save_starts_the_clock_again(monkeypatch: pytest.MonkeyPatch) ->
     # end: the next starts 1.0 s after that, the 10th
     saved = _saved_steps(run, clock, 0.25, 22)
     assert saved == [5, 10, 15, 20], saved
+
+
+def test_a_due_flag_made_before_a_save_does_not_save_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restart path reads the flags a step after making them: the flag made at the
+    start of the step that saved still said "due", and each timed save was followed by a
+    second one two steps later (saves at 6, 8, 14, 16, ...: twice what every_s asks).
+    A flag made before the newest save started no longer counts. Then one save every
+    1.5 s of 0.25 s steps (1.0 s, plus the step the flag waits to be read)."""
+    clock = _Clock()
+    monkeypatch.setattr(elastic, "time", clock)
+    run = _timed_run(clock, every_s=1.0)
+    saved = _saved_steps(run, clock, 0.25, 26, late=True)
+    assert saved == [6, 12, 18, 24], saved
+    # a save by step count resets the clock too: a due flag made before it is dropped
+    run = _timed_run(clock, every_s=1.0)
+    run.every = 5
+    saved = _saved_steps(run, clock, 0.25, 16, late=True)
+    assert saved == [5, 10, 15], saved
 
 
 def test_no_timed_save_before_its_time_nor_without_every_s(
