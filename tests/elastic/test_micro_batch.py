@@ -21,9 +21,12 @@ from spotctl.elastic.data import auto_micro_batch, largest_dp_world
     (4, 4, 2, 2),    # a largest size below this one: what it says
     (8, 2, 3, 1),    # not one whole group of peers fits: still one rank
     (0, 1, 5, 5),    # no world (nothing started): one rank per process
+    (8, 4, 5, 2),    # whole groups of peers only: 2 of 2.5
+    (6, 4, 12, 12),  # 6 ranks, 4 data-parallel: 1 rank per data share, not 1.5
 ])
 def test_largest_dp_world(world: int, dp_world: int, max_world: int, want: int) -> None:
-    assert largest_dp_world(world, dp_world, max_world) == want
+    got = largest_dp_world(world, dp_world, max_world)
+    assert got == want and type(got) is int, got
 
 
 @pytest.mark.parametrize("gb,world,dp_world,max_world,want", [
@@ -37,7 +40,7 @@ def test_largest_dp_world(world: int, dp_world: int, max_world: int, want: int) 
 def test_auto_micro_batch(gb: int, world: int, dp_world: int, max_world: int,
                           want: int) -> None:
     got = auto_micro_batch(gb, world, dp_world, max_world)
-    assert got == want
+    assert got == want and type(got) is int, got
     ranks = largest_dp_world(world, dp_world, max_world)
     if gb > 0:  # the smallest share that covers the batch at the largest size
         assert got * ranks >= gb and (got - 1) * ranks < gb
