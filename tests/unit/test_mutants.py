@@ -204,3 +204,19 @@ def test_a_score_is_printed_with_its_date_commit_and_scope() -> None:
         "listed": 21}
     whole = mm.Stamp("d", "c", ("a.py", "b.py"), 2)
     assert whole.line() == "mutmut run d at commit c; scope: all 2 listed modules"
+
+
+def test_the_readme_quotes_a_score_only_with_its_date_and_scope() -> None:
+    """Issue 63: a mutation score in the README names when it was measured and over
+    which modules (and the partial run its commit); the count of listed modules it names
+    is the list's (adding a module makes the sentence be rewritten)."""
+    import re
+
+    text = (REPO / "README.md").read_text()
+    para = text[text.index("Mutation\n  testing"):].split("\n\n", 1)[0]
+    sentences = [s for s in re.split(r"(?<=\.) ", " ".join(para.split())) if "%" in s]
+    assert sentences, para
+    for s in sentences:
+        assert re.search(r"20\d\d-\d\d-\d\d", s) and re.search(r"\d+ (listed )?modules?", s), s
+    assert f"1 of {len(MODULES)} listed modules" in " ".join(para.split()), para
+    assert re.search(r"at commit [0-9a-f]{7,}", para), para
