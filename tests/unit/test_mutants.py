@@ -220,3 +220,12 @@ def test_the_readme_quotes_a_score_only_with_its_date_and_scope() -> None:
         assert re.search(r"20\d\d-\d\d-\d\d", s) and re.search(r"\d+ (listed )?modules?", s), s
     assert f"1 of {len(MODULES)} listed modules" in " ".join(para.split()), para
     assert re.search(r"at commit [0-9a-f]{7,}", para), para
+
+
+def test_the_planted_bugs_of_issue_63_are_listed() -> None:
+    ids = {b.id for b in BREAKAGES}
+    assert {"ft-all-reduce-partial-sum", "timed-save-clock-never-reset",
+            "timed-save-stale-due-flag", "down-resumes-head-loop",
+            "private-stop-signals-stranger", "parts-in-flight-off-by-one",
+            "parts-in-flight-uncapped", "share-splits-list-tensors", "share-balanced-by-count",
+            "pause-ttl-uncapped", "step-bounds-written-in-place"} <= ids
