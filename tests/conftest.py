@@ -508,6 +508,21 @@ class LocalCluster(CliProject):
         action()
         return self.rescale_after(n0, reason, to, timeout)
 
+    def replays_of(self, action: Callable[[], Any], reason: str, to: int | None = None,
+                   timeout: float = 180) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Run `action`; the rescale it caused (rescale_from) and what the workers' own
+        sample traces say of it (scripts/chaos_lib/replays.py): `replayed`, the steps
+        trained again since the action, counted once the groups started since have
+        trained past every step trained before (`settled`, asserted). The head's
+        `lost_steps` comes from throttled reports; this is the workers' own record."""
+        from scripts.chaos_lib.replays import Window
+
+        w = Window.open(self.trace_dir)
+        r = self.rescale_from(action, reason, to, timeout)
+        got = w.close(timeout)
+        assert got["settled"], (got, r)
+        return r, got
+
     def assert_one_world(self, st: dict[str, Any]) -> None:
         """No split brain: every training node is in the same worker group, whose world
         size counts exactly those nodes' GPUs."""

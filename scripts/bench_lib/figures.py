@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import re
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -114,8 +115,11 @@ def save(
     keys = {(r["benchmark"], r["metric"]) for r in keep}
     old = [r for r in data["rows"] if (r["benchmark"], r["metric"]) not in keys]
     data["rows"] = old + keep
+    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True).stdout.strip()
     data["runs"][run_id] = {
         "command": command,
+        "commit": sha or None,  # the HEAD the run was made at (uncommitted changes aside)
         "finished_at": finished,
         "elapsed_s": round(elapsed_s, 1),
         "machine": mach,
@@ -418,36 +422,85 @@ def t_goodput(g: dict[str, Any]) -> str:
     return _table(head, lines)
 
 
+def run_record(run: dict[str, Any]) -> str:
+    """One recorded run as the README names it: command, date, commit, torch, machine load;
+    a field the record lacks says so (the older runs were transcribed from the docs)."""
+    pub = str(run.get("published") or "").split()
+    commit = run.get("commit") or (pub[0] if pub else "commit not recorded")
+    date = (run.get("finished_at") or (pub[1] if len(pub) > 1 else "") or "date not recorded")
+    m = run.get("machine") or {}
+    torch_v = f"torch {m['torch']}" if m.get("torch") else "torch version not recorded"
+    la = load_text(m)
+    load = "load not recorded" if la in ("?", "not recorded") else f"load {la}"
+    return (f"`{run['command']}`, {str(date)[:10]}, {commit}, {torch_v}, "
+            f"{m.get('cores', '?')} cores, {load}")
+
+
 def t_readme(r: Results, g: dict[str, Any]) -> str:
+    """The README's figures, each row with the recorded runs its cells come from (numbered
+    below the table: command, date, commit, torch, load) and each figure's sample count."""
     fn = f"torchft: pause at a notice {FT_DOWN}"
     tn = f"notice -> first step at new size {TR_DOWN}"
     ln = "steps lost per notice, checkpoint every 10"
+    jn = f"torchft: training pause at a join {FT_UP}"
+    qn = "torchft: next_step() waiting for its quorum"
+    runs: list[str] = []  # run ids, numbered in the order the rows name them
+
+    def cite(*keys: tuple[str, str, str]) -> str:
+        """'1 (n=2; baseline n=2)': the runs of these (benchmark, metric, side) cells."""
+        out: dict[int, list[str]] = {}
+        for bench, metric, side in keys:
+            row = r.row(bench, metric, side)
+            rid = row.get(side, row["run"])
+            if rid not in runs:
+                runs.append(rid)
+            n = (row["spotctl"] if side == "run" else row["baseline"] or {}).get("n")
+            what = "" if side == "run" else "baseline "
+            out.setdefault(runs.index(rid) + 1, []).append(
+                f"{what}n={n}" if n else f"{what}n not recorded")
+        return "; ".join(f"{k} ({', '.join(v)})" for k, v in sorted(out.items()))
+
     lost_ft = r.ours("lost", "torchft: steps lost per notice")
     plain = r.base("overhead", "torchrun: step time vs plain DDP")
-    return _table(
-        ["", "spotctl", "baseline"],
-        [
-            ["pause at a notice, torchft engine",
-             f"{num(r.ours('recovery', fn).median)} s, {num(lost_ft.median)} steps lost",
-             f"bare torchft: {num(r.base('recovery', fn).median)} s (a kill)"],
-            ["pause at a join, torchft engine",
-             f"{num(r.ours('join', f'torchft: training pause at a join {FT_UP}').median)} s",
-             f"bare torchft: {num(r.base('join', f'torchft: training pause at a join {FT_UP}').median)} s"],
-            ["notice -> survivors' first step, torchrun engine, 4 -> 3 nodes",
-             f"{num(r.ours('recovery', tn).median)} s, {num(r.ours('lost', ln).median)} steps lost",
-             f"plain torchrun: {num(r.base('recovery', tn).median)} s, "
-             f"{num(r.base('lost', ln).median)} steps lost (checkpoint every 10)"],
-            ["quorum wait per step (torchft)",
-             f"{num(r.ours('quorum', 'torchft: next_step() waiting for its quorum').median)} ms", ""],
-            ["step time with nothing failing, 2 ranks, MLP 6x2048",
-             f"torchrun engine {num(r.ours('overhead', 'torchrun: step time vs plain DDP').median)} s, "
-             f"torchft engine {num(r.ours('overhead', 'torchft: step time vs plain DDP').median)} s",
-             f"plain DDP: {num(plain.median)} s"],
-            ["goodput on the p3 spot trace (simulated)",
-             f"torchft {goodput_of(g, 'torchft', 'p3-trace'):.3f}, "
-             f"torchrun {goodput_of(g, 'torchrun', 'p3-trace'):.3f}", ""],
-        ],
-    )  # fmt: skip
+    lines = [
+        ["pause at a notice, torchft engine",
+         f"{num(r.ours('recovery', fn).median)} s, {num(lost_ft.median)} steps lost",
+         f"bare torchft: {num(r.base('recovery', fn).median)} s (a kill)",
+         cite(("recovery", fn, "run"), ("lost", "torchft: steps lost per notice", "run"),
+              ("recovery", fn, "baseline_run"))],
+        ["pause at a join, torchft engine",
+         f"{num(r.ours('join', jn).median)} s",
+         f"bare torchft: {num(r.base('join', jn).median)} s",
+         cite(("join", jn, "run"), ("join", jn, "baseline_run"))],
+        ["notice -> survivors' first step, torchrun engine, 4 -> 3 nodes",
+         f"{num(r.ours('recovery', tn).median)} s, {num(r.ours('lost', ln).median)} steps lost",
+         f"plain torchrun: {num(r.base('recovery', tn).median)} s, "
+         f"{num(r.base('lost', ln).median)} steps lost (checkpoint every 10)",
+         cite(("recovery", tn, "run"), ("lost", ln, "run"), ("recovery", tn, "baseline_run"),
+              ("lost", ln, "baseline_run"))],
+        ["quorum wait per step (torchft)", f"{num(r.ours('quorum', qn).median)} ms", "",
+         cite(("quorum", qn, "run"))],
+        ["step time with nothing failing, 2 ranks, MLP 6x2048",
+         f"torchrun engine {num(r.ours('overhead', 'torchrun: step time vs plain DDP').median)} s, "
+         f"torchft engine {num(r.ours('overhead', 'torchft: step time vs plain DDP').median)} s",
+         f"plain DDP: {num(plain.median)} s",
+         cite(("overhead", "torchrun: step time vs plain DDP", "run"),
+              ("overhead", "torchft: step time vs plain DDP", "run"),
+              ("overhead", "torchrun: step time vs plain DDP", "baseline_run"))],
+        ["goodput on the p3 spot trace (simulated)",
+         f"torchft {goodput_of(g, 'torchft', 'p3-trace'):.3f}, "
+         f"torchrun {goodput_of(g, 'torchrun', 'p3-trace'):.3f}", "",
+         f"`{g['torchft'].get('command', '?')}`, `{g['torchrun'].get('command', '?')}` "
+         f"(deterministic; rerun by {TEST})"],
+    ]  # fmt: skip
+    notes = [f"{i}. {run_record(r.runs[rid])}" for i, rid in enumerate(runs, 1)]
+    several = [ln_[0] for ln_ in lines if ";" in ln_[3] and "(deterministic" not in ln_[3]]
+    notes.append("")
+    notes.append("Rows that name more than one run combine figures from separate runs ("
+                 + "; ".join(several) + "). A field a record lacks was not recorded: those "
+                 "runs' figures were transcribed from the benchmarks page.")
+    return _table(["", "spotctl", "baseline", "runs (samples)"], lines) + "\n" + "\n".join(
+        notes) + "\n"
 
 
 def _cell(d: dict[str, Any] | None, unit: str = "s") -> str:

@@ -172,8 +172,34 @@ def run_module(repo: Path, m: Module, accepted: list[Accepted], python: str,
     return res
 
 
-def table(results: list[ModuleResult]) -> str:
-    rows = [f"{'module':36} {'mutants':>7} {'killed':>6} {'survived':>8} "
+@dataclass(frozen=True)
+class Stamp:
+    """What a score is a score of: when, at which commit (the run copies the committed
+    HEAD), and over which modules of how many listed. A score quoted without it says
+    nothing about today's code."""
+
+    date: str  # UTC, minutes
+    commit: str  # short hash of the HEAD the run copied
+    modules: tuple[str, ...]  # the modules run
+    listed: int  # the modules mutmut.toml lists
+
+    @classmethod
+    def now(cls, repo: Path, modules: list[str], listed: int) -> Stamp:
+        sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short=12", "HEAD"],
+                             capture_output=True, text=True).stdout.strip() or "unknown"
+        return cls(time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), sha, tuple(modules),
+                   listed)
+
+    def line(self) -> str:
+        scope = ("all " + str(self.listed) + " listed modules" if len(self.modules) == self.listed
+                 else f"{len(self.modules)} of the {self.listed} listed modules: "
+                 + ", ".join(self.modules))
+        return f"mutmut run {self.date} at commit {self.commit}; scope: {scope}"
+
+
+def table(results: list[ModuleResult], stamp: Stamp | None = None) -> str:
+    rows = [stamp.line()] if stamp else []
+    rows += [f"{'module':36} {'mutants':>7} {'killed':>6} {'survived':>8} "
             f"{'no test':>7} {'timeout':>7} {'score':>6}"]
     for r in results:
         if r.error:
@@ -200,10 +226,12 @@ def table(results: list[ModuleResult]) -> str:
     return "\n".join(rows)
 
 
-def markdown(results: list[ModuleResult]) -> str:
-    """The per-module rows as a Markdown table (for the docs), with the totals."""
-    rows = ["| module | mutants | killed | survived (accepted) | no test reaches | score |",
-            "|---|---:|---:|---:|---:|---:|"]
+def markdown(results: list[ModuleResult], stamp: Stamp | None = None) -> str:
+    """The per-module rows as a Markdown table (for the docs), with the totals; with a
+    stamp, its line (date, commit, scope) above the table."""
+    rows = [stamp.line() + "\n"] if stamp else []
+    rows += ["| module | mutants | killed | survived (accepted) | no test reaches | score |",
+             "|---|---:|---:|---:|---:|---:|"]
     tot: Counter[str] = Counter()
     for r in results:
         c = r.counts
@@ -221,10 +249,13 @@ def markdown(results: list[ModuleResult]) -> str:
     return "\n".join(rows)
 
 
-def to_json(results: list[ModuleResult]) -> list[dict[str, Any]]:
+def to_json(results: list[ModuleResult], stamp: Stamp | None = None) -> list[dict[str, Any]]:
+    run = {"date": stamp.date, "commit": stamp.commit, "scope": list(stamp.modules),
+           "listed": stamp.listed} if stamp else {}
     return [{"module": r.path, "counts": r.counts, "score": r.score, "error": r.error,
              "seconds": r.seconds, "untested": r.untested,
-             "survivors": [s.__dict__ for s in r.survivors]} for r in results]
+             "survivors": [s.__dict__ for s in r.survivors], **({"run": run} if run else {})}
+            for r in results]
 
 
 def failing(results: list[ModuleResult]) -> bool:

@@ -458,7 +458,10 @@ class Run:
         """Read the agreed control flags (reduced with MAX over the group): note whether a
         timed save is due and whether some rank still uploads, as of the flags' sending;
         return whether to drain."""
-        self._time_due = bool(flag[1].item())
+        # a timed save that was due when these flags were made is no longer due once a
+        # save started since (on the restart path the flags are read a step after they
+        # were made): it would be a second save right after that one
+        self._time_due = bool(flag[1].item()) and self._flags_made_after == self.ckpt.started
         self._upload_busy = bool(flag[2].item())
         self._flags_after = self._flags_made_after
         return bool(flag[0].item())

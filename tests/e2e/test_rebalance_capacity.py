@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from scripts.chaos_lib.replays import Window
 from spotctl.providers.local.capacity import set_capacity
 from tests.conftest import ENGINES
 
@@ -62,9 +63,12 @@ def shrink(c: Any, cdir: Path, n: int) -> float:
     journaled as preempted (the n-th time). Returns when capacity dropped."""
     n0 = len(c.events("rescale"))
     t = time.time()
+    w = Window.open(c.trace_dir)
     set_capacity(cdir, 2)
     r = c.rescale_after(n0, "notice", 2)
     assert (r["from_world_size"], r["to_world_size"], r["lost_steps"]) == (3, 2, 0), r
+    got = w.close(120)  # the workers' own sample traces: no step trained twice
+    assert got["settled"] and got["replayed"] == 0, (got, r)
     deadline = time.monotonic() + 120
     while len(c.events("preempted")) < n:
         out = json.loads(c.cli("rebalance", "--name", "rebal", "--json").stdout)
@@ -108,9 +112,12 @@ def _watcher_cycle(c: Any, cdir: Path, schedule: list[tuple[float, int]], t_up: 
         assert reclaim and reclaim[0]["nodes"] == ["n3"]
         schedule.append((time.time() - t_up, 3))
         n0 = len(c.events("rescale"))
+        w = Window.open(c.trace_dir)
         set_capacity(cdir, 3)
         r = c.rescale_after(n0, "join", 3)
         assert (r["from_world_size"], r["to_world_size"], r["lost_steps"]) == (2, 3, 0), r
+        got = w.close(120)  # the workers' own record of the join: no step trained twice
+        assert got["settled"] and got["replayed"] == 0, (got, r)
         c.steps_advance(world=3, by=5, timeout=180)
     except BaseException as e:
         watcher.terminate()

@@ -39,6 +39,13 @@ def test_saves_come_by_the_clock(engine: str, tmp_path: Path,
     # (step M is finish()'s own save)
     timed = [s for s in steps if s != M]
     assert len(timed) >= 2 and all(0 < s < M for s in timed), steps
+    # and not more often than the clock says: rank 0's own step log (the time each step
+    # ended). A save at step b is due 0.3 s after the save at a began, which was after
+    # step a - 1 ended; before the fix the restart path saved again two steps after each
+    # timed save (a flag made before it, read after it)
+    t = {s["step"]: s["t"] for s in c.steps("r0")}
+    for a, b in pairwise(timed):
+        assert t[b] - t[a - 1] >= 0.29, (a, b, t[b] - t[a - 1], timed)
     for d in committed:  # both ranks wrote their part of the same step
         meta = json.loads((d / "COMMIT").read_text())
         assert meta.get("step", int(d.name.removeprefix("step-"))) == int(d.name[5:]), meta

@@ -197,3 +197,15 @@ def test_to_json_sorts_zones_and_rounds_times() -> None:
                                "r1-c": NOW - 3 + 900},
                    "failures": {"r1-b": 1}, "caps": {"r1-c": 3}}
     assert list(out["cooling"]) == ["r1-a", "r1-b", "r1-c"]
+
+
+def test_a_refusal_at_the_very_end_of_a_cool_down_still_halves_its_cap() -> None:
+    """The boundary `cool.get(zone, ts) < ts` (was an accepted survivor): a refusal of 8
+    leaves a cap of 4 for the cool-down; one that comes at its last instant halves that
+    cap (2), one a second later starts afresh (8 // 2)."""
+    first = {"ts": NOW - 900, "type": "capacity-error", "zone": "r1-a", "count": 8}
+    at_end = {"ts": NOW, "type": "capacity-error", "zone": "r1-a", "count": 8}
+    assert zone_cooldowns([first], 900, NOW - 900).caps == {"r1-a": 4}
+    assert zone_cooldowns([first, at_end], 900, NOW).caps == {"r1-a": 2}
+    after = {**at_end, "ts": NOW + 1}
+    assert zone_cooldowns([first, after], 900, NOW + 1).caps == {"r1-a": 4}

@@ -69,3 +69,22 @@ def test_write_private_syncs_data_renames_then_syncs_dir(
     write_private(path, "s3cret\n")
     _check_order(calls, path, b"s3cret\n")
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_the_heads_step_bounds_file_is_replaced_atomically(
+    tmp_path: Path, calls: list[tuple[Any, ...]]
+) -> None:
+    """kills: the head's step-bounds file written in place (no fsync, no rename): a head
+    that crashed mid-write would find it torn, take it for no history, and then believe
+    any step a node's credential reports. A restarted head reads back what was kept."""
+    from spotctl.head.server import BOUNDS_FILE, StepBounds
+
+    path = tmp_path / BOUNDS_FILE
+    path.write_text('{"step": 3, "at": 1.0}')
+    b = StepBounds(path, clock=lambda: 100.0)
+    w = {"step": 40, "resume_step": 30, "last_ckpt": 30, "drain_step": None}
+    b.check("n1", {"workers": [w]})
+    b.save()
+    _check_order(calls, path, json.dumps({"step": 40, "at": 100.0}).encode())
+    again = StepBounds(path, clock=lambda: 200.0)
+    assert again.cluster == (40, 100.0)

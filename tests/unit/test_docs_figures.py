@@ -210,3 +210,47 @@ def test_head_attacks_save_records_the_run_and_keeps_the_before_figures(tmp_path
         "| 0 held at the end; RSS 60 -> 62 MB; `status` 7 of 7 served (median 2 ms, max 50 ms) | 0 held"
         in page
     )
+
+
+def test_each_readme_figure_names_its_recorded_runs() -> None:
+    """Issue 63: every README figure row names the run(s) its cells come from, and each
+    run named is listed under the table with its command, date, commit, torch version and
+    machine load (or says which of those its record lacks); a row drawing on more than
+    one run says so."""
+    import re
+
+    text = (REPO / "README.md").read_text()
+    block = text.split("<!-- figures:readme -->\n", 1)[1].split("<!-- /figures -->", 1)[0]
+    rows = [ln for ln in block.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
+    records = dict(re.findall(r"^(\d+)\. (.+)$", block, re.M))
+    assert len(rows) == 6 and records, block
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        runs = cells[3]
+        if "(simulated)" in cells[0]:
+            assert "deterministic" in runs and "scripts/sim-goodput" in runs, row
+            continue
+        named = re.findall(r"(\d+) \(", runs)
+        assert named and all(n in records for n in named), (row, records)
+        assert all(re.search(r"n=\d+|n not recorded", part) for part in runs.split(";")), row
+        if len(set(named)) > 1:
+            assert cells[0] in block.split("combine figures from separate runs", 1)[1], row
+    for rec in records.values():
+        assert rec.startswith("`scripts/") and re.search(r", 20\d\d-\d\d-\d\d, ", rec), rec
+        assert re.search(r"torch \S+|torch version not recorded", rec), rec
+        assert re.search(r"cores, load ", rec), rec
+        assert re.search(r", [0-9a-f]{7,}, |commit not recorded", rec), rec
+
+
+def test_a_saved_run_records_its_commit(tmp_path: Path) -> None:
+    t = _tree(tmp_path)
+    path = t / "docs/figures/bench-results.json"
+    row = {"benchmark": "quorum", "metric": "torchft: next_step() waiting for its quorum",
+           "spotctl": {"median": 2.0, "min": 1.0, "max": 3.0, "n": 200}, "baseline": None,
+           "unit": "ms", "note": ""}
+    run = figures.save([row], "scripts/bench quorum --save",
+                       started={"load_average": [1.0, 1.0, 1.0]}, elapsed_s=1, path=path, now=0)
+    rec = figures.read_results(path)["runs"][run]
+    assert rec["commit"] and len(rec["commit"]) >= 7
+    assert figures.run_record(rec).startswith(
+        f"`scripts/bench quorum --save`, 1970-01-01, {rec['commit']}, torch ")

@@ -211,3 +211,58 @@ def test_the_controller_pauses_the_heads_loop_while_it_acts(tmp_path: Path) -> N
         loop.resume()
     ctl.close()
 
+
+
+def test_a_pause_is_capped_and_down_keeps_the_loop_paused_through_its_cleanup(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One head with its loop, through its real API:
+
+    kills: the pause TTL cap dropped (`min(..., MAX_PAUSE_S)` in Rebalancer.pause). The
+    API takes a ttl_s up to 1e6 s (11 days); the loop holds a pause 3 h at most, so a
+    controller that dies mid-run (or a credential that asks for days) cannot stop
+    replacements for longer. Bounded both ways.
+
+    kills: `down` resuming the head's loop before its cleanup (resume=True in teardown's
+    head_loop_paused): the loop could launch replacements while the nodes are being
+    terminated. Judged by the loop itself (its lock, held by the pause, as a run of the
+    loop would find it), during the provider's cleanup and after `down`."""
+    from spotctl.control import cron, reconcile
+    from spotctl.head.client import HeadClient
+    from spotctl.head.rebalancer import MAX_PAUSE_S
+    from tests.security.conftest import serve_head
+
+    bundle, token = _bundle(tmp_path)
+    loop = Sleeping.from_bundle(bundle, token, tmp_path / "rebalance.log")
+    home = bundle.parent / "home"
+    ctl = Store(tmp_path / "controller")
+    (tmp_path / "headdir").mkdir()
+    seen: list[tuple[bool, bool]] = []
+
+    class Provider:
+        def cleanup(self) -> list[str]:
+            seen.append((loop.status()["paused"], _lock_free(home)))
+            return []
+
+    monkeypatch.setattr(reconcile, "provider_for", lambda *a, **k: Provider())
+    monkeypatch.setattr(cron, "remove", lambda name: None)  # this machine's crontab: not ours
+    with serve_head(tmp_path / "headdir", "tok-123", rebalancer=loop) as srv:
+        client = HeadClient(srv.url, "tok-123", timeout_s=10)
+        t0 = time.monotonic()
+        got = client.pause_loop(999_999, "laptop")
+        assert got == {"paused": True, "ttl_s": MAX_PAUSE_S} and MAX_PAUSE_S == 3 * 3600.0
+        assert t0 + MAX_PAUSE_S - 60 <= loop._pause_until <= time.monotonic() + MAX_PAUSE_S
+        assert client.pause_loop(0.001, "laptop")["ttl_s"] == 1.0  # and at least 1 s
+        assert client.pause_loop(1800, "laptop")["ttl_s"] == 1800  # within: as asked
+        client.resume_loop()
+        assert not loop.status()["paused"]
+
+        ctl.upsert_cluster("c9", "aws", SPEC, "running")
+        ctl.set_head("c9", {"url": srv.url, "store_host": "127.0.0.1", "store_port": 1})
+        ctl.cluster_dir("c9").ensure().token_file.write_text("tok-123\n")
+        assert _lock_free(home)
+        assert reconcile.teardown(ctl, "c9").leaks == []
+        assert seen == [(True, False)], seen  # paused, its lock held, while cleaning up
+        assert loop.status()["paused"] and not _lock_free(home)  # and after: for good
+        assert ctl.get_cluster("c9").state == "down"
+        loop.resume()
+    ctl.close()

@@ -86,3 +86,44 @@ def test_up_says_why_an_unset_cluster_stayed_on_loopback(
 ])
 def test_what_a_spec_asks_of_the_private_network(raw: dict[str, object], mode: str) -> None:
     assert private.setting(ClusterSpec.model_validate({"name": "c1", **raw})) == mode
+
+
+def _sigterm_pending(pid: int) -> bool:
+    """Whether a SIGTERM waits for `pid` (which blocks it): kill() marks it pending before
+    it returns, so this needs no waiting."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("ShdPnd:"):
+            return bool(int(line.split()[1], 16) & (1 << (15 - 1)))
+    raise AssertionError("no ShdPnd in /proc/PID/status")
+
+
+def test_stop_signals_the_holder_and_never_a_pid_that_no_longer_is_it(tmp_path: Path) -> None:
+    """kills: private.stop() signalling a pid that is no longer the holder (the `alive`
+    check of its record dropped). A process of this test (blocking SIGTERM, so that a
+    signal stays pending where it can be read) stands in for the holder: with another
+    start time in the file (its pid since reused) it is not signalled and the file goes;
+    with its own start time and namespace it is the holder and gets SIGTERM."""
+    import subprocess
+    import sys
+
+    f = tmp_path / private.HOLDER_FILE
+    p = subprocess.Popen([sys.executable, "-c",
+                          "import signal, sys, time\n"
+                          "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})\n"
+                          "print('ready', flush=True)\ntime.sleep(60)"],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        net = os.readlink(f"/proc/{p.pid}/ns/net")
+        f.write_text(json.dumps({"pid": p.pid, "net": net, "user": "", "started": "1"}))
+        private.stop(tmp_path)
+        assert not f.exists()
+        assert not _sigterm_pending(p.pid)  # not the holder: not signalled
+        f.write_text(json.dumps({"pid": p.pid, "net": net, "user": "",
+                                 "started": private._start_time(p.pid)}))
+        private.stop(tmp_path)
+        assert _sigterm_pending(p.pid)  # the holder: signalled
+        assert not f.exists()
+    finally:
+        p.kill()
+        p.wait()

@@ -178,3 +178,54 @@ def test_mutmut_markdown_rows_and_totals() -> None:
     assert md[2] == "| `a.py` | 10 | 7 | 2 (1) | 1 | 70 % |"
     assert md[3] == "| `b.py` | 4 | 4 | 0 (0) | 0 | 100 % |"
     assert md[4] == "| all | 14 | 11 | 2 (1) | 1 | 79 % |"
+
+
+def test_the_modules_reworked_since_the_last_run_are_in_scope() -> None:
+    """Issue 63: the modules added or reworked since the last full run decide correctness
+    too; the head's cloud loop is run with the tests that reach it."""
+    paths = {m.path: m.tests for m in MODULES}
+    for p in ("spotctl/elastic/checkpoint.py", "spotctl/elastic/parts.py",
+              "spotctl/elastic/ft.py", "spotctl/elastic/__init__.py",
+              "spotctl/head/grpc_filter.py", "spotctl/providers/local/private.py",
+              "spotctl/control/reconcile.py"):
+        assert p in paths, p
+    assert "tests/unit/test_head_loop_bundle.py" in paths["spotctl/head/rebalancer.py"]
+
+
+def test_a_score_is_printed_with_its_date_commit_and_scope() -> None:
+    a = mm.ModuleResult("a.py", counts={"total": 4, "killed": 3, "survived": 1})
+    stamp = mm.Stamp("2026-12-07 09:40 UTC", "abc123def456", ("a.py",), 21)
+    want = ("mutmut run 2026-12-07 09:40 UTC at commit abc123def456; scope: 1 of the 21 "
+            "listed modules: a.py")
+    assert mm.table([a], stamp).splitlines()[0] == want
+    assert mm.markdown([a], stamp).splitlines()[0] == want
+    assert mm.to_json([a], stamp)[0]["run"] == {
+        "date": "2026-12-07 09:40 UTC", "commit": "abc123def456", "scope": ["a.py"],
+        "listed": 21}
+    whole = mm.Stamp("d", "c", ("a.py", "b.py"), 2)
+    assert whole.line() == "mutmut run d at commit c; scope: all 2 listed modules"
+
+
+def test_the_readme_quotes_a_score_only_with_its_date_and_scope() -> None:
+    """Issue 63: a mutation score in the README names when it was measured and over
+    which modules (and the partial run its commit); the count of listed modules it names
+    is the list's (adding a module makes the sentence be rewritten)."""
+    import re
+
+    text = (REPO / "README.md").read_text()
+    para = text[text.index("Mutation\n  testing"):].split("\n\n", 1)[0]
+    sentences = [s for s in re.split(r"(?<=\.) ", " ".join(para.split())) if "%" in s]
+    assert sentences, para
+    for s in sentences:
+        assert re.search(r"20\d\d-\d\d-\d\d", s) and re.search(r"\d+ (listed )?modules?", s), s
+    assert f"1 of {len(MODULES)} listed modules" in " ".join(para.split()), para
+    assert re.search(r"at commit [0-9a-f]{7,}", para), para
+
+
+def test_the_planted_bugs_of_issue_63_are_listed() -> None:
+    ids = {b.id for b in BREAKAGES}
+    assert {"ft-all-reduce-partial-sum", "timed-save-clock-never-reset",
+            "timed-save-stale-due-flag", "down-resumes-head-loop",
+            "private-stop-signals-stranger", "parts-in-flight-off-by-one",
+            "parts-in-flight-uncapped", "share-splits-list-tensors", "share-balanced-by-count",
+            "pause-ttl-uncapped", "step-bounds-written-in-place"} <= ids
