@@ -106,4 +106,9 @@ def register(app: typer.Typer) -> None:
         if json_out:
             return print_json(rows)
         con = console()
-        con.print(fit_table(EVENT_COLS, event_rows(rows), con.width))
+        table = event_rows(rows)
+        width = con.width
+        if not con.is_terminal:  # a pipe or a file: every detail whole, however long
+            width = max([width] + [sum(len(x) for x in r) + 16 for r in table])
+            con.width = width
+        con.print(fit_table(EVENT_COLS, table, width))
