@@ -109,6 +109,8 @@ def register(app: typer.Typer) -> None:
         table = event_rows(rows)
         width = con.width
         if not con.is_terminal:  # a pipe or a file: every detail whole, however long
-            width = max([width] + [sum(len(x) for x in r) + 16 for r in table])
+            cols = [max([len(c.name)] + [len(r[i]) for r in table])
+                    for i, c in enumerate(EVENT_COLS)]
+            width = max(width, sum(cols) + 3 * len(cols) + 4)  # cells, padding, edges
             con.width = width
         con.print(fit_table(EVENT_COLS, table, width))

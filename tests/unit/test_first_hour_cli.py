@@ -130,8 +130,12 @@ def test_events_in_a_pipe_keep_every_detail(home: Path) -> None:
     store.upsert_cluster("c", "local", {"name": "c"}, "down")
     long = "RuntimeError: " + "x" * 400
     store.add_event("c", "crashed", {"node": "n1", "error": long})
+    # a longer type and node on another row widen those columns (seen: a plan-launch row)
+    store.add_event("c", "launch-intent-corrupt", {"nodes": ["n10", "n11", "n12"],
+                                                   "error": "y" * 380})
     res = CliRunner().invoke(app, ["events"])  # CliRunner's stdout is no terminal
     assert res.exit_code == 0 and f"error {long}" in res.output, res.output
+    assert "y" * 380 in res.output and "…" not in res.output
 
 
 def test_up_watch_ends_on_a_crashed_node_with_its_line(home: Path) -> None:
