@@ -230,3 +230,18 @@ def test_the_job_mark_refuses_another_scripts_checkpoints(home: Path, tmp_path: 
     other = ClusterSpec(name="c", train={"script": str(tmp_path / "b" / "train.py"),
                                          "checkpoint_dir": str(tmp_path / "mine")})
     jobmark.check(other, cdir)  # other checkpoints: not the ones recorded
+
+
+def test_preempt_on_a_finished_job_says_so(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from spotctl.control import reconcile
+
+    store = Store(home)
+    store.upsert_cluster("c", "local", {"name": "c"}, "running")
+    store.upsert_node(_node("c", "n1", 1.0))
+    head = {"nodes": {"n1": {"state": "finished", "step": 3000}}}
+    monkeypatch.setattr(reconcile, "head_client", lambda *a, **k: type(
+        "Head", (), {"status": lambda self: head})())
+    res = CliRunner().invoke(app, ["preempt", "n1"])
+    assert res.exit_code != 0 and str(res.exception) == (
+        "the job on n1 already finished (step 3000): nothing to preempt")
+    assert "notice sent" not in res.output
