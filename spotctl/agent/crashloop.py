@@ -18,7 +18,7 @@ from pathlib import Path
 
 CRASH_LIMIT = 3  # identical failures in a row (SPOTCTL_CRASH_LIMIT; 0 turns it off)
 READ_MAX = 256 * 1024  # bytes of new log read per look (its tail, when more came)
-LINE_MAX = 240  # characters of the error line kept
+LINE_MAX = 400  # characters of the error line kept (a checkpoint path may be long)
 # the tracebacks torchrun itself prints after a worker failed: its own, not the cause
 LAUNCHER_ERRORS = ("torch.distributed.elastic.", "ChildFailedError")
 # a line spotctl.elastic ends a worker with (a SystemExit: no traceback), e.g. the

@@ -81,7 +81,7 @@ def describe(p: dict[str, Any]) -> str:
     if ph == "finished":
         return "the job already ran to its end"
     if ph == "crashed":
-        return f"{p['node']}: the training script keeps failing: {p.get('error')}"
+        return f"{p['node']}: its workers keep failing the same way; not restarted"
     return str(p.get("message", ph))
 
 
@@ -97,7 +97,7 @@ def crash_line(node: str, error: str | None) -> str:
     """The one line `up` exits with when `node`'s workers crash-looped."""
     return (f"{node}: the training script failed repeatedly with the same error, not "
             f"restarted: {error or '(no error line in its log)'} (`spotctl logs {node}`; "
-            "fix it, then `spotctl down` and `spotctl up`)")
+            "`spotctl down` stops the cluster)")
 
 
 def node_phase(h: dict[str, Any] | None) -> str | None:

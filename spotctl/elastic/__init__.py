@@ -563,8 +563,7 @@ class Run:
                         if key == "params" else
                         f"with {key}={theirs}, this run has {key}={mine}")
                 msg = (f"spotctl.elastic: checkpoint step {step} under {self.ckpt.root} was "
-                       f"written {what}; resuming would change the training trajectory "
-                       f"(start fresh: {fresh})")
+                       f"written {what}; start fresh: {fresh}")
                 log.error(msg)
                 raise ResumeMismatch(msg)
 

@@ -17,7 +17,7 @@ MAX_WORKERS = 64  # per node (GPUs per VM are far fewer)
 MAX_STARTUP_KEYS = 32
 # crashed: its workers failed the same way CRASH_LIMIT times in a row (spotctl.agent.crashloop)
 AGENT_STATES = ("waiting", "running", "leaving", "left", "finished", "failed", "crashed")
-MAX_ERROR = 240  # the last error line a node reports (crashloop.LINE_MAX)
+MAX_ERROR = 400  # the last error line a node reports (crashloop.LINE_MAX)
 PHASES = ("init", "train", "draining", "drained", "drain-failed", "done")
 # Event types a client may post, with their fields (type checked). Anything else: 400.
 EVENT_FIELDS: dict[str, dict[str, type]] = {

@@ -149,8 +149,8 @@ def test_up_watch_ends_on_a_crashed_node_with_its_line(home: Path) -> None:
     with pytest.raises(up_progress.JobCrashed) as e:
         up_progress.watch(store, "c", 60, seen.append, status=lambda: st)
     assert str(e.value) == ("n2: the training script failed repeatedly with the same error, "
-                            "not restarted: ValueError: x (`spotctl logs n2`; fix it, then "
-                            "`spotctl down` and `spotctl up`)")
+                            "not restarted: ValueError: x (`spotctl logs n2`; `spotctl down` "
+                            "stops the cluster)")
     assert e.value.exit_code == 1 and seen[-1]["phase"] == "crashed"
 
 
