@@ -566,8 +566,8 @@ def _format_validation(err: ValidationError, source: str,
     msg = msg.removeprefix("Value error, ")
     more = len(err.errors()) - 1
     tail = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
-    if flags and flags.get(loc) is not None:  # the value came from a flag, not the file
-        return f"{FLAG_OF.get(loc, loc)}: {msg}{tail}"
+    if flags and loc in FLAG_OF and flags.get(loc) is not None:  # a flag's value
+        return f"{FLAG_OF[loc]}: {msg}{tail}"
     where = f"{source}: " if source else ""
     return f"{where}{loc or 'spec'}: {msg}{tail}"
 
