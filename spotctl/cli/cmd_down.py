@@ -44,8 +44,9 @@ def register(app: typer.Typer) -> None:
             kept = f"; {checkpoints_line(res.purged, purge, res.kept_at)}" if res.can_purge \
                 else (f"; checkpoints kept in {res.kept_at} (train.checkpoint_dir: yours to "
                       "remove)" if res.kept_at else "")
+            # one line, however long its path: never wrapped (a pipe's width included)
             console().print(f"cluster {name} is down{kept}"
-                            + ("" if not leaks else f"; LEAKS: {leaks}"))
+                            + ("" if not leaks else f"; LEAKS: {leaks}"), soft_wrap=True)
         if leaks:
             raise SpotctlError(f"cluster {name}: {len(leaks)} leftover resource(s): {leaks}")
 
