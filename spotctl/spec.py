@@ -461,7 +461,7 @@ class ClusterSpec(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not _NAME_RE.fullmatch(v) or "--" in v:
+        if not valid_cluster_name(v):
             raise ValueError(
                 f"{v!r} is not a valid cluster name (lowercase letters, digits and single "
                 "'-', starting with a letter, at most 40 characters)"
@@ -526,15 +526,48 @@ class ClusterSpec(_Strict):
         return p if p.is_absolute() else (base / p)
 
 
-def _format_validation(err: ValidationError, source: str) -> str:
+def valid_cluster_name(v: str) -> bool:
+    """Lowercase letters, digits and single '-', starting with a letter, at most 40."""
+    return bool(_NAME_RE.fullmatch(v)) and "--" not in v
+
+
+# the `spotctl up` flag each override key comes from: an error in one names the flag
+FLAG_OF = {"name": "--name", "provider": "--provider", "gpus": "--gpus",
+           "train.script": "--script", "train.max_steps": "--max-steps",
+           "train.checkpoint_every": "--checkpoint-every",
+           "budget.max_usd_per_hour": "--budget"}
+
+
+def _keys_at(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the spec allows in the table at `loc` (the unknown key's parent)."""
+    model: Any = ClusterSpec
+    for part in loc[:-1]:
+        f = getattr(model, "model_fields", {}).get(part)
+        if f is None:
+            return []
+        model = f.annotation
+        args = getattr(model, "__args__", ())  # list[SshHost], X | None: the model in it
+        model = next((a for a in args if hasattr(a, "model_fields")), model)
+    return list(getattr(model, "model_fields", {}))
+
+
+def _format_validation(err: ValidationError, source: str,
+                       flags: dict[str, Any] | None = None) -> str:
+    import difflib
+
     first = err.errors()[0]
     loc = ".".join(str(x) for x in first["loc"])  # list indexes too: ssh.hosts.0.key
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         msg = "unknown key"
+        near = difflib.get_close_matches(str(first["loc"][-1]), _keys_at(first["loc"]), 1)
+        if near:
+            msg += f" (did you mean {near[0]!r}?)"
     msg = msg.removeprefix("Value error, ")
     more = len(err.errors()) - 1
     tail = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
+    if flags and loc in FLAG_OF and flags.get(loc) is not None:  # a flag's value
+        return f"{FLAG_OF[loc]}: {msg}{tail}"
     where = f"{source}: " if source else ""
     return f"{where}{loc or 'spec'}: {msg}{tail}"
 
@@ -585,7 +618,7 @@ def load_spec(
     try:
         spec = ClusterSpec.model_validate(data)
     except ValidationError as e:
-        raise SpecError(_format_validation(e, source or "flags")) from None
+        raise SpecError(_format_validation(e, source or "flags", overrides)) from None
     script = spec.resolved_script(base)
     if script.suffix != ".py":
         raise SpecError(f"train.script: {script} is not a Python file (.py); name the "

@@ -25,7 +25,8 @@ from torch.utils.data import Dataset
 from spotctl import elastic
 
 DATA_DIR = Path(os.environ.get("DATA_DIR", Path(__file__).resolve().parent / "data"))
-STEPS = int(os.environ.get("STEPS", "24"))
+# STEPS, else `spotctl up --max-steps N` ([train] max_steps), else 24
+STEPS = int(os.environ.get("STEPS") or os.environ.get("SPOTCTL_MAX_STEPS") or 0) or 24
 LOADER_WORKERS = int(os.environ.get("LOADER_WORKERS", "2"))
 GLOBAL_BATCH = 32  # samples per step, whatever the world size
 MICRO_BATCH = 8

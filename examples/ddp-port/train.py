@@ -18,7 +18,8 @@ from torch.utils.data import TensorDataset
 
 from spotctl import elastic
 
-STEPS = int(os.environ.get("STEPS", "40"))
+# STEPS, else `spotctl up --max-steps N` ([train] max_steps), else 40
+STEPS = int(os.environ.get("STEPS") or os.environ.get("SPOTCTL_MAX_STEPS") or 0) or 40
 GLOBAL_BATCH = 32  # per step, whatever the world size
 LR = 1e-2
 WARMUP = 5

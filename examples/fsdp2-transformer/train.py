@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from spotctl import elastic
 
-STEPS = int(os.environ.get("STEPS", "30"))
+# STEPS, else `spotctl up --max-steps N` ([train] max_steps), else 30
+STEPS = int(os.environ.get("STEPS") or os.environ.get("SPOTCTL_MAX_STEPS") or 0) or 30
 DATASET_SIZE = 4096  # sequences
 SEQ_LEN = 32
 GLOBAL_BATCH = 16  # sequences per step, whatever the world size

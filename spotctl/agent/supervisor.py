@@ -10,6 +10,9 @@ States (the agent's, reported to the head as agent_state):
   leaving  -> a notice came: its workers drained, torchrun is being stopped
   left     -> out of the rendezvous; waits to be terminated
   finished -> training ended (workers exited 0)
+  crashed  -> its workers failed CRASH_LIMIT times in a row with the same last error line
+              and no step in between (spotctl.agent.crashloop): not restarted again; the
+              line goes to the head in every heartbeat (`status`, `up`)
 Worker contract: environment variables (SPOTCTL_*) in, one status JSON file per local rank
 out; SIGUSR1 asks workers to drain; SIGTERM ends them (they exit non-zero, so torchrun
 restarts them into the next rendezvous round).
@@ -35,6 +38,7 @@ from typing import Any
 
 from spotctl.agent import gpugate, netprobe, runas
 from spotctl.agent.config import AgentConfig
+from spotctl.agent.crashloop import CrashWatch, crash_limit
 from spotctl.head.client import HeadClient, HeadUnavailable
 from spotctl.sockets import spare_port
 
@@ -199,6 +203,11 @@ class Agent:
         self._term_logged = False
         self.torchrun_restarts = 0
         self.next_start = 0.0
+        # the same failure again and again: stop restarting (state "crashed", `error`)
+        self.crash = CrashWatch(self.workdir / "torchrun.log", crash_limit({**os.environ,
+                                                                          **cfg.env}))
+        self.crash.skip_to_end()
+        self.error: str | None = None
         # torchft, nodes_per_replica > 1: the port this node's group store listens on when
         # it holds its group's first slot; the group (id, gen, slot, master) its torchrun
         # runs in; and the last group generation that ended with a graceful leave (not
@@ -626,6 +635,8 @@ class Agent:
             # torchrun is up and waiting at the rendezvous gate: the group may drain now
             "ready": self.state == "running" or Path(str(self.gate) + ".ready").exists(),
         }
+        if self.error is not None:
+            body["error"] = self.error
         if self.group_port:
             g = self.group
             grp: dict[str, Any] = {"size": self.cfg.replica_nodes, "port": self.group_port}
@@ -670,10 +681,36 @@ class Agent:
             log.info("NCCL transport: %s", found)
             self.nccl_transport = found
 
+    def _crashed(self, head_answered: bool) -> bool:
+        """Whether the workers just failed the same way for the CRASH_LIMIT-th time in a row
+        (then torchrun is stopped and stays stopped: state "crashed"). Failures while the
+        head does not answer are not counted (a head restarting fails them all alike).
+        torchft: looked at when torchrun has failed (its workers may log a traceback of
+        torchft's own and go on); torchrun: on every tick (it restarts its workers itself)."""
+        if self.state not in ("running", "waiting") or self.notice is not None:
+            return False
+        tr = self.torchrun
+        if self.cfg.engine == "torchft" and (tr is None or tr.poll() in (None, 0)):
+            return False
+        steps = [int(w.get("step") or 0) for w in self.read_workers()]
+        if not self.crash.look(max(steps) if steps else None, count=head_answered):
+            return False
+        self.error = self.crash.line
+        log.error("the workers failed %d times in a row with: %s; not restarting them "
+                  "(`spotctl down`, fix, `spotctl up`)", self.crash.count, self.error)
+        if self.torchrun is not None:
+            self.stop_torchrun()
+            self.torchrun = None
+        self.state = "crashed"
+        self._heartbeat([])
+        return True
+
     def step(self) -> None:
         workers = self._live_workers(self.read_workers())
         self._watch_nccl()
         reply = self._heartbeat(workers)
+        if self.state == "crashed" or self._crashed(reply is not None):
+            return
         if self.state in ("waiting", "failed") and self.torchrun is None \
                 and not self._gpus_ready():
             return
@@ -876,7 +913,7 @@ class Agent:
         now, n = time.time(), self.notice
         if n is None:
             return now - t >= TERM_NOTICE_WAIT_S
-        if self.state in ("left", "finished", "failed"):
+        if self.state in ("left", "finished", "failed", "crashed"):
             return True
         if not self._term_logged:
             self._term_logged = True

@@ -16,7 +16,8 @@ def register(app: typer.Typer) -> None:
         purge: bool = typer.Option(
             False, "--purge",
             help="Also delete the cluster's checkpoints (every object under its bucket "
-                 "prefix). Without it they are kept, so a later `up` resumes from them."),
+                 "prefix; on a local cluster its checkpoints folder). Without it they are "
+                 "kept, so a later `up` resumes from them."),
         json_out: bool = typer.Option(False, "--json", help="Print JSON."),
     ) -> None:
         """Stop every node and the head; remove what the cluster created (checkpoints stay
@@ -40,19 +41,26 @@ def register(app: typer.Typer) -> None:
         if json_out:
             print_json(res.to_json())
         else:
-            kept = "" if not res.can_purge else f"; {checkpoints_line(res.purged, purge)}"
+            kept = f"; {checkpoints_line(res.purged, purge, res.kept_at)}" if res.can_purge \
+                else (f"; checkpoints kept in {res.kept_at} (train.checkpoint_dir: yours to "
+                      "remove)" if res.kept_at else "")
+            # one line, however long its path: never wrapped (a pipe's width included)
             console().print(f"cluster {name} is down{kept}"
-                            + ("" if not leaks else f"; LEAKS: {leaks}"))
+                            + ("" if not leaks else f"; LEAKS: {leaks}"), soft_wrap=True)
         if leaks:
             raise SpotctlError(f"cluster {name}: {len(leaks)} leftover resource(s): {leaks}")
 
 
-def checkpoints_line(purged: int | None, purge: bool) -> str:
-    """What became of the checkpoints, for the line `down` prints."""
+def checkpoints_line(purged: int | None, purge: bool, where: str | None = None) -> str:
+    """What became of the checkpoints, for the line `down` prints (`where`: their place,
+    when the provider says)."""
+    at = f" in {where}" if where else ""
     if not purge:
-        return "checkpoints kept (`spotctl down --purge` deletes them)"
+        return f"checkpoints kept{at} (`spotctl down --purge` deletes them)"
     if purged is None:
         return "checkpoints NOT deleted"  # why: in the leaks
+    if where:
+        return f"checkpoints deleted: {purged} file(s) in {where}"
     return f"checkpoints deleted: {purged} object(s) under the cluster's prefix"
 
 

@@ -111,4 +111,11 @@ def register(app: typer.Typer) -> None:
         if json_out:
             return print_json(rows)
         con = console()
-        con.print(fit_table(EVENT_COLS, event_rows(rows), con.width))
+        table = event_rows(rows)
+        width = con.width
+        if not con.is_terminal:  # a pipe or a file: every detail whole, however long
+            cols = [max([len(c.name)] + [len(r[i]) for r in table])
+                    for i, c in enumerate(EVENT_COLS)]
+            width = max(width, sum(cols) + 3 * len(cols) + 4)  # cells, padding, edges
+            con.width = width
+        con.print(fit_table(EVENT_COLS, table, width))

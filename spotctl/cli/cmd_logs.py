@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -12,6 +13,24 @@ from spotctl.cli.common import NAME_HELP, open_store, resolve_name
 from spotctl.errors import NotFoundError, SpecError
 
 LOGS = {"agent": "agent.log", "train": "torchrun.log", "node": "node.log"}
+# torch's warnings that every CPU (gloo) cluster prints and that ask nothing of the user:
+# `spotctl logs` leaves them out (--raw or SPOTCTL_LOGS_RAW=1 shows every line; the file
+# on the node keeps them all)
+HARMLESS = re.compile(
+    r"socket\.cpp:\d+\] \[c10d\] The hostname of the client socket cannot be retrieved"
+    r"|Unable to reset NCCL flight recorder recording"
+    r"|reducer\.cpp:\d+\] Warning: find_unused_parameters=True was specified in DDP "
+    r"constructor, but did not find any unused parameters")
+
+
+def shown(raw: bool) -> Callable[[str], bool]:
+    """Which lines `logs` prints: all with `raw` (or SPOTCTL_LOGS_RAW=1), else all but
+    HARMLESS ones."""
+    import os
+
+    if raw or os.environ.get("SPOTCTL_LOGS_RAW", "") not in ("", "0"):
+        return lambda line: True
+    return lambda line: HARMLESS.search(line) is None
 
 
 def _write(text: str) -> None:
@@ -21,11 +40,12 @@ def _write(text: str) -> None:
 
 def interleave(nodes: Callable[[], list[tuple[str, Path, bool]]], lines: int, follow: bool,
                write: Callable[[str], None], poll_s: float = 0.3,
-               stop: Callable[[], bool] = lambda: False) -> None:
+               stop: Callable[[], bool] = lambda: False,
+               keep: Callable[[str], bool] = lambda line: True) -> None:
     """Every node's log with a `node | ` prefix: the last `lines` lines of each log there
     now, then (follow) new lines as they come, whole logs of nodes that join later, and a
     line when a node leaves. `nodes()` gives (id, log path, ended) and is asked again each
-    poll, so joins and leaves show up."""
+    poll, so joins and leaves show up. `keep`: which lines to print."""
     files: dict[str, tuple[BinaryIO, bytes]] = {}
     done: set[str] = set()
     first = True
@@ -41,7 +61,8 @@ def interleave(nodes: Callable[[], list[tuple[str, Path, bool]]], lines: int, fo
                         done.add(nid)
                     continue
                 fh: BinaryIO = open(path, "rb")  # noqa: SIM115 - kept open while following
-                backlog = fh.read().decode(errors="replace").splitlines()
+                backlog = [x for x in fh.read().decode(errors="replace").splitlines()
+                           if keep(x)]
                 if first:
                     backlog = backlog[-lines:] if lines else []
                 elif follow:
@@ -55,7 +76,8 @@ def interleave(nodes: Callable[[], list[tuple[str, Path, bool]]], lines: int, fo
             part += f.read()
             *full, part = part.split(b"\n")
             for raw in full:
-                write(f"{nid:<{width}} | {raw.decode(errors='replace')}\n")
+                if keep(text := raw.decode(errors="replace")):
+                    write(f"{nid:<{width}} | {text}\n")
             files[nid] = (f, part)
             if ended and follow:
                 write(f"{nid:<{width}} | -- left --\n")
@@ -80,6 +102,9 @@ def register(app: typer.Typer) -> None:
         lines: int = typer.Option(50, "--lines", "-n", min=0),
         all_nodes: bool = typer.Option(False, "--all", help="Every node's log, interleaved "
                                        "with node prefixes; with -f follows joins and leaves."),
+        raw: bool = typer.Option(
+            False, "--raw", help="Every line, torch's harmless CPU warnings too (hidden "
+                                 "otherwise; SPOTCTL_LOGS_RAW=1 does the same)."),
     ) -> None:
         """Print a node's training (or agent) log, or every node's with --all."""
         if (node is None) == (not all_nodes):
@@ -101,7 +126,7 @@ def register(app: typer.Typer) -> None:
                         for n in store.nodes(cluster)]
 
             try:
-                interleave(nodes, lines, follow, _write)
+                interleave(nodes, lines, follow, _write, keep=shown(raw))
             except KeyboardInterrupt:
                 pass
             return
@@ -118,15 +143,17 @@ def register(app: typer.Typer) -> None:
             path = cdir.nodes_dir / node / LOGS[which]
         if not path.exists():
             raise NotFoundError(f"no log yet at {path}")
+        keep = shown(raw)
         with open(path, "rb") as f:
-            data = f.read().decode(errors="replace").splitlines()
+            data = [x for x in f.read().decode(errors="replace").splitlines() if keep(x)]
             for line in data[-lines:] if lines else []:
                 print(line)
             sys.stdout.flush()
             while follow:
                 chunk = f.readline()
                 if chunk:
-                    sys.stdout.write(chunk.decode(errors="replace"))
+                    if keep(text := chunk.decode(errors="replace")):
+                        sys.stdout.write(text)
                     sys.stdout.flush()
                 else:
                     time.sleep(0.3)

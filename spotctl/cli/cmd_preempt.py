@@ -2,11 +2,12 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+from typing import Any
 
 import typer
 
 from spotctl.cli.common import NAME_HELP, console, open_store, print_json, resolve_name
-from spotctl.errors import SpecError
+from spotctl.errors import NotFoundError, SpecError, SpotctlError
 
 MAX_IN_S = 3600  # a notice's lead time (clouds give 30 s to 2 min)
 
@@ -18,6 +19,28 @@ def notice_line(node: str, style: str, deadline: float | None, now: float) -> st
     at = dt.datetime.fromtimestamp(deadline).strftime("%H:%M:%S")
     return (f"notice sent to {node} ({style}): hard stop in {max(0.0, deadline - now):.0f} s, "
             f"at {at} (local time)")
+
+
+def refuse_if_done(store: Any, name: str, node: str) -> None:
+    """A notice only makes sense to a node that trains: one line (non-zero exit) when the
+    node is not among the cluster's live nodes (naming those that are) or when its job has
+    already finished (or crashed), where a notice would change nothing."""
+    from spotctl.control.reconcile import head_client
+    from spotctl.head.client import HeadUnavailable
+
+    live = [n.id for n in store.nodes(name, include_ended=False)]
+    if node not in live:
+        raise NotFoundError(f"node {node} is not running in cluster {name}; its nodes now: "
+                            f"{', '.join(live) or 'none'} (`spotctl status`)")
+    try:
+        h = head_client(store, name, timeout_s=2).status().get("nodes", {}).get(node) or {}
+    except HeadUnavailable:
+        return  # the provider's preempt says what it can
+    if h.get("state") == "finished":
+        raise SpotctlError(f"the job on {node} already finished (step {h.get('step')}): "
+                           "nothing to preempt")
+    if h.get("state") == "crashed":
+        raise SpotctlError(f"{node}'s workers crashed ({h.get('error')}): nothing to preempt")
 
 
 def register(app: typer.Typer) -> None:
@@ -42,6 +65,7 @@ def register(app: typer.Typer) -> None:
         row = store.get_cluster(name)
         if row.provider != "local":
             raise SpecError("preempt works on local clusters only (clouds send their own)")
+        refuse_if_done(store, name, node)
         prov = provider_for(store, ClusterSpec.model_validate(row.spec))
         out = prov.preempt(node, style, in_s)
         store.add_event(name, "preempt-requested", {"node": node, "style": style, "in_s": in_s})

@@ -7,7 +7,7 @@ import typer
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from spotctl.cli.common import console, open_store, print_json
-from spotctl.errors import SpotctlError
+from spotctl.errors import NotFoundError, SpotctlError
 from spotctl.spec import load_spec
 
 
@@ -84,20 +84,34 @@ def register(app: typer.Typer) -> None:
         from spotctl.control.address import fill_ssh_cidr
 
         first_step_wait_s()  # a bad SPOTCTL_UP_STEP_WAIT_S stops `up` before it launches
+        from spotctl.control import jobmark
+
+        # a reused name never resumes another job's checkpoints (before anything starts)
+        jobmark.check(spec, store.cluster_dir(spec.name))
         con = console(stderr=True)
         filled = fill_ssh_cidr(spec)  # an unset [aws]/[gcp] ssh_cidr: this machine's address
         if filled:
             con.print(f"up: {filled}", highlight=False, markup=False, soft_wrap=True)
         live = con.is_terminal and not json_out
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                      console=con, transient=True, disable=not live) as prog:
-            task = prog.add_task("reconciling", total=None)
-            phases = Reporter(json_out, (lambda line: prog.update(task, description=line))
-                              if live else None, lambda line: prog.console.print(f"up: {line}"))
-            # the SSH rule follows this machine's ssh_cidr (aws; gcp reconciles its rules)
-            res = reconcile.reconcile(store, spec, progress=phases.reconcile,
-                                      options={"follow_ssh_cidr": True})
-            seen, want, training = watch(store, spec.name, wait, phases, spec.gpus.min)
+        try:
+            was_up = store.get_cluster(spec.name).state != "down"
+        except NotFoundError:
+            was_up = False
+        try:
+            with Progress(SpinnerColumn(), TextColumn("{task.description}"),
+                          TimeElapsedColumn(), console=con, transient=True,
+                          disable=not live) as prog:
+                task = prog.add_task("reconciling", total=None)
+                phases = Reporter(json_out, (lambda line: prog.update(task, description=line))
+                                  if live else None,
+                                  lambda line: prog.console.print(f"up: {line}"))
+                # the SSH rule follows this machine's ssh_cidr (aws; gcp reconciles its rules)
+                res = reconcile.reconcile(store, spec, progress=phases.reconcile,
+                                          options={"follow_ssh_cidr": True})
+                jobmark.mark(spec, store.cluster_dir(spec.name))
+                seen, want, training = watch(store, spec.name, wait, phases, spec.gpus.min)
+        except KeyboardInterrupt:
+            interrupted(store, spec.name, was_up)
         out = res.to_json()
         out["nodes_reporting"] = seen
         out["training"] = training
@@ -142,6 +156,45 @@ def register(app: typer.Typer) -> None:
             # bill), and nothing reports
             first = next(e for e in res.errors if e.startswith(res.bootstrap_failed[0]))
             raise SpotctlError(f"no node came up: {first}")
+
+
+SECOND_CTRL_C_S = 3.0  # after a Ctrl-C in `up`: a second one within this stops the cluster
+
+
+class Interrupted(SpotctlError):
+    """Ctrl-C in `up` (the shell's exit status for SIGINT)."""
+
+    exit_code = 130
+
+
+def interrupted(store: Any, name: str, was_up: bool) -> None:
+    """Ctrl-C in `up`: say what goes on without `up` (the cluster keeps starting: the head
+    and any node launched run on) and how to stop it; a second Ctrl-C within
+    SECOND_CTRL_C_S stops what this `up` started (`spotctl down`; checkpoints kept). A
+    cluster that was up before this `up` is never stopped by it. Raises Interrupted."""
+    import time
+
+    con = console(stderr=True)
+    say = lambda line: con.print(line, highlight=False, markup=False, soft_wrap=True)  # noqa: E731
+    if was_up:
+        say(f"up: interrupted; cluster {name} was up before and goes on "
+            "(`spotctl down` stops it)")
+        raise Interrupted(f"interrupted: cluster {name} goes on")
+    say(f"up: interrupted; cluster {name} is still starting (its head and the nodes "
+        f"launched go on); `spotctl down` stops it. Ctrl-C again within "
+        f"{SECOND_CTRL_C_S:.0f} s stops it now")
+    try:
+        time.sleep(SECOND_CTRL_C_S)
+    except KeyboardInterrupt:
+        from spotctl.control import reconcile
+
+        say(f"up: stopping cluster {name}")
+        res = reconcile.teardown(store, name)
+        say(f"up: cluster {name} is down (checkpoints kept)"
+            + (f"; LEAKS: {res.leaks}" if res.leaks else ""))
+        raise Interrupted(f"interrupted: cluster {name} stopped") from None
+    raise Interrupted(f"interrupted: cluster {name} is still starting (`spotctl down` "
+                      "stops it)")
 
 
 def head_loop_note(wanted: bool, running: bool) -> str:

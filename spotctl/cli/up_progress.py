@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from spotctl.control.reconcile import heartbeat_fresh
+from spotctl.errors import SpotctlError
 from spotctl.state import Store
 
 Emit = Callable[[dict[str, Any]], None]
@@ -40,6 +41,8 @@ def reconcile_phase(msg: str, frac: float | None = None) -> dict[str, Any]:
             {"note": note} if note and state == "ok" else {})
     if msg.startswith("starting the head"):
         return {"phase": "head"}
+    if msg.startswith("checking the head"):
+        return {"phase": "head", "running": True}
     if msg.startswith("preparing"):
         return {"phase": "preparing"}
     return {"phase": "reconcile", "message": msg}
@@ -63,7 +66,7 @@ def describe(p: dict[str, Any]) -> str:
                 + (f", {p['failed']} failed" if p["failed"] else "")
                 + f"; slowest {sl['node']} ({sl['seconds']:.1f}s)")
     if ph == "head":
-        return "starting the head"
+        return "checking the head" if p.get("running") else "starting the head"
     if ph == "preparing":
         return "preparing cluster resources"
     if ph == "nodes":
@@ -77,10 +80,24 @@ def describe(p: dict[str, Any]) -> str:
         return p.get("message", "waiting")
     if ph == "finished":
         return "the job already ran to its end"
+    if ph == "crashed":
+        return f"{p['node']}: its workers keep failing the same way; not restarted"
     return str(p.get("message", ph))
 
 
 NODE_PHASES = ("booting", "joining", "training")
+
+
+class JobCrashed(SpotctlError):
+    """A node's workers failed the same way again and again; its agent stopped restarting
+    them (agent state "crashed", spotctl.agent.crashloop). `up` exits with this."""
+
+
+def crash_line(node: str, error: str | None) -> str:
+    """The one line `up` exits with when `node`'s workers crash-looped."""
+    return (f"{node}: the training script failed repeatedly with the same error, not "
+            f"restarted: {error or '(no error line in its log)'} (`spotctl logs {node}`; "
+            "`spotctl down` stops the cluster)")
 
 
 def node_phase(h: dict[str, Any] | None) -> str | None:
@@ -148,7 +165,13 @@ def watch(store: Store, name: str, timeout_s: float, emit: Emit, min_gpus: int =
         hn = st.get("nodes", {})
         by: dict[str, list[str]] = {k: [] for k in NODE_PHASES}
         now = clock()
-        for n in store.nodes(name, include_ended=False):
+        live = store.nodes(name, include_ended=False)
+        crashed = [n.id for n in live if (hn.get(n.id) or {}).get("state") == "crashed"]
+        if crashed:
+            emit({"phase": "crashed", "node": crashed[0],
+                  "error": (hn.get(crashed[0]) or {}).get("error")})
+            raise JobCrashed(crash_line(crashed[0], (hn.get(crashed[0]) or {}).get("error")))
+        for n in live:
             ph = node_phase(hn.get(n.id))
             if ph is None:
                 continue
@@ -162,10 +185,13 @@ def watch(store: Store, name: str, timeout_s: float, emit: Emit, min_gpus: int =
             t0, nid, ph = min(behind)
             slowest = {"node": nid, "phase": ph, "for_s": round(now - t0, 1)}
         key = tuple(tuple(v) for v in by.values())
+        nodes_phase = {"phase": "nodes", "by_phase": by, "slowest": slowest,
+                       "reporting": seen, "expected": want}
         if key != last:
             last = key
-            emit({"phase": "nodes", "by_phase": by, "slowest": slowest,
-                  "reporting": seen, "expected": want})
+            emit(nodes_phase)
+        else:  # the same phases, for a live line whose "for N s" moves
+            emit(nodes_phase | {"repeat": True})
         settled = not (by["booting"] or by["joining"])
         training = settled and bool(st.get("world_size")) and (st.get("step") or 0) > 0
         finished = settled and bool(by["training"]) and all(
@@ -208,6 +234,10 @@ class Reporter:
         self.last_line = ""
 
     def __call__(self, p: dict[str, Any]) -> None:
+        if p.get("repeat"):  # only a live line shows the time passing
+            if self.live is not None and not self.json_lines:
+                self.live(describe(p))
+            return
         if self.json_lines:
             sys.stderr.write(json.dumps(p, separators=(",", ":")) + "\n")
             sys.stderr.flush()

@@ -324,13 +324,18 @@ def reconcile(
     with cdir.lock(on_wait=progress), ExitStack() as paused:
         # Re-checked under the lock: a rebalance that waited for `down` must not bring
         # the cluster back (down holds this lock while it cleans up).
-        if not create and store.get_cluster(name).state == "down":
+        try:
+            before = store.get_cluster(name).state
+        except NotFoundError:
+            before = "down"
+        if not create and before == "down":
             raise StateError(f"cluster {name} is down; `spotctl up` starts it again")
         store.upsert_cluster(name, spec.provider, spec.model_dump(mode="json"), "starting")
         progress("preparing cluster resources", None)
         if hasattr(provider, "prepare"):
             provider.prepare()
-        progress("starting the head", None)
+        # a cluster already up keeps its head (ensure_head starts one only if it is gone)
+        progress("starting the head" if before == "down" else "checking the head", None)
         head = provider.ensure_head() if hasattr(provider, "ensure_head") else None
         if head is not None:
             store.set_head(name, head.__dict__)
@@ -609,6 +614,7 @@ class DownResult:
     purge: bool  # checkpoints were asked to be deleted
     purged: int | None  # objects deleted under the cluster's prefix (None: not purged)
     can_purge: bool = False  # the provider owns a checkpoint store (`down --purge` works)
+    kept_at: str | None = None  # where the checkpoints are, where the provider says
 
     def to_json(self) -> dict[str, Any]:
         return {"cluster": self.cluster, "leaks": self.leaks,
@@ -631,7 +637,7 @@ def teardown(store: Store, name: str, purge: bool = False,
     row = store.get_cluster(name)
     spec = ClusterSpec.model_validate(row.spec)
     provider = provider_for(store, spec, options)
-    can_purge = hasattr(provider, "purge_checkpoints")
+    can_purge = hasattr(provider, "purge_checkpoints") and getattr(provider, "can_purge", True)
     if purge and not can_purge:
         raise SpecError(f"--purge: the {spec.provider} provider keeps no checkpoint store of "
                         f"its own to delete (train.checkpoint_dir is yours to remove)")
@@ -665,4 +671,5 @@ def teardown(store: Store, name: str, purge: bool = False,
                 leaks = [*leaks, f"checkpoints not deleted: {e}"]
         store.set_cluster_state(name, "down")
         store.add_event(name, "down", {"leaks": leaks, **({"purged": purged} if purge else {})})
-        return DownResult(name, leaks, purge, purged, can_purge)
+        kept_at = provider.checkpoints_at() if hasattr(provider, "checkpoints_at") else None
+        return DownResult(name, leaks, purge, purged, can_purge, kept_at)

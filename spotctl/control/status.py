@@ -27,10 +27,19 @@ def _as_json(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=str))  # what --json prints
 
 
-def status_json(store: Store, name: str) -> dict[str, Any]:
+def status_json(store: Store, name: str, all_runs: bool = False) -> dict[str, Any]:
     """What `spotctl status --json` prints: one snapshot after the sync."""
     _synced(store, name)
-    return dict(_as_json(collect(store, name)))
+    return dict(_as_json(collect(store, name, all_runs=all_runs)))
+
+
+def run_start(store: Store, name: str, state: str) -> float:
+    """When the cluster's current run began (its last `down` before it; 0: the first run).
+    A cluster that is down shows the run that `down` ended."""
+    downs = [e["ts"] for e in store.events(name, "down")]
+    if state == "down":
+        downs = downs[:-1]
+    return downs[-1] if downs else 0.0
 
 
 def events_json(store: Store, name: str, type_: str | None = None) -> list[dict[str, Any]]:
@@ -39,9 +48,13 @@ def events_json(store: Store, name: str, type_: str | None = None) -> list[dict[
     return list(_as_json(store.events(name, type_)))
 
 
-def collect(store: Store, name: str, now: float | None = None) -> dict[str, Any]:
+def collect(store: Store, name: str, now: float | None = None,
+            all_runs: bool = False) -> dict[str, Any]:
+    """The snapshot; its nodes are the current run's (since the last `down`), every node the
+    cluster ever had with `all_runs`."""
     now = now or time.time()
     row = store.get_cluster(name)
+    since = 0.0 if all_runs else run_start(store, name, row.state)
     spec = ClusterSpec.model_validate(row.spec)
     head: dict[str, Any] = {}
     head_error = None
@@ -65,6 +78,8 @@ def collect(store: Store, name: str, now: float | None = None) -> dict[str, Any]
     hnodes = head.get("nodes", {})
     nodes = []
     for n in store.nodes(name):
+        if n.launched_at < since:
+            continue
         h = hnodes.get(n.id, {})
         ended = n.ended_at is not None or (row.state != "down" and n.id not in live_ids)
         if ended:
@@ -103,6 +118,9 @@ def collect(store: Store, name: str, now: float | None = None) -> dict[str, Any]
             # collective ("gloo" on a CPU node); None until the agent said
             "net": _net(h.get("net")),
             "nccl_transport": (h.get("net") or {}).get("nccl_transport"),
+            # its workers' last error line when they failed again and again (its agent
+            # stopped restarting them: state "crashed")
+            "error": h.get("error"),
         })
     live = [x for x in nodes if x["state"] not in ("lost", "preempted", "terminated", "left")]
     cost = None
@@ -192,7 +210,7 @@ def _age(s: float | None) -> str:
     return f"{s / 3600:.1f}h"
 
 
-STATE_STYLE = {"running": "green", "joining": "cyan", "draining": "yellow", "lost": "red",
+STATE_STYLE = {"crashed": "red", "running": "green", "joining": "cyan", "draining": "yellow", "lost": "red",
                "preempted": "magenta", "unresponsive": "red", "left": "dim"}
 
 
@@ -253,4 +271,7 @@ def render(snap: dict[str, Any], show_ended: bool = True, width: int = 80) -> Gr
     parts.append(fit_table(NODE_COLS, rows, width))
     if any(n["notice"] for n in snap["nodes"]):
         parts.append(Text("* got a preemption notice"))
+    for n in snap["nodes"]:
+        if n.get("error"):  # whole, however narrow the table: it is what to fix
+            parts.append(Text(f"{n['id']} error: {n['error']}", style="red"))
     return Group(*parts)

@@ -104,9 +104,26 @@ PG_INIT_TIMEOUT_S = float(os.environ.get("SPOTCTL_PG_INIT_TIMEOUT_S", "30"))
 REPORT_EVERY_S = 0.2
 
 
+def params_fingerprint(model: torch.nn.Module) -> str:
+    """The model's parameters by name and (global) shape, as "<count>:<12 hex digits>": two
+    scripts whose models differ in any parameter name or shape differ here. Names are
+    taken without DDP's `module.` prefix."""
+    import hashlib
+
+    h = hashlib.sha256()
+    n = 0
+    for name, p in model.named_parameters():
+        name = name.removeprefix("module.")
+        h.update(f"{name}:{tuple(p.shape)};".encode())
+        n += 1
+    return f"{n}:{h.hexdigest()[:12]}"
+
+
 class ResumeMismatch(SystemExit):
-    """The checkpoint was written with a different global_batch, dataset_size or seed:
-    resuming would silently change the training trajectory. Exits with one line."""
+    """The checkpoint was written for another model (its parameters' names and shapes) or
+    with a different global_batch, dataset_size or seed: resuming would fail or silently
+    change the training trajectory. Exits with one line (which the node's agent reports
+    when it repeats: spotctl.agent.crashloop)."""
 
 
 def _backend() -> str:
@@ -396,6 +413,7 @@ class Run:
             self.local_dp_rank, self.local_dp_world = self.rank, self.world
         self.dp_rank, self.dp_world = self.local_dp_rank, self.local_dp_world
         self.reduce_dtype = _reduce_dtype(reduce_dtype)
+        self.params_fp = params_fingerprint(model)
         self.model = self._wrap(model)
         self.optimizer = optimizer
         self.optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -537,13 +555,19 @@ class Run:
         return st
 
     def _check_meta(self, meta: dict[str, Any], step: int) -> None:
-        for key, mine in (("global_batch", self.global_batch),
+        # what the model is: its parameters' names and shapes (a checkpoint of another
+        # model would fail inside DCP's load with a message about one tensor)
+        for key, mine in (("params", self.params_fp), ("global_batch", self.global_batch),
                           ("dataset_size", self.dataset_size), ("seed", self.seed)):
             theirs = meta.get(key)
             if theirs is not None and theirs != mine:
+                fresh = ("`spotctl down --purge`, or another cluster name" if
+                         os.environ.get("SPOTCTL_NODE_ID") else "a new checkpoint_dir")
+                what = (f"for another model (parameters {theirs}, this one's {mine})"
+                        if key == "params" else
+                        f"with {key}={theirs}, this run has {key}={mine}")
                 msg = (f"spotctl.elastic: checkpoint step {step} under {self.ckpt.root} was "
-                       f"written with {key}={theirs}, this run has {key}={mine}; resuming "
-                       f"would change the training trajectory (use a new checkpoint_dir)")
+                       f"written {what}; start fresh: {fresh}")
                 log.error(msg)
                 raise ResumeMismatch(msg)
 
@@ -589,7 +613,7 @@ class Run:
         return {"epoch": self.epoch, "offset": self.offset, "world_size": self.world,
                 "incarnation": self.incarnation, "seed": self.seed,
                 "global_batch": self.global_batch, "dataset_size": self.dataset_size,
-                "micro_batch": self.micro_batch}
+                "micro_batch": self.micro_batch, "params": self.params_fp}
 
     # -- one view of the job, on either engine
     @property

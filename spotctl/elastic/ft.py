@@ -955,6 +955,11 @@ class FtRun(Run):
             if self._commit():
                 return step_fn(*a, **kw)
             return None
+        # an LR scheduler made before the Run wrapped optimizer.step to see it called; its
+        # mark stays (step_fn still calls that wrapper), or the scheduler's first step
+        # would warn that optimizer.step() was overridden after it
+        if getattr(step_fn, "_wrapped_by_lr_sched", False):
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         return step
 
     def _commit(self) -> bool:

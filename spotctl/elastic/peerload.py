@@ -33,6 +33,7 @@ import io
 import os
 import pickle
 import sys
+import warnings
 from typing import Any
 
 _EXACT = {
@@ -128,7 +129,11 @@ class _PeerUnpickler(pickle.Unpickler):
 
 def loads(data: bytes) -> Any:
     """Load heal metadata a peer sent, resolving only what such metadata is made of."""
-    return _PeerUnpickler(io.BytesIO(data)).load()
+    with warnings.catch_warnings():
+        # torch's pytree marks LeafSpec deprecated (a FutureWarning whenever one is made):
+        # a peer's metadata holds those torch itself pickled, and this is no use of them
+        warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+        return _PeerUnpickler(io.BytesIO(data)).load()
 
 
 class _PickleForTransport:

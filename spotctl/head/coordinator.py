@@ -83,6 +83,9 @@ class NodeInfo:
     # torchft, nodes_per_replica > 1: the port its replica group's store listens on when
     # it holds the group's first slot (spotctl.head.groups)
     group_port: int = 0
+    # the last error line of its workers when they failed the same way again and again
+    # (agent state "crashed": its agent stopped restarting them)
+    error: str | None = None
 
     def training(self, incarnation: str | None) -> bool:
         return any(w.phase == "train" and w.incarnation == incarnation for w in self.workers)
@@ -188,7 +191,10 @@ class Coordinator:
                 self.record("leave", node=nid)
             elif agent_state == "running" and node.state == "waiting":
                 self.record("join", node=nid)
+            elif agent_state == "crashed" and node.state != "crashed":
+                self.record("crashed", node=nid, error=body.get("error") or "")
             node.state = agent_state
+        node.error = body.get("error")
         node.workers = [WorkerReport.from_json(w) for w in body.get("workers", [])]
         node.ready = bool(body.get("ready", True))
         if body.get("net") is not None:
@@ -227,7 +233,8 @@ class Coordinator:
     def _group_members(self) -> dict[str, Member]:
         out = {}
         for n in self.nodes.values():
-            alive = not n.unresponsive and n.state not in ("left", "down", "finished", "failed")
+            alive = not n.unresponsive and n.state not in ("left", "down", "finished", "failed",
+                                                              "crashed")
             out[n.node_id] = Member(
                 node_id=n.node_id, state=n.state,
                 placeable=alive and n.notice is None and n.group_port > 0
@@ -642,6 +649,7 @@ class Coordinator:
                     "net": n.net,
                     # torchft, nodes_per_replica > 1: the replica group it is placed in
                     "group": self._group_name(n.node_id),
+                    "error": n.error,
                 }
                 for n in self.nodes.values()
             },

@@ -15,7 +15,9 @@ MAX_STR = 256
 MAX_STEP = 1 << 53  # steps, checkpoints: JSON-exact integers (the head bounds their rate)
 MAX_WORKERS = 64  # per node (GPUs per VM are far fewer)
 MAX_STARTUP_KEYS = 32
-AGENT_STATES = ("waiting", "running", "leaving", "left", "finished", "failed")
+# crashed: its workers failed the same way CRASH_LIMIT times in a row (spotctl.agent.crashloop)
+AGENT_STATES = ("waiting", "running", "leaving", "left", "finished", "failed", "crashed")
+MAX_ERROR = 400  # the last error line a node reports (crashloop.LINE_MAX)
 PHASES = ("init", "train", "draining", "drained", "drain-failed", "done")
 # Event types a client may post, with their fields (type checked). Anything else: 400.
 EVENT_FIELDS: dict[str, dict[str, type]] = {
@@ -144,7 +146,7 @@ def fields(v: dict[str, Any], allowed: tuple[str, ...], required: tuple[str, ...
 
 
 HEARTBEAT_FIELDS = ("node_id", "agent_state", "addr", "workers", "drain_gen", "notice", "ready",
-                    "net", "group")
+                    "net", "group", "error")
 GROUP_FIELDS = ("size", "port", "id", "gen", "slot", "broken")
 MAX_GROUP_NODES = 64  # [train] nodes_per_replica at most
 MAX_NET_DEVICES = 64  # interfaces, and RDMA devices (a p5 has 32 EFA devices)
@@ -210,6 +212,8 @@ def heartbeat(v: dict[str, Any], max_world: int = MAX_GPUS) -> dict[str, Any]:
         out["net"] = net(v["net"])
     if v.get("group") is not None:
         out["group"] = group(v["group"])
+    if v.get("error") is not None:  # the last error line of its workers (a crash loop)
+        out["error"] = _str(v["error"], "error", MAX_ERROR)
     return out
 
 

@@ -337,7 +337,7 @@ CASES += [
 CASES += [
     Case("max-steps-huge-int", up(), "train.max_steps",
          toml=HEAD + '[train]\nscript = "train.py"\nmax_steps = ' + "1" + "0" * 29 + "\n"),
-    Case("max-steps-huge-flag", up("--max-steps", "1" + "0" * 29), "train.max_steps"),
+    Case("max-steps-huge-flag", up("--max-steps", "1" + "0" * 29), "--max-steps"),
     Case("zone-200k-chars", up(), "local.zones",
          toml=OK + '[local]\nzones = ["' + "a" * 200_000 + '"]\n'),
     Case("aws-zone-200k-chars", up(), "aws.zones",

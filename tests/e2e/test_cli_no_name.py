@@ -1,11 +1,14 @@
 """Issue 15: the CLI as a new user types it. `init`, `up`, then plain `status --once`,
-`events`, `logs`, `report --plot` and `down`, with no --name anywhere (the cluster comes
+`events`, `logs`, `report --plot` and `down`, with no --name anywhere (`init` names the
+cluster after its folder and keeps the folder's train.py) (the cluster comes
 from ./spotctl.toml, then from being the only one), on a real local cluster, on the engine
 a plain `init` writes (torchft), whose head replaces a preempted node by itself
 ([rebalance] on_head), on the network of its own a local cluster gets where this machine
 allows it (so what this test reads from the head itself, it reads from inside that
 network, as `spotctl` does). `init --engine torchrun` and the torchrun engine's CLI
-cycle: tests/unit (init) and tests/e2e/test_rescale.py."""
+cycle: tests/unit (init) and tests/e2e/test_rescale.py. Then (issue 62) the same name from
+another folder with another script is refused at `up` in one line, and `down --purge`
+deletes the local checkpoints."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import pytest
 
 from spotctl.agent import proctree
 from spotctl.head.auth import node_token
-from tests.conftest import wait_until
+from tests.conftest import SPOTCTL, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -47,17 +50,22 @@ def _ask_head(c: Any, url: str, token: str) -> str:
 
 
 def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any) -> None:
-    c = local_cluster("demo")  # the name `spotctl init` writes; the harness tears it down
-    c.cli("init", ".", "--force")  # the default engine, as a new user gets it
+    c = local_cluster("project")  # `init` names it after its folder; the harness tears it down
+    (c.project / "spotctl.toml").unlink(missing_ok=True)
+    kept = (c.project / "train.py").read_text()
+    init = c.cli("init", ".").stdout  # the default engine, as a new user gets it
+    assert init.splitlines() == ["wrote spotctl.toml (cluster project)",
+                                 "kept train.py: spotctl.toml runs it ([train] script)"], init
+    assert (c.project / "train.py").read_text() == kept  # the folder's script, untouched
     spec = (c.project / "spotctl.toml").read_text()
-    assert 'name = "demo"' in spec and 'engine = "torchft"' in spec
+    assert 'name = "project"' in spec and 'engine = "torchft"' in spec
     assert "\nprivate_network" not in spec  # unset: private where this machine allows it
     # status through the CLI, which joins that network (this process reaches no head
     # there); the events stay read from the journal here (no head needed)
     c.status = lambda: json.loads(c.cli("status", "--json").stdout)  # type: ignore[method-assign]
 
     up = c.cli("up", "--gpus", "1..2", "--wait", "150")
-    assert "cluster demo: 2 node(s) launched, 2/2 reporting, training" in up.stdout
+    assert "cluster project: 2 node(s) launched, 2/2 reporting, training" in up.stdout
     assert "the head replaces lost nodes itself ([rebalance] on_head)" in up.stdout
     # the phases, one plain line each on a pipe: per offer, per node, first step
     assert "up: launching 2 x local in local-a" in up.stderr, up.stderr
@@ -68,7 +76,7 @@ def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any)
     assert ("note: every user of this machine can reach" in up.stdout) is not private_net
 
     st = c.cli("status", "--once").stdout
-    assert "cluster demo" in st and "n1" in st and "n2" in st and "running" in st
+    assert "cluster project" in st and "n1" in st and "n2" in st and "running" in st
 
     def status() -> dict[str, Any]:
         return json.loads(c.cli("status", "--json").stdout)
@@ -156,8 +164,12 @@ def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any)
 
     one = c.cli("logs", "n1", "-n", "5").stdout
     assert one.strip()
-    every = c.cli("logs", "--all", "-n", "3").stdout.splitlines()
+    every = c.cli("logs", "--all", "-n", "3", "--raw").stdout.splitlines()
     assert {x.split(" | ")[0].strip() for x in every} == {"n1", "n2", "n3"}
+    # without --raw, torch's harmless CPU warnings are left out (only rank 0 logs steps:
+    # the other nodes' logs may then show nothing)
+    shown = c.cli("logs", "--all", "-n", "1000").stdout
+    assert "[c10d] The hostname of the client socket" not in shown and "n1 | " in shown
 
     png = c.tmp / "run.png"
     rep = json.loads(c.cli("report", "--plot", str(png), "--json").stdout)
@@ -179,7 +191,11 @@ def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any)
     text = c.cli("report").stdout
     assert "goodput" in text and "lost steps" in text
 
-    assert c.cli("down", "--yes").stdout.strip() == "cluster demo is down"
+    ckpts = c.cluster_dir / "checkpoints"
+    assert list(ckpts.glob("step-*/COMMIT")), "the run committed no checkpoint"
+    assert c.cli("down", "--yes").stdout.strip() == (
+        f"cluster project is down; checkpoints kept in {ckpts} (`spotctl down --purge` "
+        "deletes them)")
     # down stops the loop with everything else
     wait_until(lambda: c.processes() == [], 30, "no process of the cluster left", 0.2,
                lambda: str(c.processes()))
@@ -188,4 +204,26 @@ def test_init_up_status_events_logs_report_down_without_name(local_cluster: Any)
     (c.project / "spotctl.toml").unlink()
     done = json.loads(c.cli("report", "--json").stdout)
     assert done["state"] == "down" and done["end"] >= rep["end"]
-    assert "demo" in c.cli("list").stdout
+    assert "project" in c.cli("list").stdout
+
+    # the same name in another folder, another script (issue 62): `up` refuses to start it
+    # on this job's checkpoints, in one line, before anything starts
+    other = c.tmp / "elsewhere"
+    other.mkdir()
+    (other / "train.py").write_text(kept)
+    (other / "spotctl.toml").write_text('name = "project"\nprovider = "local"\ngpus = "1"\n')
+    r = subprocess.run([*SPOTCTL, "up"], cwd=other, env=c.env, capture_output=True,
+                       text=True, timeout=120)
+    step = max(int(d.parent.name.split("-")[1]) for d in ckpts.glob("step-*/COMMIT"))
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        f"error: cluster project has checkpoints (step {step}) in {ckpts} from another job "
+        f"({c.project.resolve() / 'train.py'}), not this one's {other.resolve() / 'train.py'}: `spotctl down "
+        "--purge --name project` deletes them, or give this project a name of its own "
+        "(`name` in spotctl.toml)"], (r.returncode, r.stderr)
+    assert c.processes() == [] and json.loads(c.cli("status", "--json").stdout)["state"] == "down"
+    # `down --purge` deletes them (a local cluster's own folder of them), and says so
+    n_files = sum(1 for f in ckpts.rglob("*") if f.is_file())
+    purged = c.cli("down", "--yes", "--purge").stdout.strip()
+    assert purged == (f"cluster project is down; checkpoints deleted: {n_files} file(s) in "
+                      f"{ckpts}"), purged
+    assert not ckpts.exists()

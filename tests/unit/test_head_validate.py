@@ -284,11 +284,16 @@ def test_heartbeat() -> None:
         "unexpected field 'gpu' (allowed: node_id, agent_state, addr, workers, "
     )
     assert bad(v.heartbeat, {"node_id": "n", "agent_state": "up"}) == (
-        "agent_state must be one of waiting, running, leaving, left, finished, failed"
+        "agent_state must be one of waiting, running, leaving, left, finished, failed, crashed"
     )
     assert bad(v.heartbeat, {"node_id": "n", "addr": "a" * 129}) == (
         "addr must be a printable string of at most 128 characters"
     )
+    # a crash-looping node's last error line (issue 62): one printable, bounded line
+    assert v.heartbeat({"node_id": "n", "error": "ValueError: x"})["error"] == "ValueError: x"
+    for err in ("a\nb", "e" * 401, 7):
+        assert bad(v.heartbeat, {"node_id": "n", "error": err}) == (
+            "error must be a printable string of at most 400 characters")
     assert len(v.heartbeat({"node_id": "n", "workers": [W()] * 64})["workers"]) == 64
     assert bad(v.heartbeat, {"node_id": "n", "workers": [W()] * 65}) == (
         "workers must be a list of at most 64"

@@ -38,7 +38,10 @@ KNOBS = {"SPOTCTL_FT_JOIN_TIMEOUT_MS", "SPOTCTL_FT_HEARTBEAT_TIMEOUT_MS", "SPOTC
          # the controller's address for an unset ssh_cidr (docs/getting-started/aws.md)
          "SPOTCTL_CONTROLLER_ADDRESS",
          # how periodic checkpoints are written (docs/concepts.md, docs/reference/spec.md)
-         "SPOTCTL_ASYNC_SAVE"}
+         "SPOTCTL_ASYNC_SAVE",
+         # a crash loop's length; `logs` with torch's harmless warnings (issue 62:
+         # docs/getting-started/local.md, docs/reference/spec.md)
+         "SPOTCTL_CRASH_LIMIT", "SPOTCTL_LOGS_RAW"}
 
 
 def _names(paths: list[Path]) -> set[str]:

@@ -53,7 +53,9 @@ def test_ssh_cidr() -> None:
 def test_control_characters() -> None:
     load_spec(None, {"train.args": ["a b", "tab\u00e9"]})  # a space is no control character
     msg = "flags: {}: {} must not contain control characters (newline, tab...)"
-    assert _refused({"name": "a\nb"}) == msg.format("name", "name")
+    # a value from `up`'s flags is blamed on the flag (issue 62), others on "flags"
+    assert _refused({"name": "a\nb"}) == (
+        "--name: name must not contain control characters (newline, tab...)")
     assert _refused({"train.args": ["ok", "x\ty"]}) == msg.format("train.args", "args")
     assert _refused({"train.args": ["\x7f"]}) == msg.format("train.args", "args")
     assert _refused({"train.args": ["\x1f"]}) == msg.format("train.args", "args")
@@ -75,9 +77,9 @@ def test_gpu_ranges_word_for_word() -> None:
 
 def test_several_problems_are_counted_after_the_first() -> None:
     assert _refused({"gpus": "0", "nmae": 1}) == (
-        "flags: gpus: range 0..0 must be positive (at least 1 GPU) (and 1 more problem)")
+        "--gpus: range 0..0 must be positive (at least 1 GPU) (and 1 more problem)")
     assert _refused({"gpus": "0", "nmae": 1, "foo": 2}) == (
-        "flags: gpus: range 0..0 must be positive (at least 1 GPU) (and 2 more problems)")
+        "--gpus: range 0..0 must be positive (at least 1 GPU) (and 2 more problems)")
     assert _refused({"ssh.hosts": [{"address": "-x"}]}).startswith(
         "flags: ssh.hosts.0.address: '-x' is not a host name or IP address")
 
@@ -93,8 +95,8 @@ def test_where_the_spec_comes_from(tmp_path: Path) -> None:
     # ./spotctl.toml is read when no path is given, and named in its errors
     (tmp_path / "spotctl.toml").write_text('name = "here"\n')
     assert load_spec(None).name == "here"
-    assert _refused({"gpus": "0"}) == (
-        "spotctl.toml: gpus: range 0..0 must be positive (at least 1 GPU)")
+    # ...but a flag's value is blamed on the flag, not on the file (issue 62)
+    assert _refused({"gpus": "0"}) == "--gpus: range 0..0 must be positive (at least 1 GPU)"
     # dotted overrides make the tables they need, refuse to go through a value
     assert load_spec(None, {"train.checkpoint_every": 5}).train.checkpoint_every == 5
     assert _refused({"name.x": 1}) == "name.x: name must be a table"

@@ -453,6 +453,28 @@ class LocalProvider:
         private.stop(self.cdir.path)
         return leaks
 
+    @property
+    def can_purge(self) -> bool:
+        """`down --purge` deletes the checkpoints spotctl put in the cluster's directory,
+        never a train.checkpoint_dir the user named (that one is theirs)."""
+        return not self.spec.train.checkpoint_dir
+
+    def checkpoints_at(self) -> str:
+        """Where the cluster's checkpoints are (what `down` says it kept)."""
+        return self.spec.train.checkpoint_dir or str(self.cdir.checkpoints)
+
+    def purge_checkpoints(self) -> int:
+        """Delete the cluster's checkpoint directory; how many files were in it."""
+        import shutil
+
+        root = self.cdir.checkpoints
+        if not root.is_dir():
+            return 0
+        n = sum(1 for p in root.rglob("*") if not p.is_dir())
+        shutil.rmtree(root)
+        (self.cdir.path / "job.json").unlink(missing_ok=True)
+        return n
+
     # -- local-only controls
     def preempt(self, node_id: str, style: str, in_s: float | None) -> dict[str, Any]:
         vm = self._vm(node_id)
