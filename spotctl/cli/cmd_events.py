@@ -32,8 +32,13 @@ def details(e: dict[str, Any]) -> str:
         at = (f"in memory from step {g('resume_step')}" if g("engine") == "torchft"
               else f"checkpoint step {g('checkpoint_step')}")
         why = g("reason") if g("cause_seen") is not False else f"{g('reason')} (inferred)"
+        if g("route") == "plain":  # its own checkpoint: what it redid, only the script knows
+            return (f"world {g('from_world_size')} -> {g('to_world_size')}, {why}, plain "
+                    f"script, training again after {_s(g('notice_to_resume_s'))}")
         return (f"world {g('from_world_size')} -> {g('to_world_size')}, {why}, "
                 f"{at}, lost {g('lost_steps')} steps, pause {_s(g('notice_to_resume_s'))}")
+    if t == "route":
+        return str(g("why") or g("route"))
     if t == "regroup":  # torchft: a new quorum of the same replicas (no rescale)
         lost = "?" if g("lost_steps") is None else g("lost_steps")
         return f"world {g('world_size')}, same replicas, {g('reason')}, lost {lost} steps"
