@@ -54,6 +54,7 @@ def load_checkpoint(model, opt):
 
 
 def save_checkpoint(model, opt, step):
+    os.makedirs(os.path.dirname(os.path.abspath(CKPT)), exist_ok=True)
     tmp = f"{CKPT}.tmp"
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
     os.replace(tmp, CKPT)

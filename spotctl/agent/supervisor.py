@@ -706,6 +706,10 @@ class Agent:
                 # start early behind the closed gate: imports overlap the group's drain
                 self.start_torchrun()
             if self.torchrun is not None and reply.get("go"):
+                n = reply.get("start_nodes")
+                if isinstance(n, int) and 0 < n <= MAX_ROUND_NODES:
+                    # the first round's size (a start after a switch): as a drain's below
+                    runas.touch(self.status_dir / f"{self.gate.name}.round-0-{n}")
                 runas.touch(self.gate)
                 self.state = "running"
             return

@@ -154,6 +154,7 @@ class Coordinator:
         self.route: str | None = None
         self.switched_at: float | None = None
         self.restarts = 0  # rescale events journaled by this head
+        self.start_nodes = 0  # after a switch: how many nodes the first round waits for
         self.leave_requested: set[str] = set()  # torchft: nodes told to leave (rebalance)
         # torchft replica groups of several nodes, once a node says its group size
         self.replica_groups: ReplicaGroups | None = None
@@ -337,6 +338,8 @@ class Coordinator:
         if self.engine != "torchrun":
             return
         members = self._members()
+        if members:
+            self.start_nodes = 0  # the first round formed: later rounds are drains' or joins'
         # notices first: a leaving node has a deadline
         while self.queued_notices:
             nid = self.queued_notices[0]
@@ -368,9 +371,15 @@ class Coordinator:
             # all instead of a first node training alone and the others forcing restarts.
             ready = [nid for nid in waiting if self.nodes[nid].ready]
             oldest = min(self.nodes[nid].registered_at for nid in waiting)
+            if self.switched_at is not None:  # their torchrun started again then
+                oldest = max(oldest, self.switched_at)
             if ready and (len(ready) == len(waiting) or now - oldest > START_GRACE_S):
                 for nid in ready:
                     self.nodes[nid].go_at = now
+                if self.switched_at is not None:
+                    # every node restarted its torchrun at once: the first round waits
+                    # for all of them (not torch's 1 s last call on a loaded machine)
+                    self.start_nodes = len(ready)
             return
         ready = [nid for nid in waiting if self.nodes[nid].ready]
         if ready:
@@ -622,6 +631,7 @@ class Coordinator:
             "kill_gen": self.kill_gen,
             "kill_incarnation": self.kill_incarnation,
             "go": node.go_at is not None or self.engine != "torchrun",
+            **({"start_nodes": self.start_nodes} if self.start_nodes and node.go_at else {}),
             "group": None if self.replica_groups is None
             else self.replica_groups.reply(node.node_id, self._group_store),
         }

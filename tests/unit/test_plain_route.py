@@ -35,7 +35,12 @@ def test_plain_workers_on_torchft_switch_the_cluster_to_torchrun_once() -> None:
     hb(c, "b", "waiting")
     assert not hb(c, "a", "waiting")["go"]
     hb(c, "c", "waiting")
-    assert hb(c, "a", "waiting")["go"] and hb(c, "c", "waiting")["go"]
+    r = hb(c, "a", "waiting")
+    # the first round waits for all three (spotctl.elastic.rdzv), not torch's 1 s last call
+    assert r["go"] and r["start_nodes"] == 3 and hb(c, "c", "waiting")["go"]
+    for i, n in enumerate(("a", "b", "c")):
+        hb(c, n, workers=[plain(i, "inc1", 0)])
+    assert "start_nodes" not in hb(c, "a", workers=[plain(0, "inc1", 1)])
     st = c.status()
     assert (st["route"], st["engine"]) == ("plain", "torchrun")
 
@@ -73,3 +78,23 @@ def test_the_head_accepts_only_known_routes() -> None:
         assert "route must be plain or elastic" in str(e)
     else:
         raise AssertionError("an unknown route was accepted")
+
+
+def test_rendezvous_event_names_come_from_the_frame_not_inspect_stack() -> None:
+    """torch names rendezvous events after _record's caller; spotctl's handler takes the
+    name from the frame (inspect.stack() cost seconds in a zygote-forked torchrun under load,
+    and a node late to a round never got onto the wait list). Same names as torch's."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    from spotctl.elastic import rdzv
+
+    def _record() -> str:
+        return str(dr.get_method_name())
+
+    def _add_to_wait_list() -> str:
+        return _record()
+
+    before = _add_to_wait_list()
+    rdzv._cheap_event_names()
+    assert getattr(dr.get_method_name, "_spotctl", False)
+    assert _add_to_wait_list() == before == "_add_to_wait_list"
