@@ -8,7 +8,8 @@ from collections.abc import Callable
 from importlib import import_module
 from typing import Any
 
-NAMES = ("recovery", "lost", "join", "checkpoint", "control", "quorum", "overhead", "network")
+NAMES = ("recovery", "lost", "join", "checkpoint", "control", "quorum", "overhead", "network",
+         "plain")
 
 
 def get(name: str) -> Callable[..., Any]:
