@@ -572,8 +572,12 @@ class Coordinator:
                       if w.rank == 0 and w.incarnation == inc["id"]), None)
         plain = rank0 is not None and rank0.route == "plain"
         # a plain script resumes from its own checkpoint: the head cannot tell what it lost
-        lost = (None if plain else self._failed_since_last_regroup()
-                if ft and self._failed_seen else max(0, inc["prev_max"] - inc["resume_step"]))
+        if plain:
+            lost = None
+        elif ft and self._failed_seen:
+            lost = self._failed_since_last_regroup()
+        else:
+            lost = max(0, inc["prev_max"] - inc["resume_step"])
         # the workers' start-up, when they were started for this rescale (on torchft the
         # quorum's first replica has usually trained all along: none then)
         spawned = (round(rank0.startup["started_at"] - cause.at, 3)
