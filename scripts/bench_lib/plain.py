@@ -75,7 +75,7 @@ def _session(ctx: Context, tag: str, nodes: int, reps: int, notice_file: bool) -
     if notice_file:
         env["SAVE_ON_NOTICE"] = "1"
     c = Cluster(root, f"bplain{tag}", f"{nodes - 1}..{nodes}", SAVE_EVERY, train_env=env,
-                engine="", script=EXAMPLE)
+                engine="torchft", script=EXAMPLE)  # the default engine
     out: dict[str, list[float]] = {"again": [], "redone": [], "join_redone": []}
     try:
         c.up()
