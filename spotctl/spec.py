@@ -213,6 +213,17 @@ class TrainSpec(_Strict):
                                  "(letters, digits and '_', not starting with a digit)")
             if "\0" in x:
                 raise ValueError(f"{k}: a value must not contain NUL")
+        grace = v.get("SPOTCTL_NOTICE_GRACE_S")
+        if grace is not None:
+            # a plain torchrun script's time between its notice file and SIGTERM (the
+            # agent's MAX_NOTICE_GRACE_S is the bound)
+            try:
+                ok = 0 <= float(grace) <= 120
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError("SPOTCTL_NOTICE_GRACE_S must be a number of seconds within "
+                                 f"0..120, not {grace[:20]!r}")
         return v
 
     @field_validator("run_as")

@@ -14,7 +14,24 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, sign
 
 
 def _cold(argv: list[str]) -> None:
+    if argv[0] != "-m" and os.environ.get("SPOTCTL_STATUS_DIR") and "LOCAL_RANK" in os.environ:
+        # a worker: run the script through the hook that recognises a plain torchrun
+        # script at its init_process_group (spotctl.elastic.plain), as the zygote does
+        argv = ["-m", "spotctl.agent.launch", "--worker", *argv]
     os.execv(sys.executable, [sys.executable, *argv])
+
+
+def _worker(argv: list[str]) -> int:
+    """`--worker SCRIPT ARGS`: the script as `python SCRIPT ARGS` runs it, hook installed."""
+    import runpy
+
+    from spotctl.elastic.plain import install
+
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    install()
+    runpy.run_path(argv[0], run_name="__main__")
+    return 0
 
 
 def _reraise(signals: list[int]) -> None:
@@ -29,6 +46,8 @@ def main(argv: list[str]) -> int:
         print("usage: python -m spotctl.agent.launch SCRIPT [ARGS] | -m MODULE [ARGS]",
               file=sys.stderr)
         return 2
+    if argv[0] == "--worker":
+        return _worker(argv[1:])
     path = os.environ.get("SPOTCTL_ZYGOTE", "")
     if not path:
         _cold(argv)

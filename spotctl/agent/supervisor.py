@@ -15,7 +15,10 @@ States (the agent's, reported to the head as agent_state):
               line goes to the head in every heartbeat (`status`, `up`)
 Worker contract: environment variables (SPOTCTL_*) in, one status JSON file per local rank
 out; SIGUSR1 asks workers to drain; SIGTERM ends them (they exit non-zero, so torchrun
-restarts them into the next rendezvous round).
+restarts them into the next rendezvous round). A plain torchrun script (route "plain",
+spotctl.elastic.plain) never gets SIGUSR1 (its default action kills): the agent writes the
+notice file (SPOTCTL_NOTICE_FILE) instead, and its workers count as drained once they say
+so (notice_saved) or their grace ends; SIGTERM then as above.
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ TERM_DEADLINE_MARGIN_S = 2.0
 # a spanning replica group's nodes wait this long for the group's first node (the head
 # moves the group to a new generation, which restarts them, when that node is gone)
 GROUP_RDZV_TIMEOUT_S = 600
+# a plain script's workers train on for this long after a notice file (SPOTCTL_NOTICE_GRACE_S
+# in [train] env; bounded by the notice's deadline), then SIGTERM
+NOTICE_GRACE_S = 30.0
+MAX_NOTICE_GRACE_S = 120.0  # below the head's PLAIN_DRAIN_TIMEOUT_S
 MAX_ROUND_NODES = 1 << 16
 RDZV_CONF = "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=5,join_timeout=900,read_timeout=30"
 
@@ -181,6 +188,12 @@ class Agent:
         # written on a notice: this node's torchrun then joins no new rendezvous round
         self.leaving_flag = Path(str(self.gate) + ".leaving")
         self.leaving_flag.unlink(missing_ok=True)
+        # a plain script's notice (in the agent's own dir: workers read it, never write it)
+        self.notice_path = self.workdir / "notice.json"
+        self.notice_path.unlink(missing_ok=True)
+        self.notice_grace_s = _grace(cfg.env.get("SPOTCTL_NOTICE_GRACE_S"))
+        self.plain_grace_end: float | None = None  # when the noticed workers count as drained
+        self.plain_noticed: set[int] = set()  # their pids
         self.worker = runas.resolve(cfg.run_as)
         if self.worker is not None:
             self.worker = self._worker_home(self.worker)
@@ -488,6 +501,7 @@ class Agent:
         cfg = self.cfg
         for p in self.status_dir.glob("worker-*.json"):
             p.unlink(missing_ok=True)
+        self._end_plain_notice()
         self.gate.unlink(missing_ok=True)
         Path(str(self.gate) + ".ready").unlink(missing_ok=True)
         Path(str(self.gate) + ".pid").unlink(missing_ok=True)
@@ -501,6 +515,7 @@ class Agent:
             TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
             SPOTCTL_NODE_ID=cfg.node_id,
             SPOTCTL_STATUS_DIR=str(self.status_dir),
+            SPOTCTL_NOTICE_FILE=str(self.notice_path),
             SPOTCTL_CHECKPOINT_DIR=cfg.checkpoint_dir,
             SPOTCTL_CHECKPOINT_EVERY=str(cfg.checkpoint_every),
             SPOTCTL_CHECKPOINT_EVERY_S=str(cfg.checkpoint_every_s),
@@ -629,7 +644,8 @@ class Agent:
             "node_id": self.cfg.node_id,
             "agent_state": self.state,
             "addr": self.cfg.local_addr,
-            "workers": workers if workers is not None else self._live_workers(self.read_workers()),
+            "workers": workers if workers is not None
+            else self._present(self._live_workers(self.read_workers())),
             "drain_gen": self.drain_gen,
             "notice": self.notice,
             # torchrun is up and waiting at the rendezvous gate: the group may drain now
@@ -706,9 +722,12 @@ class Agent:
         return True
 
     def step(self) -> None:
-        workers = self._live_workers(self.read_workers())
+        workers = self._present(self._live_workers(self.read_workers()))
         self._watch_nccl()
         reply = self._heartbeat(workers)
+        if reply is not None and reply.get("engine") == "torchrun" and self.cfg.engine == "torchft":
+            self._switch_to_torchrun()
+            return
         if self.state == "crashed" or self._crashed(reply is not None):
             return
         if self.state in ("waiting", "failed") and self.torchrun is None \
@@ -764,6 +783,10 @@ class Agent:
                 # start early behind the closed gate: imports overlap the group's drain
                 self.start_torchrun()
             if self.torchrun is not None and reply.get("go"):
+                n = reply.get("start_nodes")
+                if isinstance(n, int) and 0 < n <= MAX_ROUND_NODES:
+                    # the first round's size (a start after a switch): as a drain's below
+                    runas.touch(self.status_dir / f"{self.gate.name}.round-0-{n}")
                 runas.touch(self.gate)
                 self.state = "running"
             return
@@ -780,7 +803,11 @@ class Agent:
                     runas.touch(self.status_dir / f"{self.gate.name}.round-{self.drain_gen}-{nodes}")
                 except OSError as e:  # the round then waits torch's last call, as before
                     log.warning("next round's size: %s", e)
-            self.signal_workers(signal.SIGUSR1, workers)
+            # (SIGUSR1's default action kills: never to a plain script's workers)
+            self.signal_workers(signal.SIGUSR1, [w for w in workers if w.get("route") != "plain"])
+            plain = [w for w in workers if w.get("route") == "plain"]
+            if plain:
+                self._notice_plain(drain, plain)
         if reply.get("leave"):
             self.leave()
             return
@@ -793,6 +820,65 @@ class Agent:
             doomed = [w for w in workers if w.get("incarnation") == inc]
             self.signal_workers(signal.SIGKILL, doomed)
             self.kill_gen = reply["kill_gen"]
+        if not drain and self.plain_grace_end is not None:
+            self._end_plain_notice()  # the round is over: the next one has no notice
+
+    # -- plain torchrun scripts (spotctl.elastic.plain)
+    def _notice_plain(self, drain: dict[str, Any], plain: list[dict[str, Any]]) -> None:
+        """Tell a plain script's workers they must stop (the notice file), and when: after
+        the grace, bounded by the drain's deadline and this node's notice."""
+        now = time.time()
+        end = now + self.notice_grace_s
+        for dl, margin in ((drain.get("deadline"), TERM_DEADLINE_MARGIN_S),
+                           ((self.notice or {}).get("deadline"), 2 * TERM_DEADLINE_MARGIN_S)):
+            if isinstance(dl, (int, float)) and math.isfinite(dl):
+                end = min(end, float(dl) - margin)
+        end = max(end, now)
+        body = {"reason": "notice" if self.notice is not None else "rescale",
+                "deadline": round(end, 3), "id": f"{self.cfg.node_id}-{self.head_id}-{drain['gen']}"}
+        tmp = self.notice_path.with_name(f".notice-{os.getpid()}.tmp")
+        try:
+            tmp.unlink(missing_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(body))
+            os.replace(tmp, self.notice_path)
+        except OSError as e:  # the grace still ends, with SIGTERM
+            log.warning("notice file %s: %s", self.notice_path, e)
+        self.plain_grace_end = end
+        self.plain_noticed = {int(w.get("pid") or 0) for w in plain}
+        log.info("notice to a plain script's workers (%s): SIGTERM in %.1fs at the latest",
+                 body["reason"], end - now)
+
+    def _present(self, workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A plain script's noticed workers count as drained once their grace is over (the
+        group then goes on to SIGTERM them); those that said so are already."""
+        end = self.plain_grace_end
+        if end is None or time.time() < end:
+            return workers
+        return [dict(w, phase="drained", drain_step=w.get("step"))
+                if w.get("phase") == "train" and int(w.get("pid") or 0) in self.plain_noticed
+                else w for w in workers]
+
+    def _end_plain_notice(self) -> None:
+        self.notice_path.unlink(missing_ok=True)
+        self.plain_grace_end = None
+        self.plain_noticed = set()
+
+    def _switch_to_torchrun(self) -> None:
+        """The head moved this torchft cluster onto the restart cycle (a plain torchrun
+        script runs: one torchrun job across the nodes, never one copy per node)."""
+        log.info("the head runs this job on the restart cycle (a plain torchrun script): "
+                 "restarting torchrun as one job across the nodes")
+        self.stop_torchrun()
+        self.torchrun = None
+        self.cfg.engine = "torchrun"
+        self.cfg.replica_nodes = 1
+        self.group = self.group_broken = None
+        self.group_done = None
+        self.group_port = 0
+        self.next_start = 0.0
+        self.state = "left" if self.notice is not None else "waiting"
 
     def _step_ft(self, workers: list[dict[str, Any]], reply: dict[str, Any] | None) -> None:
         """The torchft engine: no group drain, no gate. A replica starts training as soon
@@ -920,6 +1006,22 @@ class Agent:
             log.info("SIGTERM with a notice: leaving first (at the latest %.1f s from now)",
                      float(n["deadline"]) - TERM_DEADLINE_MARGIN_S - now)
         return now >= float(n["deadline"]) - TERM_DEADLINE_MARGIN_S
+
+
+def _grace(v: str | None) -> float:
+    """SPOTCTL_NOTICE_GRACE_S: seconds, 0..MAX_NOTICE_GRACE_S (anything else: the default,
+    with a warning)."""
+    if v is None:
+        return NOTICE_GRACE_S
+    try:
+        g = float(v)
+    except ValueError:
+        g = -1.0
+    if not 0 <= g <= MAX_NOTICE_GRACE_S:
+        log.warning("SPOTCTL_NOTICE_GRACE_S=%r is not a number of seconds within 0..%g: %g",
+                    v, MAX_NOTICE_GRACE_S, NOTICE_GRACE_S)
+        return NOTICE_GRACE_S
+    return g
 
 
 def worker_env(environ: Mapping[str, str], token: str) -> dict[str, str]:

@@ -59,6 +59,11 @@ def _child(conn: socket.socket, req: dict, fds: list[int]) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch_launcher, daemon=True).start()
+    if module is None:
+        # a worker: recognise a plain torchrun script at its init_process_group
+        from spotctl.elastic.plain import install
+
+        install()
     code = 0
     try:
         if module is not None:

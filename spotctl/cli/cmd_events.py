@@ -32,6 +32,9 @@ def details(e: dict[str, Any]) -> str:
         at = (f"in memory from step {g('resume_step')}" if g("engine") == "torchft"
               else f"checkpoint step {g('checkpoint_step')}")
         why = g("reason") if g("cause_seen") is not False else f"{g('reason')} (inferred)"
+        if g("route") == "plain":  # its own checkpoint: what it redid, only the script knows
+            return (f"world {g('from_world_size')} -> {g('to_world_size')}, {why}, plain "
+                    f"script, training again after {_s(g('notice_to_resume_s'))}")
         pause = _s(g("notice_to_resume_s"))
         if g("notice_to_resume_s") is None and g("replica_pause_s") is not None:
             pause = f"{_s(g('replica_pause_s'))} (timed by the replicas)"
@@ -39,6 +42,8 @@ def details(e: dict[str, Any]) -> str:
                 f"{at}, lost {g('lost_steps')} steps, pause {pause}")
     if t == "pause":  # torchft: the survivors' own timing of a rescale's regroup
         return f"{_s(g('pause_s'))}, timed by the replicas (incarnation {g('incarnation')})"
+    if t == "route":
+        return str(g("why") or g("route"))
     if t == "regroup":  # torchft: a new quorum of the same replicas (no rescale)
         lost = "?" if g("lost_steps") is None else g("lost_steps")
         return f"world {g('world_size')}, same replicas, {g('reason')}, lost {lost} steps"

@@ -75,7 +75,10 @@ def describe(p: dict[str, Any]) -> str:
         return ("; ".join(parts) or "no nodes") + (
             f"  (slowest: {slow['node']}, {slow['phase']} {slow['for_s']:.0f}s)" if slow else "")
     if ph == "first-step":
-        return f"training: step {p['step']} at world size {p['world_size']}"
+        from spotctl.control.status import route_line
+
+        return (f"training: step {p['step']} at world size {p['world_size']}"
+                + (f"; {route_line(p['route'], p.get('engine'))}" if p.get("route") else ""))
     if ph == "waiting":
         return p.get("message", "waiting")
     if ph == "finished":
@@ -193,7 +196,9 @@ def watch(store: Store, name: str, timeout_s: float, emit: Emit, min_gpus: int =
         else:  # the same phases, for a live line whose "for N s" moves
             emit(nodes_phase | {"repeat": True})
         settled = not (by["booting"] or by["joining"])
-        training = settled and bool(st.get("world_size")) and (st.get("step") or 0) > 0
+        # a plain script's step is known only if it reports it: its group formed is enough
+        training = settled and bool(st.get("world_size")) and (
+            (st.get("step") or 0) > 0 or st.get("route") == "plain")
         finished = settled and bool(by["training"]) and all(
             (hn.get(nid) or {}).get("state") == "finished" for nid in by["training"])
         if finished and not training:  # a short job ran to its end before a step was seen
@@ -201,6 +206,7 @@ def watch(store: Store, name: str, timeout_s: float, emit: Emit, min_gpus: int =
             return seen, want, True
         if training:
             emit({"phase": "first-step", "step": st.get("step"), "world_size": st.get("world_size"),
+                  "route": st.get("route"), "engine": st.get("engine"),
                   "after_s": round(now - start, 1)})
             return seen, want, True
         if now >= deadline:

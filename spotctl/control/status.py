@@ -135,7 +135,10 @@ def collect(store: Store, name: str, now: float | None = None,
         "provider": row.provider,
         "state": row.state,
         "gpus": {"now": sum(x["gpus"] for x in live), "min": spec.gpus.min, "max": spec.gpus.max},
-        "engine": spec.train.engine,
+        # what runs: the head's engine (a plain script moves torchft onto torchrun)
+        "engine": head.get("engine") or spec.train.engine,
+        "route": head.get("route"),
+        "restarts": head.get("restarts", 0),
         "world_size": head.get("world_size", 0),
         "step": head.get("step", 0),
         "last_checkpoint_step": head.get("last_checkpoint_step", 0),
@@ -222,6 +225,13 @@ NODE_COLS = (
 )
 
 
+def route_line(route: str, engine: str | None) -> str:
+    """Which kind of script runs, and how (one line in `up` and `status`)."""
+    if route == "plain":
+        return "route: plain torchrun script, one torchrun job across the nodes (restart cycle)"
+    return f"route: spotctl.elastic ({engine or '?'} engine)"
+
+
 def render(snap: dict[str, Any], show_ended: bool = True, width: int = 80) -> Group:
     """The snapshot as lines and a node table, none wider than `width`."""
     g = snap["gpus"]
@@ -239,6 +249,9 @@ def render(snap: dict[str, Any], show_ended: bool = True, width: int = 80) -> Gr
         kv("$/h", f"{snap['cost_per_hour']:.4f}"),
     ], width)
     parts: list[Any] = [head]
+    if snap.get("route"):
+        parts.append(Text(f"{route_line(snap['route'], snap.get('engine'))}; "
+                          f"restarts {snap.get('restarts', 0)}"))
     c = snap.get("cost")
     if c:
         parts.append(fit_line([

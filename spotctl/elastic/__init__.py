@@ -71,11 +71,12 @@ from spotctl.elastic.data import (  # noqa: E402
     micro_slices,
     split_batch,
 )
+from spotctl.elastic.plain import notice, notice_saved, own_init, report  # noqa: E402
 
 _T_IMPORTED = time.time()
 
 __all__ = ["ElasticBatchSampler", "ResumeMismatch", "Run", "epoch_permutation", "init",
-           "micro_slices", "split_batch"]
+           "micro_slices", "notice", "notice_saved", "report", "split_batch"]
 log = logging.getLogger("spotctl.elastic")
 _cuda_answer: bool | None = None
 
@@ -141,7 +142,8 @@ def init(timeout_s: float | None = None) -> torch.device:
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        _init_process_group(timeout_s or _pg_timeout_s(), device if cuda else None)
+        with own_init():  # route "elastic": not a plain script's group (spotctl.elastic.plain)
+            _init_process_group(timeout_s or _pg_timeout_s(), device if cuda else None)
     return device
 
 

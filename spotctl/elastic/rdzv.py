@@ -238,6 +238,31 @@ def _complete_when_expected() -> None:
     dr._RendezvousJoinOp.__call__ = call
 
 
+def _cheap_event_names() -> None:
+    """torch names each rendezvous event after its caller with inspect.stack(), which reads
+    the source of every frame and walks sys.modules for each: in a torchrun forked by the
+    warm zygote (torch._dynamo and the rest imported) one call took seconds of CPU on a
+    loaded machine. A node late to a round then never got onto the wait list: its
+    read-modify-write of the shared state outlasted the next keep-alive of the nodes in
+    the round every time (seen: two of three nodes waiting for minutes). The same name
+    from the frame itself."""
+    import sys
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    if getattr(dr.get_method_name, "_spotctl", False):
+        return
+
+    def get_method_name(depth: int = 2) -> str:
+        try:
+            return sys._getframe(depth).f_code.co_name
+        except ValueError:
+            return "no_method_name"
+
+    get_method_name._spotctl = True  # type: ignore[attr-defined]
+    dr.get_method_name = get_method_name
+
+
 def _fast_polls() -> None:
     """torch's c10d rendezvous polls its shared state once a second (a fixed `_delay(1)`
     and a 1 s state cache), which adds one to two seconds to every re-formation. A
@@ -287,6 +312,7 @@ def get_handler():  # type: ignore[no-untyped-def]
 
     def create(params):  # type: ignore[no-untyped-def]
         _fast_polls()
+        _cheap_event_names()
         _complete_when_expected()
         inner = _create_c10d_handler(params)
         holder = getattr(inner, "_state_holder", None)

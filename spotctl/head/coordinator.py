@@ -31,6 +31,9 @@ JOIN_GO_TIMEOUT_S = 25.0
 # drained once the group trains rather than pulled out of it (which would make the others
 # fail and restart again), unless its deadline is closer than this.
 FORMING_MARGIN_S = 10.0
+# a drain of a plain torchrun script's group: each agent ends its workers' grace itself
+# (SPOTCTL_NOTICE_GRACE_S, at most MAX_NOTICE_GRACE_S) and this only backs it up
+PLAIN_DRAIN_TIMEOUT_S = 150.0
 START_GRACE_S = 30.0  # a start waits this long at most for slow nodes to be ready  # after `go`, survivors still blocked this long are released
 
 
@@ -58,6 +61,7 @@ class WorkerReport:
     failed_steps: int | None = None
     # torchft: the pause of the last regroup this replica went through, timed by itself
     regroup_pause_s: float | None = None
+    route: str = ""  # "plain": the script formed its group itself (spotctl.elastic.plain)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> WorkerReport:
@@ -110,6 +114,7 @@ class Drain:
     committed: bool = False  # every member drained: "drain-committed" recorded
     go_at: float | None = None
     deadline: float = math.inf
+    plain: bool = False  # a plain script's group: its agents end the grace (notice file)
 
 
 @dataclass
@@ -149,6 +154,12 @@ class Coordinator:
         self.events: list[dict[str, Any]] = []
         self.seq = itertools.count(1)
         self.queued_notices: list[str] = []
+        # which kind of script runs ("plain" once a worker said so), and when a plain
+        # script moved a torchft cluster onto the restart cycle
+        self.route: str | None = None
+        self.switched_at: float | None = None
+        self.restarts = 0  # rescale events journaled by this head
+        self.start_nodes = 0  # after a switch: how many nodes the first round waits for
         self.leave_requested: set[str] = set()  # torchft: nodes told to leave (rebalance)
         # torchft replica groups of several nodes, once a node says its group size
         self.replica_groups: ReplicaGroups | None = None
@@ -201,6 +212,7 @@ class Coordinator:
             node.net = dict(body["net"])
         if "drain_gen" in body:
             self.node_drain_gen[nid] = int(body["drain_gen"])
+        self._see_route(nid, node.workers, now)
         for w in node.workers:
             if w.failed_steps is not None:
                 self._failed_seen[(nid, w.pid, w.local_rank)] = int(w.failed_steps)
@@ -221,6 +233,23 @@ class Coordinator:
                 self.replica_groups.adopt(nid, grp["id"], grp["gen"], grp["slot"])
         self.tick()
         return self._reply(node)
+
+    def _see_route(self, nid: str, workers: list[WorkerReport], now: float) -> None:
+        """A plain torchrun script always runs as one torchrun job across the nodes: on
+        torchft (one torchrun per node, each a copy of the job) the cluster moves to the
+        restart cycle, once; agents learn the engine from the replies and restart."""
+        if self.route == "plain" or not any(w.route == "plain" for w in workers):
+            return
+        self.route = "plain"
+        was, self.engine = self.engine, "torchrun"
+        if was != "torchrun":
+            self.switched_at = now
+            self.replica_groups = None
+            self.leave_requested.clear()
+        self.record("route", route="plain", engine="torchrun", node=nid,
+                    why="a plain torchrun script (it forms its own process group): one "
+                    "torchrun job across the nodes on the restart cycle"
+                    + (f", not one {was} replica per node" if was != "torchrun" else ""))
 
     def _settling(self, now: float) -> bool:
         return now - self.started_at < self.dead_after_s
@@ -322,6 +351,8 @@ class Coordinator:
         if self.engine != "torchrun":
             return
         members = self._members()
+        if members:
+            self.start_nodes = 0  # the first round formed: later rounds are drains' or joins'
         # notices first: a leaving node has a deadline
         while self.queued_notices:
             nid = self.queued_notices[0]
@@ -343,15 +374,25 @@ class Coordinator:
         )
         if not waiting:
             return
+        if not members and self.switched_at is not None and now - self.switched_at < START_GRACE_S \
+                and any(n.state == "running" and not n.unresponsive and n.notice is None
+                        for n in self.nodes.values()):
+            return  # moved off torchft: start once every node's agent restarted its torchrun
         if not members:
             # Nothing to protect: start together. Wait until every waiting node's torchrun
             # is at the gate (or START_GRACE_S passed), so one rendezvous round takes them
             # all instead of a first node training alone and the others forcing restarts.
             ready = [nid for nid in waiting if self.nodes[nid].ready]
             oldest = min(self.nodes[nid].registered_at for nid in waiting)
+            if self.switched_at is not None:  # their torchrun started again then
+                oldest = max(oldest, self.switched_at)
             if ready and (len(ready) == len(waiting) or now - oldest > START_GRACE_S):
                 for nid in ready:
                     self.nodes[nid].go_at = now
+                if self.switched_at is not None:
+                    # every node restarted its torchrun at once: the first round waits
+                    # for all of them (not torch's 1 s last call on a loaded machine)
+                    self.start_nodes = len(ready)
             return
         ready = [nid for nid in waiting if self.nodes[nid].ready]
         if ready:
@@ -374,7 +415,9 @@ class Coordinator:
         members = self._members()
         if not members:
             return None
-        deadline = now + DRAIN_TIMEOUT_S
+        plain = any(w.route == "plain" for m in members for w in self.nodes[m].workers)
+        # a plain script's workers train on through their grace (the agents end it)
+        deadline = now + (PLAIN_DRAIN_TIMEOUT_S if plain else DRAIN_TIMEOUT_S)
         for nid in leavers:
             nd = self.nodes[nid].notice or {}
             dl = nd.get("deadline")
@@ -382,7 +425,7 @@ class Coordinator:
                 deadline = min(deadline, float(dl) - 2.0)
         self.drain = Drain(
             gen=next(self.gens), reason=reason, started_at=now, members=members,
-            leavers=leavers, joiners=joiners, deadline=deadline,
+            leavers=leavers, joiners=joiners, deadline=deadline, plain=plain,
         )
         if reason == "join" and (self.cause is None or self.cause.reason == "restart"):
             self.cause = Cause("join", now)
@@ -542,10 +585,16 @@ class Coordinator:
         # (a quorum's resume step says nothing of it: a healed replica resumes at its
         # peers' step); on torchrun, and from replicas whose reports carry no count (the
         # head's validation dropped the field), the steps past the step the group resumed
-        lost = (self._failed_since_last_regroup() if ft and self._failed_seen
-                else max(0, inc["prev_max"] - inc["resume_step"]))
         rank0 = next((w for n in self.nodes.values() for w in n.workers
                       if w.rank == 0 and w.incarnation == inc["id"]), None)
+        plain = rank0 is not None and rank0.route == "plain"
+        # a plain script resumes from its own checkpoint: the head cannot tell what it lost
+        if plain:
+            lost = None
+        elif ft and self._failed_seen:
+            lost = self._failed_since_last_regroup()
+        else:
+            lost = max(0, inc["prev_max"] - inc["resume_step"])
         # the workers' start-up, when they were started for this rescale (on torchft the
         # quorum's first replica has usually trained all along: none then)
         spawned = (round(rank0.startup["started_at"] - cause.at, 3)
@@ -570,6 +619,7 @@ class Coordinator:
                 while len(self._pause_wanted) > 16:  # bounded: the oldest is given up
                     del self._pause_wanted[min(self._pause_wanted,
                                                key=lambda k: self._pause_wanted[k])]
+        self.restarts += 1
         self.record(
             "rescale",
             incarnation=inc["id"],
@@ -582,7 +632,9 @@ class Coordinator:
             resume_step=inc["resume_step"],
             lost_steps=lost,
             engine=self.engine,
+            # plain: from the cause to the new group formed (its init_process_group)
             notice_to_resume_s=pause,
+            **({"route": "plain"} if plain else {}),
             # the new workers' own start: imports, process group, restore, first step
             worker_start=(rank0.startup if rank0 and spawned is not None else None),
             worker_spawned_after_s=spawned,
@@ -598,12 +650,15 @@ class Coordinator:
             stay = [m for m in d.members if m not in d.leavers]
             drain = {"gen": d.gen, "leave": node.node_id in d.leavers, "reason": d.reason,
                      "nodes": len(stay) + len([j for j in d.joiners if j not in stay])}
+            if d.plain:  # when it is abandoned: a plain script's grace ends before
+                drain["deadline"] = d.deadline
         noticed = node.notice is not None and (
             d is None or node.node_id not in d.members
         ) and not (node.node_id in self.queued_notices and self._forming(node, self.clock()))
         leave_now = (noticed or node.node_id in self.leave_requested) and node.state != "left"
         return {
             "head_id": self.head_id,
+            "engine": self.engine,
             "drain": drain,
             "leave": leave_now or bool(drain and drain["leave"] and node.node_id in d.drained
                                        if d else False),
@@ -611,6 +666,7 @@ class Coordinator:
             "kill_gen": self.kill_gen,
             "kill_incarnation": self.kill_incarnation,
             "go": node.go_at is not None or self.engine != "torchrun",
+            **({"start_nodes": self.start_nodes} if self.start_nodes and node.go_at else {}),
             "group": None if self.replica_groups is None
             else self.replica_groups.reply(node.node_id, self._group_store),
         }
@@ -625,6 +681,10 @@ class Coordinator:
                     rank0 = w
         return {
             "engine": self.engine,
+            # plain: a torchrun script that forms its own group; elastic: spotctl.elastic
+            "route": self.route or ("elastic" if inc else None),
+            # how many times the worker group re-formed (rescales and restarts)
+            "restarts": self.restarts,
             "world_size": inc.get("world_size", 0) if self._group_training() else 0,
             "step": self.max_step,
             "last_checkpoint_step": self.last_ckpt,

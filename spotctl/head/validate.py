@@ -108,6 +108,12 @@ def worker(v: Any, i: int, max_world: int = MAX_GPUS) -> dict[str, Any]:
         if v["engine"] not in ("torchrun", "torchft"):
             raise BadInput(f"{w}.engine must be torchrun or torchft")
         out["engine"] = v["engine"]
+    # which kind of script formed the group: "plain" (its own init_process_group,
+    # spotctl.elastic.plain) or "elastic" (spotctl.elastic); absent: not said
+    if v.get("route") is not None:
+        if v["route"] not in ("plain", "elastic"):
+            raise BadInput(f"{w}.route must be plain or elastic")
+        out["route"] = v["route"]
     # torchft: the replicas in the step's quorum, and the steps this process ran whose work
     # was thrown away (the coordinator's lost steps come from these counts)
     if v.get("replicas") is not None:

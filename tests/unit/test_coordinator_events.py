@@ -384,7 +384,8 @@ def test_status_whole() -> None:
     st = c.status()
     nodes = st.pop("nodes")
     assert st == {"engine": "torchrun", "world_size": 2, "step": 12, "last_checkpoint_step": 10,
-                  "loss": 0.5, "throughput": 300.0, "incarnation": "inc1", "drain": None}  # fmt: skip
+                  "loss": 0.5, "throughput": 300.0, "incarnation": "inc1", "drain": None,
+                  "route": "elastic", "restarts": 0}  # fmt: skip
     a = dict(nodes["a"])
     workers = a.pop("workers")
     assert a == {"state": "running", "last_heartbeat": 1001.5, "heartbeat_age_s": 0.25,

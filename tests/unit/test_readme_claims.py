@@ -26,7 +26,9 @@ INTERNAL = {"SPOTCTL_NODE_TAG", "SPOTCTL_ZYGOTE", "SPOTCTL_COMPLETE",
             # the agent's contract with its torchrun (tests/unit/test_rdzv_gate.py plays it)
             "SPOTCTL_RDZV_GATE",
             # the cluster's largest size, for micro_batch "auto" (spotctl.elastic)
-            "SPOTCTL_MAX_WORLD"}
+            "SPOTCTL_MAX_WORLD",
+            # the agent's notice to a plain torchrun script's workers (spotctl.elastic.plain)
+            "SPOTCTL_NOTICE_FILE"}
 # Tuning knobs a test sets, documented with the concepts they tune rather than as seams.
 KNOBS = {"SPOTCTL_FT_JOIN_TIMEOUT_MS", "SPOTCTL_FT_HEARTBEAT_TIMEOUT_MS", "SPOTCTL_FT_START_REPLICAS",
          "SPOTCTL_CHECKPOINT_STORAGE_OPTIONS", "SPOTCTL_CHECKPOINT_PART_MB",
@@ -41,7 +43,10 @@ KNOBS = {"SPOTCTL_FT_JOIN_TIMEOUT_MS", "SPOTCTL_FT_HEARTBEAT_TIMEOUT_MS", "SPOTC
          "SPOTCTL_ASYNC_SAVE",
          # a crash loop's length; `logs` with torch's harmless warnings (issue 62:
          # docs/getting-started/local.md, docs/reference/spec.md)
-         "SPOTCTL_CRASH_LIMIT", "SPOTCTL_LOGS_RAW"}
+         "SPOTCTL_CRASH_LIMIT", "SPOTCTL_LOGS_RAW",
+         # a plain torchrun script's grace between its notice and SIGTERM
+         # (docs/guides/torchrun-script.md)
+         "SPOTCTL_NOTICE_GRACE_S"}
 
 
 def _names(paths: list[Path]) -> set[str]:
