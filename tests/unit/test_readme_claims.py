@@ -23,6 +23,8 @@ INTERNAL = {"SPOTCTL_NODE_TAG", "SPOTCTL_ZYGOTE", "SPOTCTL_COMPLETE",
             "SPOTCTL_CHECKPOINT_EVERY_S", "SPOTCTL_KEEP_LAST", "SPOTCTL_CHECKPOINT_WRITERS",
             "SPOTCTL_ENGINE", "SPOTCTL_FT_REPLICA_ID", "SPOTCTL_NODE_ID", "SPOTCTL_STATUS_DIR",
             "SPOTCTL_FT_REPLICA_NODES",
+            # the notice before a rescale (spotctl.integrations, spotctl.elastic.notice)
+            "SPOTCTL_NOTICE_FILE",
             # the agent's contract with its torchrun (tests/unit/test_rdzv_gate.py plays it)
             "SPOTCTL_RDZV_GATE",
             # the cluster's largest size, for micro_batch "auto" (spotctl.elastic)
@@ -38,7 +40,9 @@ KNOBS = {"SPOTCTL_FT_JOIN_TIMEOUT_MS", "SPOTCTL_FT_HEARTBEAT_TIMEOUT_MS", "SPOTC
          # the controller's address for an unset ssh_cidr (docs/getting-started/aws.md)
          "SPOTCTL_CONTROLLER_ADDRESS",
          # how periodic checkpoints are written (docs/concepts.md, docs/reference/spec.md)
-         "SPOTCTL_ASYNC_SAVE"}
+         "SPOTCTL_ASYNC_SAVE",
+         # torchtitan's replica id where the group id gives none (docs/integrations.md)
+         "SPOTCTL_FT_REPLICA_INDEX"}
 
 
 def _names(paths: list[Path]) -> set[str]:
