@@ -45,14 +45,16 @@ def paced(out: str) -> int:
 
 
 @pytest.mark.slow
-def test_lightning_notice_then_rescale_matches_uninterrupted(tmp_path: Path) -> None:
+def test_lightning_notice_then_rescale_down_and_up_matches_uninterrupted(
+        tmp_path: Path) -> None:
+    """2 ranks -> notice -> 1 rank -> notice -> 2 ranks, against 1 rank uninterrupted."""
     common = ["--max-steps", str(STEPS), "--global-batch", "32", "--per-device-batch", "8"]
+    job = tmp_path / "job"
     ref = Job(tmp_path, "ref", SCRIPT, 1, [*common, "--out", str(tmp_path / "ref")])
-    a = Job(tmp_path, "a", SCRIPT, 2, [*common, "--out", str(tmp_path / "job")],
-            env={"PACE_S": "0.5"})
+    a = Job(tmp_path, "a", SCRIPT, 2, [*common, "--out", str(job)], env={"PACE_S": "0.5"})
     try:
         a.wait_for("3 optimizer steps", lambda: paced(a.output()) >= 3)
-        saved = a.notice()
+        saved_a = a.notice()
         ref_rc = ref.finish()
     finally:
         a.kill()
@@ -61,22 +63,34 @@ def test_lightning_notice_then_rescale_matches_uninterrupted(tmp_path: Path) -> 
 
     # the step boundary: both ranks saved one step, Lightning's checkpoint records it,
     # and the log of the first launch ends at that step (nothing trained after the save)
-    ckpts = list((tmp_path / "job" / "checkpoints").glob("*.ckpt"))
-    assert [p.name for p in ckpts] == [f"notice-step={saved[0]['step']}.ckpt"], ckpts
+    ckpts = list((job / "checkpoints").glob("*.ckpt"))
+    assert [p.name for p in ckpts] == [f"notice-step={saved_a[0]['step']}.ckpt"], ckpts
     n = torch.load(ckpts[0], weights_only=True, map_location="cpu")["global_step"]
-    assert [s["step"] for s in saved] == [n, n]
-    assert 3 <= n < STEPS
-    before = logged(tmp_path / "job")
-    assert sorted(before) == list(range(n)), before  # CSV steps count from 0
+    assert [s["step"] for s in saved_a] == [n, n]
+    assert 3 <= n < STEPS - 3
+    assert sorted(logged(job)) == list(range(n))  # CSV steps count from 0
 
-    # the rescale: torchrun again at world 1 resumes there and trains the rest once
-    b = Job(tmp_path, "b", SCRIPT, 1, [*common, "--out", str(tmp_path / "job")])
+    # a leave: torchrun again at world 1 resumes at n; a second notice there after 2 steps
+    b = Job(tmp_path, "b", SCRIPT, 1, [*common, "--out", str(job)], env={"PACE_S": "0.5"})
     try:
-        assert b.finish() == 0, b.output()[-4000:]
+        b.wait_for("2 steps after the resume", lambda: paced(b.output()) >= n + 2)
+        saved_b = b.notice()
     finally:
         b.kill()
-    got, want = logged(tmp_path / "job"), logged(tmp_path / "ref")
+    m = saved_b[0]["step"]
+    assert n + 2 <= m < STEPS, (n, m)
+    assert (job / "checkpoints" / f"notice-step={m}.ckpt").is_file()
+    assert sorted(logged(job)) == list(range(m))
+
+    # a join: world 2 again, to the end; every step trained once across the three launches
+    c = Job(tmp_path, "c", SCRIPT, 2, [*common, "--out", str(job)])
+    try:
+        assert c.finish() == 0, c.output()[-4000:]
+    finally:
+        c.kill()
+    got, want = logged(job), logged(tmp_path / "ref")
     assert sorted(got) == sorted(want) == list(range(STEPS))
     diffs = {s: abs(got[s] - want[s]) for s in want}
-    print("max |loss - uninterrupted| per step:", max(diffs.values()))
+    print("notices at steps", n, m, "; max |loss - uninterrupted| per step:",
+          max(diffs.values()))
     assert max(diffs.values()) <= TOL, diffs
