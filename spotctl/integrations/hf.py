@@ -18,14 +18,12 @@ waits for the SIGTERM that ends the worker. torchrun restarts the group at the n
 
 from __future__ import annotations
 
-import json
-import re
-from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback, TrainingArguments
 
 from spotctl.integrations import _notice
+from spotctl.integrations._checkpoints import latest_hf_checkpoint as latest_checkpoint
 from spotctl.integrations._common import (
     Agreement,
     GlobalBatchError,
@@ -35,9 +33,6 @@ from spotctl.integrations._common import (
 
 __all__ = ["GlobalBatchError", "SpotctlCallback", "accumulation_steps", "keep_global_batch",
            "latest_checkpoint"]
-
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-
 
 class SpotctlCallback(TrainerCallback):
     """Save at the step boundary on a spotctl notice, then stop for the rescale.
@@ -82,27 +77,3 @@ def keep_global_batch(args: TrainingArguments, global_batch: int,
         global_batch, int(args.per_device_train_batch_size),
         world_size() if world is None else world)
     return args
-
-
-def latest_checkpoint(output_dir: str | Path) -> str | None:
-    """The newest complete ``checkpoint-N`` under ``output_dir``, or None to start fresh.
-
-    Complete: its ``trainer_state.json`` (the trainer writes it last) parses and names step
-    N. A directory cut short by a kill is passed over for the one before it.
-    """
-    root = Path(output_dir)
-    if not root.is_dir():
-        return None
-    found = []
-    for p in root.iterdir():
-        m = _CHECKPOINT.match(p.name)
-        if m and p.is_dir():
-            found.append((int(m.group(1)), p))
-    for step, p in sorted(found, reverse=True):
-        try:
-            state = json.loads((p / "trainer_state.json").read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(state, dict) and state.get("global_step") == step:
-            return str(p)
-    return None

@@ -25,73 +25,23 @@ from __future__ import annotations
 
 import math
 import os
-import re
-import zipfile
-from collections.abc import Iterator, Sized
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-from torch.utils.data import Sampler
 
 from spotctl.integrations import _notice
+from spotctl.integrations._checkpoints import latest_zip_checkpoint as latest_checkpoint
 from spotctl.integrations._common import (
     Agreement,
     GlobalBatchError,
     accumulation_steps,
     world_size,
 )
+from spotctl.integrations._sampler import ElasticSampler
 
 __all__ = ["ElasticSampler", "GlobalBatchError", "SpotctlCallback", "accumulation_steps",
            "latest_checkpoint", "torchrun_layout"]
-
-_STEP = re.compile(r"step=(\d+)")
-
-
-class ElasticSampler(Sampler[int]):
-    """DistributedSampler's order, resumable at a global position after a rescale.
-
-    Each epoch is one permutation of the data set (``seed + epoch``), the same at every
-    world size; rank r takes positions r, r + world, ... as DistributedSampler does, so a
-    step's global batch is the same samples whatever the world. The tail that does not
-    fill a whole round of ranks is dropped.
-    """
-
-    def __init__(self, dataset: Sized, shuffle: bool = True, seed: int = 0,
-                 num_replicas: int | None = None, rank: int | None = None) -> None:
-        self.n = len(dataset)
-        self.world = world_size() if num_replicas is None else num_replicas
-        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-        self.shuffle, self.seed = shuffle, seed
-        self.epoch = 0
-        self._resume: tuple[int, int] | None = None  # (epoch, global samples done in it)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def resume_at(self, epoch: int, samples: int) -> None:
-        """Skip the first ``samples`` positions of ``epoch`` (trained before the restart)."""
-        if samples % self.world:
-            raise GlobalBatchError(f"resume position {samples} is not a whole round of "
-                                   f"{self.world} ranks")
-        self._resume = (epoch, samples)
-
-    def __len__(self) -> int:
-        return self.n // self.world
-
-    def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.n, generator=g).tolist()
-        else:
-            order = list(range(self.n))
-        start = 0
-        if self._resume is not None and self._resume[0] == self.epoch:
-            start = self._resume[1]
-        end = (self.n // self.world) * self.world
-        return iter(order[start + self.rank:end:self.world])
-
 
 def torchrun_layout() -> dict[str, int]:
     """``devices`` and ``num_nodes`` for ``L.Trainer`` from the world torchrun started.
@@ -208,21 +158,3 @@ class SpotctlCallback(pl.Callback):
             scaled = base * new // old if (base * new) % old == 0 else math.ceil(base * new / old)
             for k in ("ready", "started", "processed", "completed"):
                 counts[k] = counts[k] - base + scaled
-
-
-def latest_checkpoint(dirpath: str | Path) -> str | None:
-    """The newest whole ``*.ckpt`` under ``dirpath`` by the ``step=N`` in its name (the
-    notice checkpoints and ModelCheckpoint's default names), or None to start fresh. A
-    file cut short by a kill is no whole zip archive and is passed over."""
-    root = Path(dirpath)
-    if not root.is_dir():
-        return None
-    found = []
-    for p in root.glob("*.ckpt"):
-        m = _STEP.search(p.name)
-        if m and p.is_file():
-            found.append((int(m.group(1)), p.stat().st_mtime, p))
-    for _step, _mtime, p in sorted(found, reverse=True):
-        if zipfile.is_zipfile(p):
-            return str(p)
-    return None
