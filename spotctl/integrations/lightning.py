@@ -65,13 +65,9 @@ def _samplers(trainer: pl.Trainer) -> list[ElasticSampler]:
     return found
 
 
-def _batch_size(trainer: pl.Trainer) -> int:
-    dl = trainer.train_dataloader
-    b = getattr(dl, "batch_size", None)
-    if not isinstance(b, int):
-        raise GlobalBatchError("spotctl's Lightning callback needs one training DataLoader "
-                               "with a batch_size to keep the data position")
-    return b
+def _batch_size(trainer: pl.Trainer) -> int | None:
+    b = getattr(trainer.train_dataloader, "batch_size", None)
+    return b if isinstance(b, int) else None
 
 
 class SpotctlCallback(pl.Callback):
@@ -127,14 +123,16 @@ class SpotctlCallback(pl.Callback):
     # -- the position in the epoch, carried across a change of world size ------------
 
     def state_dict(self) -> dict[str, Any]:
+        # called for every checkpoint, the user's own included: never raises. Without one
+        # DataLoader with a batch_size the position is not kept (Lightning's own resume)
         trainer = getattr(self, "_trainer", None)
-        if trainer is None:
+        b = _batch_size(trainer) if trainer is not None else None
+        if trainer is None or b is None:
             return {}
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
         return {"world": world_size(), "accumulate": int(trainer.accumulate_grad_batches),
                 "epoch": int(trainer.current_epoch),
-                "epoch_samples": int(progress.processed) * _batch_size(trainer)
-                * world_size()}
+                "epoch_samples": int(progress.processed) * b * world_size()}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer

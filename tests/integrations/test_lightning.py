@@ -47,6 +47,8 @@ def paced(out: str) -> int:
 
 
 @pytest.mark.slow
+# four torchrun launches: at a shared machine's load 30 this took over 300 s
+@pytest.mark.timeout(900)
 def test_lightning_notice_then_rescale_down_and_up_matches_uninterrupted(
         tmp_path: Path) -> None:
     """2 ranks -> notice -> 1 rank -> notice -> 2 ranks, against 1 rank uninterrupted."""
