@@ -23,12 +23,12 @@ INTERNAL = {"SPOTCTL_NODE_TAG", "SPOTCTL_ZYGOTE", "SPOTCTL_COMPLETE",
             "SPOTCTL_CHECKPOINT_EVERY_S", "SPOTCTL_KEEP_LAST", "SPOTCTL_CHECKPOINT_WRITERS",
             "SPOTCTL_ENGINE", "SPOTCTL_FT_REPLICA_ID", "SPOTCTL_NODE_ID", "SPOTCTL_STATUS_DIR",
             "SPOTCTL_FT_REPLICA_NODES",
+            # the notice before a rescale (spotctl.integrations, spotctl.elastic.notice)
+            "SPOTCTL_NOTICE_FILE",
             # the agent's contract with its torchrun (tests/unit/test_rdzv_gate.py plays it)
             "SPOTCTL_RDZV_GATE",
             # the cluster's largest size, for micro_batch "auto" (spotctl.elastic)
-            "SPOTCTL_MAX_WORLD",
-            # the agent's notice to a plain torchrun script's workers (spotctl.elastic.plain)
-            "SPOTCTL_NOTICE_FILE"}
+            "SPOTCTL_MAX_WORLD"}
 # Tuning knobs a test sets, documented with the concepts they tune rather than as seams.
 KNOBS = {"SPOTCTL_FT_JOIN_TIMEOUT_MS", "SPOTCTL_FT_HEARTBEAT_TIMEOUT_MS", "SPOTCTL_FT_START_REPLICAS",
          "SPOTCTL_CHECKPOINT_STORAGE_OPTIONS", "SPOTCTL_CHECKPOINT_PART_MB",
@@ -46,7 +46,10 @@ KNOBS = {"SPOTCTL_FT_JOIN_TIMEOUT_MS", "SPOTCTL_FT_HEARTBEAT_TIMEOUT_MS", "SPOTC
          "SPOTCTL_CRASH_LIMIT", "SPOTCTL_LOGS_RAW",
          # a plain torchrun script's grace between its notice and SIGTERM
          # (docs/guides/torchrun-script.md)
-         "SPOTCTL_NOTICE_GRACE_S"}
+         "SPOTCTL_NOTICE_GRACE_S",
+         # torchtitan's replica id where the group id gives none (docs/integrations.md)
+         "SPOTCTL_FT_REPLICA_INDEX"}
+
 
 
 def _names(paths: list[Path]) -> set[str]:
