@@ -9,7 +9,7 @@ from importlib import import_module
 from typing import Any
 
 NAMES = ("recovery", "lost", "join", "checkpoint", "control", "quorum", "overhead", "network",
-         "scale")
+         "scale", "churn")
 
 
 def get(name: str) -> Callable[..., Any]:
