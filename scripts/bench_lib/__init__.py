@@ -10,6 +10,9 @@ from typing import Any
 
 NAMES = ("recovery", "lost", "join", "checkpoint", "control", "quorum", "overhead", "network",
          "scale", "churn")
+# run only when named: churn is three settings of --minutes (default 10) on spotctl and
+# again on bare torchft, an hour and more
+ONLY_BY_NAME = ("churn",)
 
 
 def get(name: str) -> Callable[..., Any]:

@@ -41,6 +41,7 @@ head's events:
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import statistics
@@ -93,6 +94,10 @@ class Session:
     records: list[dict[str, Any]] = field(default_factory=list)
     error: str = ""
     full_again: float | None = None  # settle_s: when all groups were in one quorum again
+    loads: list[float] = field(default_factory=list)  # 1-min load average, each window
+
+    def load(self) -> None:
+        self.loads.append(round(os.getloadavg()[0], 1))
 
 
 def plan(seed: int, kinds: tuple[str, ...], mean_s: float, duration_s: float
@@ -374,6 +379,7 @@ def run_spotctl(ctx: Context, groups: int, settings: list[tuple[str, list[tuple[
         _wait(f"{groups} replicas in one quorum", lambda: _full(read_records(logs), groups, t),
               300)
         t = time.time()
+        s.load()
         time.sleep(ref_s)
         s.ref = (t, time.time())
 
@@ -401,7 +407,9 @@ def run_spotctl(ctx: Context, groups: int, settings: list[tuple[str, list[tuple[
             t = time.time()
             _wait(f"{groups} replicas back before {name}",
                   lambda t=t: _full(read_records(logs), groups, t), 300)
+            s.load()
             s.phases.append(_drive(ctx, "churn spotctl", name, sched, duration_s, hit))
+            s.load()
         if settle_s:
             t = time.time()
             _wait(f"{groups} replicas back after the last setting",
@@ -455,13 +463,16 @@ def run_bare(ctx: Context, groups: int, settings: list[tuple[str, list[tuple[flo
         _wait(f"{groups} replicas in one quorum",
               lambda: _full(read_records(work, ".steps.jsonl"), groups, t), 300)
         t = time.time()
+        s.load()
         time.sleep(ref_s)
         s.ref = (t, time.time())
         for name, sched in settings:
             t = time.time()
             _wait(f"{groups} replicas back before {name}",
                   lambda t=t: _full(read_records(work, ".steps.jsonl"), groups, t), 300, tick)
+            s.load()
             s.phases.append(_drive(ctx, "churn bare", name, sched, duration_s, hit, tick))
+            s.load()
     except (RuntimeError, OSError, AssertionError) as e:
         s.error = str(e).splitlines()[0][:300]
         ctx.log(f"churn bare failed: {e}")
@@ -479,7 +490,7 @@ def figures(s: Session, groups: int) -> list[dict[str, Any]]:
 
 def _run_json(s: Session) -> dict[str, Any]:
     """When each window ran and what was hit (to read the records again)."""
-    return {"ref": list(s.ref), "full_again": s.full_again,
+    return {"ref": list(s.ref), "full_again": s.full_again, "load_average_1m": s.loads,
             "phases": [{"name": p.name, "t0": p.t0, "t1": p.t1, "skipped": p.skipped,
                         "failures": [vars(f) for f in p.failures]} for p in s.phases]}
 
@@ -526,6 +537,9 @@ def bench(ctx: Context, groups: int = 6, minutes: float = 10.0, seed: int = 58,
             note += (f"; {o['failures']} failures ({o['notices']} notices, {o['kills']} kills"
                      + (f", {o['skipped']} skipped" if o["skipped"] else "") + ")")
         note += short
+        loads = ours.loads + base.loads
+        if loads:
+            note += f"; load average {min(loads):g}..{max(loads):g} on {os.cpu_count()} cores"
         for x, who in ((ours, "spotctl"), (base, "bare")):
             if x.error:
                 note += f"; {who} error: {x.error}"

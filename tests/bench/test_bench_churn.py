@@ -66,3 +66,42 @@ def test_short_churn_commits_and_loses_nothing_at_the_notice(tmp_path: Path) -> 
     from spotctl.agent import proctree
 
     assert proctree.tagged_prefix(str(ctx.work) + "/") == []
+
+
+def test_analyse_reads_pauses_failed_steps_joins_and_spurious_regroupings() -> None:
+    """A synthetic record of 3 replicas, 0.1 s steps, 16 samples each: a notice (C leaves after committing,
+    no gap), a kill (B: the step in flight fails, 2 s with no commit), a replacement D
+    joining, then the same two members re-forming with nothing injected (spurious)."""
+    recs: list[dict[str, object]] = []
+
+    def steps(q: str, pids: list[int], first: int, last: int, t0: float) -> float:
+        for i, s in enumerate(range(first, last + 1)):
+            for p in pids:
+                recs.append({"t": t0 + 0.1 * i, "pid": p, "step": s, "ok": True, "q": q,
+                             "replicas": len(pids), "samples": 16})
+        return t0 + 0.1 * (last - first)
+
+    for p in (1, 2, 3):
+        recs.append({"t": -1.0, "pid": p, "start": True, "step": 0})
+    steps("q1", [1, 2, 3], 1, 50, 0.1)  # C (3) noticed at 5.0, commits step 50 and leaves
+    steps("q2", [1, 2], 51, 79, 5.1)  # B (2) killed at 8.0: step 80 fails for A
+    recs.append({"t": 8.05, "pid": 1, "step": 80, "ok": False, "q": "q2", "replicas": 2,
+                 "samples": 16})
+    steps("q3", [1], 80, 99, 10.0)  # A alone after 2 s
+    recs.append({"t": 11.0, "pid": 4, "start": True, "step": 0})
+    steps("q4", [1, 4], 100, 119, 12.0)  # D joins
+    steps("q5", [1, 4], 120, 150, 14.0)  # nothing happened: spurious
+    recs.sort(key=lambda r: float(r["t"]))  # type: ignore[arg-type]
+    ph = churn.Phase("x", 0.0, 17.5, [churn.Failure(5.0, "notice", "n3", 3),
+                                      churn.Failure(8.0, "kill", "n2", 2)])
+    f = churn.analyse(recs, ph, ref_rate=480.0, step_s=0.1, groups=3)
+    assert (f["committed"], f["attempted"]) == (150, 151)
+    assert f["lost"] == 0 and f["lost_at_notices"] == 0
+    assert f["pauses"] == pytest.approx([0.0, 2.1 - 0.1])
+    assert f["regroupings"] == 4 and f["spurious"] == 1
+    assert f["replacement_s"] == pytest.approx([12.0 - 5.0])
+    w = f["where"]
+    assert w["stalls_at_failures_s"] == pytest.approx(2.0) and w["failed_attempts_s"] == 0.1
+    # 16 samples a replica (bare torchft's way): steps 51..79 and 100..150 short of one
+    # replica, 80..99 of two
+    assert w["short_of_replicas_s"] == pytest.approx((29 * 16 + 20 * 32 + 51 * 16) / 480.0)
