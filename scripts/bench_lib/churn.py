@@ -152,13 +152,18 @@ def redone(recs: list[dict[str, Any]]) -> set[tuple[str, int]]:
     return out
 
 
-def _timeline(recs: list[dict[str, Any]]) -> list[float]:
-    """When each (quorum, step) was first committed by any replica."""
+def _commits(recs: list[dict[str, Any]]) -> list[tuple[float, tuple[str, int]]]:
+    """Each (quorum, step) committed, with when the first replica committed it, by time."""
     first: dict[tuple[str, int], float] = {}
     for r in recs:
         if r.get("ok"):
             first.setdefault((str(r["q"]), int(r["step"])), r["t"])
-    return sorted(first.values())
+    return sorted((t, k) for k, t in first.items())
+
+
+def _timeline(recs: list[dict[str, Any]]) -> list[float]:
+    """When each (quorum, step) was first committed by any replica."""
+    return [t for t, _ in _commits(recs)]
 
 
 def step_time(recs: list[dict[str, Any]], t0: float, t1: float) -> float:
@@ -193,18 +198,20 @@ def analyse(recs: list[dict[str, Any]], phase: Phase, ref_rate: float, step_s: f
     # new processes (replacements, restarts) and their first commits: joins
     starts = {r["pid"]: r["t"] for r in recs if r.get("start")}
     first_commit: dict[int, float] = {}
+    first_key: dict[int, tuple[str, int]] = {}
     for r in recs:
         if r.get("ok"):
             first_commit.setdefault(r["pid"], r["t"])
+            first_key.setdefault(r["pid"], (str(r["q"]), int(r["step"])))
     new = sorted((t, pid) for pid, t in starts.items() if t0 <= t < t1)
-    joins = {first_commit[pid] for _, pid in new if pid in first_commit}
+    joins = {first_key[pid] for _, pid in new if pid in first_key}
     # stalls: gaps in the committed-step timeline (all replicas) longer than two steps,
     # each counted once: to the first failure inside it (1 s of slack: the failure's
     # command runs before it takes effect), else to a join it ends (a heal), else other
-    ts = _timeline(recs)
+    cs = _commits(recs)
     per_failure: dict[int, float] = {i: 0.0 for i in range(len(fails))}
     stalls = {"failure": 0.0, "join": 0.0, "other": 0.0}
-    for x, y in zip(ts, ts[1:], strict=False):
+    for (x, _), (y, key) in zip(cs, cs[1:], strict=False):
         if y <= t0 or x >= t1 or y - x <= 2 * step_s:
             continue
         excess = min(y, t1) - max(x, t0) - step_s
@@ -214,7 +221,7 @@ def analyse(recs: list[dict[str, Any]], phase: Phase, ref_rate: float, step_s: f
         if i is not None:
             per_failure[i] = max(per_failure[i], excess)
             stalls["failure"] += excess
-        elif y in joins:
+        elif key in joins:
             stalls["join"] += excess
         else:
             stalls["other"] += excess

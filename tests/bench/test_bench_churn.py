@@ -76,8 +76,8 @@ def test_analyse_reads_pauses_failed_steps_joins_and_spurious_regroupings() -> N
 
     def steps(q: str, pids: list[int], first: int, last: int, t0: float) -> float:
         for i, s in enumerate(range(first, last + 1)):
-            for p in pids:
-                recs.append({"t": t0 + 0.1 * i, "pid": p, "step": s, "ok": True, "q": q,
+            for j, p in enumerate(pids):  # the replicas' lines a millisecond apart
+                recs.append({"t": t0 + 0.1 * i + 0.001 * j, "pid": p, "step": s, "ok": True, "q": q,
                              "replicas": len(pids), "samples": 16})
         return t0 + 0.1 * (last - first)
 
@@ -89,19 +89,20 @@ def test_analyse_reads_pauses_failed_steps_joins_and_spurious_regroupings() -> N
                  "samples": 16})
     steps("q3", [1], 80, 99, 10.0)  # A alone after 2 s
     recs.append({"t": 11.0, "pid": 4, "start": True, "step": 0})
-    steps("q4", [1, 4], 100, 119, 12.0)  # D joins
-    steps("q5", [1, 4], 120, 150, 14.0)  # nothing happened: spurious
+    steps("q4", [1, 4], 100, 119, 13.0)  # D joins: 1 s more while it heals
+    steps("q5", [1, 4], 120, 150, 15.0)  # nothing happened: spurious
     recs.sort(key=lambda r: float(r["t"]))  # type: ignore[arg-type]
-    ph = churn.Phase("x", 0.0, 17.5, [churn.Failure(5.0, "notice", "n3", 3),
+    ph = churn.Phase("x", 0.0, 18.5, [churn.Failure(5.0, "notice", "n3", 3),
                                       churn.Failure(8.0, "kill", "n2", 2)])
     f = churn.analyse(recs, ph, ref_rate=480.0, step_s=0.1, groups=3)
     assert (f["committed"], f["attempted"]) == (150, 151)
     assert f["lost"] == 0 and f["lost_at_notices"] == 0
     assert f["pauses"] == pytest.approx([0.0, 2.1 - 0.1])
     assert f["regroupings"] == 4 and f["spurious"] == 1
-    assert f["replacement_s"] == pytest.approx([12.0 - 5.0])
+    assert f["replacement_s"] == pytest.approx([13.001 - 5.0])
     w = f["where"]
     assert w["stalls_at_failures_s"] == pytest.approx(2.0) and w["failed_attempts_s"] == 0.1
+    assert w["stalls_at_joins_s"] == pytest.approx(1.0) and w["other_stalls_s"] == 0.0
     # 16 samples a replica (bare torchft's way): steps 51..79 and 100..150 short of one
     # replica, 80..99 of two
     assert w["short_of_replicas_s"] == pytest.approx((29 * 16 + 20 * 32 + 51 * 16) / 480.0)
