@@ -28,13 +28,13 @@ head's events:
 - pause at a failure: the longest gap in the committed-step timeline (all replicas) that
   holds the failure, minus the no-failure step time (0 when training did not stop: a
   gap of at most two steps is no pause; a gap holding two failures counts for the first);
-- spurious regroupings: new quorums whose membership change no failure or new process
-  explains (a member left that was not hit, a member came back that had been there, or
-  the same members re-formed);
+- spurious regroupings: new quorums with no failure injected in the 30 s before them
+  (SPURIOUS_WINDOW_S) that bring in no new process (a replacement's or restart's join);
 - where the time went (below a goal): the time lost, split into stalls at failures, stalls
   ended by a join (heals), other stalls, failed attempts, steps run short of replicas
-  (bare: fewer samples per step), the rest (slower steps: on this machine the survivors
-  share its cores with the replacements starting); with the median time from a failure to
+  (bare: fewer samples per step), slower steps (the setting's median step time over the
+  no-failure one: on this machine the survivors share its cores with the replacements
+  starting, and with whatever else runs), the rest; with the median time from a failure to
   its replacement's first committed step and the quorum's time per step.
 """
 
@@ -68,6 +68,9 @@ NOTICE_STYLE = "gcp"
 # spotctl's engine reads a checkpoint only when no replica is left to heal from (bare
 # torchft never: the blog's run had none)
 CHECKPOINT_EVERY = 200
+# a new quorum this long after a failure is that failure's doing (a kill's stall behind a
+# dead peer is up to its 10 s timeout, and the regroupings that follow it)
+SPURIOUS_WINDOW_S = 30.0
 
 
 @dataclass
@@ -179,9 +182,19 @@ def samples_per_s(recs: list[dict[str, Any]], t0: float, t1: float) -> float:
     return n / (t1 - t0) if t1 > t0 else 0.0
 
 
+def step_samples(recs: list[dict[str, Any]], t0: float, t1: float) -> float:
+    """Mean samples committed per step (all replicas) in [t0, t1): the epoch's last
+    batch may be short, so the no-failure window's mean, not the nominal batch, is what a
+    step at full strength commits."""
+    per = _samples_by_step([r for r in recs if t0 <= r["t"] < t1 and "ok" in r],
+                           redone(recs))
+    return sum(per.values()) / len(per) if per else 0.0
+
+
 def analyse(recs: list[dict[str, Any]], phase: Phase, ref_rate: float, step_s: float,
-            groups: int) -> dict[str, Any]:
-    """The figures of one setting (see the module's docstring)."""
+            groups: int, ref_step_samples: float | None = None) -> dict[str, Any]:
+    """The figures of one setting (see the module's docstring). ref_step_samples: samples
+    per step with no failure (default: BATCH a group)."""
     t0, t1 = phase.t0, phase.t1
     win = [r for r in recs if t0 <= r["t"] < t1 and "ok" in r]
     attempted = {(str(r["q"]), int(r["step"])) for r in win}
@@ -242,29 +255,34 @@ def analyse(recs: list[dict[str, Any]], phase: Phase, ref_rate: float, step_s: f
             members.setdefault(str(r["q"]), set()).add(r["pid"])
             first_t.setdefault(str(r["q"]), r["t"])
     order = sorted(first_t, key=lambda q: first_t[q])
-    victims = {f.pid for f in phase.failures if f.pid is not None}
     seen: set[int] = set()
     spurious = 0
     regroupings = 0
     for a, b in zip(order, order[1:], strict=False):
         seen |= members[a]
-        if not t0 <= first_t[b] < t1:
+        tb = first_t[b]
+        if not t0 <= tb < t1:
             continue
         regroupings += 1
-        left, came = members[a] - members[b], members[b] - members[a]
-        if (not left and not came) or (left - victims) or (came & seen):
+        joined = bool(members[b] - seen)  # a process new to the job: a replacement joins
+        near = any(f.t - 1.0 <= tb <= f.t + SPURIOUS_WINDOW_S for f in fails)
+        if not joined and not near:
             spurious += 1
     duration = t1 - t0
     rate = samples_per_s(recs, t0, t1)
     eff = rate / ref_rate if ref_rate else 0.0
     # where the time went, in seconds of the setting
-    short = sum(max(0, BATCH * groups - n) for n in _samples_by_step(win, bad).values())
+    full = ref_step_samples if ref_step_samples is not None else float(BATCH * groups)
+    per_step = _samples_by_step(win, bad)
+    short = max(0.0, full * len(per_step) - sum(per_step.values()))
+    phase_step = step_time(recs, t0, t1)
     where = {
         "lost_s": duration * (1 - eff),
         "stalls_at_failures_s": stalls["failure"],
         "stalls_at_joins_s": stalls["join"],
         "other_stalls_s": stalls["other"],
         "failed_attempts_s": len(failed) * step_s,
+        "slower_steps_s": max(0.0, phase_step - step_s) * len(committed),
         "short_of_replicas_s": short / ref_rate if ref_rate else 0.0,
         "replacement_s_median": statistics.median(replacement) if replacement else None,
     }
@@ -488,7 +506,26 @@ def run_bare(ctx: Context, groups: int, settings: list[tuple[str, list[tuple[flo
 def figures(s: Session, groups: int) -> list[dict[str, Any]]:
     ref_rate = samples_per_s(s.records, *s.ref)
     step_s = step_time(s.records, *s.ref)
-    return [analyse(s.records, ph, ref_rate, step_s, groups) for ph in s.phases]
+    full = step_samples(s.records, *s.ref)
+    return [analyse(s.records, ph, ref_rate, step_s, groups, full) for ph in s.phases]
+
+
+def reanalyse(result: Path, work: Path) -> list[Row]:
+    """The rows again from a kept run (`scripts/bench churn --keep`): its
+    out/bench-churn.json (windows and failures) and the replicas' records in its work
+    directory, read with this module's analysis."""
+    d = json.loads(result.read_text())
+    sessions = []
+    for who, logs, suffix in (("spotctl", work / "churn-spotctl" / "steps", ".jsonl"),
+                              ("bare", work / "churn-bare", ".steps.jsonl")):
+        r = d["runs"][who]
+        s = Session(ref=(r["ref"][0], r["ref"][1]), records=read_records(logs, suffix),
+                    error=d["errors"][who], full_again=r.get("full_again"),
+                    loads=r.get("load_average_1m", []))
+        s.phases = [Phase(p["name"], p["t0"], p["t1"], [Failure(**f) for f in p["failures"]],
+                          p["skipped"]) for p in r["phases"]]
+        sessions.append(s)
+    return _rows(sessions[0], sessions[1], int(d["groups"]), float(d["minutes"]))
 
 
 def _run_json(s: Session) -> dict[str, Any]:
@@ -525,6 +562,11 @@ def bench(ctx: Context, groups: int = 6, minutes: float = 10.0, seed: int = 58,
         {"groups": groups, "minutes": minutes, "seed": seed, "spotctl": fo, "bare": fb,
          "errors": {"spotctl": ours.error, "bare": base.error},
          "runs": {"spotctl": _run_json(ours), "bare": _run_json(base)}}, indent=2) + "\n")
+    return _rows(ours, base, groups, minutes)
+
+
+def _rows(ours: Session, base: Session, groups: int, minutes: float) -> list[Row]:
+    fo, fb = figures(ours, groups), figures(base, groups)
     short = "" if minutes >= 10 else f"; SHORT RUN: {minutes:g} min per setting, not 10"
     rows: list[Row] = []
     for name, _, _ in SETTINGS:
