@@ -11,8 +11,9 @@ once anyway). Failures come at random (seeded), exponential gaps with a fixed me
     both-15    one or the other at random every 15 s
 
 each for `minutes` (default 10) on the same cluster, after a window with no failure whose
-throughput is the reference. The baseline, in the same invocation with the same schedule
-(drawn from the same seed): bare torchft (its own Lighthouse, its own loop:
+throughput is the reference (with another such window after the last setting: the
+efficiency is against their mean, each printed). The baseline, in the same invocation
+with the same schedule (drawn from the same seed): bare torchft (its own Lighthouse, its own loop:
 train_torchft_bare.py, the same model and per-replica batch) where every failure is a
 SIGKILL of the replica's tree (bare torchft has no notice path) and the replica is started
 again RESTART_DELAY_S later, as the "Fault Tolerant Llama" run restarted its replicas.
@@ -93,6 +94,7 @@ class Phase:
 @dataclass
 class Session:
     ref: tuple[float, float] = (0.0, 0.0)  # the no-failure window
+    ref_after: tuple[float, float] | None = None  # another, after the last setting
     phases: list[Phase] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
     error: str = ""
@@ -377,9 +379,11 @@ def _wait(what: str, pred: Callable[[], bool], timeout: float,
 
 
 def run_spotctl(ctx: Context, groups: int, settings: list[tuple[str, list[tuple[float, str]]]],
-                duration_s: float, ref_s: float, seed: int, settle_s: float = 0.0) -> Session:
+                duration_s: float, ref_s: float, seed: int, settle_s: float = 0.0,
+                ref_after: bool = False) -> Session:
     """settle_s: after the last setting, wait up to this long for all `groups` in one
-    quorum again (the head's loop has replaced every node lost) and record when."""
+    quorum again (the head's loop has replaced every node lost) and record when.
+    ref_after: then a second no-failure window (the machine's load drifts)."""
     from . import spotctl_session
 
     work = ctx.subdir("churn-spotctl")
@@ -431,11 +435,16 @@ def run_spotctl(ctx: Context, groups: int, settings: list[tuple[str, list[tuple[
             s.load()
             s.phases.append(_drive(ctx, "churn spotctl", name, sched, duration_s, hit))
             s.load()
-        if settle_s:
+        if settle_s or ref_after:
             t = time.time()
             _wait(f"{groups} replicas back after the last setting",
-                  lambda: _full(read_records(logs), groups, t), settle_s)
+                  lambda: _full(read_records(logs), groups, t), settle_s or 300)
             s.full_again = time.time()
+        if ref_after:
+            t = time.time()
+            time.sleep(ref_s)
+            s.ref_after = (t, time.time())
+            s.load()
     except (RuntimeError, OSError) as e:
         s.error = str(e).splitlines()[0][:300]
         ctx.log(f"churn spotctl failed: {e}")
@@ -447,7 +456,7 @@ def run_spotctl(ctx: Context, groups: int, settings: list[tuple[str, list[tuple[
 
 
 def run_bare(ctx: Context, groups: int, settings: list[tuple[str, list[tuple[float, str]]]],
-             duration_s: float, ref_s: float, seed: int) -> Session:
+             duration_s: float, ref_s: float, seed: int, ref_after: bool = False) -> Session:
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     from tests.elastic.ft_harness import FtReplicas
@@ -494,6 +503,14 @@ def run_bare(ctx: Context, groups: int, settings: list[tuple[str, list[tuple[flo
             s.load()
             s.phases.append(_drive(ctx, "churn bare", name, sched, duration_s, hit, tick))
             s.load()
+        if ref_after:
+            t = time.time()
+            _wait(f"{groups} replicas back after the last setting",
+                  lambda: _full(read_records(work, ".steps.jsonl"), groups, t), 300, tick)
+            t = time.time()
+            time.sleep(ref_s)
+            s.ref_after = (t, time.time())
+            s.load()
     except (RuntimeError, OSError, AssertionError) as e:
         s.error = str(e).splitlines()[0][:300]
         ctx.log(f"churn bare failed: {e}")
@@ -503,10 +520,21 @@ def run_bare(ctx: Context, groups: int, settings: list[tuple[str, list[tuple[flo
     return s
 
 
+def _refs(s: Session) -> list[tuple[float, float]]:
+    return [s.ref] + ([s.ref_after] if s.ref_after else [])
+
+
+def ref_rates(s: Session) -> list[float]:
+    """Samples committed per second in each no-failure window."""
+    return [samples_per_s(s.records, *w) for w in _refs(s)]
+
+
 def figures(s: Session, groups: int) -> list[dict[str, Any]]:
-    ref_rate = samples_per_s(s.records, *s.ref)
-    step_s = step_time(s.records, *s.ref)
-    full = step_samples(s.records, *s.ref)
+    """Each setting's figures against the mean of the no-failure windows."""
+    ws = _refs(s)
+    ref_rate = statistics.mean(ref_rates(s))
+    step_s = statistics.mean(step_time(s.records, *w) for w in ws)
+    full = statistics.mean(step_samples(s.records, *w) for w in ws)
     return [analyse(s.records, ph, ref_rate, step_s, groups, full) for ph in s.phases]
 
 
@@ -519,7 +547,9 @@ def reanalyse(result: Path, work: Path) -> list[Row]:
     for who, logs, suffix in (("spotctl", work / "churn-spotctl" / "steps", ".jsonl"),
                               ("bare", work / "churn-bare", ".steps.jsonl")):
         r = d["runs"][who]
+        after = r.get("ref_after")
         s = Session(ref=(r["ref"][0], r["ref"][1]), records=read_records(logs, suffix),
+                    ref_after=(after[0], after[1]) if after else None,
                     error=d["errors"][who], full_again=r.get("full_again"),
                     loads=r.get("load_average_1m", []))
         s.phases = [Phase(p["name"], p["t0"], p["t1"], [Failure(**f) for f in p["failures"]],
@@ -530,7 +560,9 @@ def reanalyse(result: Path, work: Path) -> list[Row]:
 
 def _run_json(s: Session) -> dict[str, Any]:
     """When each window ran and what was hit (to read the records again)."""
-    return {"ref": list(s.ref), "full_again": s.full_again, "load_average_1m": s.loads,
+    return {"ref": list(s.ref), "ref_after": list(s.ref_after) if s.ref_after else None,
+            "ref_samples_per_s": ref_rates(s),
+            "full_again": s.full_again, "load_average_1m": s.loads,
             "phases": [{"name": p.name, "t0": p.t0, "t1": p.t1, "skipped": p.skipped,
                         "failures": [vars(f) for f in p.failures]} for p in s.phases]}
 
@@ -554,8 +586,8 @@ def bench(ctx: Context, groups: int = 6, minutes: float = 10.0, seed: int = 58,
     settings = [(name, plan(seed + i, kinds, mean, duration))
                 for i, (name, kinds, mean) in enumerate(SETTINGS)]
     ref_s = min(ref_s, max(20.0, duration / 4))
-    ours = run_spotctl(ctx, groups, settings, duration, ref_s, seed)
-    base = run_bare(ctx, groups, settings, duration, ref_s, seed)
+    ours = run_spotctl(ctx, groups, settings, duration, ref_s, seed, ref_after=True)
+    base = run_bare(ctx, groups, settings, duration, ref_s, seed, ref_after=True)
     fo, fb = figures(ours, groups), figures(base, groups)
     (ctx.out / "bench-churn.json").parent.mkdir(parents=True, exist_ok=True)
     (ctx.out / "bench-churn.json").write_text(json.dumps(
@@ -582,6 +614,9 @@ def _rows(ours: Session, base: Session, groups: int, minutes: float) -> list[Row
             note += (f"; {o['failures']} failures ({o['notices']} notices, {o['kills']} kills"
                      + (f", {o['skipped']} skipped" if o["skipped"] else "") + ")")
         note += short
+        rates = [f"{who} " + "/".join(f"{r:.0f}" for r in ref_rates(sess))
+                 for who, sess in (("spotctl", ours), ("bare", base)) if sess.records]
+        note += "; no-failure samples/s before/after: " + ", ".join(rates)
         loads = ours.loads + base.loads
         if loads:
             note += f"; load average {min(loads):g}..{max(loads):g} on {os.cpu_count()} cores"
