@@ -9,7 +9,10 @@ from importlib import import_module
 from typing import Any
 
 NAMES = ("recovery", "lost", "join", "checkpoint", "control", "quorum", "overhead", "network",
-         "scale", "plain")
+         "scale", "plain", "churn")
+# run only when named: churn is three settings of --minutes (default 10) on spotctl and
+# again on bare torchft, an hour and more
+ONLY_BY_NAME = ("churn",)
 
 
 def get(name: str) -> Callable[..., Any]:

@@ -2,7 +2,10 @@
 quorum, gradients averaged with Manager.allreduce (torchft 0.2.0's DDP wrapper asserts in
 its comm hook when a peer is SIGKILLed mid-allreduce, crashing the survivor), each replica
 draws its own batch (the global batch grows and shrinks with membership), no notice path. The baseline of the torchft rows in
-scripts/bench; logs committed steps like tests/elastic/ft_train.py."""
+scripts/bench; logs committed steps like tests/elastic/ft_train.py. FT_LOG_ATTEMPTS=1 (the
+churn benchmark): failed attempts too ("ok": false), and a "start" line when the process is
+up, as train_churn.py logs them; every line carries the quorum id ("q") and this replica's
+samples."""
 
 from __future__ import annotations
 
@@ -48,6 +51,10 @@ def main() -> None:
     max_steps = int(os.environ.get("SPOTCTL_MAX_STEPS", "0")) or 1 << 60
     delay = float(os.environ.get("FT_STEP_DELAY", "0.02"))
     out = open(os.environ["FT_STEP_LOG"], "a", buffering=1)
+    attempts = os.environ.get("FT_LOG_ATTEMPTS") == "1"
+    if attempts:
+        out.write(json.dumps({"t": time.time(), "pid": os.getpid(), "start": True,
+                              "step": manager.current_step()}) + "\n")
     rng = torch.Generator().manual_seed(os.getpid())
     while manager.current_step() < max_steps:
         before = manager.current_step()
@@ -58,8 +65,10 @@ def main() -> None:
         for w in [manager.allreduce(p.grad) for p in m.parameters() if p.grad is not None]:
             w.wait()
         opt.step()  # commit vote
-        if manager.current_step() == before + 1:
-            out.write(json.dumps({"t": time.time(), "step": manager.current_step(),
+        ok = manager.current_step() == before + 1
+        if ok or attempts:
+            out.write(json.dumps({"t": time.time(), "step": before + 1, "ok": ok,
+                                  "q": str(manager._quorum_id), "samples": BATCH,
                                   "replicas": manager.num_participants(), "pid": os.getpid(),
                                   "idx": [], "full_loss": float("nan"), "lr": 0.01}) + "\n")
         if delay:
