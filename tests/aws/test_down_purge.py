@@ -73,9 +73,12 @@ def test_down_keeps_checkpoints_and_purge_deletes_only_this_clusters_prefix(
 def test_purge_without_a_checkpoint_store_is_refused_before_anything_stops(
     home: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The local provider owns no bucket: `down --purge` is one line, exit 2, and the
-    cluster is left as it was (not marked down)."""
-    spec = ClusterSpec.model_validate({"name": "loc", "provider": "local"})
+    """A checkpoint directory the user named (train.checkpoint_dir) is theirs, not
+    spotctl's: `down --purge` is one line, exit 2, and the cluster is left as it was (not
+    marked down). (A local cluster's own checkpoints, in its directory, are purged:
+    tests/e2e/test_cli_no_name.py.)"""
+    spec = ClusterSpec.model_validate({"name": "loc", "provider": "local",
+                                       "train": {"checkpoint_dir": str(home / "mine")}})
     Store().upsert_cluster("loc", "local", spec.model_dump(mode="json"), "running")
     code, out, err = spotctl(capsys, "down", "--name", "loc", "--yes", "--purge")
     assert code == 2 and out == ""
