@@ -71,7 +71,10 @@ def test_a_save_due_while_the_last_one_uploads_waits_for_it_training_does_not(
     latency, steps = 1.5, 160
     with fake_gcs_server("ckpts") as (fake, _):
         fake.storage.upload_latency_s = latency
-        fake.storage.slow_uploads = b".distcp"  # the data and .metadata (which names them)
+        # the data and .metadata (which names them); not the COMMIT nor the list of the
+        # files' digests, small objects that name the data files too
+        fake.storage.slow_uploads = lambda b: (b".distcp" in b and b"COMMIT" not in b
+                                               and b".spotctl-files" not in b)
         c = FtReplicas(tmp_path, steps, every=1, delay=0.05, engine=engine, nproc=2,
                        ckpt_url="gs://ckpts/run-u")
         try:

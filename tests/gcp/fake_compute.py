@@ -295,7 +295,9 @@ class FakeCompute:
                 raw = self.rfile.read(n) if n else b""
                 if FakeStorage.serves(self.path):
                     st = fake.storage
-                    slow = not st.slow_uploads or st.slow_uploads in self.path.encode() + raw[:8192]
+                    blob = self.path.encode() + raw[:8192]
+                    slow = (not st.slow_uploads or (st.slow_uploads(blob)
+                            if callable(st.slow_uploads) else st.slow_uploads in blob))
                     with (fake._in_flight(st, "uploads_now", "max_parallel_uploads",
                                           st.upload_latency_s if slow else 0.0)
                           if self.path.startswith("/upload/") else nullcontext()):

@@ -44,7 +44,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -213,11 +213,12 @@ class FakeStorage:
         self._caller: str | None = None  # the request's account; None: the project owner
         self.callers: list[tuple[str, str | None]] = []  # (route key, account) per request
         # upload requests (/upload/...) in flight at once, at most; each waits this long
-        # (only those whose path or first 8 KiB hold `slow_uploads`, when it is set)
+        # (only those whose path or first 8 KiB hold `slow_uploads`, when it is set; or,
+        # a callable, those it answers true for given those bytes)
         self.uploads_now = 0
         self.max_parallel_uploads = 0
         self.upload_latency_s = 0.0
-        self.slow_uploads = b""
+        self.slow_uploads: bytes | Callable[[bytes], bool] = b""
         # object names holding one of these are refused (403) when uploaded (a failing
         # part) or, in refuse_deletes, when deleted
         self.refuse_names: set[str] = set()
