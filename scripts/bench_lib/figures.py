@@ -351,6 +351,32 @@ def t_control(r: Results) -> str:
     )  # fmt: skip
 
 
+def t_scale(r: Results) -> str:
+    lines = []
+    for n in (8, 16, 32, 64):
+        q = f"quorum latency, {n} replicas"
+        lines.append([str(n), r.ours("scale", q).text(), r.base("scale", q).text(),
+                      r.ours("scale", f"GET /api/status, {n} nodes").text(),
+                      r.ours("scale", f"head CPU, {n} nodes").text(),
+                      r.base("scale", f"head CPU, {n} nodes").text(),
+                      r.ours("scale", f"head memory, {n} nodes").text()])
+    return _table(["nodes", "quorum (ms), the head", "quorum (ms), bare torchft",
+                   "`GET /api/status` (ms)", "head CPU (cores)", "bare Lighthouse CPU (cores)",
+                   "head memory (MiB)"], lines)
+
+
+def t_scale_events(r: Results) -> str:
+    m = [("a notice, until `status` shows it", "notice shown in status, 64 nodes", "ms"),
+         ("a replacement's first heartbeat, until `status` lists it",
+          "replacement shown in status, 64 nodes", "ms"),
+         ("the head's memory over the hold (least squares)", "head memory growth, 65 nodes",
+          "MiB/h"),
+         ("client calls that failed (heartbeats, quorums, notices)", "client calls that failed",
+          "calls")]
+    return _table(["at 64 nodes", "spotctl", "unit"],
+                  [[t, r.ours("scale", k).text(), u] for t, k, u in m])
+
+
 def t_bootstrap(r: Results) -> str:
     ssh, held, inst = ("bootstrap: 64 nodes over SSH", "bootstrap: 64 nodes vs 8 slots held",
                        "bootstrap: 64 nodes, 10 s installs")  # fmt: skip
@@ -663,6 +689,8 @@ TITLES = {  # in the page's order
     "checkpoint-disk": "The Checkpointer against the disk",
     "control": "Control plane",
     "bootstrap": "SSH bootstrap of 64 nodes",
+    "scale": "The control plane at 64 nodes",
+    "scale-events": "The control plane at 64 nodes: events",
     "goodput": "Goodput on spot traces",
     "goodput-whatif": "Goodput: what if",
     "head-attacks": "The head's API under attack",
@@ -676,6 +704,8 @@ BENCH_TABLES: dict[str, Callable[[Results], str]] = {
     "checkpoint-disk": t_checkpoint_disk,
     "control": t_control,
     "bootstrap": t_bootstrap,
+    "scale": t_scale,
+    "scale-events": t_scale_events,
     "ft-partition": t_ft_partition,
     "quorum-stability": t_quorum_stability,
     "head-restart": t_head_restart,
