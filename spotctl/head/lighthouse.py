@@ -62,7 +62,26 @@ class LighthouseTiming:
         )
 
 
-class Lighthouse:
+class _Addresses:
+    """The addresses of a Lighthouse served on host:port, torchft's own on inner_port."""
+
+    host: str
+    port: int
+    inner_port: int
+
+    @property
+    def address(self) -> str:
+        h = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{h}:{self.port}"
+
+    @property
+    def inner_address(self) -> str:
+        """torchft's own server, unfiltered, on loopback (the filter's cost is measured
+        against it)."""
+        return f"http://127.0.0.1:{self.inner_port}"
+
+
+class Lighthouse(_Addresses):
     """A running torchft LighthouseServer on loopback, served on host:port (port 0 = any
     free one) through the filter that passes only its gRPC methods and status page."""
 
@@ -137,17 +156,6 @@ class Lighthouse:
             self.restarts += 1
 
     @property
-    def address(self) -> str:
-        h = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{h}:{self.port}"
-
-    @property
-    def inner_address(self) -> str:
-        """torchft's own server, unfiltered, on loopback (the filter's cost is measured
-        against it)."""
-        return f"http://127.0.0.1:{self.inner_port}"
-
-    @property
     def refused(self) -> int:
         """Connections the filter closed for what they sent."""
         return self._filter.refused
@@ -159,7 +167,7 @@ class Lighthouse:
         self._server.shutdown()
 
 
-class LighthouseProcess:
+class LighthouseProcess(_Addresses):
     """The head's Lighthouse: the same server and filter as `Lighthouse`, in a process of
     their own. The filter parses every frame in Python; in the head's process it shared one
     interpreter lock with the API's thread per request, and at 64 nodes (256 heartbeats a
@@ -210,15 +218,6 @@ class LighthouseProcess:
         self.stop()
         self.restarts += 1
         self._start()
-
-    @property
-    def address(self) -> str:
-        h = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{h}:{self.port}"
-
-    @property
-    def inner_address(self) -> str:
-        return f"http://127.0.0.1:{self.inner_port}"
 
     @property
     def refused(self) -> int:
