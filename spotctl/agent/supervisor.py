@@ -697,7 +697,7 @@ class Agent:
             log.info("NCCL transport: %s", found)
             self.nccl_transport = found
 
-    def _crashed(self, head_answered: bool) -> bool:
+    def _crashed(self, head_answered: bool, workers: list[dict[str, Any]]) -> bool:
         """Whether the workers just failed the same way for the CRASH_LIMIT-th time in a row
         (then torchrun is stopped and stays stopped: state "crashed"). Failures while the
         head does not answer are not counted (a head restarting fails them all alike).
@@ -708,7 +708,7 @@ class Agent:
         tr = self.torchrun
         if self.cfg.engine == "torchft" and (tr is None or tr.poll() in (None, 0)):
             return False
-        steps = [int(w.get("step") or 0) for w in self.read_workers()]
+        steps = [int(w.get("step") or 0) for w in workers]
         if not self.crash.look(max(steps) if steps else None, count=head_answered):
             return False
         self.error = self.crash.line
@@ -722,13 +722,14 @@ class Agent:
         return True
 
     def step(self) -> None:
-        workers = self._present(self._live_workers(self.read_workers()))
+        every = self.read_workers()  # read once a tick: live ones report, all count steps
+        workers = self._present(self._live_workers(every))
         self._watch_nccl()
         reply = self._heartbeat(workers)
         if reply is not None and reply.get("engine") == "torchrun" and self.cfg.engine == "torchft":
             self._switch_to_torchrun()
             return
-        if self.state == "crashed" or self._crashed(reply is not None):
+        if self.state == "crashed" or self._crashed(reply is not None, every):
             return
         if self.state in ("waiting", "failed") and self.torchrun is None \
                 and not self._gpus_ready():

@@ -28,7 +28,6 @@ report "drained" to the agent and wait to be stopped (never exit 0 mid-job).
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import signal
@@ -71,7 +70,13 @@ from spotctl.elastic.data import (  # noqa: E402
     micro_slices,
     split_batch,
 )
-from spotctl.elastic.plain import notice, notice_saved, own_init, report  # noqa: E402
+from spotctl.elastic.plain import (  # noqa: E402
+    notice,
+    notice_saved,
+    own_init,
+    report,
+    write_status,
+)
 
 _T_IMPORTED = time.time()
 
@@ -845,13 +850,7 @@ class Run:
             "epoch": self.epoch, "offset": self.offset,
             "startup": getattr(self, "startup", None), "micro_batch": self.micro_batch,
         }
-        path = self.status_dir / f"worker-{self.local_rank}.json"
-        tmp = path.with_suffix(".tmp")
-        try:
-            tmp.write_text(json.dumps(rep))
-            os.replace(tmp, path)
-        except OSError:
-            pass
+        write_status(self.status_dir, self.local_rank, rep)
 
 
 def log_to_stderr() -> None:

@@ -38,7 +38,6 @@ from __future__ import annotations
 import collections
 import gc
 import hashlib
-import json
 import logging
 import os
 import statistics
@@ -62,6 +61,7 @@ from spotctl.elastic import (
     _set_rng_state,
     micro_slices,
     peerload,
+    write_status,
 )
 from spotctl.elastic.ftwatch import Watch, status_page
 
@@ -529,7 +529,7 @@ class FtRun(Run):
         # torchft regroups before the head learns why)
         self.regroup_pause_s: float | None = None
         self._last_commit_t: float | None = None
-        self._gaps: list[float] = []
+        self._gaps: collections.deque[float] = collections.deque(maxlen=20)
         self._regroup_from: tuple[float, float] | None = None
         # seconds the last next_step() waited for its (synchronous) quorum: the per-step
         # price of splitting each step's batch over its quorum (scripts/bench quorum)
@@ -891,7 +891,7 @@ class FtRun(Run):
             if self._last_commit_t is not None:
                 usual = statistics.median(self._gaps) if self._gaps else 0.0
                 self._regroup_from = (self._last_commit_t, usual)
-            self._gaps = []
+            self._gaps.clear()
         if self.max_steps and self.step >= self.max_steps:  # healed to the end
             return False
         return True
@@ -1037,7 +1037,7 @@ class FtRun(Run):
                 self._regroup_from = None
             self._report(force=True)
         elif self._last_commit_t is not None:
-            self._gaps = [*self._gaps[-19:], t - self._last_commit_t]
+            self._gaps.append(t - self._last_commit_t)
         self._last_commit_t = t
         # (every replica keeps the timer in step; replica 0 of the quorum saves)
         if self._save_now() and self.replica_rank == 0:
@@ -1102,13 +1102,7 @@ class FtRun(Run):
             "regroup_pause_s": self.regroup_pause_s,
             "manager": getattr(self, "manager_address", ""),
         }
-        path = self.status_dir / f"worker-{self.local_rank}.json"
-        tmp = path.with_suffix(".tmp")
-        try:
-            tmp.write_text(json.dumps(rep))
-            os.replace(tmp, path)
-        except OSError:
-            pass
+        write_status(self.status_dir, self.local_rank, rep)
 
     def finish(self) -> None:
         """End of training: the replica of rank 0 in the last quorum writes the final

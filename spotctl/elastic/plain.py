@@ -149,7 +149,14 @@ def _write(force: bool = False) -> None:
     if not force and now - _last_write < REPORT_EVERY_S:
         return
     _last_write = now
-    path = Path(d) / f"worker-{rep['local_rank']}.json"
+    write_status(Path(d), int(rep["local_rank"]), rep)
+
+
+def write_status(status_dir: Path, local_rank: int, rep: dict[str, Any]) -> None:
+    """A worker's status file for its agent (worker-<local rank>.json), replaced whole; a
+    write that fails is skipped (the next report writes it again). Run, FtRun and a plain
+    script's report all write through here."""
+    path = status_dir / f"worker-{local_rank}.json"
     tmp = path.with_suffix(".tmp")
     try:
         tmp.write_text(json.dumps(rep))
@@ -234,10 +241,7 @@ def notice_saved(step: int | None = None) -> None:
 
 
 def _process_start() -> float:
-    try:
-        fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
-        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
-        uptime = float(open("/proc/uptime").read().split()[0])
-        return time.time() - (uptime - started)
-    except (OSError, ValueError, IndexError):
-        return 0.0
+    """Unix time this process started (spotctl.elastic's reading of /proc)."""
+    from spotctl.elastic import _process_start_time
+
+    return _process_start_time()
