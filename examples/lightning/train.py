@@ -70,6 +70,7 @@ def build(argv: list[str] | None = None) -> tuple[L.Trainer, Regressor, DataLoad
     trainer = L.Trainer(
         accelerator="cpu", strategy="ddp", max_steps=a.max_steps, **torchrun_layout(),
         accumulate_grad_batches=accumulation_steps(a.global_batch, a.per_device_batch),
+        gradient_clip_val=1.0,  # as users clip: the equivalence holds with it
         use_distributed_sampler=False, callbacks=[SpotctlCallback(ckpt)],
         logger=L.loggers.CSVLogger(a.out, name="logs"), log_every_n_steps=1,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
