@@ -146,6 +146,7 @@ class Node:
         self.step = 0
         self.notice: dict[str, Any] | None = None
         self.errors = 0
+        self.beats = 0  # heartbeats the head answered
         self.quorums: list[tuple[int, float, float]] = []  # (step, asked, answered)
         self.replicas = 0
         loops = (self._manager_beat, self._replica) if head is None else (
@@ -170,6 +171,7 @@ class Node:
             try:
                 assert self.client is not None
                 self.client.heartbeat(body)
+                self.beats += 1
             except Exception:
                 self.errors += 1
             self.stop.wait(max(0.0, AGENT_TICK_S - (time.monotonic() - t0)))
@@ -347,6 +349,7 @@ def bench(ctx: Context, sizes: tuple[int, ...] = SIZES, window_s: float = 15.0,
         # memory over a longer hold: the slope says whether it is flat
         ctx.log(f"scale: holding {len(nodes)} nodes for {hold_s:.0f} s (memory)")
         samples: list[tuple[float, float]] = []
+        beats0, held0 = sum(n.beats for n in nodes), time.monotonic()
         t_end = time.monotonic() + hold_s
         while time.monotonic() < t_end:
             samples.append((time.monotonic(), _rss_mib(head.pid)))
@@ -358,9 +361,11 @@ def bench(ctx: Context, sizes: tuple[int, ...] = SIZES, window_s: float = 15.0,
             mx, my = statistics.fmean(xs), statistics.fmean(ys)
             den = sum((x - mx) ** 2 for x in xs) or 1.0
             slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den * 3600
+        rate = (sum(n.beats for n in nodes) - beats0) / max(1e-9, time.monotonic() - held0)
         rows.append(row("scale", f"head memory growth, {len(nodes)} nodes", [slope], [],
                         "MiB/h", f"least squares over {hold_s:.0f} s ({len(samples)} samples, "
-                        f"{samples[0][1]:.0f} -> {samples[-1][1]:.0f} MiB); goal: flat"))
+                        f"{samples[0][1]:.0f} -> {samples[-1][1]:.0f} MiB, {rate:.0f} heartbeats/s "
+                        f"answered, {len(nodes) / AGENT_TICK_S:.0f}/s due); goal: flat"))
         errors = sum(n.errors for n in nodes)
         rows.append(row("scale", "client calls that failed", [errors], [], "calls",
                         "heartbeats, quorums and notices of every simulated node"))
