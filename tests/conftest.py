@@ -277,6 +277,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def documented_median(metric_prefix: str) -> float:
+    """The median of the docs' figure (docs/figures/bench-results.json, the table in
+    docs/benchmarks.md) whose metric starts with `metric_prefix`: slow tests bound what
+    they measure by a multiple of it, so the bound moves with the figure it guards."""
+    rows = json.loads((REPO / "docs" / "figures" / "bench-results.json").read_text())["rows"]
+    found = [r for r in rows if r["metric"].startswith(metric_prefix)]
+    assert len(found) == 1, f"{len(found)} documented figures named {metric_prefix!r}"
+    return float(found[0]["spotctl"]["median"])
+
+
 def wait_until(
     pred: Callable[[], T], timeout: float, what: str, interval: float = 0.2,
     on_timeout: Callable[[], str] | None = None,

@@ -19,6 +19,7 @@ from bench_lib import NAMES, get, steplog  # noqa: E402
 from bench_lib.core import Context, Row, Stat, fmt_stat, table  # noqa: E402
 
 from spotctl.errors import SpecError  # noqa: E402
+from tests.conftest import documented_median  # noqa: E402
 
 
 def _ctx(tmp_path: Path) -> Context:
@@ -207,8 +208,10 @@ def test_cluster_benchmarks_smoke(cluster_ctx: Context, name: str, count: int) -
         assert keys <= set(sim.get(engine, {})), (engine, sim)
     assert "hard_recovery_s" not in sim.get("torchft", {}), sim
     # generous bounds on the figures the docs show (docs/figures/bench-results.json): they
-    # catch a regression to torch's default timeouts or to a lost step, not noise
-    bound = {"torchft: pause at a notice": 1.0, "torchft: training pause at a join": 2.0,
+    # catch a regression to torch's default timeouts or to a lost step, not noise; the
+    # torchft join's is 10 x its documented figure (0.05 s: 0.5 s)
+    join_most = 10 * documented_median("torchft: training pause at a join")
+    bound = {"torchft: pause at a notice": 1.0, "torchft: training pause at a join": join_most,
              "notice -> first step at new size": 20.0, "training pause (": 20.0,
              "torchft: steps lost per notice": 0, "steps lost per notice": 0}  # fmt: skip
     for r in rows:

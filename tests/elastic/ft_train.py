@@ -11,7 +11,9 @@ unscale_, step, update), gradient clipping to FT_CLIP (default 0.05, so it alway
 the gradient norm logged, and the step's global mean loss from run.all_reduce; each is
 logged ("norm", "scale", "gloss") to compare with an uninterrupted one-process run.
 FT_FREEZE=<node>:k: that node's worker stops itself (SIGSTOP) at the start of step k,
-inside its quorum. After finish(), <log>.finish records how long it took and the threads still
+inside its quorum. FT_DIE_GATE=<file>: once the file exists, the worker's next step dies
+right after its commit vote (FT_USER=1), before its metric all_reduce: SIGKILL of its
+torchrun agent and of itself, as a VM that vanishes there. After finish(), <log>.finish records how long it took and the threads still
 running."""
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def main() -> None:
     user = os.environ.get("FT_USER") == "1"
     clip = float(os.environ.get("FT_CLIP", "0.05"))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=7) if user else None
+    die_gate = os.environ.get("FT_DIE_GATE")
     gate = os.environ.get("FT_JOIN_GATE")
     while gate and not os.path.exists(gate):  # a pre-started joiner waits here, imports done
         time.sleep(0.01)
@@ -89,7 +92,10 @@ def main() -> None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor over the replica's shards
                 norm = norm.full_tensor()
-            scaler.step(opt)
+            scaler.step(opt)  # the commit vote (the first optimizer.step of the step)
+            if die_gate and os.path.exists(die_gate):
+                os.kill(os.getppid(), signal.SIGKILL)  # torchrun's agent: no restart
+                os.kill(os.getpid(), signal.SIGKILL)
             scaler.update()
             user_log = {"norm": float(norm), "scale": scaler.get_scale(),
                         "gloss": run.all_reduce(loss_sum, "sum") / run.step_samples,

@@ -19,6 +19,7 @@ if importlib.util.find_spec("torchft") is None:
     pytest.skip("torchft is not installed (the 'ft' extra)", allow_module_level=True)
 os.environ.setdefault("RUST_LOG", "warn")
 
+from tests.conftest import documented_median  # noqa: E402
 from tests.elastic.ft_harness import FtReplicas, pause_at  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -87,5 +88,7 @@ def test_straggler_is_waited_for_and_notice_kill_join_pause_briefly(
     pk = pause_at(logs["r0"], t_kill, 1)
     pj = pause_at(logs["r0"], t_join, 2)
     print(f"late quorums {len(late)}; pauses (s): notice {pn:.3f} kill {pk:.3f} join {pj:.3f}")
-    # generous bounds on a loaded 2-core machine (goals 0.3 / 1 / 0.2 s)
-    assert pn < 1.0 and pk < 2.0 and pj < 2.0, (pn, pk, pj)
+    # generous bounds on a loaded 2-core machine (goals 0.3 / 1 / 0.2 s); the join's is
+    # 10 x the join pause docs/benchmarks.md shows (0.05 s: 0.5 s), not 40 x (2 s)
+    join_most = 10 * documented_median("torchft: training pause at a join")
+    assert pn < 1.0 and pk < 2.0 and pj < join_most, (pn, pk, pj, join_most)

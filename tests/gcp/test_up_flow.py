@@ -13,7 +13,9 @@ train script) really run.
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -22,8 +24,8 @@ import pytest
 from tests.conftest import (
     CloudFlow,
     free_port,
+    lighthouse_status,
     remote_worker_reports,
-    run_spanning_group_flow,
     use_torchft,
     wait_until,
 )
@@ -71,33 +73,16 @@ def test_four_nodes_up_status_notice_down_on_fake_compute_leave_nothing(
     assert flow.state_left() == CloudFlow.CLEAN
 
 
-def test_one_replica_group_spans_two_instances_on_fake_compute(
-    gcp_flow: Callable[..., CloudFlow], fake: FakeCompute
-) -> None:
-    """`[train] nodes_per_replica = 2` on GCP: two spot VMs make one replica group under
-    one torchrun (tests/conftest.py's run_spanning_group_flow says what is checked). The
-    torchft engine on GCP: the head VM's `spotctl head` runs torchft's Lighthouse, both
-    nodes' agents are configured with it and the group trains in its quorum (one replica
-    per node is the AWS test's: tests/aws/test_up_flow.py). `down` leaves nothing."""
-    flow = gcp_flow("g2-standard-4")
-    out = run_spanning_group_flow(flow, "gcp")
-    lighthouse = out["head_json"]["lighthouse"]
-    assert lighthouse.startswith("http://127.0.0.1:"), out["head_json"]
-    assert out["head"]["lighthouse"] == lighthouse, out["head"]  # recorded in the state dir
-    for node, cfg in out["agents"].items():
-        assert (cfg["engine"], cfg["lighthouse"]) == ("torchft", lighthouse), (node, cfg)
-    # the group's replica (g0, both nodes' ranks) is in the Lighthouse's quorum
-    assert "<b>g0:" in out["lighthouse_status"], out["lighthouse_status"]
-    assert gcp_leftovers(fake) == GCP_NOTHING
-    assert flow.leftover() == []
-
-
 def test_a_notice_in_a_spanning_group_takes_that_group_out_on_fake_compute(
     gcp_flow: Callable[..., CloudFlow], fake: FakeCompute
 ) -> None:
     """Issue 29 on a cloud: four GCP VMs as two replica groups of two nodes
     (`[train] nodes_per_replica = 2`), each group one torchrun across its VMs over the
-    loopback sshd, on the head VM's Lighthouse. GCP's 30 s notice on the second node of
+    loopback sshd, on the head VM's Lighthouse. The torchft engine on GCP: the head VM's
+    `spotctl head` runs torchft's Lighthouse, every node's agent is configured with it and
+    told its group's size, both groups train in its quorum (one replica per node is the
+    AWS test's: tests/aws/test_up_flow.py; a two-VM group ran here in a test of its own,
+    which this one's checks cover). GCP's 30 s notice on the second node of
     one group (not the one whose address serves the group's Manager): judged by the
     workers' own reports, both of that group's workers drain after the same committed
     step and stay the processes that trained before; the other group's workers never
@@ -130,6 +115,31 @@ def test_a_notice_in_a_spanning_group_takes_that_group_out_on_fake_compute(
     assert all(r["world_size"] == 4 and r["replicas"] == 2 for r in reps.values()), reps
     for members in groups.values():  # one Manager per group, the group's own
         assert len({reps[n]["manager"] for n in members}) == 1, reps
+    # the head VM's Lighthouse: on its loopback, recorded in the state dir, the one every
+    # agent was configured with (and its group's size); both groups in its quorum; the
+    # head knows its cluster's engine
+    cdir = flow.remote / flow.name
+    head_json = json.loads((cdir / "head" / "head" / "head.json").read_text())
+    lighthouse = head_json["lighthouse"]
+    assert lighthouse.startswith("http://127.0.0.1:"), head_json
+    from spotctl.state import Store
+
+    store = Store(flow.home)
+    try:
+        assert dict(store.get_cluster(flow.name).head)["lighthouse"] == lighthouse
+    finally:
+        store.close()
+    for n in st["nodes"]:
+        cfg = json.loads((cdir / n["id"] / "agent.json").read_text())
+        assert (cfg["engine"], cfg["lighthouse"], cfg["replica_nodes"]) == (
+            "torchft", lighthouse, 2), (n["id"], cfg)
+    page = lighthouse_status(lighthouse)
+    assert all(f"<b>{g}:" in page for g in groups), (sorted(groups), page)
+    token = (flow.home / "clusters" / flow.name / "token").read_text().strip()
+    req = urllib.request.Request(head_json["url"] + "/api/status",
+                                 headers={"Authorization": f"Bearer {token}"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert json.load(r)["engine"] == "torchft"
     group = sorted(groups)[-1]
     first, victim = sorted(groups[group], key=lambda n: reps[n]["rank"])
     others = sorted(n for g, v in groups.items() if g != group for n in v)

@@ -234,16 +234,22 @@ def test_up_torchft_over_reverse_tunnels_on_two_ssh_hosts(
 
 
 @over_sshd
-def test_one_replica_group_spans_two_ssh_hosts(
+def test_one_replica_group_spans_two_ssh_hosts_and_a_notice_on_the_second_takes_it_out(
     sshd_factory: SshdFactory, client_key: Path, tmp_path: Path
 ) -> None:
     """`[train] nodes_per_replica = 2` on the ssh provider: two hosts (two sshd on
     loopback, each behind its reverse forward of the head) make one replica group under
     one torchrun. The workers' own reports: ranks 0 and 1 of a world of 2, one replica,
     the same Manager address, steps advancing with the same worker pids; the head puts
-    both nodes in one group; `down` ends every process. (Both hosts are this machine's
-    loopback, so the group's Manager is on loopback with no filter, as a one-node group's:
-    tests/e2e/test_network_partition.py -k span covers the filter across real links.)"""
+    both nodes in one group. (Both hosts are this machine's loopback, so the group's
+    Manager is on loopback with no filter, as a one-node group's:
+    tests/e2e/test_network_partition.py -k span covers the filter across real links.)
+
+    Then, on the same cluster (one bring-up for both parts), a notice on the group's
+    second host (its notice file appears; the group's Manager is on the first): judged by
+    the workers' own reports, both hosts' workers drain after the same committed step, as
+    the processes that trained before; the journal has the notice from that host's file
+    and its leave; the first host waits for a replacement; `down` ends every process."""
     with two_ssh_hosts(sshd_factory, client_key, tmp_path, "ftg",
                        "nodes_per_replica = 2\n") as proj:  # fmt: skip
         nodes = proj.nodes
@@ -258,21 +264,8 @@ def test_one_replica_group_spans_two_ssh_hosts(
         pids = {n: proj.report(n)["pid"] for n in nodes}
         assert pids == {n: r["pid"] for n, r in reports.items()}, "a worker restarted"
 
-
-@over_sshd
-def test_a_notice_on_the_second_host_takes_the_spanning_group_out(
-    sshd_factory: SshdFactory, client_key: Path, tmp_path: Path
-) -> None:
-    """A notice on the group's second host (its notice file appears; the group's Manager
-    is on the first): judged by the workers' own reports, both hosts' workers drain after
-    the same committed step, as the processes that trained before; the journal has the
-    notice from that host's file and its leave; the first host waits for a replacement."""
-    with two_ssh_hosts(sshd_factory, client_key, tmp_path, "ftn",
-                       "nodes_per_replica = 2\n") as proj:  # fmt: skip
-        nodes = proj.nodes
-        reports = {n: proj.report(n) for n in nodes}
+        # the notice on the second host
         first, second = sorted(nodes, key=lambda n: reports[n]["rank"])
-        pids = {n: r["pid"] for n, r in reports.items()}
         n0 = len(proj.events())
         (tmp_path / f"notice-{second}").write_text("")
 
@@ -298,7 +291,7 @@ def test_a_notice_on_the_second_host_takes_the_spanning_group_out(
         # the partner waits for a replacement (its agent's own log), not finished: the
         # agent says so once its torchrun has exited, which may come after the journal's
         # leave
-        agent_log = proj.remote / "ftn" / first / "agent.log"
+        agent_log = proj.remote / "ftg" / first / "agent.log"
         wait_until(lambda: "left the quorum" in agent_log.read_text(), 60,
                    "the first host's agent to see its group leave", 0.5,
                    lambda: agent_log.read_text()[-2000:])

@@ -78,8 +78,9 @@ def test_a_failed_ft_check_says_what_the_workers_said(tmp_path: Path,
 @pytest.mark.slow  # two replica groups in fresh processes, a join, one frozen
 def test_ft_vanish_check_logic_passes_on_cpu_with_gloo(tmp_path: Path) -> None:
     """ft-vanish with gloo: the first replica group freezes mid-step (SIGSTOP) with a
-    cross-replica timeout of 34 s; the second gives the step up on its stale heartbeats
-    and trains on alone within the check's bound."""
+    cross-replica timeout of 16 s; the second gives the step up on its stale heartbeats
+    (2 s stale: 2.4 s measured in tests/e2e/test_ft_vanished.py) and trains on alone,
+    well before that timeout would have ended the step."""
     import importlib.util
 
     if importlib.util.find_spec("torchft") is None:
@@ -88,7 +89,7 @@ def test_ft_vanish_check_logic_passes_on_cpu_with_gloo(tmp_path: Path) -> None:
     ok, detail = check["ft_check"](str(tmp_path), cuda=False, vanish=True)
     assert ok, detail
     waited = float(detail.rsplit("waited ", 1)[1].split(" s")[0])
-    assert waited < 30, detail
+    assert waited < 12, detail  # the timeout (16 s) would show as >= 16
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA machine runs the real checks")
