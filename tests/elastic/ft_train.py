@@ -11,11 +11,14 @@ unscale_, step, update), gradient clipping to FT_CLIP (default 0.05, so it alway
 the gradient norm logged, and the step's global mean loss from run.all_reduce; each is
 logged ("norm", "scale", "gloss") to compare with an uninterrupted one-process run.
 FT_FREEZE=<node>:k: that node's worker stops itself (SIGSTOP) at the start of step k,
-inside its quorum. After finish(), <log>.finish records how long it took and the threads still
+inside its quorum. Every record has the model's parameters' digest and the outer step
+(diloco/localsgd: SPOTCTL_SYNC); a sync nobody applied is a record {"rewound": k, "step":
+the round's start}. After finish(), <log>.finish records how long it took and the threads still
 running."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -97,17 +100,27 @@ def main() -> None:
         else:
             opt.step()
         sched.step()
+        failed_syncs = getattr(run, "failed_syncs", 0)
         run.end_step(loss=loss_sum)
-        if run.step == before + 1:
+        if getattr(run, "failed_syncs", 0) != failed_syncs:
+            # diloco/localsgd: the round's sync was applied by nobody; back at its start
+            out.write(json.dumps({"t": time.time(), "rewound": before + 1, "step": run.step,
+                                  "pid": os.getpid(), "dropped": run.dropped_steps}) + "\n")
+        elif run.step == before + 1:
             with torch.no_grad():
                 full = float(((model(x) - y) ** 2).mean())
+                # the parameters as this worker holds them (after a sync: the synced ones)
+                digest = hashlib.sha1(b"".join(
+                    (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().numpy()
+                    .tobytes() for p in model.parameters())).hexdigest()
             out.write(json.dumps({
                 "t": time.time(), "step": run.step, "idx": idx, "full_loss": full,
                 "replicas": getattr(run, "replicas", 1), "pid": os.getpid(),
                 "quorum_s": getattr(run, "quorum_s", None),
                 "lr": sched.get_last_lr()[0], "wrapper": type(run.model).__name__,
                 "loaders": getattr(loader, "restarts", None),
-                "healed": getattr(run, "healed_in_place", None), **user_log,
+                "healed": getattr(run, "healed_in_place", None),
+                "outer": getattr(run, "outer_step", None), "digest": digest, **user_log,
             }) + "\n")
         if delay:
             time.sleep(delay)
