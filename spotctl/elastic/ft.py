@@ -547,6 +547,7 @@ class FtRun(Run):
         self._outer = (OuterSync(list(_unwrap(self.model).named_parameters()), self.sync)
                        if self.sync.local else None)
         self._round: dict[str, Any] | None = None
+        self._outer_in_ckpt = True  # (False while restoring a checkpoint written on ddp)
         self.failed_syncs = 0
         self.dropped_steps = 0
         self.sync_s = 0.0  # seconds the last sync took (its averaging and vote)
@@ -845,9 +846,22 @@ class FtRun(Run):
 
     def _state(self, with_extra: bool = True) -> dict[str, Any]:
         st = super()._state(with_extra)
-        if getattr(self, "_outer", None) is not None:
+        if getattr(self, "_outer", None) is not None and self._outer_in_ckpt:
             st["outer"] = self._outer.state()  # type: ignore[union-attr]
         return st
+
+    def _restore(self) -> int:
+        """As Run's; diloco/localsgd resuming from a checkpoint written on ddp (a job
+        switched to it) starts its outer optimizer fresh (the checkpoint has none)."""
+        steps = self.ckpt.committed_list()
+        if self._outer is not None and steps:
+            meta = [self.ckpt.read_meta(steps[0]) if self.rank == 0 else None]
+            dist.broadcast_object_list(meta, src=0, group=self.ctl_pg)
+            self._outer_in_ckpt = (meta[0] or {}).get("sync", "ddp") != "ddp"
+        try:
+            return super()._restore()
+        finally:
+            self._outer_in_ckpt = True
 
     def _meta(self) -> dict[str, Any]:
         return {**super()._meta(), "sync": self.sync.mode, "sync_every": self.sync.every}

@@ -10,7 +10,7 @@ FT_USER=1: what training scripts do between backward() and step(): a GradScaler 
 unscale_, step, update), gradient clipping to FT_CLIP (default 0.05, so it always clips),
 the gradient norm logged, and the step's global mean loss from run.all_reduce; each is
 logged ("norm", "scale", "gloss") to compare with an uninterrupted one-process run.
-FT_FREEZE=<node>:k: that node's worker stops itself (SIGSTOP) at the start of step k,
+FT_OPT=sgd: SGD with momentum instead of AdamW. FT_FREEZE=<node>:k: that node's worker stops itself (SIGSTOP) at the start of step k,
 inside its quorum. Every record has the model's parameters' digest and the outer step
 (diloco/localsgd: SPOTCTL_SYNC); a sync nobody applied is a record {"rewound": k, "step":
 the round's start}. After finish(), <log>.finish records how long it took and the threads still
@@ -46,7 +46,8 @@ def main() -> None:
 
         dev = elastic.init()  # the replica group's own process group
         fully_shard(model, mesh=init_device_mesh(dev.type, (dist.get_world_size(),)))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+           if os.environ.get("FT_OPT") == "sgd" else torch.optim.AdamW(model.parameters(), lr=0.01))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.05 * s))
     user = os.environ.get("FT_USER") == "1"
     clip = float(os.environ.get("FT_CLIP", "0.05"))
