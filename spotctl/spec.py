@@ -240,17 +240,6 @@ class TrainSpec(_Strict):
                                  f"0..120, not {grace[:20]!r}")
         return v
 
-    @model_validator(mode="after")
-    def _sync_keys(self) -> TrainSpec:
-        outer = sorted({"outer_lr", "outer_momentum"} & self.model_fields_set)
-        if self.sync != "diloco" and outer:
-            raise ValueError(f"{' and '.join(outer)} apply to sync = \"diloco\" only (this "
-                             f"spec has sync = {self.sync!r})")
-        if self.sync == "ddp" and "sync_every" in self.model_fields_set:
-            raise ValueError("sync_every applies to sync = \"diloco\" or \"localsgd\" only "
-                             "(with \"ddp\" every step syncs)")
-        return self
-
     def worker_env(self) -> dict[str, str]:
         """The workers' environment from this section: `env`, and the sync settings
         spotctl.elastic reads (SPOTCTL_SYNC...) when they are not the default."""

@@ -922,6 +922,7 @@ class FtRun(Run):
         self._grads_synced = False
         if self._outer is not None and self._round is not None:
             self.quorum_s = 0.0  # inside a round: no quorum, the round's split holds
+            self.ckpt.poll()  # (a save started at the round's start commits when written)
             return True
         t_quorum = time.perf_counter()
         self.manager.start_quorum()  # sync: quorum, PG reconfigure, healing applied
