@@ -1265,6 +1265,7 @@ class FtRun(Run):
             "manager": getattr(self, "manager_address", ""),
             "sync": self.sync.mode, "outer_step": self.outer_step,
             "failed_syncs": self.failed_syncs, "dropped_steps": self.dropped_steps,
+            "sync_s": round(self.sync_s, 4),
         }
         write_status(self.status_dir, self.local_rank, rep)
 
