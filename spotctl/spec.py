@@ -32,6 +32,7 @@ else:  # Python 3.10 (e.g. the AWS Deep Learning AMI's): the same parser, from P
 PROVIDERS = ("local", "aws", "gcp", "ssh")
 Engine = Literal["torchrun", "torchft"]  # [train] engine
 ENGINES: tuple[str, ...] = get_args(Engine)
+Sync = Literal["ddp", "diloco", "localsgd"]  # [train] sync
 DEFAULT_ENGINE: Engine = "torchft"  # the spec's, `spotctl init`'s and `scripts/chaos`'s
 SPEC_FILE = "spotctl.toml"
 _NAME_RE = re.compile(r"[a-z][a-z0-9-]{0,38}[a-z0-9]|[a-z]")  # fullmatch: no trailing \n
@@ -196,6 +197,19 @@ class TrainSpec(_Strict):
     # the others wait for a replacement, and the group then heals from a live one. Make
     # gpus.min and gpus.max whole groups: the nodes of a group not yet full wait.
     nodes_per_replica: int = Field(default=1, ge=1, le=64)
+    # How replica groups combine their training (torchft engine only). "ddp": every step's
+    # gradients are averaged across all groups (one model, one global batch). "diloco":
+    # each group trains on its own for `sync_every` steps, then the groups average their
+    # progress and an outer Nesterov SGD (`outer_lr`, `outer_momentum`) applies it;
+    # "localsgd": the same with plain parameter averaging. For groups in different zones
+    # or regions (docs/guides/diloco.md); the math differs from "ddp".
+    sync: Sync = "ddp"
+    # diloco/localsgd: local steps between two syncs of the replica groups (H).
+    sync_every: int = Field(default=100, ge=1, le=1_000_000)
+    # diloco: the outer optimizer's learning rate (1.0 with outer_momentum 0 is localsgd).
+    outer_lr: float = Field(default=0.7, gt=0, le=100, allow_inf_nan=False)
+    # diloco: the outer optimizer's Nesterov momentum (0 = none).
+    outer_momentum: float = Field(default=0.9, ge=0, lt=1, allow_inf_nan=False)
     # On cloud nodes, where the bootstrap has root, training workers run as this
     # unprivileged user (created if missing) and cannot read the node's credential;
     # "" = they run as the agent's user. Local nodes always run as you.
@@ -225,6 +239,17 @@ class TrainSpec(_Strict):
                 raise ValueError("SPOTCTL_NOTICE_GRACE_S must be a number of seconds within "
                                  f"0..120, not {grace[:20]!r}")
         return v
+
+    def worker_env(self) -> dict[str, str]:
+        """The workers' environment from this section: `env`, and the sync settings
+        spotctl.elastic reads (SPOTCTL_SYNC...) when they are not the default."""
+        out = dict(self.env)
+        if self.sync != "ddp":
+            out.update(SPOTCTL_SYNC=self.sync, SPOTCTL_SYNC_EVERY=str(self.sync_every))
+            if self.sync == "diloco":
+                out.update(SPOTCTL_OUTER_LR=repr(self.outer_lr),
+                           SPOTCTL_OUTER_MOMENTUM=repr(self.outer_momentum))
+        return out
 
     @field_validator("run_as")
     @classmethod
@@ -497,6 +522,11 @@ class ClusterSpec(_Strict):
             raise ValueError(
                 f"[train] nodes_per_replica = {self.train.nodes_per_replica} needs engine "
                 "'torchft' (on torchrun every node is already in one group)")
+        if self.train.sync != "ddp" and self.train.engine != "torchft":
+            raise ValueError(
+                f"[train] sync = {self.train.sync!r} runs on engine \"torchft\" only (replica "
+                f"groups synced through its Manager); this spec has engine = "
+                f"{self.train.engine!r}")
         k = self.train.nodes_per_replica
         # a node has at least one GPU: whole groups are multiples of k GPUs (of k x the
         # node's GPUs where the spec says how many)

@@ -64,6 +64,7 @@ from spotctl.elastic import (
     write_status,
 )
 from spotctl.elastic.ftwatch import Watch, status_page
+from spotctl.elastic.outer import OuterSync, SyncConfig
 
 log = logging.getLogger("spotctl.elastic.ft")
 # cross-replica collectives and heals: a live replica held up (a first torch.compile step,
@@ -510,6 +511,9 @@ class FtRun(Run):
         if not env.get("TORCHFT_LIGHTHOUSE"):
             raise SystemExit("spotctl.elastic: SPOTCTL_ENGINE=torchft needs TORCHFT_LIGHTHOUSE "
                              "(the head's Lighthouse address; the agent sets it)")
+        # [train] sync: "ddp" (every step across replica groups) or groups that train on
+        # their own and sync every H steps (spotctl.elastic.outer); _wrap reads it
+        self.sync = SyncConfig.from_env(env)
         # the replica group's own process group, wrappers, state parts, checkpointer
         t_init = self._setup(
             model, optimizer, dataset_size, global_batch, seed, epochs, max_steps,
@@ -537,8 +541,20 @@ class FtRun(Run):
         # a periodic checkpoint's step, saved once this replica has asked for the next
         # quorum (see _save_due_checkpoint)
         self._save_due: int | None = None
+        # diloco/localsgd: the synced parameters and the outer optimizer, the state of the
+        # round's start (what a sync nobody applies rewinds to), the syncs that failed and
+        # the local steps they dropped
+        self._outer = (OuterSync(list(_unwrap(self.model).named_parameters()), self.sync)
+                       if self.sync.local else None)
+        self._round: dict[str, Any] | None = None
+        self._outer_in_ckpt = True  # (False while restoring a checkpoint written on ddp)
+        self.failed_syncs = 0
+        self.dropped_steps = 0
+        self.sync_s = 0.0  # seconds the last sync took (its averaging and vote)
         t_restore = time.time()
         self.resume_step = self._restore()  # the last committed checkpoint, if any
+        if self._outer is not None:
+            self._outer.save()  # a checkpoint is written at a sync: its model is the synced one
         # as on the restart path: a periodic save copies parameters and optimizer state
         # while the next step's forward and backward run, and each optimizer's step()
         # waits for that copy (not one synchronous copy of the whole state per save)
@@ -611,7 +627,10 @@ class FtRun(Run):
         self._watch = Watch(env["TORCHFT_LIGHTHOUSE"], self.manager._replica_id or "",
                             lambda: self._quorums.replica_ids, self._replica_gone,
                             device=self._ft_device)
-        self.manager.load_state_dict({"step": self.step, "batches_committed": 0})
+        # torchft's step: committed steps, or on diloco/localsgd committed syncs (the
+        # outer step); a replica behind the quorum's largest heals from a peer
+        self.manager.load_state_dict({"step": self.outer_step if self._outer else self.step,
+                                      "batches_committed": 0})
         for o in self.optimizers:
             o.step = self._gated(o.step)  # type: ignore[method-assign]
         for s in self.schedulers:
@@ -650,6 +669,8 @@ class FtRun(Run):
         a GradScaler's unscale, a norm log) reads it. A one-process replica is wrapped too,
         for the same hook."""
         self._grads_synced = False
+        if self.sync.local:  # groups train on their own: inside the group as on torchrun
+            return Run._wrap(self, model)
         if _is_sharded(model):
             self._hook_fsdp(model)
             return model
@@ -818,7 +839,37 @@ class FtRun(Run):
             "pos": {"step": self.step, "epoch": self.epoch, "offset": self.offset,
                     "seed": self.seed, "global_batch": self.global_batch,
                     "dataset_size": self.dataset_size},
+            # diloco/localsgd: a heal is at a round's start, where the model is the synced
+            # one; the outer optimizer's state and step come with it
+            "outer": self._outer.state() if self._outer is not None else {},
         }
+
+    def _state(self, with_extra: bool = True) -> dict[str, Any]:
+        st = super()._state(with_extra)
+        if getattr(self, "_outer", None) is not None and self._outer_in_ckpt:
+            st["outer"] = self._outer.state()  # type: ignore[union-attr]
+        return st
+
+    def _restore(self) -> int:
+        """As Run's; diloco/localsgd resuming from a checkpoint written on ddp (a job
+        switched to it) starts its outer optimizer fresh (the checkpoint has none)."""
+        steps = self.ckpt.committed_list()
+        if self._outer is not None and steps:
+            meta = [self.ckpt.read_meta(steps[0]) if self.rank == 0 else None]
+            dist.broadcast_object_list(meta, src=0, group=self.ctl_pg)
+            self._outer_in_ckpt = (meta[0] or {}).get("sync", "ddp") != "ddp"
+        try:
+            return super()._restore()
+        finally:
+            self._outer_in_ckpt = True
+
+    def _meta(self) -> dict[str, Any]:
+        return {**super()._meta(), "sync": self.sync.mode, "sync_every": self.sync.every}
+
+    @property
+    def outer_step(self) -> int:
+        """Syncs committed (diloco/localsgd; 0 on ddp)."""
+        return int(self._outer.step) if self._outer is not None else 0
 
     def _heal_target(self) -> dict[str, Any]:
         """What a heal receives into: the live state, with each optimizer's state made
@@ -851,13 +902,17 @@ class FtRun(Run):
             if k in st["user"]:
                 obj.load_state_dict(st["user"][k])
         _set_rng_state(st["rng"])
+        if self._outer is not None:
+            self._outer.load(st.get("outer") or {})
         self.step, self.epoch, self.offset = int(pos["step"]), int(pos["epoch"]), int(pos["offset"])
         log.info("recovered step %d (epoch %d offset %d) from a live peer", self.step,
                  self.epoch, self.offset)
 
     # -- per step
     def next_step(self) -> bool:
-        if self._leave_agreed():
+        # diloco/localsgd: a notice is taken at a round's start (the sync before it
+        # committed, or failed and was rewound): the group leaves with nothing unsynced
+        if self._leave_agreed() and self._round is None:
             self._leave()
         if self.max_steps and self.step >= self.max_steps:
             return False
@@ -865,10 +920,15 @@ class FtRun(Run):
             return False
         self._decision = None
         self._grads_synced = False
+        if self._outer is not None and self._round is not None:
+            self.quorum_s = 0.0  # inside a round: no quorum, the round's split holds
+            self.ckpt.poll()  # (a save started at the round's start commits when written)
+            return True
         t_quorum = time.perf_counter()
         self.manager.start_quorum()  # sync: quorum, PG reconfigure, healing applied
         self.quorum_s = time.perf_counter() - t_quorum
-        now = self.manager.current_step()
+        # (diloco/localsgd: torchft's step is the outer step; a heal set the position)
+        now = self.manager.current_step() if self._outer is None else self.step
         self._save_due_checkpoint(now)
         self.ckpt.poll()
         self.step = now
@@ -894,7 +954,87 @@ class FtRun(Run):
             self._gaps.clear()
         if self.max_steps and self.step >= self.max_steps:  # healed to the end
             return False
+        if self._outer is not None:
+            self._begin_round()
         return True
+
+    # -- diloco/localsgd: rounds of local steps, a sync at the end of each
+    def _begin_round(self) -> None:
+        """The state a sync nobody applies rewinds to (beside the synced parameters): the
+        position, the inner optimizers, schedulers, scaler, user state and RNG, copied to
+        the CPU (one copy of the optimizer state per round)."""
+        from torch.utils._pytree import tree_map
+
+        st = self._live_state()
+        del st["model"], st["outer"]
+        self._round = {
+            "pos": (self.step, self.epoch, self.offset),
+            "state": tree_map(lambda t: t.detach().to("cpu", copy=True)
+                              if isinstance(t, torch.Tensor) else t, st),
+        }
+
+    def _sync_due(self) -> bool:
+        assert self._round is not None
+        return (self.step - self._round["pos"][0] >= self.sync.every
+                or bool(self.max_steps and self.step >= self.max_steps)
+                or self.epoch >= self.epochs)
+
+    def _average_across_groups(self, tensors: list[torch.Tensor]) -> bool:
+        """Average `tensors` in place over the quorum's replica groups (one collective per
+        dtype), then torchft's commit vote: whether every group applies the sync."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        works = []
+        for ts in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in ts]).to(self._ft_device)
+            works.append((ts, flat, self.manager.allreduce(flat)))
+        for ts, flat, w in works:
+            self._wait(w, host=True)
+            if self.manager.errored():
+                continue
+            i = 0
+            for t in ts:
+                t.copy_(flat[i : i + t.numel()].view_as(t))
+                i += t.numel()
+        if self._ft_device.type == "cuda":
+            with self._watch.watching():
+                torch.cuda.current_stream().synchronize()
+        return bool(self.manager.should_commit())
+
+    def _sync_round(self) -> bool:
+        """The round's sync: committed, or rewound by every group to the round's start
+        (a group gone mid-round: its samples of the round are trained again by the next
+        quorum's groups, so none is lost or counted twice)."""
+        assert self._outer is not None and self._round is not None
+        t0 = time.perf_counter()
+        ok = self._outer.sync(self._average_across_groups)
+        self.sync_s = time.perf_counter() - t0
+        if ok:
+            self._round = None
+            return True
+        start, epoch, offset = self._round["pos"]
+        st = self._round["state"]
+        for o, sd in zip(self.optimizers, st["optim"], strict=True):
+            o.load_state_dict(sd)
+        for s, sd in zip(self.schedulers, st["schedulers"], strict=True):
+            s.load_state_dict(sd)
+        if self.scaler is not None and st.get("scaler"):
+            self.scaler.load_state_dict(st["scaler"])
+        for k, obj in self.user_state.items():
+            if k in st["user"]:
+                obj.load_state_dict(st["user"][k])
+        _set_rng_state(st["rng"])
+        self.failed_syncs += 1
+        self.dropped_steps += self.step - start
+        if self.rank == 0:
+            log.warning("sync at step %d not committed (%s): the %d local steps since step %d "
+                        "are dropped and trained again", self.step, self.manager.errored(),
+                        self.step - start, start)
+        self.step, self.epoch, self.offset = start, epoch, offset
+        self._round = None
+        self._report(force=True)
+        return False
 
     def batch_sampler(self) -> Any:
         # a DataLoader prefetches from its sampler for a fixed split; here the split
@@ -921,6 +1061,8 @@ class FtRun(Run):
         """Inside the replica group, then across the quorum's replicas (torchft's group:
         on NCCL the value travels on this worker's GPU)."""
         super()._reduce(t, op)
+        if self._outer is not None:
+            return  # diloco/localsgd: this group's ranks only (no per-step cross-group traffic)
         dev = t.device
         x = t.to(self._ft_device)
         rop = {"sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "max": ReduceOp.MAX,
@@ -934,6 +1076,12 @@ class FtRun(Run):
         collectives are no-ops from the first error on, so the sum holds this replica's
         part alone. The value across the job is unknown: NaN (a tensor of integers comes
         back as a float64 tensor of NaN), never a partial sum that looks like a real one."""
+        if self._outer is not None:
+            # diloco/localsgd: over this replica group's ranks only (its own mean for "mean")
+            if op != "mean":
+                return super().all_reduce(value, op)
+            total = super().all_reduce(value, "sum")
+            return total / self.local_dp_world
         out = super().all_reduce(value, op)
         if self.manager.errored() is None:
             return out
@@ -965,6 +1113,8 @@ class FtRun(Run):
     def _commit(self) -> bool:
         """torchft's commit vote: the first optimizer.step() of a step takes it (gradients
         already averaged across replicas during backward), the others follow it."""
+        if self._decision is None and self._outer is not None:
+            self._decision = True  # a local step: no vote (the sync has one)
         if self._decision is None:
             self.sync_grads()
             if self._ft_device.type == "cuda":
@@ -980,7 +1130,7 @@ class FtRun(Run):
         """Average this step's gradients over the quorum's replicas now, unless backward did
         (the wrapped model's reduction does it whenever it can). For models spotctl cannot
         hook: call it between backward() and any code that reads gradients."""
-        if not self._grads_synced:
+        if not self._grads_synced and self._outer is None:
             self._allreduce_grads()
             self._grads_synced = True
 
@@ -1039,6 +1189,18 @@ class FtRun(Run):
         elif self._last_commit_t is not None:
             self._gaps.append(t - self._last_commit_t)
         self._last_commit_t = t
+        if self._outer is not None:
+            assert self._round is not None
+            if not self._sync_due():
+                self._report()
+                return
+            since = self._round["pos"][0]
+            if not self._sync_round():
+                return
+            # saved at syncs only (the model is then the synced one): when a multiple of
+            # checkpoint_every (or the timer) fell in the round
+            if self.step // self.every > since // self.every:
+                self._save_owed = True
         # (every replica keeps the timer in step; replica 0 of the quorum saves)
         if self._save_now() and self.replica_rank == 0:
             self._save_due = self.step
@@ -1101,6 +1263,9 @@ class FtRun(Run):
             "replicas": self.replicas, "failed_steps": self.failed_steps, "micro_batch": self.micro_batch,
             "regroup_pause_s": self.regroup_pause_s,
             "manager": getattr(self, "manager_address", ""),
+            "sync": self.sync.mode, "outer_step": self.outer_step,
+            "failed_syncs": self.failed_syncs, "dropped_steps": self.dropped_steps,
+            "sync_s": round(self.sync_s, 4),
         }
         write_status(self.status_dir, self.local_rank, rep)
 

@@ -1090,7 +1090,7 @@ class CloudNodes:
             max_steps=tr.max_steps, python=tr.python,
             # what the node's network needs (e.g. FI_PROVIDER=efa on an EFA node, from the
             # provider), then the spec's own, which wins
-            env={**dict(inst.meta.get("node_env") or {}), **tr.env},
+            env={**dict(inst.meta.get("node_env") or {}), **tr.worker_env()},
             local_addr=self.override.address if self.override else inst.address,
             metadata=self.metadata, metadata_url=self.node_metadata_url(inst.id),
             run_as=tr.run_as, engine=tr.engine, replica_nodes=tr.nodes_per_replica,

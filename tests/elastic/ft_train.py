@@ -10,14 +10,18 @@ FT_USER=1: what training scripts do between backward() and step(): a GradScaler 
 unscale_, step, update), gradient clipping to FT_CLIP (default 0.05, so it always clips),
 the gradient norm logged, and the step's global mean loss from run.all_reduce; each is
 logged ("norm", "scale", "gloss") to compare with an uninterrupted one-process run.
-FT_FREEZE=<node>:k: that node's worker stops itself (SIGSTOP) at the start of step k,
-inside its quorum. FT_DIE_GATE=<file>: once the file exists, the worker's next step dies
-right after its commit vote (FT_USER=1), before its metric all_reduce: SIGKILL of its
-torchrun agent and of itself, as a VM that vanishes there. After finish(), <log>.finish records how long it took and the threads still
+FT_OPT=sgd: SGD with momentum instead of AdamW. FT_FREEZE=<node>:k: that node's worker
+stops itself (SIGSTOP) at the start of step k, inside its quorum. FT_DIE_GATE=<file>: once
+the file exists, the worker's next step dies right after its commit vote (FT_USER=1), before
+its metric all_reduce: SIGKILL of its torchrun agent and of itself, as a VM that vanishes
+there. Every record has the model's parameters' digest and the outer step (diloco/localsgd:
+SPOTCTL_SYNC); a sync nobody applied is a record {"rewound": k, "step": the round's start}.
+After finish(), <log>.finish records how long it took and the threads still
 running."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -45,7 +49,8 @@ def main() -> None:
 
         dev = elastic.init()  # the replica group's own process group
         fully_shard(model, mesh=init_device_mesh(dev.type, (dist.get_world_size(),)))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+           if os.environ.get("FT_OPT") == "sgd" else torch.optim.AdamW(model.parameters(), lr=0.01))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.05 * s))
     user = os.environ.get("FT_USER") == "1"
     clip = float(os.environ.get("FT_CLIP", "0.05"))
@@ -103,17 +108,27 @@ def main() -> None:
         else:
             opt.step()
         sched.step()
+        failed_syncs = getattr(run, "failed_syncs", 0)
         run.end_step(loss=loss_sum)
-        if run.step == before + 1:
+        if getattr(run, "failed_syncs", 0) != failed_syncs:
+            # diloco/localsgd: the round's sync was applied by nobody; back at its start
+            out.write(json.dumps({"t": time.time(), "rewound": before + 1, "step": run.step,
+                                  "pid": os.getpid(), "dropped": run.dropped_steps}) + "\n")
+        elif run.step == before + 1:
             with torch.no_grad():
                 full = float(((model(x) - y) ** 2).mean())
+                # the parameters as this worker holds them (after a sync: the synced ones)
+                digest = hashlib.sha1(b"".join(
+                    (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().numpy()
+                    .tobytes() for p in model.parameters())).hexdigest()
             out.write(json.dumps({
                 "t": time.time(), "step": run.step, "idx": idx, "full_loss": full,
                 "replicas": getattr(run, "replicas", 1), "pid": os.getpid(),
                 "quorum_s": getattr(run, "quorum_s", None),
                 "lr": sched.get_last_lr()[0], "wrapper": type(run.model).__name__,
                 "loaders": getattr(loader, "restarts", None),
-                "healed": getattr(run, "healed_in_place", None), **user_log,
+                "healed": getattr(run, "healed_in_place", None),
+                "outer": getattr(run, "outer_step", None), "digest": digest, **user_log,
             }) + "\n")
         if delay:
             time.sleep(delay)

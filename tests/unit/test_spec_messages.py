@@ -162,3 +162,34 @@ def test_replica_groups_of_several_nodes() -> None:
     assert _refused({"train.nodes_per_replica": 4, "gpus": "8..10", "provider": "aws"}) == (
         "flags: spec: gpus 8..10 is not whole replica groups: each is 4 nodes x at least 1 "
         "gpu (nodes_per_replica)")
+
+
+def test_sync_keys() -> None:
+    """[train] sync: "ddp" unless asked; diloco/localsgd on torchft only, each key checked,
+    and the workers told through their environment."""
+    tr = load_spec(None, {}).train
+    assert (tr.sync, tr.worker_env()) == ("ddp", {})
+    tr = load_spec(None, {"train.sync": "diloco", "train.sync_every": 50,
+                          "train.outer_lr": 0.5, "train.env": {"A": "1"}}).train
+    assert tr.worker_env() == {"A": "1", "SPOTCTL_SYNC": "diloco", "SPOTCTL_SYNC_EVERY": "50",
+                               "SPOTCTL_OUTER_LR": "0.5", "SPOTCTL_OUTER_MOMENTUM": "0.9"}
+    s = load_spec(None, {"train.sync": "localsgd", "train.sync_every": 8})
+    tr = s.train
+    # (validated again from the journal, as the head and `rebalance` do)
+    assert type(s).model_validate(s.model_dump(mode="json")).train == tr
+    assert tr.worker_env() == {"SPOTCTL_SYNC": "localsgd", "SPOTCTL_SYNC_EVERY": "8"}
+    assert _refused({"train.sync": "gossip"}).startswith(
+        "flags: train.sync: Input should be 'ddp', 'diloco' or 'localsgd'")
+    assert _refused({"train.sync": "diloco", "train.sync_every": 0}) == (
+        "flags: train.sync_every: Input should be greater than or equal to 1")
+    assert _refused({"train.sync": "diloco", "train.outer_lr": 0}).startswith(
+        "flags: train.outer_lr: Input should be greater than 0")
+    assert _refused({"train.sync": "diloco", "train.outer_momentum": 1.0}).startswith(
+        "flags: train.outer_momentum: Input should be less than 1")
+    assert _refused({"train.sync": "diloco", "train.engine": "torchrun"}) == (
+        "flags: spec: [train] sync = 'diloco' runs on engine \"torchft\" only (replica groups "
+        "synced through its Manager); this spec has engine = 'torchrun'")
+    # (keys of another sync are ignored: a spec validated again from the journal has them
+    # all set)
+    assert load_spec(None, {"train.sync": "localsgd", "train.outer_lr": 0.5}).train.worker_env() \
+        == {"SPOTCTL_SYNC": "localsgd", "SPOTCTL_SYNC_EVERY": "100"}

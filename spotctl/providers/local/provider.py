@@ -210,7 +210,7 @@ class LocalProvider:
             d = self.nodes_dir / f".{nid}.partial"
             d.mkdir(mode=0o700)
             addr = self.net.add_node(n) if self.net else "127.0.0.1"
-            env = dict(self.spec.train.env)
+            env = self.spec.train.worker_env()
             if self.spec.train.engine == "torchft":
                 # the nodes launched together start together: their replicas' first quorum
                 # waits (bounded) for this many (spotctl.elastic.ft)

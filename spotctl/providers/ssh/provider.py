@@ -251,7 +251,7 @@ class SshProvider:
             checkpoint_dir=self.checkpoint_dir(),
             checkpoint_every=tr.checkpoint_every, checkpoint_every_s=tr.checkpoint_every_s,
             keep_last=tr.keep_last, checkpoint_writers=tr.checkpoint_writers,
-            max_steps=tr.max_steps, python=tr.python, env=dict(tr.env),
+            max_steps=tr.max_steps, python=tr.python, env=tr.worker_env(),
             local_addr=self.listen_address(inst), metadata="file" if notice else "none",
             notice_file=notice, engine=tr.engine, replica_nodes=tr.nodes_per_replica, lighthouse=self._lighthouse(head),
         )  # fmt: skip
