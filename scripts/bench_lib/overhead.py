@@ -41,9 +41,9 @@ ENGINES = ("torchft", "torchrun")
 GOAL = 0.98  # issue 58: each engine at least this fraction of plain DDP's speed
 
 
-def points(log: Path, warmup: int = WARMUP) -> list[tuple[int, float, float | None]]:
-    """(step, unix time, process CPU s or None) of a "unix_time step world samples [cpu_s]"
-    log, the first `warmup` steps left out."""
+def points(log: Path, warmup: int = WARMUP) -> list[tuple[int, float, float | None, str]]:
+    """(step, unix time, process CPU s or None, pid or "") of a "unix_time step world
+    samples [cpu_s user_s sys_s pid]" log, the first `warmup` steps left out."""
     out = []
     for line in log.read_text().splitlines() if log.exists() else []:
         parts = line.split()
@@ -55,7 +55,7 @@ def points(log: Path, warmup: int = WARMUP) -> list[tuple[int, float, float | No
         except ValueError:
             continue
         if step > warmup:
-            out.append((step, t, cpu))
+            out.append((step, t, cpu, parts[7] if len(parts) >= 8 else ""))
     return out
 
 
@@ -66,10 +66,11 @@ def gaps(log: Path, warmup: int = WARMUP) -> list[float]:
 
 
 def cpu_gaps(log: Path, warmup: int = WARMUP) -> list[float]:
-    """CPU seconds of the logging worker per step, consecutive steps only."""
+    """CPU seconds of the logging worker per step: consecutive steps written by the same
+    process only (on torchft the first rank can move to another replica)."""
     pts = points(log, warmup)
     return [b[2] - a[2] for a, b in zip(pts, pts[1:], strict=False)
-            if b[0] == a[0] + 1 and a[2] is not None and b[2] is not None]
+            if b[0] == a[0] + 1 and a[2] is not None and b[2] is not None and a[3] == b[3]]
 
 
 def _cpu_times() -> tuple[float, float]:
@@ -374,8 +375,11 @@ def bench(ctx: Context, ranks: int = 2, steps: int | None = None,
             ctx.log(f"overhead round {i + 1}: {rnd[name].describe()} "
                     f"({time.monotonic() - t0:.0f} s in all)")
         rounds.append(rnd)
-    for line in summary(rounds):
+    lines = summary(rounds)
+    for line in lines:
         ctx.log(line)
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    (ctx.out / "bench-overhead.txt").write_text("\n".join(lines) + "\n")
     loads = [r[k].load for r in rounds for k in r]
     busy = [r[k].busy for r in rounds for k in r]
     note = (f"{ranks} ranks, MLP 6x{width} GELU, cross-entropy, AdamW, global batch 256, "

@@ -10,8 +10,8 @@ Both train an MLP of OVERHEAD_LAYERS (6) layers of width OVERHEAD_WIDTH (2048) w
 cross-entropy over OVERHEAD_CLASSES classes, AdamW, no clipping, global batch
 OVERHEAD_GLOBAL_BATCH (256) split over the ranks, for OVERHEAD_STEPS steps. Measurement
 only, the same in both forms: the job's first rank appends "unix_time step world samples
-cpu_s user_s sys_s" after every step to BENCH_STEP_LOG (this process's CPU time, all its
-threads; then its user and kernel parts), and every rank writes what it runs with (threads, CPU affinity) once to
+cpu_s user_s sys_s pid" after every step to BENCH_STEP_LOG (this process's CPU time, all
+its threads; then its user and kernel parts), and every rank writes what it runs with (threads, CPU affinity) once to
 BENCH_STEP_LOG.<pid>.json.
 """
 
@@ -60,7 +60,7 @@ def describe():
 def line(step, world, samples):
     t = os.times()
     return (f"{time.time():.4f} {step} {world} {samples} {time.process_time():.4f} "
-            f"{t.user:.2f} {t.system:.2f}\n")
+            f"{t.user:.2f} {t.system:.2f} {os.getpid()}\n")
 
 
 class Parts:
@@ -141,9 +141,10 @@ def elastic_run():
         run.end_step(loss.item())
         parts.mark("end_step")
         parts.end(run.step)
-        if log is None and run.is_main:  # (on torchft known once the first quorum is)
-            log = open(LOG, "a")
-        if log:
+        # the job's first rank, asked every step: on torchft it is known once the first
+        # quorum is, and moves to another replica when a quorum forms without it
+        if run.is_main:
+            log = log or open(LOG, "a")
             log.write(line(run.step, run.dp_world, run.step_samples))
             log.flush()
     run.finish()

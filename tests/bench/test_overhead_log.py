@@ -27,6 +27,15 @@ def test_gaps_skip_warmup_and_missing_steps(tmp_path: Path) -> None:
     assert gaps(tmp_path / "missing.log") == []
 
 
+def test_cpu_per_step_never_mixes_two_processes_clocks(tmp_path: Path) -> None:
+    # torchft: the first rank moved to the other replica after step 12 (its own clock)
+    log = tmp_path / "steps.log"
+    log.write_text("111.0 11 2 256 5.0 4 1 100\n112.0 12 2 256 5.5 4 1 100\n"
+                   "113.0 13 2 256 9.0 8 1 200\n114.0 14 2 256 9.6 8 1 200\n")
+    assert gaps(log, warmup=10) == [1.0, 1.0, 1.0]
+    assert [round(c, 3) for c in cpu_gaps(log, warmup=10)] == [0.5, 0.6]
+
+
 def test_old_logs_without_cpu_give_wall_gaps_only(tmp_path: Path) -> None:
     log = tmp_path / "steps.log"
     log.write_text("".join(f"{100 + s}.0 {s} 2 256\n" for s in range(1, 14)))
