@@ -101,7 +101,8 @@ def role(cmdline: str) -> str:
                          ("cli.app head", "head"), ("spotctl.agent.launch", "launcher"),
                          ("spotctl.agent.zygote", "zygote+torchrun"),
                          ("torch.distributed.run", "torchrun agent"),
-                         ("/torchrun", "torchrun agent"), ("spotctl.agent", "spotctl agent")):
+                         ("/torchrun", "torchrun agent"), ("cli.app agent", "spotctl agent"),
+                         ("spotctl.providers.local.vm", "local VM (metadata)")):
         if needle in cmdline:
             return name
     return "other"

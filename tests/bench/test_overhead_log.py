@@ -79,8 +79,10 @@ def test_roles_and_cores_of_a_run() -> None:
     assert role("python -m spotctl.cli.app head --dir x --supervise") == "head"
     assert role("python -m spotctl.agent.launch -m torch.distributed.run") == "launcher"
     assert role("/v/bin/torchrun --standalone train.py") == "torchrun agent"
+    assert role("python -m spotctl.cli.app agent --config c.json") == "spotctl agent"
+    assert role("python -m spotctl.providers.local.vm /d") == "local VM (metadata)"
     probe = overhead.LoadProbe()
     me = os.getpid()
     probe.procs = {me: [(10.0, 1.0), (12.0, 2.0)], 99: [(10.0, 0.0), (12.0, 0.1)]}
-    probe.cmd = {99: "python -m spotctl.agent run"}
+    probe.cmd = {99: "python -m spotctl.cli.app agent --config c.json"}
     assert probe.cores(10.0, 12.0, workers={me}) == {"worker": 0.5, "spotctl agent": 0.05}
