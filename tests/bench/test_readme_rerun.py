@@ -1,6 +1,7 @@
 """A short form of one README figure, rerun: "step time with nothing failing, 2 ranks, MLP
 6x2048" (scripts/bench overhead: plain DDP under torchrun, then the same loop through
-spotctl's torchrun engine on a local cluster, from the first rank's own step log). The
+spotctl's torchrun engine on a local cluster, from the first rank's own step log; since
+issue 58 the loop is train_steady.py, the README's figure is from the earlier loop). The
 README's run gave the engine 0.53 s a step against plain DDP's 0.6 s (ratio 0.88, run 5 of
 its table). Absolute step times follow the machine's load, so the bound is on the ratio of
 the two, measured in the same test one after the other: at most 1.6, which a doubling of
