@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import os
 import signal
 import sys
@@ -108,6 +109,18 @@ def _pg_timeout_s() -> float:
 # hold the others for long; they fail, and torchrun re-forms without it.
 PG_INIT_TIMEOUT_S = float(os.environ.get("SPOTCTL_PG_INIT_TIMEOUT_S", "30"))
 REPORT_EVERY_S = 0.2
+
+
+def loss_value(loss: float | torch.Tensor | None) -> float | None:
+    """A loss for the status file (JSON): a finite float, or None (none given, NaN or
+    infinite, or a tensor of more than one element)."""
+    if loss is None:
+        return None
+    try:
+        v = float(loss)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    return v if math.isfinite(v) else None
 
 
 def params_fingerprint(model: torch.nn.Module) -> str:
@@ -458,7 +471,7 @@ class Run:
         self.epoch = 0
         self.offset = 0  # samples of this epoch consumed
         self.phase = "init"
-        self.loss: float | None = None
+        self.loss: float | torch.Tensor | None = None  # as end_step() got it
         self.first_step_at: float | None = None
         self._t_last_report = 0.0
         self._rate_t0 = time.time()
@@ -774,7 +787,10 @@ class Run:
                                            group=self.ctl_pg, async_op=True)
         return True
 
-    def end_step(self, loss: float | None = None) -> None:
+    def end_step(self, loss: float | torch.Tensor | None = None) -> None:
+        """The step is done. `loss` (optional; a float or a one-element tensor) is shown by
+        `status`; a tensor is read at the next report (every REPORT_EVERY_S), not here, so
+        passing the loss tensor costs no device synchronisation per step."""
         n = self.step_samples
         self.step += 1
         self.offset += n
@@ -782,7 +798,7 @@ class Run:
         if self.offset >= self.dataset_size:
             self.epoch += 1
             self.offset = 0
-        self.loss = loss if loss is None or loss == loss else None  # NaN is not JSON
+        self.loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
         if self.first_step_at is None:
             self.first_step_at = time.time()
             self.startup["first_step"] = round(self.first_step_at - self._t_ready, 3)
@@ -845,7 +861,7 @@ class Run:
             "rank": self.rank, "local_rank": self.local_rank, "world_size": self.world,
             "step": self.step, "phase": self.phase, "incarnation": self.incarnation,
             "resume_step": getattr(self, "resume_step", 0), "first_step_at": self.first_step_at,
-            "last_ckpt": self.ckpt.last_committed, "loss": self.loss,
+            "last_ckpt": self.ckpt.last_committed, "loss": loss_value(self.loss),
             "throughput": self.throughput, "drain_step": self.drain_step, "pid": os.getpid(),
             "epoch": self.epoch, "offset": self.offset,
             "startup": getattr(self, "startup", None), "micro_batch": self.micro_batch,

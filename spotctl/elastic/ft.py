@@ -59,6 +59,7 @@ from spotctl.elastic import (
     _process_start_time,
     _rng_state,
     _set_rng_state,
+    loss_value,
     micro_slices,
     peerload,
     write_status,
@@ -1157,7 +1158,7 @@ class FtRun(Run):
                 g.copy_(flat[i : i + n].view_as(g))
                 i += n
 
-    def end_step(self, loss: float | None = None) -> None:
+    def end_step(self, loss: float | torch.Tensor | None = None) -> None:
         if self._decision is None:
             self._commit()  # the script stepped no optimizer (a skipped scaler step)
         if not self._decision:
@@ -1176,7 +1177,7 @@ class FtRun(Run):
         if self.offset >= self.dataset_size:
             self.epoch += 1
             self.offset = 0
-        self.loss = loss if loss is None or loss == loss else None
+        self.loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
         t = time.time()
         if self.first_step_at is None:
             self.first_step_at = t
@@ -1256,7 +1257,7 @@ class FtRun(Run):
             "world_size": max(1, self.replicas) * self.world,
             "step": self.step, "phase": self.phase, "incarnation": self.incarnation,
             "resume_step": getattr(self, "resume_step", 0), "first_step_at": self.first_step_at,
-            "last_ckpt": self.ckpt.last_committed, "loss": self.loss,
+            "last_ckpt": self.ckpt.last_committed, "loss": loss_value(self.loss),
             "throughput": self.throughput, "drain_step": self.drain_step, "pid": os.getpid(),
             "epoch": self.epoch, "offset": self.offset,
             "startup": getattr(self, "startup", None), "engine": "torchft",

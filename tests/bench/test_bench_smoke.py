@@ -254,3 +254,21 @@ def test_quorum_smoke(tmp_path: Path) -> None:
     assert rows[0].baseline is not None and rows[0].spotctl.n == 15, rows
     assert rows[1].spotctl is not None and rows[1].spotctl.n == 15, rows
     assert "error" not in rows[0].note, rows
+
+
+@pytest.mark.slow  # plain torchrun, 2 ranks, a width-64 MLP: about 10 s on an idle machine
+def test_overhead_plain_baseline_is_what_torchrun_users_get(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The short mode of `scripts/bench overhead`'s baseline: `torchrun --standalone` with
+    nothing set by the benchmark, so each worker runs with torchrun's own default of one
+    intra-op thread (OMP_NUM_THREADS=1 for 2 processes per node), and the run's record
+    has its steps, the worker's CPU per step, the profile's parts and the load."""
+    from bench_lib import overhead
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    r = overhead.plain(tmp_path, 2, overhead.WARMUP + 4, 64)
+    assert r.steps == 3 and r.step_s > 0 and r.cpu_s > 0, r
+    assert len(r.workers) == 2, r.workers
+    assert {(w["torch_threads"], w["omp_num_threads"]) for w in r.workers} == {(1, "1")}
+    assert {"data", "forward", "backward", "optimizer"} <= set(r.parts), r.parts
+    assert r.load >= 0 and "worker" in r.cores, r.cores
