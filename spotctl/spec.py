@@ -267,10 +267,11 @@ class LocalSpec(_Zoned):
     # each node in its own network namespace on a bridge (root + iproute2): real links,
     # which a test can cut to partition a node
     netns: bool = False
-    # The link model in netns mode, each a rate and a one-way delay added by `tc netem`
-    # (e.g. "1gbit 1ms" inside a zone, "100mbit 40ms" between zones; the head counts as
-    # outside every zone); "" = that link unshaped.
+    # The link model in netns mode: a rate, and a one-way delay where wanted, on each
+    # node's link to nodes of its zone (e.g. "1gbit 1ms"); delays need the kernel's
+    # `tc netem` (`up` says when it is missing). "" = that link unshaped.
     link_in_zone: str = ""
+    # The same to other zones and to the head (outside every zone), e.g. "100mbit 40ms".
     link_between_zones: str = ""
     # The whole cluster in a network namespace of its own: its listeners (all on
     # loopback) cannot be reached by other users of this machine (Linux user namespaces).
@@ -455,11 +456,9 @@ class PlacementSpec(_Strict):
     between zones is slow and billed, and a mixed-GPU job runs at its slowest GPU's pace.
     On ssh hosts there are no zones (each host is its own) and this section is unused."""
 
-    # true: nodes may go to every zone of the region (more capacity, slower all-reduce)
+    # true: nodes may go to every zone of the region (more capacity, slower all-reduce);
+    # on the torchft engine the plan launches whole replica groups in each zone
     spread_zones: StrictBool = False
-    # With spread_zones on the torchft engine, each replica group stays inside one zone
-    # and groups may be in different zones (choose [train] sync = "diloco" then: DDP's
-    # per-step all-reduce across zones is slow and billed).
     # Traffic one replica group sends across zones per hour (its sync volume: parameter
     # bytes x syncs per hour); the plan prices it at the provider's inter-zone rate.
     # 0 = unknown: the plan names the rate only.
@@ -468,7 +467,7 @@ class PlacementSpec(_Strict):
     # cross the internet, and it has no encrypted, authenticated channel for it yet).
     # One entry, the cluster's own region or provider, is what runs anyway.
     regions: list[str] = Field(default_factory=list, max_length=64)
-    providers: list[str] = Field(default_factory=list, max_length=8)
+    providers: list[str] = Field(default_factory=list, max_length=8)  # the same, for clouds
     # true: nodes of different GPU models may join one cluster
     mix_gpus: StrictBool = False
     # false: a plain network interface on every node, even where the instance family
