@@ -392,12 +392,11 @@ def _zone_whole(
     rest is filled again from the other zones (a few rounds: each caps a zone for good)."""
     warm, cool = list(warm), list(cool)
     f = _fill_last(warm, cool, room, budget_left)
-    for _ in range(len({o.zone for o in [*warm, *cool]}) + 1):
+    for _ in range(2 * len({o.zone for o in [*warm, *cool]}) + 2):
         per_zone: Counter[str] = Counter()
         for o, n in f.picks:
             per_zone[o.zone] += n
-        cut = {z: (held.get(z, 0) + n) % group for z, n in per_zone.items()}
-        cut = {z: k for z, k in cut.items() if k}
+        cut = {z: k for z, n in per_zone.items() if (k := (held.get(z, 0) + n) % group)}
         if not cut:
             return f
         kept: dict[int, int] = {}
@@ -406,13 +405,15 @@ def _zone_whole(
             if k:
                 cut[o.zone] -= k
             kept[id(o)] = n - k
-        capped = {o.zone for o, _ in f.picks if (held.get(o.zone, 0) + per_zone[o.zone])
-                  % group}
-
+        whole = [(o, kept[id(o)]) for o, _ in f.picks]
+        capped = {o.zone for o, _ in f.picks
+                  if (held.get(o.zone, 0) + per_zone[o.zone]) % group}
         warm, cool = ([replace(o, available=kept.get(id(o), 0)) if o.zone in capped else o
                        for o in offs] for offs in (warm, cool))
         f = _fill_last(warm, cool, room, budget_left)
-    return _Fill()  # not reached: every round caps at least one zone for good
+    # rounds used up (budget edges can make a refill pick less than a cap): the last
+    # fill's whole groups, without refilling
+    return _as_fill([o for o, _ in whole], [n for _, n in whole])
 
 
 # Data transfer between zones of one region, USD per GB moved (list prices): AWS bills
