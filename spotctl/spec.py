@@ -292,6 +292,12 @@ class LocalSpec(_Zoned):
     # each node in its own network namespace on a bridge (root + iproute2): real links,
     # which a test can cut to partition a node
     netns: bool = False
+    # The link model in netns mode: a rate, and a one-way delay where wanted, on each
+    # node's link to nodes of its zone (e.g. "1gbit 1ms"); delays need the kernel's
+    # `tc netem` (`up` says when it is missing). "" = that link unshaped.
+    link_in_zone: str = ""
+    # The same to other zones and to the head (outside every zone), e.g. "100mbit 40ms".
+    link_between_zones: str = ""
     # The whole cluster in a network namespace of its own: its listeners (all on
     # loopback) cannot be reached by other users of this machine (Linux user namespaces).
     # Unset: so where this machine allows it (else `up` says why not); false: loopback.
@@ -302,6 +308,22 @@ class LocalSpec(_Zoned):
         if self.netns and self.private_network:
             raise ValueError("netns and private_network cannot both be true: netns puts each "
                              "node in a namespace of its own on a bridge of this machine")
+        return self
+
+    @field_validator("link_in_zone", "link_between_zones")
+    @classmethod
+    def _link(cls, v: str) -> str:
+        if v:
+            from spotctl.providers.local.net import Link
+
+            Link.parse(v)
+        return v
+
+    @model_validator(mode="after")
+    def _links_need_netns(self) -> LocalSpec:
+        if (self.link_in_zone or self.link_between_zones) and not self.netns:
+            raise ValueError("link_in_zone and link_between_zones shape the nodes' own links: "
+                             "they need netns = true")
         return self
 
     @field_validator("capacity")
@@ -459,8 +481,18 @@ class PlacementSpec(_Strict):
     between zones is slow and billed, and a mixed-GPU job runs at its slowest GPU's pace.
     On ssh hosts there are no zones (each host is its own) and this section is unused."""
 
-    # true: nodes may go to every zone of the region (more capacity, slower all-reduce)
+    # true: nodes may go to every zone of the region (more capacity, slower all-reduce);
+    # on the torchft engine the plan launches whole replica groups in each zone
     spread_zones: StrictBool = False
+    # Traffic one replica group sends across zones per hour (its sync volume: parameter
+    # bytes x syncs per hour); the plan prices it at the provider's inter-zone rate.
+    # 0 = unknown: the plan names the rate only.
+    cross_zone_gb_per_hour: float = Field(default=0.0, ge=0, le=1e7, allow_inf_nan=False)
+    # Several regions or providers for one job: refused in this build (their traffic would
+    # cross the internet, and it has no encrypted, authenticated channel for it yet).
+    # One entry, the cluster's own region or provider, is what runs anyway.
+    regions: list[str] = Field(default_factory=list, max_length=64)
+    providers: list[str] = Field(default_factory=list, max_length=8)  # the same, for clouds
     # true: nodes of different GPU models may join one cluster
     mix_gpus: StrictBool = False
     # false: a plain network interface on every node, even where the instance family
@@ -537,6 +569,7 @@ class ClusterSpec(_Strict):
                 f"gpus {self.gpus} is not whole replica groups: each is {k} nodes x "
                 + (f"{gpn} gpus = {per} (nodes_per_replica x [local] gpus_per_node)"
                    if self.provider == "local" else "at least 1 gpu (nodes_per_replica)"))
+        self._one_region()
         sizes = sorted({h.gpus for h in self.ssh.hosts}) if self.provider == "ssh" else []
         if self.train.engine == "torchft" and len(sizes) > 1:
             # each node is one replica group, and the global batch is split by replica
@@ -547,6 +580,23 @@ class ClusterSpec(_Strict):
                 "equal, or set [train] engine = \"torchrun\""
             )
         return self
+
+    def _one_region(self) -> None:
+        """[placement] regions / providers: only the cluster's own. Between regions or clouds
+        the groups' syncs would cross the internet in plain gloo (no encryption, no
+        authentication), which this build has no channel to replace."""
+        pl = self.placement
+        why = ("traffic between regions or clouds must be encrypted and authenticated, and "
+               "this build has no such channel (torch's gloo is plain text)")
+        if len(set(pl.providers)) > 1 or (pl.providers and pl.providers[0] != self.provider):
+            raise ValueError(f"placement.providers {pl.providers}: one job on several "
+                             f"providers is refused: {why}; keep provider "
+                             f"{self.provider!r} only")
+        own = {"aws": self.aws.region, "gcp": self.gcp.region}.get(self.provider, "local")
+        if len(set(pl.regions)) > 1 or (pl.regions and pl.regions[0] != own):
+            raise ValueError(f"placement.regions {pl.regions}: one job across regions is "
+                             f"refused: {why}; keep region {own!r} only (zones of one region "
+                             "may be spread: [placement] spread_zones = true)")
 
     @property
     def head_rebalances(self) -> bool:

@@ -173,6 +173,10 @@ class Plan:
     gpus_after: int = 0
     usd_per_hour_before: float = 0.0
     usd_per_hour_after: float = 0.0
+    # replica groups spread over zones: what their syncs' cross-zone traffic costs
+    # ([placement] cross_zone_gb_per_hour at the provider's inter-zone rate; 0 = unknown
+    # or one zone), on top of the nodes' $/h above
+    transfer_usd_per_hour: float = 0.0
 
     @property
     def launches(self) -> list[Action]:
@@ -191,6 +195,7 @@ class Plan:
             "gpus_after": self.gpus_after,
             "usd_per_hour_before": round(self.usd_per_hour_before, 6),
             "usd_per_hour_after": round(self.usd_per_hour_after, 6),
+            "transfer_usd_per_hour": round(self.transfer_usd_per_hour, 6),
         }
 
 
@@ -375,6 +380,63 @@ def _fill(ranked: Sequence[Offer], room: int, budget_left: float) -> _Fill:
     tail = _exact(ranked, min(room - got, EXACT_ROOM), budget_left - spent, limits)
     e = _as_fill(ranked, [h + t for h, t in zip(head, tail, strict=True)])
     return e if e.gpus > g.gpus else g
+
+
+def _zone_whole(
+    warm: Sequence[Offer], cool: Sequence[Offer], room: int, budget_left: float, group: int,
+    held: Mapping[str, int],
+) -> _Fill:
+    """A fill in which every zone gets whole replica groups of `group` nodes (with the
+    `held[zone]` nodes there already): a group's inner all-reduce stays inside its zone.
+    A zone that would hold part of a group keeps only whole ones and is capped there; the
+    rest is filled again from the other zones (a few rounds: each caps a zone for good)."""
+    warm, cool = list(warm), list(cool)
+    f = _fill_last(warm, cool, room, budget_left)
+    for _ in range(2 * len({o.zone for o in [*warm, *cool]}) + 2):
+        per_zone: Counter[str] = Counter()
+        for o, n in f.picks:
+            per_zone[o.zone] += n
+        cut = {z: k for z, n in per_zone.items() if (k := (held.get(z, 0) + n) % group)}
+        if not cut:
+            return f
+        kept: dict[int, int] = {}
+        for o, n in reversed(f.picks):  # the last (least preferred) picks of a zone go
+            k = min(n, cut.get(o.zone, 0))
+            if k:
+                cut[o.zone] -= k
+            kept[id(o)] = n - k
+        whole = [(o, kept[id(o)]) for o, _ in f.picks]
+        capped = {o.zone for o, _ in f.picks
+                  if (held.get(o.zone, 0) + per_zone[o.zone]) % group}
+        warm, cool = ([replace(o, available=kept.get(id(o), 0)) if o.zone in capped else o
+                       for o in offs] for offs in (warm, cool))
+        f = _fill_last(warm, cool, room, budget_left)
+    # rounds used up (budget edges can make a refill pick less than a cap): the last
+    # fill's whole groups, without refilling
+    return _as_fill([o for o, _ in whole], [n for _, n in whole])
+
+
+# Data transfer between zones of one region, USD per GB moved (list prices): AWS bills
+# $0.01/GB out of the sending zone and $0.01/GB into the receiving one ("Data Transfer
+# within the same AWS Region", EC2 on-demand pricing); GCP $0.01/GB between zones of a
+# region (VPC network pricing, "VM-to-VM data transfer"). Local zones are emulated: $0.
+CROSS_ZONE_USD_PER_GB = {"aws": 0.02, "gcp": 0.01, "local": 0.0}
+
+
+def _cross_zone_note(spec: ClusterSpec, zones: Sequence[str], groups: int,
+                     provider: str) -> tuple[str, float]:
+    """The plan's word on replica groups spread over `zones`, and the $/h their syncs'
+    traffic adds ([placement] cross_zone_gb_per_hour per group; 0 when unknown)."""
+    rate = CROSS_ZONE_USD_PER_GB.get(provider, 0.0)
+    gb = spec.placement.cross_zone_gb_per_hour
+    what = (f"replica groups spread over zones {', '.join(zones)}: each group stays in its "
+            f"zone, their syncs cross zones at {provider}'s ${rate:g}/GB between zones")
+    if not gb:
+        return (what + " (set [placement] cross_zone_gb_per_hour, one group's sync volume, "
+                "to price it per hour)", 0.0)
+    usd = gb * groups * rate
+    return (what + f": {gb:g} GB/h x {groups} groups = {_money(usd)} on top of the nodes",
+            usd)
 
 
 # --- the plan --------------------------------------------------------------------------
@@ -633,6 +695,14 @@ def _plan(
     nodes = len(observed.live)
     home, home_region = _home(observed, by_zone)
     word = "zone" if by_zone else "region"
+    held = Counter(n.zone for n in observed.live)
+
+    def fill_from(warm: Sequence[Offer], cool: Sequence[Offer], room: int,
+                  budget: float, start: Mapping[str, int]) -> _Fill:
+        # zones spread over, groups of several nodes: whole groups in each zone
+        if not by_zone and group > 1 and spec.provider != "ssh":
+            return _zone_whole(warm, cool, room, budget, group, start)
+        return _fill_last(warm, cool, room, budget)
 
     def place(o: Offer | ObservedNode) -> str:
         return o.zone if by_zone else o.region
@@ -685,7 +755,8 @@ def _plan(
         out.notes.append(f"at maximum ({have}/{hi} GPUs)")
     else:
         if home:
-            fill = _fill_last(regions.get(home, []), cooled.get(home, []), hi - have, budget_left)
+            fill = fill_from(regions.get(home, []), cooled.get(home, []), hi - have,
+                             budget_left, held)
         else:
             fill = _Fill()
         if home and have + fill.gpus >= lo:
@@ -697,7 +768,7 @@ def _plan(
             for r in sorted(regions):
                 if r == home:
                     continue
-                f = _fill_last(regions[r], cooled.get(r, []), hi, cap)
+                f = fill_from(regions[r], cooled.get(r, []), hi, cap, {})
                 # a cooling zone only when no other zone reaches as many GPUs (one place
                 # per region holds both, so a region is never "cooling" as a whole)
                 key = (-f.gpus, by_zone and r in cool_zones, f.cost, r)
@@ -784,6 +855,16 @@ def _plan(
                     f"to {', '.join(others)} (one zone per cluster; [placement] "
                     "spread_zones = true spreads)"
                 )
+
+    if not by_zone and spec.provider != "ssh":
+        zones = sorted({n.zone for n in observed.live}
+                       | {a.offer.zone for a in out.launches if a.offer})
+        if len(zones) > 1:
+            launched = sum(a.count for a in out.launches)
+            prov = next((a.offer.provider for a in out.launches if a.offer), spec.provider)
+            note, out.transfer_usd_per_hour = _cross_zone_note(
+                spec, zones, (nodes + launched) // max(group, 1), prov)
+            out.notes.append(note)
 
     # 5. Replace a node by a much cheaper offer, only when the cluster is otherwise settled.
     pending = any(n.state == "pending" for n in observed.live)

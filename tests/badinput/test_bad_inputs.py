@@ -147,6 +147,15 @@ CASES: list[Case] = [
     Case("local-zones-not-list", up(), "local.zones", toml=OK + '[local]\nzones = "a"\n'),
     Case("local-netns-and-private-network", up(), "private_network",
          toml=OK + "[local]\nnetns = true\nprivate_network = true\n"),
+    # issue 61: the link model and placement beyond one region
+    Case("local-link-without-netns", up(), "netns",
+         toml=OK + '[local]\nlink_between_zones = "100mbit 40ms"\n'),
+    Case("local-link-not-a-link", up(), "local.link_in_zone",
+         toml=OK + '[local]\nnetns = true\nlink_in_zone = "fast"\n'),
+    Case("placement-two-regions", up(), "encrypted and authenticated",
+         toml=OK + '[placement]\nregions = ["local", "elsewhere"]\n'),
+    Case("placement-two-providers", up(), "encrypted and authenticated",
+         toml=OK + '[placement]\nproviders = ["aws", "gcp"]\n'),
     Case("ssh-without-hosts", up(), "ssh.hosts", toml='name = "bad"\nprovider = "ssh"\n' + TRAIN),
     Case(
         "ssh-host-bad-port",

@@ -210,6 +210,8 @@ class LocalProvider:
             d = self.nodes_dir / f".{nid}.partial"
             d.mkdir(mode=0o700)
             addr = self.net.add_node(n) if self.net else "127.0.0.1"
+            if self.net:
+                self._shape(n, offer.zone)
             env = self.spec.train.worker_env()
             if self.spec.train.engine == "torchft":
                 # the nodes launched together start together: their replicas' first quorum
@@ -250,6 +252,42 @@ class LocalProvider:
             self._spawn_vm(nid)
             out.append(self._instance(self._vm(nid) or vm))
         return out
+
+    def _check_links(self) -> None:
+        """Before anything starts: a link model with delays needs tc netem in this kernel."""
+        from spotctl.providers.local.net import Link, netem_missing
+
+        lp = self.spec.local
+        if any(x and Link.parse(x).delay_ms > 0
+               for x in (lp.link_in_zone, lp.link_between_zones)):
+            why = netem_missing()
+            if why:
+                raise SpotctlError(f"[local] link_in_zone / link_between_zones: {why}; give "
+                                   'rates only (e.g. "100mbit") on this machine')
+
+    def _shape(self, n: int, zone: str) -> None:
+        """The link model ([local] link_in_zone / link_between_zones) on node n's link, and
+        the in-zone class between it and every node of its zone (both ways)."""
+        lp = self.spec.local
+        if self.net is None or not (lp.link_in_zone or lp.link_between_zones):
+            return
+        from spotctl.providers.local.net import Link
+
+        self.net.shape(n, Link.parse(lp.link_in_zone) if lp.link_in_zone else None,
+                       Link.parse(lp.link_between_zones) if lp.link_between_zones else None)
+        me = self.net.node_ip(n)
+        for nid in self._node_ids():
+            vm = self._vm(nid)
+            peer = vm.get("net_index") if vm else None
+            if vm is None or peer is None or vm.get("zone") != zone or peer == n:
+                continue
+            if vm.get("state") not in ("running", "pending"):
+                continue
+            self.net.same_zone(n, self.net.node_ip(int(peer)))
+            try:
+                self.net.same_zone(int(peer), me)
+            except SpotctlError:
+                pass  # a peer whose namespace is gone (killed, not yet reaped) sends nothing
 
     def _spawn_vm(self, nid: str) -> None:
         # the VM writes its own pid and state into vm.json once it is up
@@ -306,6 +344,7 @@ class LocalProvider:
         self.cdir.ensure()
         self.cdir.token(create=True)
         if self.net is not None:
+            self._check_links()
             self.net.ensure_bridge()
         self._private_network()
         created = self._created_at()
