@@ -9,10 +9,10 @@ from importlib import import_module
 from typing import Any
 
 NAMES = ("recovery", "lost", "join", "checkpoint", "control", "quorum", "overhead", "network",
-         "scale", "plain", "churn")
+         "scale", "plain", "churn", "frameworks")
 # run only when named: churn is three settings of --minutes (default 10) on spotctl and
-# again on bare torchft, an hour and more
-ONLY_BY_NAME = ("churn",)
+# again on bare torchft, an hour and more; frameworks needs the hf and lightning extras
+ONLY_BY_NAME = ("churn", "frameworks")
 
 
 def get(name: str) -> Callable[..., Any]:

@@ -31,7 +31,8 @@ import pytest
 
 from tests.conftest import REPO, LocalCluster, wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
+# the HF case took 560 s on the shared 2-core machine at load 30-50 (not measured idle)
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 JOBS = Path(__file__).with_name("jobs")
 MAX_STEPS = 64

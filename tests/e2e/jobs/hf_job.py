@@ -6,6 +6,10 @@ can act mid-run, and let the job finish fast after), and rank 0 appends to STEP_
 trainer emits them, its own log records (on_log: the dict that goes into log_history, with
 its step) and the step each launch resumed from (on_train_begin). A SIGKILL loses none of
 them, where trainer_state.json keeps only what a checkpoint saved.
+
+scripts/bench frameworks runs it too: with a file at NO_CALLBACK_FILE when a launch starts,
+that launch trains without spotctl's callback (the framework as it is: a notice reaches it
+as SIGTERM at the end of the grace).
 """
 
 import json
@@ -17,17 +21,23 @@ import example
 from transformers import TrainerCallback
 
 from spotctl.elastic import notice
+from spotctl.integrations.hf import SpotctlCallback
+
+
+def pace() -> float:
+    try:
+        with open(os.environ["PACE_FILE"]) as f:
+            return float(f.read().strip() or 0)
+    except (KeyError, OSError, ValueError):
+        return 0.0
 
 
 def hold() -> None:
-    """Hold the step PACE_FILE's seconds, or until a notice comes (the callback then saves at
+    """Hold the step as many seconds as PACE_FILE says (read again as it waits: a hold
+    shortens when the file does), or until a notice comes (the callback then saves at
     the next step boundary, as soon as it would without the hold)."""
-    try:
-        with open(os.environ["PACE_FILE"]) as f:
-            end = time.monotonic() + float(f.read().strip() or 0)
-    except (KeyError, OSError, ValueError):
-        return
-    while time.monotonic() < end and notice() is None:
+    t0 = time.monotonic()
+    while notice() is None and time.monotonic() - t0 < pace():
         time.sleep(0.05)
 
 
@@ -52,5 +62,7 @@ class Trace(TrainerCallback):
 
 trainer = example.build_trainer(sys.argv[1:])
 trainer.add_callback(Trace())
+if os.path.exists(os.environ.get("NO_CALLBACK_FILE") or "/nonexistent"):
+    trainer.remove_callback(SpotctlCallback)
 trainer.train(resume_from_checkpoint=example.latest_checkpoint(trainer.args.output_dir))
 trainer.save_model()

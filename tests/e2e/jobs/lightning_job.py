@@ -5,6 +5,10 @@ each optimizer step is held as long as the number in the PACE_FILE file says (so
 can act mid-run, and let the job finish fast after), and rank 0 appends to STEP_LOG the
 optimizer steps done (trainer.global_step after each) and the step each launch resumed
 from. The losses are judged from Lightning's own CSVLogger files.
+
+scripts/bench frameworks runs it too: with a file at NO_CALLBACK_FILE when a launch starts,
+that launch trains without spotctl's callback (the framework as it is: a notice reaches it
+as SIGTERM at the end of the grace).
 """
 
 import json
@@ -16,17 +20,23 @@ import example
 import lightning.pytorch as L
 
 from spotctl.elastic import notice
+from spotctl.integrations.lightning import SpotctlCallback
+
+
+def pace() -> float:
+    try:
+        with open(os.environ["PACE_FILE"]) as f:
+            return float(f.read().strip() or 0)
+    except (KeyError, OSError, ValueError):
+        return 0.0
 
 
 def hold() -> None:
-    """Hold the step PACE_FILE's seconds, or until a notice comes (the callback then saves at
+    """Hold the step as many seconds as PACE_FILE says (read again as it waits: a hold
+    shortens when the file does), or until a notice comes (the callback then saves at
     the next step boundary, as soon as it would without the hold)."""
-    try:
-        with open(os.environ["PACE_FILE"]) as f:
-            end = time.monotonic() + float(f.read().strip() or 0)
-    except (KeyError, OSError, ValueError):
-        return
-    while time.monotonic() < end and notice() is None:
+    t0 = time.monotonic()
+    while notice() is None and time.monotonic() - t0 < pace():
         time.sleep(0.05)
 
 
@@ -55,4 +65,7 @@ class Trace(L.Callback):
 
 trainer, model, loader, ckpt = example.build(sys.argv[1:])
 trainer.callbacks.insert(0, Trace())
+if os.path.exists(os.environ.get("NO_CALLBACK_FILE") or "/nonexistent"):
+    trainer.callbacks[:] = [cb for cb in trainer.callbacks
+                            if not isinstance(cb, SpotctlCallback)]
 trainer.fit(model, loader, ckpt_path=example.latest_checkpoint(ckpt), weights_only=True)
