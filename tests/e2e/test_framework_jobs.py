@@ -31,7 +31,7 @@ import pytest
 
 from tests.conftest import REPO, LocalCluster, wait_until
 
-# the HF case took 560 s on the shared 2-core machine at load 30-50 (not measured idle)
+# 43 s each at load 5 on the shared 2-core machine; the HF case took 560 s at load 30-50
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 JOBS = Path(__file__).with_name("jobs")
