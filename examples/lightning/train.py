@@ -60,6 +60,7 @@ def build(argv: list[str] | None = None) -> tuple[L.Trainer, Regressor, DataLoad
     p.add_argument("--max-steps", type=int, default=12)
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--per-device-batch", type=int, default=8)
+    p.add_argument("--save-steps", type=int, default=100)
     a = p.parse_args(argv)
 
     L.seed_everything(0)
@@ -71,9 +72,17 @@ def build(argv: list[str] | None = None) -> tuple[L.Trainer, Regressor, DataLoad
         accelerator="cpu", strategy="ddp", max_steps=a.max_steps, **torchrun_layout(),
         accumulate_grad_batches=accumulation_steps(a.global_batch, a.per_device_batch),
         gradient_clip_val=1.0,  # as users clip: the equivalence holds with it
-        use_distributed_sampler=False, callbacks=[SpotctlCallback(ckpt)],
-        logger=L.loggers.CSVLogger(a.out, name="logs"), log_every_n_steps=1,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        use_distributed_sampler=False,
+        callbacks=[
+            SpotctlCallback(ckpt),  # a save at the step boundary on a notice
+            # the saves a hard kill falls back to (no notice): every --save-steps steps,
+            # all kept, named with their step (latest_checkpoint picks the newest whole one)
+            L.callbacks.ModelCheckpoint(dirpath=ckpt, every_n_train_steps=a.save_steps,
+                                        save_top_k=-1, save_on_train_epoch_end=False),
+        ],
+        # each step's row on disk as it is logged: a kill loses none of the log
+        logger=L.loggers.CSVLogger(a.out, name="logs", flush_logs_every_n_steps=1),
+        log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
     )
     return trainer, model, loader, ckpt
 

@@ -9,10 +9,11 @@ from importlib import import_module
 from typing import Any
 
 NAMES = ("recovery", "lost", "join", "checkpoint", "control", "quorum", "overhead", "network",
-         "scale", "plain", "churn", "zones")
+         "scale", "plain", "churn", "zones", "frameworks")
 # run only when named: churn is three settings of --minutes (default 10) on spotctl and
-# again on bare torchft, an hour and more; zones needs root (network namespaces)
-ONLY_BY_NAME = ("churn", "zones")
+# again on bare torchft, an hour and more; zones needs root (network namespaces);
+# frameworks needs the hf and lightning extras
+ONLY_BY_NAME = ("churn", "zones", "frameworks")
 
 
 def get(name: str) -> Callable[..., Any]:
