@@ -27,6 +27,7 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError
 
+from spotctl.errors import AuthError
 from spotctl.providers.aws import catalog as catalog_aws
 from spotctl.providers.aws.provider import AwsProvider
 from spotctl.spec import AwsSpec
@@ -206,6 +207,12 @@ def test_an_identity_holding_exactly_the_template_runs_a_cluster_and_no_more(
                                           if k != "TagSpecifications"}))  # fmt: skip
     _refused(lambda: ec2.terminate_instances(InstanceIds=[_someone_elses(moto_url, ami, None)]))
     ec2.terminate_instances(InstanceIds=[ok])
+    # `spotctl check` DryRuns the first launch: a pinned private AMI is named in one line
+    private = _private_ami(moto_url, ami)
+    mine = make_provider(instance_types=["g5.xlarge"], ami=private,
+                         options={"endpoint_url": proxy.url})
+    with pytest.raises(AuthError, match=f"ec2:Owner for image {private}"):
+        mine._check_launch()
 
 
 def test_the_templates_types_are_the_catalogs_and_the_heads() -> None:
