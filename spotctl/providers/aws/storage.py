@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from spotctl.errors import ProviderError, SpecError
+from spotctl.providers.aws import catalog as catalog_aws
 from spotctl.providers.aws.api import TAG_CLUSTER, AwsApi, error_code
 from spotctl.providers.base import ClusterCheckpoints
 
@@ -209,9 +210,7 @@ class AwsStorage(ClusterCheckpoints, AwsApi):
                  "Resource": "*"},
                 {"Sid": "LaunchOnlyTaggedForThisClusterOfItsTypes", "Effect": "Allow",
                  "Action": "ec2:RunInstances", "Resource": f"{ec2}:instance/*",
-                 "Condition": {"StringEquals": {
-                     f"aws:RequestTag/{TAG_CLUSTER}": name,
-                     "ec2:InstanceType": self._wanted_types()}}},
+                 "Condition": self._head_types({f"aws:RequestTag/{TAG_CLUSTER}": name})},
                 {"Sid": "VolumesTaggedForThisCluster", "Effect": "Allow",
                  "Action": "ec2:RunInstances", "Resource": f"{ec2}:volume/*",
                  "Condition": {"StringEquals": {f"aws:RequestTag/{TAG_CLUSTER}": name}}},
@@ -273,6 +272,17 @@ class AwsStorage(ClusterCheckpoints, AwsApi):
                               *self._own_image_parameter(region, acct)]},
             ],
         }  # fmt: skip
+
+    def _head_types(self, equals: dict[str, Any]) -> dict[str, Any]:
+        """`equals` and the instance types the head may launch: the cluster's, or where the
+        catalog has none for the region (offers then need aws.instance_types), its GPU
+        families."""
+        try:
+            return {"StringEquals": {**equals, "ec2:InstanceType": self._wanted_types()}}
+        except SpecError:
+            families = sorted({t.split(".")[0] for t in catalog_aws.instance_types()})
+            return {"StringEquals": equals,
+                    "StringLike": {"ec2:InstanceType": [f"{f}.*" for f in families]}}
 
     def _own_image_parameter(self, region: str, acct: str) -> list[str]:
         """The workers' image parameter when it is the user's own (not one of AWS's public
