@@ -457,6 +457,13 @@ class SshSpec(_Strict):
     # listen on the hosts' addresses: set true once only this cluster's hosts can reach
     # those (a network of their own, or a firewall). Hosts on loopback need nothing.
     trusted_network: StrictBool = False
+    # The head's store and Lighthouse sit on this controller's loopback and, through a
+    # reverse SSH forward, on each host's; a host's training listeners (torch's stores,
+    # gloo, torchft's Manager) on its loopback too. None authenticates, and every user
+    # of a machine reaches its loopback (a store pickle runs as the training user on
+    # every host). `up` refuses an ssh cluster until this says that no one else (no other
+    # user, no service you do not trust) uses this controller or any of the hosts.
+    dedicated_hosts: StrictBool = False
 
 
 class RebalanceSpec(_Strict):

@@ -295,6 +295,22 @@ def check_engine(spec: ClusterSpec) -> None:
         )
 
 
+def check_shared_hosts(spec: ClusterSpec) -> None:
+    """An ssh cluster's listeners sit on loopback, unauthenticated (the head's store and
+    Lighthouse on this controller's and, forwarded, on each host's; each host's training
+    listeners on its own), and every user of a machine reaches its loopback: refused
+    before anything is joined or started, until the spec says no one else uses them."""
+    if spec.provider != "ssh" or spec.ssh.dedicated_hosts:
+        return
+    raise SpecError(
+        "ssh hosts: the cluster's store and Lighthouse listen unauthenticated on the "
+        "loopback of this controller and of every host, where any other user of those "
+        "machines can reach them (a store pickle runs as the training user); set [ssh] "
+        "dedicated_hosts = true once no one else uses them, or use provider local (a "
+        "network namespace of its own), aws or gcp (see docs/security.md)"
+    )
+
+
 def reconcile(
     store: Store,
     spec: ClusterSpec,
@@ -321,6 +337,7 @@ def reconcile(
     if not create:
         store.get_cluster(name)
     check_engine(spec)
+    check_shared_hosts(spec)
     with cdir.lock(on_wait=progress), ExitStack() as paused:
         # Re-checked under the lock: a rebalance that waited for `down` must not bring
         # the cluster back (down holds this lock while it cleans up).

@@ -96,9 +96,19 @@ def test_the_heads_loop_calls_only_what_its_scoped_role_allows(
         assert st["Condition"] == {"StringEquals": {"ec2:ResourceTag/spotctl:cluster": name}}
     for st in by_action["ec2:RunInstances"]:
         res = json.dumps(st["Resource"])
-        if "instance/" in res or "volume/" in res:
+        if "instance/" in res:  # issue 60: of the cluster's types only
+            assert st["Condition"] == {"StringEquals": {
+                "aws:RequestTag/spotctl:cluster": name,
+                "ec2:InstanceType": ["g5.xlarge", "p4d.24xlarge"]}}, st
+        if "volume/" in res:
             assert st["Condition"] == {
                 "StringEquals": {"aws:RequestTag/spotctl:cluster": name}}, st
+        if "image/" in res:  # the pinned AMI, of its owner (tests/aws/test_iam_scope.py)
+            assert st["Resource"] == [f"arn:aws:ec2:{REGION}::image/{on.spec.ami}"], st
+            assert st["Condition"]["StringEquals"]["ec2:Owner"][0] == "amazon", st
+        if "subnet/" in res:
+            assert st["Condition"] == {"StringEquals": {"ec2:Vpc": (
+                f"arn:aws:ec2:{REGION}:{on.account_id()}:vpc/{on._vpc()[0]}")}}, st
         if "security-group/" in res or "key-pair/" in res:
             assert st["Condition"] == {
                 "StringEquals": {"ec2:ResourceTag/spotctl:cluster": name}}, st
@@ -231,12 +241,13 @@ def test_the_heads_credentials_are_refused_what_its_role_does_not_grant(
     (None, None),  # AWS's public parameter: the /aws/service/ grant covers it
 ])
 def test_the_head_may_read_the_workers_own_image_parameter(
-    make_provider: Callable[..., AwsProvider], param: str | None, want: str | None
+    make_provider: Callable[..., AwsProvider], param: str | None, want: str | None, ami: str
 ) -> None:
     """aws.ami_ssm_parameter of the user's own: the head resolves it for every launch, so
     its role may read that one parameter (it was refused: only /aws/service/ was)."""
     p = make_provider(instance_types=["g5.xlarge"], ami="",
                       **({"ami_ssm_parameter": param} if param else {}))
+    p._amis[param or p.spec.ami_ssm_parameter] = ami  # what the parameter names (not in moto)
     [st] = [s for s in p.head_policy()["Statement"] if s["Sid"] == "ImageNames"]
     public = f"arn:aws:ssm:{REGION}::parameter/aws/service/*"
     if want is None:

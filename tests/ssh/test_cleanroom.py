@@ -192,7 +192,7 @@ def test_bootstrap_from_uploaded_wheels_into_a_clean_account(
         'name = "clean"\nprovider = "ssh"\ngpus = "1"\n\n'
         '[train]\nscript = "train.py"\ncheckpoint_every = 5\ncheckpoint_dir = "s3://ckpt/clean"\n'
         f"env = {env_toml}\n\n"
-        f'[ssh]\nbase_python = "{img}"\n\n'
+        f'[ssh]\nbase_python = "{img}"\ndedicated_hosts = true\n\n'
         f'[[ssh.hosts]]\naddress = "127.0.0.1"\nport = {s.port}\nuser = "{USER}"\n'
         f'key = "{client_key}"\n'
     )

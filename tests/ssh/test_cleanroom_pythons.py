@@ -138,7 +138,7 @@ def _project(tmp_path: Path, port: int, key: Path, base: str, envs: list[str]) -
         '[train]\nscript = "train.py"\nengine = "torchrun"\ncheckpoint_every = 5\n'
         f'checkpoint_dir = "{ckpt}"\nrun_as = ""\ntorch_envs = {json.dumps(envs)}\n'
         'env = { TRAIN_STEP_SLEEP_S = "0.05" }\n\n'
-        f'[ssh]\nbase_python = "{base}"\n\n'
+        f'[ssh]\nbase_python = "{base}"\ndedicated_hosts = true\n\n'
         f'[[ssh.hosts]]\naddress = "127.0.0.1"\nport = {port}\nuser = "{USER}"\n'
         f'key = "{key}"\n'
     )

@@ -51,6 +51,7 @@ def test_up_train_ssh_logs_down(sshd_factory: SshdFactory, client_key: Path, tmp
         f'[train]\nengine = "torchrun"\nscript = "train.py"\ncheckpoint_every = 5\n'
         f'python = "{sys.executable}"\n'
         'env = { TRAIN_STEP_SLEEP_S = "0.05" }\n\n'
+        '[ssh]\ndedicated_hosts = true\n\n'
         + "".join(
             f'[[ssh.hosts]]\naddress = "127.0.0.1"\nport = {s.port}\nkey = "{client_key}"\n\n'
             for s in (a, b)

@@ -177,6 +177,7 @@ def two_ssh_hosts(sshd_factory: SshdFactory, client_key: Path, tmp_path: Path, n
         f'[train]\nscript = "train.py"\ncheckpoint_every = 5\npython = "{sys.executable}"\n'
         + train
         + 'env = { TRAIN_STEP_SLEEP_S = "0.05", TRAIN_DATASET_SIZE = "4096" }\n\n'
+        + '[ssh]\ndedicated_hosts = true\n\n'
         + "".join(
             f'[[ssh.hosts]]\naddress = "127.0.0.1"\nport = {s.port}\nkey = "{client_key}"\n'
             f'notice_file = "{tmp_path}/notice-ssh-127-0-0-1-{s.port}"\n\n'

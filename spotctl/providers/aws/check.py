@@ -244,7 +244,10 @@ class AwsChecks(AwsOffers, AwsLaunch):
                     f"this identity may not launch {what} as `up` asks "
                     "(UnauthorizedOperation: RunInstances with the cluster's tags, subnet, "
                     "interfaces, placement group and instance profile, which needs "
-                    "iam:PassRole): attach the policy in templates/aws-iam-policy.json to it"
+                    "iam:PassRole; the template allows its GPU families and t3 only, from "
+                    "images owned by amazon: add your type, or your account's id to ec2:Owner "
+                    f"for image {req.get('ImageId', '')}): attach the policy in "
+                    "templates/aws-iam-policy.json to it"
                 ) from None
             if code != "DryRunOperation":
                 raise

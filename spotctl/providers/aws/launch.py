@@ -119,6 +119,17 @@ class AwsLaunch(AwsNetwork, AwsStorage):
             self._roots[ami] = (root, size, str(image.get("Name") or ""))
         return self._roots[ami]
 
+    def _image_owners(self, ami: str) -> list[str]:
+        """What IAM's `ec2:Owner` may say of an AMI: its owner's alias ("amazon" for AWS's
+        and Canonical's public images) and its owner's account id."""
+        images = self._call(
+            f"describe image {ami}", self.ec2.describe_images, ImageIds=[ami]
+        ).get("Images", [])
+        if not images:
+            raise SpecError(f"aws.ami: image {ami} not found in {self.region}")
+        owners = [str(images[0].get("ImageOwnerAlias") or ""), str(images[0].get("OwnerId") or "")]
+        return [o for o in dict.fromkeys(owners) if o]
+
     def _block_devices(self, ami: str, role: str) -> list[dict[str, Any]]:
         """Root volume sized for the role (workers: aws.root_volume_gb or 100 GB, the head
         20 GB), never below the image's own snapshot; gp3, deleted with the instance."""

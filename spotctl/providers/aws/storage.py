@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spotctl.errors import ProviderError, SpecError
+from spotctl.providers.aws import catalog as catalog_aws
 from spotctl.providers.aws.api import TAG_CLUSTER, AwsApi, error_code
 from spotctl.providers.base import ClusterCheckpoints
 
@@ -36,6 +37,12 @@ class AwsStorage(ClusterCheckpoints, AwsApi):
     """Bucket, prefix and the workers' instance profile."""
 
     _account_id = ""
+
+    if TYPE_CHECKING:  # the provider's other parts (network, offers, launch) give these
+        def _vpc(self) -> tuple[str, bool]: ...
+        def _wanted_types(self) -> list[str]: ...
+        def _ami(self, role: str = "worker") -> str: ...
+        def _image_owners(self, ami: str) -> list[str]: ...
 
     def _svc(self, name: str) -> Any:
         return self._session.client(name, **self._client_kwargs)
@@ -190,25 +197,37 @@ class AwsStorage(ClusterCheckpoints, AwsApi):
         region, acct, name = self.region, self.account_id(), self.ctx.cluster
         ec2 = f"arn:aws:ec2:{region}:{acct}"
         own = {"StringEquals": {f"ec2:ResourceTag/{TAG_CLUSTER}": name}}
+        vpc = {"StringEquals": {"ec2:Vpc": f"{ec2}:vpc/{self._vpc()[0]}"}}
+        subnets = [f"{ec2}:subnet/{s}" for s in self.spec.subnet_ids] or [f"{ec2}:subnet/*"]
+        # the workers' image: the pinned AMI, else whatever its SSM parameter names later
+        # (a new release), but only from the owner of the one it names now
+        image = ([f"arn:aws:ec2:{region}::image/{self.spec.ami}"] if self.spec.ami
+                 else [f"arn:aws:ec2:{region}::image/*"])
         return {
             "Version": "2012-10-17",
             "Statement": [
                 {"Sid": "See", "Effect": "Allow", "Action": list(HEAD_DESCRIBES),
                  "Resource": "*"},
-                {"Sid": "LaunchOnlyTaggedForThisCluster", "Effect": "Allow",
-                 "Action": "ec2:RunInstances",
-                 "Resource": [f"{ec2}:instance/*", f"{ec2}:volume/*"],
+                {"Sid": "LaunchOnlyTaggedForThisClusterOfItsTypes", "Effect": "Allow",
+                 "Action": "ec2:RunInstances", "Resource": f"{ec2}:instance/*",
+                 "Condition": self._head_types({f"aws:RequestTag/{TAG_CLUSTER}": name})},
+                {"Sid": "VolumesTaggedForThisCluster", "Effect": "Allow",
+                 "Action": "ec2:RunInstances", "Resource": f"{ec2}:volume/*",
                  "Condition": {"StringEquals": {f"aws:RequestTag/{TAG_CLUSTER}": name}}},
                 {"Sid": "LaunchIntoThisClustersGroupAndKey", "Effect": "Allow",
                  "Action": "ec2:RunInstances",
                  "Resource": [f"{ec2}:security-group/*", f"{ec2}:key-pair/*",
                               f"{ec2}:placement-group/*"],
                  "Condition": own},
-                {"Sid": "LaunchFromImagesAndSubnets", "Effect": "Allow",
+                {"Sid": "LaunchOnlyTheWorkersImage", "Effect": "Allow",
+                 "Action": "ec2:RunInstances", "Resource": image,
+                 "Condition": {"StringEquals": {
+                     "ec2:Owner": self._image_owners(self._ami("worker"))}}},
+                {"Sid": "LaunchOnlyIntoThisClustersVpc", "Effect": "Allow",
                  "Action": "ec2:RunInstances",
-                 "Resource": [f"arn:aws:ec2:{region}::image/*", f"{ec2}:subnet/*",
-                              f"{ec2}:network-interface/*",
-                              f"{ec2}:spot-instances-request/*"]},
+                 "Resource": [*subnets, f"{ec2}:network-interface/*"], "Condition": vpc},
+                {"Sid": "SpotRequests", "Effect": "Allow", "Action": "ec2:RunInstances",
+                 "Resource": f"{ec2}:spot-instances-request/*"},
                 # an EFA type in a zone the cluster had no nodes in yet (a move)
                 {"Sid": "PlacementGroupsOfThisCluster", "Effect": "Allow",
                  "Action": "ec2:CreatePlacementGroup",
@@ -253,6 +272,17 @@ class AwsStorage(ClusterCheckpoints, AwsApi):
                               *self._own_image_parameter(region, acct)]},
             ],
         }  # fmt: skip
+
+    def _head_types(self, equals: dict[str, Any]) -> dict[str, Any]:
+        """`equals` and the instance types the head may launch: the cluster's, or where the
+        catalog has none for the region (offers then need aws.instance_types), its GPU
+        families."""
+        try:
+            return {"StringEquals": {**equals, "ec2:InstanceType": self._wanted_types()}}
+        except SpecError:
+            families = sorted({t.split(".")[0] for t in catalog_aws.instance_types()})
+            return {"StringEquals": equals,
+                    "StringLike": {"ec2:InstanceType": [f"{f}.*" for f in families]}}
 
     def _own_image_parameter(self, region: str, acct: str) -> list[str]:
         """The workers' image parameter when it is the user's own (not one of AWS's public
