@@ -123,6 +123,7 @@ def test_all_reduce_after_a_replica_failed_is_nan_not_a_partial_sum(value: objec
 
     run = object.__new__(FtRun)
     run.step, run.world, run.local_dp_world, run.dp_world = 4, 1, 1, 2
+    run._outer = None  # [train] sync = "ddp": the reduction spans every replica
     # the reduction as torchft leaves it after an error: this replica's part alone
     run._reduce = lambda t, op: None  # type: ignore[method-assign]
     run.manager = SimpleNamespace(errored=lambda: None)  # type: ignore[assignment]
