@@ -28,7 +28,9 @@ INTERNAL = {"SPOTCTL_NODE_TAG", "SPOTCTL_ZYGOTE", "SPOTCTL_COMPLETE",
             # the agent's contract with its torchrun (tests/unit/test_rdzv_gate.py plays it)
             "SPOTCTL_RDZV_GATE",
             # the cluster's largest size, for micro_batch "auto" (spotctl.elastic)
-            "SPOTCTL_MAX_WORLD"}
+            "SPOTCTL_MAX_WORLD",
+            # [train] sync, sync_every, outer_lr, outer_momentum (TrainSpec.worker_env)
+            "SPOTCTL_SYNC", "SPOTCTL_SYNC_EVERY", "SPOTCTL_OUTER_LR", "SPOTCTL_OUTER_MOMENTUM"}
 # Tuning knobs a test sets, documented with the concepts they tune rather than as seams.
 KNOBS = {"SPOTCTL_FT_JOIN_TIMEOUT_MS", "SPOTCTL_FT_HEARTBEAT_TIMEOUT_MS", "SPOTCTL_FT_START_REPLICAS",
          "SPOTCTL_CHECKPOINT_STORAGE_OPTIONS", "SPOTCTL_CHECKPOINT_PART_MB",
