@@ -117,10 +117,13 @@ def main() -> None:
         elif run.step == before + 1:
             with torch.no_grad():
                 full = float(((model(x) - y) ** 2).mean())
-                # the parameters as this worker holds them (after a sync: the synced ones)
+                # the parameters as this worker holds them (after a sync: the synced ones);
+                # copied first: numpy() on the parameter's own storage would make it
+                # unresizable, and FSDP2 frees an unsharded parameter by resizing it to 0
                 digest = hashlib.sha1(b"".join(
-                    (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().numpy()
-                    .tobytes() for p in model.parameters())).hexdigest()
+                    (p.to_local() if hasattr(p, "to_local") else p).detach()
+                    .to("cpu", copy=True).numpy().tobytes()
+                    for p in model.parameters())).hexdigest()
             out.write(json.dumps({
                 "t": time.time(), "step": run.step, "idx": idx, "full_loss": full,
                 "replicas": getattr(run, "replicas", 1), "pid": os.getpid(),
