@@ -893,16 +893,7 @@ class FtRun(Run):
         pos = st["pos"]
         self._check_meta(pos, int(pos["step"]))
         _unwrap(self.model).load_state_dict(st["model"])
-        for o, sd in zip(self.optimizers, st["optim"], strict=True):
-            o.load_state_dict(sd)
-        for s, sd in zip(self.schedulers, st["schedulers"], strict=True):
-            s.load_state_dict(sd)
-        if self.scaler is not None and st.get("scaler"):
-            self.scaler.load_state_dict(st["scaler"])
-        for k, obj in self.user_state.items():
-            if k in st["user"]:
-                obj.load_state_dict(st["user"][k])
-        _set_rng_state(st["rng"])
+        self._load_inner(st)
         if self._outer is not None:
             self._outer.load(st.get("outer") or {})
         self.step, self.epoch, self.offset = int(pos["step"]), int(pos["epoch"]), int(pos["offset"])
@@ -960,6 +951,20 @@ class FtRun(Run):
         return True
 
     # -- diloco/localsgd: rounds of local steps, a sync at the end of each
+    def _load_inner(self, st: dict[str, Any]) -> None:
+        """The optimizers, schedulers, scaler, user state and RNG from `st` (a heal's state,
+        or a round's start that a failed sync rewinds to)."""
+        for o, sd in zip(self.optimizers, st["optim"], strict=True):
+            o.load_state_dict(sd)
+        for s, sd in zip(self.schedulers, st["schedulers"], strict=True):
+            s.load_state_dict(sd)
+        if self.scaler is not None and st.get("scaler"):
+            self.scaler.load_state_dict(st["scaler"])
+        for k, obj in self.user_state.items():
+            if k in st["user"]:
+                obj.load_state_dict(st["user"][k])
+        _set_rng_state(st["rng"])
+
     def _begin_round(self) -> None:
         """The state a sync nobody applies rewinds to (beside the synced parameters): the
         position, the inner optimizers, schedulers, scaler, user state and RNG, copied to
@@ -1016,16 +1021,7 @@ class FtRun(Run):
             return True
         start, epoch, offset = self._round["pos"]
         st = self._round["state"]
-        for o, sd in zip(self.optimizers, st["optim"], strict=True):
-            o.load_state_dict(sd)
-        for s, sd in zip(self.schedulers, st["schedulers"], strict=True):
-            s.load_state_dict(sd)
-        if self.scaler is not None and st.get("scaler"):
-            self.scaler.load_state_dict(st["scaler"])
-        for k, obj in self.user_state.items():
-            if k in st["user"]:
-                obj.load_state_dict(st["user"][k])
-        _set_rng_state(st["rng"])
+        self._load_inner(st)
         self.failed_syncs += 1
         self.dropped_steps += self.step - start
         if self.rank == 0:
