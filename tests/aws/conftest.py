@@ -7,10 +7,8 @@ instead (matched by Action and a substring of the form body, e.g. the zone).
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -21,6 +19,7 @@ from urllib.parse import parse_qs
 
 import pytest
 
+from tests.aws.proxying import forward, serve
 from tests.conftest import CloudFlow, cloud_spec_text
 
 REGION = "us-east-1"
@@ -230,7 +229,7 @@ class FaultProxy:
 
     def start(self) -> FaultProxy:
         proxy = self
-        up_host, up_port = self.upstream.removeprefix("http://").split(":")
+        upstream = self.upstream
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args: Any) -> None:
@@ -253,25 +252,9 @@ class FaultProxy:
                     self.end_headers()
                     self.wfile.write(payload)
                     return
-                conn = http.client.HTTPConnection(up_host, int(up_port), timeout=30)
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
-                conn.request("POST", self.path, body=raw, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                self.send_response(resp.status)
-                for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-                conn.close()
+                forward(self, upstream, raw)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(target=self._server.serve_forever, daemon=True,
-                         kwargs={"poll_interval": 0.05}).start()
+        self._server, self.url = serve(Handler)
         return self
 
     def stop(self) -> None:

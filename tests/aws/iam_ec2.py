@@ -35,9 +35,7 @@ variables `${aws:PrincipalAccount}` are substituted.
 from __future__ import annotations
 
 import fnmatch
-import http.client
 import re
-import threading
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -46,6 +44,8 @@ from typing import Any
 from urllib.parse import parse_qs
 
 import boto3
+
+from tests.aws.proxying import forward, serve
 
 Ctx = dict[str, list[str]]
 
@@ -251,7 +251,7 @@ class IamEc2Proxy:
 
     def start(self) -> IamEc2Proxy:
         proxy = self
-        up_host, up_port = self.upstream.removeprefix("http://").split(":")
+        upstream = self.upstream
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args: Any) -> None:
@@ -275,25 +275,9 @@ class IamEc2Proxy:
                     return
                 if key in proxy.policies:
                     proxy.allowed.append(form.get("Action", ""))
-                conn = http.client.HTTPConnection(up_host, int(up_port), timeout=30)
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
-                conn.request("POST", self.path, body=raw, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                self.send_response(resp.status)
-                for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-                conn.close()
+                forward(self, upstream, raw)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        threading.Thread(target=self._server.serve_forever, daemon=True,
-                         kwargs={"poll_interval": 0.05}).start()  # fmt: skip
+        self._server, self.url = serve(Handler)
         return self
 
     def stop(self) -> None:
