@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from spotctl.integrations import _notice
 from spotctl.integrations._checkpoints import latest_zip_checkpoint as latest_checkpoint
@@ -70,6 +72,29 @@ def _batch_size(trainer: pl.Trainer) -> int | None:
     return b if isinstance(b, int) else None
 
 
+def _resumed_at(trainer: pl.Trainer) -> None:
+    """Tell each ModelCheckpoint that the step this launch resumed from is saved.
+
+    ModelCheckpoint keeps the last step it saved in memory only (0 in a new process), and
+    its ``every_n_train_steps`` check runs at every micro-batch's end. A launch resumed at
+    a multiple of N with gradient accumulation therefore saved "step N" again after its
+    first micro-batch: a checkpoint in the middle of an accumulation window, without the
+    gradient accumulated so far, and the newest file of that step, so a hard kill after it
+    resumed from there and trained the step on part of its global batch. The step resumed
+    from is already on disk (the checkpoint this launch loaded).
+    """
+    for cb in trainer.checkpoint_callbacks:
+        if not isinstance(cb, ModelCheckpoint):
+            continue
+        if hasattr(cb, "_last_global_step_saved"):
+            cb._last_global_step_saved = trainer.global_step
+        else:  # a Lightning other than the one tested (2.6.6)
+            warnings.warn("spotctl: this Lightning's ModelCheckpoint has no "
+                          "_last_global_step_saved; with gradient accumulation it may save "
+                          f"step {trainer.global_step} again in the middle of a step",
+                          stacklevel=2)
+
+
 class SpotctlCallback(pl.Callback):
     """Save at the optimizer-step boundary on a spotctl notice, then stop for the rescale.
 
@@ -92,6 +117,8 @@ class SpotctlCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._agree.setup()
         self._last_step = trainer.global_step
+        if trainer.global_step > 0:
+            _resumed_at(trainer)
         if self._resume is not None:
             for s in _samplers(trainer):
                 s.resume_at(self._resume["epoch"], self._resume["epoch_samples"])

@@ -241,14 +241,16 @@ def test_framework_job_notice_join_kill(local_cluster, fw_cls: type[Framework]) 
         r = c.rescale_from(lambda: c.cli("preempt", "n1", "--name", fw.name, "--style", "aws"),
                            "notice")
         assert (r["from_world_size"], r["to_world_size"]) == (2, 1), r
-        _judge_notice(fw, *_resume_after(log, n0, 1), "notice")
+        at_notice = _resume_after(log, n0, 1)
+        _judge_notice(fw, *at_notice, "notice")
         _steps_at(log, pace, 1, 3)
 
         # 2. a join (`up` replaces n1): saved at the step boundary, resumed at world 2
         n0 = len(_records(log))
         r = c.rescale_from(lambda: c.cli("up", "--wait", "120"), "join")
         assert (r["from_world_size"], r["to_world_size"]) == (1, 2), r
-        _judge_notice(fw, *_resume_after(log, n0, 2), "join")
+        at_join = _resume_after(log, n0, 2)
+        _judge_notice(fw, *at_join, "join")
         _steps_at(log, pace, 2, 3)
 
         # 3. a hard kill of n3: resumed from the newest whole checkpoint, at most the save
@@ -284,12 +286,11 @@ def test_framework_job_notice_join_kill(local_cluster, fw_cls: type[Framework]) 
     got_w, want_w = fw.final_weights(fw.out), fw.final_weights(ref_out)
     assert sorted(got_w) == sorted(want_w)
     wdiff = max(float((got_w[k].float() - want_w[k].float()).abs().max()) for k in want_w)
-    print(f"{fw.name}: kill redid {len(kill_redone)} steps; max |loss - uninterrupted| "
+    # where the events fell varies with the machine's load: a join after a step that
+    # ModelCheckpoint saves is the case issue 57 was about (a mid-step save, resumed from)
+    print(f"{fw.name}: notice after step {at_notice[1]}, join after {at_join[1]}, kill after "
+          f"{last}, resumed at {resumed}: kill redid {len(kill_redone)} steps; "
+          f"max |loss - uninterrupted| "
           f"{diff:.2e}, max |weight - uninterrupted| {wdiff:.2e}")
-    if fw.name == "lightning" and (diff > LOSS_TOL or wdiff > WEIGHT_TOL):
-        # known, open (issue 57): once in four cluster runs on 2026-12-07 Lightning's run
-        # after the kill left the uninterrupted trajectory (loss off by 0.076 after 3 steps
-        # redone); every check above (notice, join, kill, one step sequence) still holds
-        pytest.xfail(f"lightning after a kill: loss off by {diff:.2e}, weights {wdiff:.2e}")
     assert diff <= LOSS_TOL, diff
     assert wdiff <= WEIGHT_TOL, wdiff

@@ -88,6 +88,35 @@ class Job:
                                  + self.output()[-4000:]) from None
 
     def kill(self) -> None:
+        """SIGKILL torchrun and its workers at once, as a lost machine ends them (torchrun
+        starts each worker in a session of its own, out of torchrun's process group)."""
         if self.proc.poll() is None:
+            workers = _descendants(self.proc.pid)
             os.killpg(self.proc.pid, signal.SIGKILL)
+            for pid in workers:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             self.proc.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes under `pid` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
