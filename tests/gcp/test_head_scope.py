@@ -240,3 +240,22 @@ def test_the_heads_condition_as_iam_reads_it(fake: Any, spotctl_home: Path) -> N
         assert not condition_holds(expr, f"{ZONE}/disks/{n}", DISK), n
     assert condition_holds(expr, f"projects/{PROJECT}",
                            "cloudresourcemanager.googleapis.com/Project")
+
+
+def test_up_brings_the_heads_role_back_and_in_step(fake: Any, spotctl_home: Path) -> None:
+    """The custom role outlives `down` (other clusters' heads may hold it); an `up` after
+    someone deleted it (IAM keeps a deleted role, and its id, for a while) undeletes it,
+    and one after someone widened or narrowed it sets it back."""
+    p = get_provider("gcp", make_ctx(fake, spotctl_home))
+    p.prepare()
+    role = fake.storage.roles[p.head_role]
+    assert p.cleanup() == [] and not role["deleted"]  # kept by down
+    role["deleted"] = True
+    p.prepare()
+    assert not fake.storage.roles[p.head_role]["deleted"]
+    fake.storage.roles[p.head_role]["includedPermissions"] = ["compute.instances.setTags"]
+    p.prepare()
+    assert sorted(fake.storage.roles[p.head_role]["includedPermissions"]) == sorted(
+        HEAD_PERMISSIONS)
+    assert p.cleanup() == []
+    assert gcp_leftovers(fake) == GCP_NOTHING

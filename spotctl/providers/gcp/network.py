@@ -1,7 +1,8 @@
 """GCP provider, network and keys: the cluster's firewall rules and SSH key.
 
 This module owns what a cluster needs before its first VM: the firewall rules (SSH only
-from gcp.ssh_cidr or the caller's address; traffic between members only, by network tag),
+from gcp.ssh_cidr or the caller's address; traffic between members only; members are the
+VMs running as the cluster's workers' or head's service account, never a network tag),
 created, replaced when the controller's address changes, listed and deleted by exact
 name; and the cluster's own SSH key (private half 0600) that goes into each VM's
 ssh-keys metadata.
