@@ -136,10 +136,15 @@ def test_the_heads_account_replaces_its_workers_and_nothing_wider(
             if not want.endswith("create"):
                 body = {**body, "name": f"{ok['name']}x{i}"}
             _refused(lambda body=body: _insert(client, offer.zone, body), want)
-        # another region's subnetwork (the default network's in us-east1)
+        # another region (its zone, the default network's subnetwork there)
         east = {**ok, "name": ok["name"] + "e", "networkInterfaces": [
             {**nic, "subnetwork": "regions/us-east1/subnetworks/default"}]}  # fmt: skip
-        _refused(lambda: _insert(client, "us-east1-b", east), "compute.subnetworks.use")
+        _refused(lambda: _insert(client, "us-east1-b", east), "compute.instances.create")
+        assert not fake.iam.granted(ctl.head_account, "compute.subnetworks.use",
+                                    f"projects/{PROJECT}/regions/us-east1/subnetworks/default",
+                                    "compute.googleapis.com/Subnetwork", [
+                                        fake.storage.iam_policies[f"projects/{PROJECT}"],
+                                        fake.subnet_iam.get(("us-east1", "default"))])
         # another cluster's VM and the head's own: no read (its metadata), no delete
         for other in ("demo2--0123abcd-0", head_name("demo")):
             for call, perm in (
@@ -240,6 +245,10 @@ def test_the_heads_condition_as_iam_reads_it(fake: Any, spotctl_home: Path) -> N
         assert not condition_holds(expr, f"{ZONE}/disks/{n}", DISK), n
     assert condition_holds(expr, f"projects/{PROJECT}",
                            "cloudresourcemanager.googleapis.com/Project")
+    # another region's zone, another project's
+    n = instance_name("demo", "r", 0)
+    assert not condition_holds(expr, f"projects/{PROJECT}/zones/us-east1-b/instances/{n}", VM)
+    assert not condition_holds(expr, f"projects/other/zones/us-central1-a/instances/{n}", VM)
 
 
 def test_up_brings_the_heads_role_back_and_in_step(fake: Any, spotctl_home: Path) -> None:

@@ -226,7 +226,7 @@ class GcpStorage(ClusterCheckpoints, GcpApi):
     def head_condition(self) -> dict[str, str]:
         """Where the head's role applies: this cluster's worker VMs and their boot disks,
         by name (`<cluster>--`, which no other cluster's names and not its head's start
-        with), and what is neither a VM nor a disk: the project and its zones, which is
+        with) in the zones of its region, and what is neither a VM nor a disk: the project and its zones, which is
         where IAM checks compute.instances.list and compute.zoneOperations.get, and the
         resource policies it reads (IAM, "Configure resource-based access": a role with
         list permissions needs such a term, the name of a list's resource is its parent's).
@@ -234,13 +234,14 @@ class GcpStorage(ClusterCheckpoints, GcpApi):
         for resource names (startsWith, endsWith, extract): it refuses any other."""
         prefix = worker_prefix(self.ctx.cluster)
         vm, disk = "compute.googleapis.com/Instance", "compute.googleapis.com/Disk"
+        zones = f"projects/{self.project}/zones/{self.region}-"  # the region's zones
         return {
             "title": f"spotctl-{self.ctx.cluster}-head"[:100],
             "description": f"spotctl cluster {self.ctx.cluster}: its own workers only",
             "expression": (
-                f'(resource.type == "{vm}" && '
+                f'(resource.type == "{vm}" && resource.name.startsWith("{zones}") && '
                 f'resource.name.extract("/instances/{{name}}").startsWith("{prefix}")) || '
-                f'(resource.type == "{disk}" && '
+                f'(resource.type == "{disk}" && resource.name.startsWith("{zones}") && '
                 f'resource.name.extract("/disks/{{name}}").startsWith("{prefix}")) || '
                 f'(resource.type != "{vm}" && resource.type != "{disk}")'
             ),
