@@ -4,7 +4,9 @@ It implements exactly the calls spotctl uses: instances insert / get / list / de
 aggregatedList, zone and global operations get / wait, firewalls insert / list / delete,
 images get / getFromFamily (a small table of public images with their minimum disk size),
 regions get (quotas from `region_quotas`), projects get (`project_quotas`; usage of
-either from `quota_usage`), networks get (`networks`); and on the same
+either from `quota_usage`), networks get (`networks`), subnetworks get / getIamPolicy /
+setIamPolicy (the default network's "default" in every region, and `subnetworks`); and on
+the same
 endpoint Cloud Storage (JSON API) and IAM service accounts (fake_storage.py, `.storage`).
 Inserts are refused as GCP refuses them: an unknown image, a boot disk smaller than the
 image, pd-standard (GCP's default disk type) or a non-Hyperdisk disk on families that do
@@ -29,6 +31,12 @@ Fault injection:
 - `compute_api_disabled = True`: every Compute call answers 403 SERVICE_DISABLED, as in
   a new project whose Compute Engine API is not enabled.
 
+Who calls: a request with a service account's bearer token is authorized as IAM would
+(fake_iam.py: project, subnetwork, resource policy and service account IAM policies,
+predefined and custom roles, conditions on names); refusals are Compute's 403 (400 for a
+service account the caller may not act as) and are kept in `refused`. Anonymous requests
+act as the project's owner. A firewall rule with both service accounts and tags is a 400.
+
 Filters supported: `labels.K = "V"`, `(labels.K = "V") AND (labels.K2 = "V2")`,
 `name eq "REGEX"` (full match). Anything else is a 400, as the real API would do for
 a filter it cannot parse, so a provider typo shows up in tests.
@@ -48,7 +56,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from .fake_storage import FakeStorage
+from .fake_iam import ComputeIam, ConditionError, Refused
+from .fake_storage import SA_DOMAIN, FakeStorage
 
 P = r"/compute/v1/projects/(?P<project>[^/]+)"
 ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
@@ -77,6 +86,11 @@ ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
         ("GET", "projects.get", P),
         ("GET", "regions.get", P + r"/regions/(?P<region>[^/]+)"),
         ("GET", "networks.get", P + r"/global/networks/(?P<name>[^/]+)"),
+        ("GET", "subnetworks.get", P + r"/regions/(?P<region>[^/]+)/subnetworks/(?P<name>[^/]+)"),
+        ("GET", "subnetworks.getIamPolicy",
+         P + r"/regions/(?P<region>[^/]+)/subnetworks/(?P<name>[^/]+)/getIamPolicy"),
+        ("POST", "subnetworks.setIamPolicy",
+         P + r"/regions/(?P<region>[^/]+)/subnetworks/(?P<name>[^/]+)/setIamPolicy"),
         ("POST", "firewalls.insert", P + r"/global/firewalls"),
         ("GET", "firewalls.list", P + r"/global/firewalls"),
         ("DELETE", "firewalls.delete", P + r"/global/firewalls/(?P<name>[^/]+)"),
@@ -238,6 +252,16 @@ class FakeCompute:
             "PREEMPTIBLE_NVIDIA_L4_GPUS": 0.0,
         }
         self.networks: set[str] = {"default"}
+        # subnetworks beyond the default network's (auto mode: one named "default" in
+        # every region): (region, name) -> its network
+        self.subnetworks: dict[tuple[str, str], str] = {}
+        # (region, subnetwork name) -> the subnetwork's own IAM policy
+        self.subnet_iam: dict[tuple[str, str], dict[str, Any]] = {}
+        # IAM on Compute calls made with a service account's token (fake_iam.py):
+        # (route key, account) of each such call, and (route key, message) of each refusal
+        self.iam = ComputeIam(self)
+        self.callers: list[tuple[str, str]] = []
+        self.refused: list[tuple[str, str]] = []
         # projects.get: project-wide quotas, as a new project has them (GPUS_ALL_REGIONS 0)
         self.project_quotas: dict[str, float] = {"GPUS_ALL_REGIONS": 0.0,
                                                  "CPUS_ALL_REGIONS": 32.0}
@@ -316,7 +340,7 @@ class FakeCompute:
                 insert = self.command == "POST" and self.path.split("?")[0].endswith("/instances")
                 with (fake._in_flight(fake, "_inserts_now", "max_parallel_inserts",
                                       fake.insert_latency_s) if insert else nullcontext()):
-                    status, payload = fake.handle(self.command, self.path, raw)
+                    status, payload = fake.handle(self.command, self.path, raw, self.headers)
                 out = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json; charset=UTF-8")
@@ -378,7 +402,8 @@ class FakeCompute:
 
     # -------------------------------------------------------------- dispatch
 
-    def handle(self, method: str, raw_path: str, raw_body: bytes) -> tuple[int, dict[str, Any]]:
+    def handle(self, method: str, raw_path: str, raw_body: bytes,
+               headers: Any = None) -> tuple[int, dict[str, Any]]:  # fmt: skip
         url = urlsplit(raw_path)
         query = {k: v[0] for k, v in parse_qs(url.query).items()}
         body = json.loads(raw_body) if raw_body else None
@@ -395,10 +420,62 @@ class FakeCompute:
                 return 403, _service_disabled(match.group("project"))
             try:
                 self._inject(key)
+                caller = self._caller(headers)
+                if caller is not None:
+                    self.callers.append((key, caller))
+                    try:
+                        self.iam.check(caller, key, match.groupdict(), body)
+                    except Refused as r:
+                        self.refused.append((key, r.message))
+                        raise ApiError(r.status, r.reason, r.message) from None
+                    except ConditionError as c:
+                        raise ApiError(500, "backendError", str(c)) from None
                 handler = getattr(self, "_" + key.replace(".", "_"))
                 return 200, handler(body=body, query=query, **match.groupdict())
             except ApiError as e:
                 return e.status, e.body()
+
+    def _caller(self, headers: Any) -> str | None:
+        """The service account a bearer token was issued to; None (the project's owner)
+        without one; a 401 for a token the fake did not issue, or whose account is gone."""
+        auth = str((headers or {}).get("Authorization") or "")
+        if not auth:
+            return None
+        kind, _, token = auth.partition(" ")
+        email = self.storage.tokens.get(token) if kind.lower() == "bearer" else None
+        if email is None or email not in self.storage.service_accounts:
+            raise ApiError(401, "authError", "Request had invalid authentication credentials.")
+        return email
+
+    def project_of(self, email: str) -> str:
+        """The project a service account belongs to."""
+        return email.split("@", 1)[1].removesuffix(SA_DOMAIN) if "@" in email else ""
+
+    def nic_subnetwork(self, region: str, nic: dict[str, Any], i: int) -> tuple[str, str]:
+        """(region, name) of the subnetwork a NIC goes on: the one it names, or an
+        auto-mode network's subnetwork in the VM's region; GCE's 400s for one that is
+        not there, not in the VM's region, or not in the NIC's network."""
+        network = str(nic.get("network") or "global/networks/default").rsplit("/", 1)[-1]
+        url = str(nic.get("subnetwork") or "")
+        field_ = f"resource.networkInterfaces[{i}].subnetwork"
+        if not url:
+            if network != "default":
+                raise ApiError(400, "invalid", f"Invalid value for field '{field_}': ''. "
+                               "A custom-mode network needs a subnetwork.")  # fmt: skip
+            return region, "default"
+        m = re.fullmatch(r"(?:.*/)?regions/([^/]+)/subnetworks/([^/]+)", url)
+        if m is None or (m.group(2) != "default" and (m.group(1), m.group(2))
+                         not in self.subnetworks):  # fmt: skip
+            raise ApiError(400, "invalid", f"Invalid value for field '{field_}': '{url}'. "
+                           "The referenced subnetwork resource cannot be found.")
+        if m.group(1) != region:
+            raise ApiError(400, "invalid", f"Invalid value for field '{field_}': '{url}'. "
+                           f"Subnetwork must be in region {region}.")
+        owner = self.subnetworks.get((m.group(1), m.group(2)), "default")
+        if nic.get("network") and owner != network:
+            raise ApiError(400, "invalid", f"Invalid value for field '{field_}': '{url}'. "
+                           f"The subnetwork is not in network {network}.")
+        return m.group(1), m.group(2)
 
     def _inject(self, key: str) -> None:
         for f in self.faults:
@@ -826,6 +903,41 @@ class FakeCompute:
         return {"kind": "compute#network", "name": name,
                 "selfLink": f"{self._base(project)}/global/networks/{name}"}  # fmt: skip
 
+    def _subnetworks_get(self, project: str, region: str, name: str, **_: Any
+                         ) -> dict[str, Any]:  # fmt: skip
+        if name != "default" and (region, name) not in self.subnetworks:
+            raise ApiError(404, "notFound", f"The resource 'projects/{project}/regions/{region}/"
+                           f"subnetworks/{name}' was not found")  # fmt: skip
+        network = self.subnetworks.get((region, name), "default")
+        return {"kind": "compute#subnetwork", "name": name,
+                "network": f"{self._base(project)}/global/networks/{network}",
+                "region": f"{self._base(project)}/regions/{region}",
+                "selfLink": f"{self._base(project)}/regions/{region}/subnetworks/{name}"}
+
+    def _subnetworks_getIamPolicy(self, project: str, region: str, name: str, **_: Any
+                                  ) -> dict[str, Any]:  # fmt: skip
+        self._subnetworks_get(project=project, region=region, name=name)
+        return dict(self.subnet_iam.get((region, name)) or {"etag": "BwX0", "version": 1})
+
+    def _subnetworks_setIamPolicy(self, project: str, region: str, name: str,
+                                  body: dict[str, Any], **_: Any) -> dict[str, Any]:  # fmt: skip
+        """setIamPolicy as IAM checks it: the etag, roles/..., accounts that exist."""
+        self._subnetworks_get(project=project, region=region, name=name)
+        new = dict((body or {}).get("policy") or {})
+        have = self.subnet_iam.get((region, name)) or {"etag": "BwX0"}
+        if new.get("etag") and new["etag"] != have.get("etag"):
+            raise ApiError(412, "conditionNotMet", "etag mismatch")
+        for b in new.get("bindings") or []:
+            if not str(b.get("role", "")).startswith("roles/"):
+                raise ApiError(400, "badRequest", f"Role {b.get('role')!r} is not a valid role.")
+            for m in b.get("members") or []:
+                who = str(m).partition(":")[2]
+                if who.endswith(SA_DOMAIN) and who not in self.storage.service_accounts:
+                    raise ApiError(400, "badRequest", f"Service account {who} does not exist.")
+        new["etag"] = f"BwX{int(have['etag'][3:] or 0) + 1}"
+        self.subnet_iam[(region, name)] = new
+        return dict(new)
+
     def _images_getFromFamily(self, project: str, name: str, **_: Any) -> dict[str, Any]:
         link, size, features = self._image(f"projects/{project}/global/images/family/{name}")
         return self._image_resource(link, size, name, features)
@@ -912,6 +1024,12 @@ class FakeCompute:
                 "alreadyExists",
                 f"The resource 'projects/{project}/global/firewalls/{name}' already exists",
             )
+        # Firewall resource: targetServiceAccounts and sourceServiceAccounts cannot be
+        # used with targetTags or sourceTags (Compute API reference, Firewall)
+        if (body.get("targetServiceAccounts") or body.get("sourceServiceAccounts")) and (
+                body.get("targetTags") or body.get("sourceTags")):  # fmt: skip
+            raise ApiError(400, "invalid", "Invalid value for field 'resource': service "
+                           "accounts and tags cannot be used in the same firewall rule.")
         target = f"{self._base(project)}/global/firewalls/{name}"
         rule = dict(body, kind="compute#firewall", id=str(next(self._ids)), selfLink=target)
 

@@ -86,6 +86,15 @@ STORAGE_ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
          r"/v1/projects/(?P<project>[^/:]+):getIamPolicy"),
         ("POST", "cloudresourcemanager.projects.setIamPolicy",
          r"/v1/projects/(?P<project>[^/:]+):setIamPolicy"),
+        # the project's custom roles (IAM roles API)
+        ("POST", "iam.roles.create", r"/v1/projects/(?P<project>[^/:]+)/roles"),
+        ("GET", "iam.roles.get", r"/v1/projects/(?P<project>[^/:]+)/roles/(?P<role>[^/:]+)"),
+        ("PATCH", "iam.roles.update",
+         r"/v1/projects/(?P<project>[^/:]+)/roles/(?P<role>[^/:]+)"),
+        ("DELETE", "iam.roles.delete",
+         r"/v1/projects/(?P<project>[^/:]+)/roles/(?P<role>[^/:]+)"),
+        ("POST", "iam.roles.undelete",
+         r"/v1/projects/(?P<project>[^/:]+)/roles/(?P<role>[^/:]+):undelete"),
         # the organization's policies as they reach the project (one constraint a call)
         ("POST", "cloudresourcemanager.projects.getEffectiveOrgPolicy",
          r"/v1/projects/(?P<project>[^/:]+):getEffectiveOrgPolicy"),
@@ -200,6 +209,9 @@ class FakeStorage:
         self.service_accounts: dict[str, dict[str, Any]] = {}  # email -> resource
         # IAM policies of projects and of service accounts (resource name -> policy)
         self.iam_policies: dict[str, dict[str, Any]] = {}
+        # the projects' custom roles: "projects/P/roles/ID" -> the role (a deleted one
+        # stays, `deleted` true, until undeleted: IAM keeps it 7 days, its id longer)
+        self.roles: dict[str, dict[str, Any]] = {}
         # boolean organization constraints enforced on the project (its organization's),
         # and whether the caller may read them (orgpolicy.policy.get)
         self.org_enforced: set[str] = set()
@@ -287,6 +299,7 @@ class FakeStorage:
         p = urlsplit(path).path
         return p.startswith(("/storage/", "/upload/storage/", "/download/storage/")) or bool(
             re.match(_SA, p)
+            or re.match(r"/v1/projects/[^/:]+/roles(/|$)", p)
             or re.fullmatch(r"/v1/projects/[^/:]+:(getIamPolicy|setIamPolicy|getEffectiveOrgPolicy)", p)
         )
 
@@ -321,6 +334,7 @@ class FakeStorage:
                 if self._caller is not None and (key in (
                         "storage.buckets.insert", "iam.serviceAccounts.create",
                         "iam.serviceAccounts.get", "iam.serviceAccounts.delete")
+                        or key.startswith("iam.roles.")
                         or key.endswith("IamPolicy") and not key.startswith("storage.")):  # fmt: skip
                     perm = key.replace("buckets.insert", "buckets.create")
                     raise StorageError(403, "forbidden", f"{self._caller} does not have "
@@ -655,7 +669,10 @@ class FakeStorage:
     def _check_binding(self, bd: dict[str, Any], reason: str) -> None:
         """A binding IAM takes: a role named roles/..., service accounts that exist."""
         role = str(bd.get("role", ""))
-        if not role.startswith("roles/"):
+        if role.startswith("projects/") and "/roles/" in role:
+            if role not in self.roles or self.roles[role].get("deleted"):
+                raise StorageError(400, reason, f"Role {role} does not exist.")
+        elif not role.startswith("roles/"):
             raise StorageError(400, reason, f"Role {role!r} is not a valid role.")
         for m in bd.get("members") or []:
             kind, _, who = str(m).partition(":")
@@ -728,6 +745,58 @@ class FakeStorage:
         enforced = constraint in self.org_enforced
         return self._json({"constraint": constraint,
                            "booleanPolicy": {"enforced": True} if enforced else {}})
+
+    # -------------------------------------------------------------- IAM custom roles
+
+    def _role(self, project: str, role: str) -> dict[str, Any]:
+        found = self.roles.get(f"projects/{project}/roles/{role}")
+        if found is None:
+            raise StorageError(404, "NOT_FOUND", f"The role named projects/{project}/roles/"
+                               f"{role} was not found.")  # fmt: skip
+        return found
+
+    def _roles_create(self, project: str, body: Any, **_: Any) -> Reply:
+        """roles.create: an id of 3-64 [a-zA-Z0-9_.], one not taken (a deleted role's id
+        stays taken), the permissions as given."""
+        body = body or {}
+        rid = str(body.get("roleId", ""))
+        if not re.fullmatch(r"[a-zA-Z0-9_.]{3,64}", rid):
+            raise StorageError(400, "INVALID_ARGUMENT", f"The role id {rid!r} is invalid.")
+        name = f"projects/{project}/roles/{rid}"
+        if name in self.roles:
+            raise StorageError(409, "ALREADY_EXISTS", f"A role named {rid} in projects/"
+                               f"{project} already exists.")  # fmt: skip
+        role = dict(body.get("role") or {})
+        role.update(name=name, etag=base64.b64encode(b"\0\0\0\1").decode(), deleted=False)
+        role["includedPermissions"] = list(role.get("includedPermissions") or [])
+        self.roles[name] = role
+        return self._json(role)
+
+    def _roles_get(self, project: str, role: str, **_: Any) -> Reply:
+        return self._json(self._role(project, role))
+
+    def _roles_update(self, project: str, role: str, query: dict[str, str], body: Any,
+                      **_: Any) -> Reply:  # fmt: skip
+        have = self._role(project, role)
+        if have.get("deleted"):
+            raise StorageError(400, "FAILED_PRECONDITION", "You can't update a deleted role.")
+        fields = [f for f in query.get("updateMask", "").split(",") if f]
+        for f in fields or list((body or {}).keys()):
+            if f in (body or {}):
+                have[f] = body[f]
+        n = int.from_bytes(base64.b64decode(have["etag"]), "big") + 1
+        have["etag"] = base64.b64encode(n.to_bytes(4, "big")).decode()
+        return self._json(have)
+
+    def _roles_delete(self, project: str, role: str, **_: Any) -> Reply:
+        have = self._role(project, role)
+        have["deleted"] = True
+        return self._json(have)
+
+    def _roles_undelete(self, project: str, role: str, **_: Any) -> Reply:
+        have = self._role(project, role)
+        have["deleted"] = False
+        return self._json(have)
 
     def _serviceAccounts_get(self, project: str, email: str, **_: Any) -> Reply:
         return self._json(self._sa(project, email))

@@ -22,7 +22,7 @@ def test_new_project_without_spot_gpu_quota_is_blocked_with_the_metric(fake, spo
     checks = {c.name: c for c in p.checks()}
     assert list(checks) == ["credentials", "region", "spot GPU quota", "network",
                             "SSH login", "GPU network", "image (workers)", "image (head)",
-                            "launch request", "checkpoint bucket"]  # fmt: skip
+                            "launch request", "head's rights", "checkpoint bucket"]  # fmt: skip
     assert checks["credentials"].ok and PROJECT in checks["credentials"].detail
     assert checks["region"].ok and "4 zones" in checks["region"].detail
     q = checks["spot GPU quota"]
@@ -30,7 +30,7 @@ def test_new_project_without_spot_gpu_quota_is_blocked_with_the_metric(fake, spo
     # no preemptible quota granted: Spot VMs count against the standard one
     assert "NVIDIA_T4_GPUS 0, 0 in use (1 needed for gpus.min 1)" in q.detail
     assert "PREEMPTIBLE_" not in q.detail
-    assert checks["network"].ok
+    assert checks["network"].ok and "subnetwork default in us-central1" in checks["network"].detail
     assert checks["image (workers)"].ok and "disk >= 50 GB" in checks["image (workers)"].detail
     assert checks["image (head)"].ok and "debian-12" in checks["image (head)"].detail
     fake.region_quotas["PREEMPTIBLE_NVIDIA_T4_GPUS"] = 8

@@ -1,15 +1,13 @@
 """The GCP head's own account ([rebalance] on_head): what `up` grants it, what its loop
 calls, and that `down` takes it all away. On the fake Compute, Storage and IAM server.
 
-GCP scopes the head's instance-admin role with an IAM condition on resource names (Compute
-has no label conditions). The fake refuses a condition that calls a function IAM does not
-offer (as IAM does: `matches` is CEL's, not IAM's) but does not evaluate Compute's
-conditions, so `_condition_grants` below evaluates this one the way IAM documents it (the
-resource's type and full name; `extract` takes what follows the template's literal)."""
+GCP scopes the head's custom role with an IAM condition on resource names (Compute has no
+label conditions). The fake refuses a condition that calls a function IAM does not offer
+(as IAM does: `matches` is CEL's, not IAM's) and evaluates the ones it can read
+(tests/gcp/fake_iam.py); test_head_scope.py runs the head's loop as its account."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -17,47 +15,23 @@ import pytest
 
 from spotctl.providers import get_provider
 from spotctl.providers.gcp import placement
-from spotctl.providers.gcp.api import head_name, instance_name
 from spotctl.providers.gcp.launch import HEAD_POLICY_ROLE
-from spotctl.providers.gcp.storage import ACT_AS_ROLE, HEAD_NET_ROLE, HEAD_READ_ROLE, HEAD_ROLE
+from spotctl.providers.gcp.storage import ACT_AS_ROLE, HEAD_NET_ROLE, HEAD_PERMISSIONS
 
 from .conftest import GCP_NOTHING, PROJECT, gcp_leftovers, make_ctx
+from .fake_iam import condition_holds
 from .test_roles_claim import PERMISSIONS
 
 pytestmark = pytest.mark.gcp
 
-# what the head's unconditional roles give of what spotctl calls: roles/compute.viewer
-# (reads), roles/compute.networkUser (a VM on a subnetwork, with an external address),
-# public images (anyone may use them) and roles/iam.serviceAccountUser (the workers' account)
-HEAD_MAY_ANYWHERE = {
-    "compute.instances.get", "compute.instances.list", "compute.images.useReadOnly",
-    "compute.images.get", "compute.images.getFromFamily", "compute.subnetworks.use",
-    "compute.subnetworks.useExternalIp", "compute.networks.get", "compute.zoneOperations.get",
-    "compute.regionOperations.get", "compute.regions.get", "compute.projects.get",
-    "compute.resourcePolicies.get", "compute.resourcePolicies.list",
-    "iam.serviceAccounts.actAs",
+# what the head's other grants give of what spotctl calls: networkUser on the cluster's
+# subnetwork, serviceAccountUser on the workers' account, the use of the cluster's
+# placement policies (on each policy), and public images (anyone may read and use them)
+HEAD_MAY_ELSEWHERE = {
+    "compute.subnetworks.use", "compute.subnetworks.useExternalIp",
+    "iam.serviceAccounts.actAs", "compute.resourcePolicies.use",
+    "compute.images.useReadOnly", "compute.images.get", "compute.images.getFromFamily",
 }  # fmt: skip
-# what roles/compute.instanceAdmin.v1 gives under the condition: on its VMs and disks only
-HEAD_MAY_ON_ITS_OWN = {
-    "compute.instances.create", "compute.instances.delete", "compute.instances.setMetadata",
-    "compute.instances.setLabels", "compute.instances.setTags",
-    "compute.instances.getGuestAttributes", "compute.disks.create",
-}  # fmt: skip
-_TERM = re.compile(r'\(resource\.type == "([^"]+)" && resource\.name\.extract\("([^"{]+)\{name\}"\)'
-                   r'\.startsWith\("([^"]+)"\)\)')
-
-
-def _condition_grants(expr: str, type_: str, name: str) -> bool:
-    """The head's condition for a resource of `type_` and full name `name`."""
-    terms = expr.split(" || ")
-    parsed = [_TERM.fullmatch(t) for t in terms]
-    assert all(parsed), f"not a condition this test can read: {expr}"
-    for m in parsed:
-        assert m is not None
-        want_type, lead, prefix = m.groups()
-        if type_ == want_type and lead in name and name.split(lead, 1)[1].startswith(prefix):
-            return True
-    return False
 
 
 def _bindings(fake: Any, resource: str, member: str) -> list[dict[str, Any]]:
@@ -73,40 +47,23 @@ def test_the_heads_account_its_scope_its_calls_and_its_end(fake: Any, spotctl_ho
     member = f"serviceAccount:{ctl.head_account}"
     assert ctl.head_account in fake.storage.service_accounts
     assert ctl.head_account != ctl.node_account
-    # project: read Compute, use its subnetworks, and instance admin under the condition
-    got = {b["role"]: b for b in _bindings(fake, f"projects/{PROJECT}", member)}
-    assert set(got) == {HEAD_READ_ROLE, HEAD_NET_ROLE, HEAD_ROLE}, got
-    assert "condition" not in got[HEAD_READ_ROLE]
-    expr = got[HEAD_ROLE]["condition"]["expression"]
+    # project: the custom role under the condition; the subnetwork: networkUser
+    got = _bindings(fake, f"projects/{PROJECT}", member)
+    assert [b["role"] for b in got] == [ctl.head_role], got
+    expr = got[0]["condition"]["expression"]
     assert expr == ctl.head_condition()["expression"]
-    assert "condition" not in got[HEAD_NET_ROLE]
+    assert sorted(fake.storage.roles[ctl.head_role]["includedPermissions"]) == sorted(
+        HEAD_PERMISSIONS)
+    assert [b["role"] for b in fake.subnet_iam[("us-central1", "default")]["bindings"]
+            if member in b["members"]] == [HEAD_NET_ROLE]  # fmt: skip
     # the workers' account: the head may run VMs as it, and as no other account
     assert [b["role"] for b in _bindings(fake, f"serviceAccounts/{ctl.node_account}",
                                          member)] == [ACT_AS_ROLE]  # fmt: skip
     assert [r for r, pol in fake.storage.iam_policies.items() if any(
         member in b.get("members", []) for b in pol["bindings"])] == [
         f"projects/{PROJECT}", f"serviceAccounts/{ctl.node_account}"]  # fmt: skip
-
-    # the condition's names: this cluster's workers and their disks, not its head, not
-    # other clusters' (demo-x, demo-abcdef12, a name that only contains a worker's)
     vm, disk = "compute.googleapis.com/Instance", "compute.googleapis.com/Disk"
     zone = f"projects/{PROJECT}/zones/us-central1-a"
-    mine = [instance_name("demo", f"req-{i}", i) for i in range(3)]
-    for n in mine:
-        assert _condition_grants(expr, vm, f"{zone}/instances/{n}"), (expr, n)
-        assert _condition_grants(expr, disk, f"{zone}/disks/{n}"), (expr, n)
-    others = [head_name("demo"), instance_name("demo-x", "req-1", 0), "demo",
-              "other-" + mine[0], instance_name("demo-abcdef12", "r", 1),
-              instance_name("demo-1", "r", 1)]  # fmt: skip
-    for n in others:
-        for t, kind in ((vm, "instances"), (disk, "disks")):
-            assert not _condition_grants(expr, t, f"{zone}/{kind}/{n}"), (expr, n)
-    # nothing but VMs and disks: not a firewall, an image or a resource policy named so
-    assert not _condition_grants(expr, "compute.googleapis.com/Firewall",
-                                 f"projects/{PROJECT}/global/firewalls/{mine[0]}")
-    assert not _condition_grants(expr, "compute.googleapis.com/ResourcePolicy",
-                                 f"projects/{PROJECT}/regions/us-central1/"
-                                 f"resourcePolicies/{mine[0]}")  # fmt: skip
 
     # the head's loop (head mode): what it calls is within the two roles, and makes no
     # firewall, bucket, account or binding
@@ -141,13 +98,13 @@ def test_the_heads_account_its_scope_its_calls_and_its_end(fake: Any, spotctl_ho
     (grant,) = fake.policy_iam.values()
     assert [b for b in grant["bindings"] if member in b["members"]] == [
         {"role": HEAD_POLICY_ROLE, "members": [member]}]
-    needed = set().union(*(PERMISSIONS[k] for k in calls)) - {"compute.resourcePolicies.use"}
-    beyond = needed - HEAD_MAY_ANYWHERE - HEAD_MAY_ON_ITS_OWN
+    needed = set().union(*(PERMISSIONS[k] for k in calls))
+    beyond = needed - set(HEAD_PERMISSIONS) - HEAD_MAY_ELSEWHERE
     assert not beyond, f"the head's loop needs what its roles do not give: {beyond}"
     # the conditional permissions were used on this cluster's VM (and its boot disk) only
     name = ins.body["name"]
-    assert _condition_grants(expr, vm, f"{zone}/instances/{name}"), name
-    assert _condition_grants(expr, disk, f"{zone}/disks/{name}"), name
+    assert condition_holds(expr, f"{zone}/instances/{name}", vm), name
+    assert condition_holds(expr, f"{zone}/disks/{name}", disk), name
     assert ins.body["serviceAccounts"][0]["email"] == ctl.node_account
 
     # down: the head's bindings and account go with the rest
@@ -158,8 +115,9 @@ def test_the_heads_account_its_scope_its_calls_and_its_end(fake: Any, spotctl_ho
 def test_without_on_head_the_project_policy_is_never_touched(
     fake: Any, spotctl_home: Path
 ) -> None:
-    """[rebalance] on_head = false: no head account, and neither `up` nor `down` reads or
-    writes the project's IAM policy (a role without those permissions works)."""
+    """[rebalance] on_head = false: the head's account holds no role, and neither `up`
+    nor `down` reads or writes an IAM policy of the project, a subnetwork or an account
+    for it, nor makes a custom role (a role without those permissions works)."""
     import dataclasses
 
     from spotctl.spec import ClusterSpec
@@ -173,10 +131,12 @@ def test_without_on_head_the_project_policy_is_never_touched(
     p.launch(next(o for o in p.offers() if o.gpus == 1), 1, "req-off")
     [ins] = [r for r in fake.requests if r.key == "instances.insert"
              and r.body["name"] == head.instance_id]
-    assert not ins.body.get("serviceAccounts"), ins.body
+    # its own account (the firewall rules pick the cluster's VMs by account), with no
+    # scope: its VM gets no API token
+    assert ins.body["serviceAccounts"] == [{"email": p.head_account}], ins.body
     assert p.cleanup() == []
-    touched = {r.key for r in fake.requests if r.key and "IamPolicy" in r.key
-               and not r.key.startswith("storage.")}
+    touched = {r.key for r in fake.requests if r.key and ("IamPolicy" in r.key
+               or r.key.startswith("iam.roles.")) and not r.key.startswith("storage.")}
     assert touched == set(), touched
     assert gcp_leftovers(fake) == GCP_NOTHING
 

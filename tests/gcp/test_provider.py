@@ -53,7 +53,10 @@ def test_launch_sends_spot_scheduling_labels_key_and_accelerator(fake, provider)
         "spotctl-request-id": "req-1",
         "spotctl-network": "gvnic",
     }
-    assert body["tags"]["items"] == ["spotctl-demo"]
+    # no network tag (the firewall rules pick members by service account), and the
+    # region's subnetwork named, which the head's networkUser binding is on
+    assert "tags" not in body
+    assert body["networkInterfaces"][0]["subnetwork"] == "regions/us-central1/subnetworks/default"
     assert body["guestAccelerators"] == [
         {
             "acceleratorCount": 1,
@@ -217,18 +220,24 @@ def test_prepare_creates_firewall_rules_idempotently(fake, provider):
     assert set(fake.firewalls) == {"spotctl-demo-ssh", "spotctl-demo-internal", "spotctl-demo-deny"}
     assert len(fake.calls("firewalls.insert")) == 3
     ssh = fake.firewalls["spotctl-demo-ssh"]
-    assert ssh["sourceRanges"] == [CIDR] and ssh["targetTags"] == ["spotctl-demo"]
+    assert ssh["sourceRanges"] == [CIDR] and ssh["targetServiceAccounts"] == MEMBERS
     assert ssh["allowed"] == [{"IPProtocol": "tcp", "ports": ["22"]}]
     internal = fake.firewalls["spotctl-demo-internal"]
-    assert internal["sourceTags"] == ["spotctl-demo"] and internal["targetTags"] == ["spotctl-demo"]
+    assert internal["sourceServiceAccounts"] == MEMBERS
+    assert internal["targetServiceAccounts"] == MEMBERS
     assert "sourceRanges" not in internal
+    assert not any(r.get("targetTags") or r.get("sourceTags") for r in fake.firewalls.values())
     # Everything else to members is denied, ahead of the default network's stock rules
     # (default-allow-internal: every VM of the project to every port, priority 65534).
     deny = fake.firewalls["spotctl-demo-deny"]
     assert deny["denied"] == [{"IPProtocol": "all"}] and deny["sourceRanges"] == ["0.0.0.0/0"]
-    assert deny["targetTags"] == ["spotctl-demo"]
+    assert deny["targetServiceAccounts"] == MEMBERS
     assert ssh["priority"] < deny["priority"] < 65534 and internal["priority"] < deny["priority"]
 
+
+# The accounts the cluster's VMs run as: its workers', its head's.
+MEMBERS = [f"spotctl-demo@{PROJECT}.iam.gserviceaccount.com",
+           f"spotctlh-demo@{PROJECT}.iam.gserviceaccount.com"]  # fmt: skip
 
 # The default network's stock rules, which the cluster's deny rule must outrank.
 STOCK_RULES = [
@@ -240,10 +249,13 @@ STOCK_RULES = [
 ]  # fmt: skip
 
 
-def _ingress_allowed(rules, port: int, target_tags, source: str, source_tags=()) -> bool:
-    """GCP's ingress decision for TCP `port` on a VM with `target_tags` from `source`
-    (address, with the sending VM's `source_tags`): the matching rule of the lowest
-    priority number wins, a deny over an allow at equal priority; none: denied."""
+def _ingress_allowed(rules, port: int, target, source: str, source_account="") -> bool:
+    """GCP's ingress decision for TCP `port` on a VM running as `target` (its service
+    account) from `source` (address, with the sending VM's `source_account`): the
+    matching rule of the lowest priority number wins, a deny over an allow at equal
+    priority; none: denied. A rule with targetServiceAccounts applies to the VMs that
+    run as one of them; sourceServiceAccounts match internal traffic from such VMs
+    (VPC firewall rules, "Filtering by service account versus network tag")."""
     import ipaddress
 
     def ports_match(perms) -> bool:
@@ -259,12 +271,14 @@ def _ingress_allowed(rules, port: int, target_tags, source: str, source_tags=())
     def applies(r) -> bool:
         if r.get("direction", "INGRESS") != "INGRESS":
             return False
-        if r.get("targetTags") and not set(r["targetTags"]) & set(target_tags):
+        assert not r.get("targetTags") and not r.get("sourceTags"), r  # not modelled
+        if r.get("targetServiceAccounts") and target not in r["targetServiceAccounts"]:
             return False
         ranges = [ipaddress.ip_network(x) for x in r.get("sourceRanges", [])]
         by_range = any(ipaddress.ip_address(source) in n for n in ranges)
-        by_tag = bool(set(r.get("sourceTags", [])) & set(source_tags))
-        return by_range or by_tag
+        by_account = bool(source_account) and source_account in r.get(
+            "sourceServiceAccounts", [])
+        return by_range or by_account
 
     hits = sorted(((int(r["priority"]), "denied" in r) for r in rules if applies(r)
                    and ports_match(r.get("denied") or r.get("allowed") or [])),
@@ -280,27 +294,32 @@ def test_lighthouse_port_is_open_to_cluster_members_only(fake, provider):
 
     provider.prepare()
     rules = list(fake.firewalls.values()) + STOCK_RULES
-    member = ["spotctl-demo"]
+    worker, head = MEMBERS
+    other = f"other@{PROJECT}.iam.gserviceaccount.com"  # another VM of the project
     for port in (LIGHTHOUSE_PORT, STORE_PORT):
-        assert _ingress_allowed(rules, port, member, "10.128.0.5", member)
-        assert not _ingress_allowed(rules, port, member, "10.128.0.9")  # same project
-        assert not _ingress_allowed(rules, port, member, CIDR.split("/")[0])  # controller
-        assert not _ingress_allowed(rules, port, member, "198.51.100.20")  # the world
+        # workers and the head reach each other, both ways
+        for to, by in ((head, worker), (worker, head), (worker, worker)):
+            assert _ingress_allowed(rules, port, to, "10.128.0.5", by)
+        assert not _ingress_allowed(rules, port, head, "10.128.0.9", other)  # same project
+        assert not _ingress_allowed(rules, port, head, "10.128.0.9")  # no account
+        assert not _ingress_allowed(rules, port, head, CIDR.split("/")[0])  # controller
+        assert not _ingress_allowed(rules, port, head, "198.51.100.20")  # the world
         # without the cluster's deny rule the stock rules would let the project in
         stock_only = [r for r in rules if r["name"] != "spotctl-demo-deny"]
-        assert _ingress_allowed(stock_only, port, member, "10.128.0.9")
-    assert _ingress_allowed(rules, 22, member, CIDR.split("/")[0])  # SSH: the controller
-    assert not _ingress_allowed(rules, 22, member, "198.51.100.20")
+        assert _ingress_allowed(stock_only, port, head, "10.128.0.9", other)
+    for to in MEMBERS:
+        assert _ingress_allowed(rules, 22, to, CIDR.split("/")[0])  # SSH: the controller
+        assert not _ingress_allowed(rules, 22, to, "198.51.100.20")
 
 
 def test_prepare_reconciles_a_rule_widened_by_hand(fake, provider):
     provider.prepare()
     internal = fake.firewalls["spotctl-demo-internal"]
     internal["sourceRanges"] = ["0.0.0.0/0"]  # someone opened the cluster to the world
-    del internal["sourceTags"]
+    del internal["sourceServiceAccounts"]
     provider.prepare()  # every `up` calls it
     fixed = fake.firewalls["spotctl-demo-internal"]
-    assert fixed["sourceTags"] == ["spotctl-demo"] and "sourceRanges" not in fixed
+    assert fixed["sourceServiceAccounts"] == MEMBERS and "sourceRanges" not in fixed
     assert [c.path.rsplit("/", 1)[-1] for c in fake.calls("firewalls.delete")] == [
         "spotctl-demo-internal"
     ]

@@ -23,8 +23,10 @@ PERMISSIONS: dict[str, set[str]] = {
         "compute.instances.create", "compute.disks.create", "compute.images.useReadOnly",
         "compute.subnetworks.use", "compute.subnetworks.useExternalIp",
         "compute.instances.setMetadata", "compute.instances.setLabels",
-        "compute.instances.setTags", "iam.serviceAccounts.actAs",
+        "compute.instances.setServiceAccount", "iam.serviceAccounts.actAs",
         "compute.resourcePolicies.use",  # a compact placement policy named by the VM
+        # (compute.instances.setTags too, for a VM created with network tags: spotctl's
+        # have none, the firewall rules pick them by service account)
     },
     "instances.list": {"compute.instances.list"},
     "instances.aggregatedList": {"compute.instances.list"},
@@ -40,6 +42,10 @@ PERMISSIONS: dict[str, set[str]] = {
     "regions.get": {"compute.regions.get"},
     "projects.get": {"compute.projects.get"},
     "networks.get": {"compute.networks.get"},
+    # the cluster's subnetwork (`check`) and the head's networkUser binding on it
+    "subnetworks.get": {"compute.subnetworks.get"},
+    "subnetworks.getIamPolicy": {"compute.subnetworks.getIamPolicy"},
+    "subnetworks.setIamPolicy": {"compute.subnetworks.setIamPolicy"},
     "firewalls.insert": {"compute.firewalls.create", "compute.networks.updatePolicy"},
     "firewalls.list": {"compute.firewalls.list"},
     "firewalls.get": {"compute.firewalls.get"},
@@ -74,6 +80,12 @@ PERMISSIONS: dict[str, set[str]] = {
     # workers as the workers' account (a binding on that account)
     "iam.serviceAccounts.getIamPolicy": {"iam.serviceAccounts.getIamPolicy"},
     "iam.serviceAccounts.setIamPolicy": {"iam.serviceAccounts.setIamPolicy"},
+    # the project's custom role for heads (made once, kept by `down`)
+    "iam.roles.create": {"iam.roles.create"},
+    "iam.roles.get": {"iam.roles.get"},
+    "iam.roles.update": {"iam.roles.update"},
+    "iam.roles.undelete": {"iam.roles.undelete"},
+    "iam.roles.delete": {"iam.roles.delete"},
     "cloudresourcemanager.projects.getIamPolicy": {"resourcemanager.projects.getIamPolicy"},
     "cloudresourcemanager.projects.setIamPolicy": {"resourcemanager.projects.setIamPolicy"},
     "cloudresourcemanager.projects.getEffectiveOrgPolicy": {"orgpolicy.policy.get"},

@@ -92,7 +92,7 @@ def test_aws_ssh_cidr_from_caller_or_a_clear_error(
         make_provider(ssh_cidr="").prepare()
 
 
-def test_gcp_firewall_ssh_from_cidr_internal_by_tag(fake: Any, spotctl_home: Path) -> None:  # noqa: F811
+def test_gcp_firewall_ssh_from_cidr_internal_by_account(fake: Any, spotctl_home: Path) -> None:  # noqa: F811
     GcpProvider(make_ctx(fake, spotctl_home)).prepare()
     rules = list(fake.firewalls.values())
     allowing = [r for r in rules if r.get("allowed")]
@@ -105,7 +105,9 @@ def test_gcp_firewall_ssh_from_cidr_internal_by_tag(fake: Any, spotctl_home: Pat
     internal = [r for r in allowing if r is not ssh]
     assert internal, rules
     for r in internal:
-        assert "sourceRanges" not in r and r["sourceTags"] == r["targetTags"], r
+        assert "sourceRanges" not in r, r
+        assert r["sourceServiceAccounts"] == r["targetServiceAccounts"], r
+        assert not r.get("sourceTags") and not r.get("targetTags"), r
     # whatever else reaches the members is denied
     assert any(r.get("denied") == [{"IPProtocol": "all"}] for r in rules)
 
@@ -188,9 +190,14 @@ def test_gcp_role_list_is_least_privilege(wheel_files: dict[str, bytes]) -> None
         "resourcemanager.projects.getIamPolicy", "resourcemanager.projects.setIamPolicy"]
     # whether the organization enforces OS Login: one read, nothing else of its policies
     assert [p for p in perms if p.startswith("orgpolicy.")] == ["orgpolicy.policy.get"]
+    # the head's custom role: made, read, brought back, kept in step; never deleted
+    assert [p for p in perms if p.startswith("iam.roles.")] == [
+        "iam.roles.create", "iam.roles.get", "iam.roles.update", "iam.roles.undelete"]
+    # no network tags (the firewall rules pick members by service account)
+    assert "compute.instances.setTags" not in perms
     for p in perms:
         # VMs and firewalls; the checkpoint bucket; the workers' and the head's accounts
-        assert p.startswith(("compute.", "storage.", "iam.serviceAccounts.",
+        assert p.startswith(("compute.", "storage.", "iam.serviceAccounts.", "iam.roles.",
                              "resourcemanager.projects.", "orgpolicy.policy.get")), p
         assert "*" not in p, p
         assert not p.startswith("roles/"), "a broad predefined role in the list"

@@ -98,8 +98,11 @@ def head_name(cluster: str) -> str:
     return f"{cluster}-head"
 
 
-def network_tag(cluster: str) -> str:
-    return f"spotctl-{cluster}"
+def subnetwork_name(region: str) -> str:
+    """The cluster's subnetwork: the default network's in its region (an auto-mode VPC
+    network has one subnetwork per region, named after the network). Its VMs name it in
+    their NIC, and the head's account may use it and no other (storage.py)."""
+    return f"regions/{region}/subnetworks/default"
 
 
 def firewall_names(cluster: str) -> tuple[str, str, str]:
@@ -132,6 +135,7 @@ class _Clients:
     projects: Any = None
     resource_policies: Any = None
     region_ops: Any = None
+    subnetworks: Any = None
 
 
 def _api_error_parts(exc: Exception) -> tuple[int | None, set[str], str]:
@@ -303,9 +307,7 @@ class GcpApi:
 
         kw: dict[str, Any] = {"transport": "rest"}
         if self.endpoint:
-            from google.auth.credentials import AnonymousCredentials
-
-            kw["credentials"] = AnonymousCredentials()
+            kw["credentials"] = self._test_credentials()
             kw["client_options"] = {"api_endpoint": self.endpoint}
         else:
             import google.auth
@@ -332,7 +334,19 @@ class GcpApi:
             projects=compute_v1.ProjectsClient(**kw),
             resource_policies=compute_v1.ResourcePoliciesClient(**kw),
             region_ops=compute_v1.RegionOperationsClient(**kw),
+            subnetworks=compute_v1.SubnetworksClient(**kw),
         )
+
+    def _test_credentials(self) -> Any:
+        """Under a test endpoint: anonymous (the fake's project owner), or the
+        credentials a test hands in (ctx.options["gcp_credentials"], e.g. a VM's
+        compute-engine credentials from a fake metadata server, to act as its account)."""
+        given = self.ctx.options.get("gcp_credentials")
+        if given is not None:
+            return given
+        from google.auth.credentials import AnonymousCredentials
+
+        return AnonymousCredentials()
 
     @property
     def clients(self) -> _Clients:

@@ -8,9 +8,10 @@ quota (its limit is above 0), else the standard NVIDIA_*_GPUS (Compute Engine do
 "Allocation quotas", preemptible quotas: Spot and preemptible VMs use preemptible quota
 where the project has it and standard quota otherwise; Compute Engine lists the
 PREEMPTIBLE_ metrics at 0 on a project without such a grant) and the project-wide GPUS_ALL_REGIONS, each as its limit
-minus usage against the cluster's gpus.min, the network the firewall rules go on, the worker and head
-images (and their minimum disk sizes), and the checkpoint bucket (reachable, to be
-created, or blocked).
+minus usage against the cluster's gpus.min, the network the firewall rules go on and the
+subnetwork its VMs go on, the worker and head images (and their minimum disk sizes), and the checkpoint bucket (reachable, to be
+created, or blocked); and, not blocking, the first launch's request and the head's rights
+as `up` sends them.
 """
 
 from __future__ import annotations
@@ -21,8 +22,15 @@ from functools import partial
 from spotctl.errors import AuthError, ProviderError, SpecError, SpotctlError
 from spotctl.providers.checks import Check, run_check
 from spotctl.providers.gcp import placement
+from spotctl.providers.gcp.api import subnetwork_name
 from spotctl.providers.gcp.launch import GcpLaunch
-from spotctl.providers.gcp.storage import check_bucket_name
+from spotctl.providers.gcp.storage import (
+    ACT_AS_ROLE,
+    HEAD_NET_ROLE,
+    HEAD_PERMISSIONS,
+    HEAD_ROLE_ID,
+    check_bucket_name,
+)
 from spotctl.remote.package import image_torch
 
 # GPU (catalog name) -> Compute Engine quota metric, without the PREEMPTIBLE_ prefix.
@@ -57,6 +65,7 @@ class GcpChecks(GcpLaunch):
                              lambda: self._check_image(self.spec.image, workers=True)))
         out.append(run_check("image (head)", lambda: self._check_image(self.spec.head_image)))
         out.append(self._check_launch())
+        out.append(self._check_head_rights())
         out.append(run_check("checkpoint bucket", self._check_bucket))
         return out
 
@@ -213,7 +222,41 @@ class GcpChecks(GcpLaunch):
                 f"gcp: project {self.project} has no '{NETWORK}' network for the cluster's "
                 "VMs and firewall rules (create it: gcloud compute networks create default)"
             )
-        return f"network {NETWORK}"
+        sub = subnetwork_name(self.region).rsplit("/", 1)[-1]
+        found = self._call(
+            f"read subnetwork {sub} in {self.region}",
+            partial(self.clients.subnetworks.get, project=self.project, region=self.region,
+                    subnetwork=sub, retry=None),
+            missing_ok=True,
+        )
+        if found is None:
+            raise SpecError(
+                f"gcp: network {NETWORK} has no subnetwork {sub!r} in {self.region}, where "
+                "the cluster's VMs go (an auto-mode default network has one in every region)")
+        return f"network {NETWORK}, subnetwork {sub} in {self.region}"
+
+    def _check_head_rights(self) -> Check:
+        """What `up` grants the head's account ([rebalance] on_head), as it sends it: the
+        custom role and its condition on the project, networkUser on the subnetwork,
+        serviceAccountUser on the workers' account (storage.py). IAM has no dry run for a
+        grant: whether this identity may make them, `up` shows."""
+        name = "head's rights"
+        if not self.ctx.spec.head_rebalances:
+            return Check(name, True, "none: [rebalance] on_head = false (its account gets "
+                         "no role and its VM no API scope)", blocking=False)
+        sub = subnetwork_name(self.region)
+        twin = type(self)(replace(self.ctx, cluster=self.ctx.spec.name))
+        grants = {
+            "role": {"name": twin.head_role, **twin.head_role_resource()},
+            "project": twin.head_bindings(),
+            "subnetwork": {"name": sub, "role": HEAD_NET_ROLE},
+            "serviceAccount": {"name": twin.node_account, "role": ACT_AS_ROLE},
+        }
+        return Check(name, True, (
+            f"custom role {HEAD_ROLE_ID} ({len(HEAD_PERMISSIONS)} permissions, no "
+            "setTags) on the project for this cluster's VMs and disks by name; "
+            f"{HEAD_NET_ROLE} on {sub} only; {ACT_AS_ROLE} on {twin.node_account} only"),
+            blocking=False, data={"grants": grants})
 
     def _check_gpu_network(self) -> str:
         """Per wanted shape, the network its workers get (as `up --dry-run` says); where

@@ -34,7 +34,7 @@ from spotctl.providers.gcp.api import (
     _timestamp,
     instance_name,
     label_value,
-    network_tag,
+    subnetwork_name,
 )
 from spotctl.providers.gcp.network import GcpNetwork
 from spotctl.providers.gcp.offers import GcpOffers, nic_type_for
@@ -395,7 +395,6 @@ class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
                    if role == "worker" else {}),
             },
             resource_policies=[policy] if policy else [],
-            tags=compute_v1.Tags(items=[network_tag(self.cluster)]),
             scheduling=scheduling,
             guest_accelerators=accelerators,
             disks=[
@@ -410,6 +409,8 @@ class GcpLaunch(GcpOffers, GcpNetwork, GcpStorage):
             network_interfaces=[
                 compute_v1.NetworkInterface(
                     network="global/networks/default",
+                    # named, not left to GCE: the head may use this subnetwork only
+                    subnetwork=subnetwork_name(zone.rsplit("-", 1)[0]),
                     access_configs=[
                         compute_v1.AccessConfig(name="External NAT", type_="ONE_TO_ONE_NAT")
                     ],

@@ -1,7 +1,8 @@
 """GCP provider, network and keys: the cluster's firewall rules and SSH key.
 
 This module owns what a cluster needs before its first VM: the firewall rules (SSH only
-from gcp.ssh_cidr or the caller's address; traffic between members only, by network tag),
+from gcp.ssh_cidr or the caller's address; traffic between members only; members are the
+VMs running as the cluster's workers' or head's service account, never a network tag),
 created, replaced when the controller's address changes, listed and deleted by exact
 name; and the cluster's own SSH key (private half 0600) that goes into each VM's
 ssh-keys metadata.
@@ -17,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from spotctl.errors import SpecError
-from spotctl.providers.gcp.api import GcpApi, _is_exists, _short, firewall_names, network_tag
+from spotctl.providers.gcp.api import GcpApi, _is_exists, _short, firewall_names
+from spotctl.providers.gcp.storage import SA_DOMAIN, account_id_for, head_account_id_for
 from spotctl.state import write_private
 
 
@@ -33,11 +35,22 @@ class GcpNetwork(GcpApi):
         world), so the head's store and API answer cluster members only. A rule that
         drifted from what is wanted (edited by hand, or the controller's address changed)
         is replaced, never widened.
+
+        Members are the VMs that run as the cluster's two service accounts
+        (targetServiceAccounts / sourceServiceAccounts), not VMs with a network tag: any
+        identity that may set tags on some VM of the project could give it the cluster's
+        tag, and the head, which may not set tags (storage.py), could not launch a
+        member. Running a VM as an account needs iam.serviceAccounts.actAs on it, which
+        the head holds on the workers' account alone. (VPC firewall rules: "Filtering by
+        service account versus network tag", cloud.google.com/firewall/docs/firewalls; a
+        rule takes accounts or tags, never both: Compute API reference, Firewall resource.)
+        Nodes reach the head and each other at their internal addresses, which is what a
+        source account matches.
         """
         from google.cloud import compute_v1
 
         cidr = self._ssh_cidr()
-        tag = network_tag(self.cluster)
+        members = self.member_accounts()
         ssh_name, internal_name, deny_name = firewall_names(self.cluster)
         wanted = {
             ssh_name: compute_v1.Firewall(
@@ -48,7 +61,7 @@ class GcpNetwork(GcpApi):
                 description=f"spotctl cluster {self.cluster}: SSH from the controller",
                 allowed=[compute_v1.Allowed(I_p_protocol="tcp", ports=["22"])],
                 source_ranges=[cidr],
-                target_tags=[tag],
+                target_service_accounts=members,
             ),
             internal_name: compute_v1.Firewall(
                 name=internal_name,
@@ -63,8 +76,8 @@ class GcpNetwork(GcpApi):
                     compute_v1.Allowed(I_p_protocol="udp"),
                     compute_v1.Allowed(I_p_protocol="icmp"),
                 ],
-                source_tags=[tag],
-                target_tags=[tag],
+                source_service_accounts=members,
+                target_service_accounts=members,
             ),
             deny_name: compute_v1.Firewall(
                 name=deny_name,
@@ -74,7 +87,7 @@ class GcpNetwork(GcpApi):
                 description=f"spotctl cluster {self.cluster}: nothing else reaches members",
                 denied=[compute_v1.Denied(I_p_protocol="all")],
                 source_ranges=["0.0.0.0/0"],
-                target_tags=[tag],
+                target_service_accounts=members,
             ),
         }
         have = {fw.name: fw for fw in self._list_firewalls()}
@@ -92,6 +105,11 @@ class GcpNetwork(GcpApi):
                 err = self._wait(op, f"create firewall {name}", None)
                 if err is not None:
                     raise err
+
+    def member_accounts(self) -> builtins.list[str]:
+        """The service accounts the cluster's VMs run as: the workers', the head's."""
+        return [f"{a}@{self.project}{SA_DOMAIN}"
+                for a in (account_id_for(self.cluster), head_account_id_for(self.cluster))]
 
     def _insert_firewall(self, rule: Any) -> Any:
         def run() -> Any:
@@ -211,4 +229,6 @@ def _rule_key(fw: Any) -> tuple[Any, ...]:
         tuple(sorted(fw.source_ranges)),
         tuple(sorted(fw.source_tags)),
         tuple(sorted(fw.target_tags)),
+        tuple(sorted(fw.source_service_accounts)),
+        tuple(sorted(fw.target_service_accounts)),
     )

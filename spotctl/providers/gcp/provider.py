@@ -4,9 +4,10 @@ This module owns the assembled GcpProvider (offers.py, network.py, storage.py, l
 and check.py on top of api.py), the head VM, worker bootstrap and cleanup.
 
 What it assumes and guarantees (on top of providers/base.py):
-- Every VM carries the labels spotctl-cluster / spotctl-role / spotctl-request-id and the
-  network tag `spotctl-<cluster>` from its insert request, so `list` finds it even if the
-  controller dies right after the insert.
+- Every VM carries the labels spotctl-cluster / spotctl-role / spotctl-request-id from its
+  insert request, so `list` finds it even if the controller dies right after the insert.
+  No VM carries a network tag: the firewall rules pick the cluster's VMs by the service
+  account they run as (network.py), which the head may not choose freely (storage.py).
 - Worker names are derived from (cluster, request id, index): a retried launch finds the
   instances of the first try by label, and a re-sent insert is refused as alreadyExists
   instead of creating a twin (inserts also carry a deterministic requestId UUID).
@@ -69,9 +70,9 @@ class GcpProvider(GcpChecks):
     purged: int | None = None  # objects `cleanup` deleted under the prefix (purge option)
 
     def prepare(self) -> None:
-        """Firewall rules and SSH key (network.py), then the checkpoint bucket and the
-        workers' service account (storage.py), and the head's where it replaces nodes;
-        idempotent, run by every `up`. On the head itself nothing is made or changed: its
+        """The checkpoint bucket, the workers' and the head's service accounts (the
+        head's rights where it replaces nodes; storage.py), then the firewall rules, which
+        name those accounts, and the SSH key (network.py); idempotent, run by every `up`. On the head itself nothing is made or changed: its
         account may not, and the controller made all of it."""
         if self._on_head:
             if not self._key_path().exists():
@@ -79,10 +80,9 @@ class GcpProvider(GcpChecks):
                                     f"({self._key_path()})")
             return
         self.refuse_os_login()  # before anything is made
-        super().prepare()
         self.prepare_storage()
-        if self.ctx.spec.head_rebalances:
-            self._ensure_head_identity()
+        self._ensure_head_identity()
+        super().prepare()
 
     # ----------------------------------------------------------------- head and cleanup
 
@@ -108,9 +108,9 @@ class GcpProvider(GcpChecks):
         if not live:
             # A stopped head lost its in-memory store anyway: replace it.
             self._delete((_short(vm.zone), vm.name) for vm in heads)
-            if self.ctx.spec.head_rebalances:  # it runs as its own account: made first
-                self.prepare_storage()
-                self._ensure_head_identity()
+            # it runs as its own account: made first
+            self.prepare_storage()
+            self._ensure_head_identity()
             zone = self._head_zone()
             resource = self._instance_resource(
                 name=name,

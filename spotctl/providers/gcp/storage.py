@@ -42,18 +42,38 @@ CLOUD_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 STORAGE_URL = "https://storage.googleapis.com"
 IAM_URL = "https://iam.googleapis.com"
 RESOURCE_MANAGER_URL = "https://cloudresourcemanager.googleapis.com"
-# The head ([rebalance] on_head): it reads Compute everywhere in the project, changes
-# (creates, deletes) only this cluster's VMs and their boot disks (head_condition), and
-# may put a VM on the project's subnetworks (an IAM condition on names does not reach
-# subnetworks: only some Compute resource types honour one)
-HEAD_READ_ROLE = "roles/compute.viewer"
-HEAD_ROLE = "roles/compute.instanceAdmin.v1"
-HEAD_NET_ROLE = "roles/compute.networkUser"
+# The head ([rebalance] on_head). Its rights, each on the narrowest resource the API offers:
+# - a custom role of the project (HEAD_ROLE_ID, HEAD_PERMISSIONS) bound on the project under
+#   head_condition(): create, read and delete this cluster's worker VMs and their boot disks
+#   by name; list VMs and wait on zone operations (IAM checks those on the project, where no
+#   condition on a VM's name can reach: the list is the one project-wide read left);
+# - roles/compute.networkUser on the cluster's subnetwork alone (its own IAM policy,
+#   subnetworks.setIamPolicy), not on the project;
+# - roles/iam.serviceAccountUser on the workers' account alone (ACT_AS_ROLE);
+# - the use of the cluster's compact placement policies, on each policy (launch.py).
+# No compute.instances.setTags: GCE needs it to create a VM with network tags, so the head
+# cannot put a tag on a VM (tags open other teams' tag-based firewall rules); the cluster's
+# firewall rules pick its VMs by service account instead (network.py).
+HEAD_ROLE_ID = "spotctlHead"
+HEAD_PERMISSIONS = (
+    "compute.instances.create",
+    "compute.instances.delete",
+    "compute.instances.get",
+    "compute.instances.getGuestAttributes",
+    "compute.instances.list",
+    "compute.instances.setLabels",
+    "compute.instances.setMetadata",
+    "compute.instances.setServiceAccount",
+    "compute.disks.create",
+    "compute.resourcePolicies.get",
+    "compute.zoneOperations.get",
+)
+HEAD_NET_ROLE = "roles/compute.networkUser"  # on the cluster's subnetwork only
 OS_LOGIN_CONSTRAINT = "constraints/compute.requireOsLogin"
 ACT_AS_ROLE = "roles/iam.serviceAccountUser"  # on the workers' account only
 OBJECT_ROLE = "roles/storage.objectUser"
 LIST_ROLE = "roles/storage.legacyBucketReader"
-_SA_DOMAIN = ".iam.gserviceaccount.com"
+SA_DOMAIN = ".iam.gserviceaccount.com"
 
 
 class RestError(Exception):
@@ -190,40 +210,54 @@ class GcpStorage(ClusterCheckpoints, GcpApi):
     @property
     def node_account(self) -> str:
         """The workers' service account email."""
-        return f"{account_id_for(self.ctx.cluster)}@{self.project}{_SA_DOMAIN}"
+        return f"{account_id_for(self.ctx.cluster)}@{self.project}{SA_DOMAIN}"
 
     @property
     def head_account(self) -> str:
         """The head's service account email ([rebalance] on_head)."""
-        return f"{head_account_id_for(self.ctx.cluster)}@{self.project}{_SA_DOMAIN}"
+        return f"{head_account_id_for(self.ctx.cluster)}@{self.project}{SA_DOMAIN}"
+
+    @property
+    def head_role(self) -> str:
+        """The project's custom role the head's account holds (one per project, the same
+        permissions for every cluster: each cluster's binding carries its own condition)."""
+        return f"projects/{self.project}/roles/{HEAD_ROLE_ID}"
 
     def head_condition(self) -> dict[str, str]:
-        """Where the head's instance-admin role applies: this cluster's worker VMs and
-        their boot disks, by name (`<cluster>--`, which no other cluster's names and not
-        its head's start with). Nothing else: no other VM, disk, firewall or image, and no
-        resource policy (IAM conditions do not reach those; the head launches without
-        compact placement). Only the functions IAM documents for resource names
-        (startsWith, endsWith, extract): it refuses a policy with any other."""
+        """Where the head's role applies: this cluster's worker VMs and their boot disks,
+        by name (`<cluster>--`, which no other cluster's names and not its head's start
+        with) in the zones of its region, and what is neither a VM nor a disk: the project and its zones, which is
+        where IAM checks compute.instances.list and compute.zoneOperations.get, and the
+        resource policies it reads (IAM, "Configure resource-based access": a role with
+        list permissions needs such a term, the name of a list's resource is its parent's).
+        The role holds nothing else for those to grant. Only the functions IAM documents
+        for resource names (startsWith, endsWith, extract): it refuses any other."""
         prefix = worker_prefix(self.ctx.cluster)
+        vm, disk = "compute.googleapis.com/Instance", "compute.googleapis.com/Disk"
+        zones = f"projects/{self.project}/zones/{self.region}-"  # the region's zones
         return {
             "title": f"spotctl-{self.ctx.cluster}-head"[:100],
             "description": f"spotctl cluster {self.ctx.cluster}: its own workers only",
             "expression": (
-                '(resource.type == "compute.googleapis.com/Instance" && '
+                f'(resource.type == "{vm}" && resource.name.startsWith("{zones}") && '
                 f'resource.name.extract("/instances/{{name}}").startsWith("{prefix}")) || '
-                '(resource.type == "compute.googleapis.com/Disk" && '
-                f'resource.name.extract("/disks/{{name}}").startsWith("{prefix}"))'
+                f'(resource.type == "{disk}" && resource.name.startsWith("{zones}") && '
+                f'resource.name.extract("/disks/{{name}}").startsWith("{prefix}")) || '
+                f'(resource.type != "{vm}" && resource.type != "{disk}")'
             ),
         }
 
     def head_bindings(self) -> list[dict[str, Any]]:
-        """The head's project-level bindings."""
+        """The head's project-level binding: its custom role, under head_condition()."""
         member = f"serviceAccount:{self.head_account}"
-        return [
-            {"role": HEAD_READ_ROLE, "members": [member]},
-            {"role": HEAD_NET_ROLE, "members": [member]},
-            {"role": HEAD_ROLE, "members": [member], "condition": self.head_condition()},
-        ]
+        return [{"role": self.head_role, "members": [member], "condition": self.head_condition()}]
+
+    def head_role_resource(self) -> dict[str, Any]:
+        """The custom role as IAM's roles.create takes it."""
+        return {"title": "spotctl head",
+                "description": "spotctl: what a cluster's head needs to replace its workers "
+                               "(bound per cluster under a condition on their names)",
+                "includedPermissions": sorted(HEAD_PERMISSIONS), "stage": "GA"}  # fmt: skip
 
     def _edit_policy(self, what: str, url: str, member: str,
                      add: list[dict[str, Any]]) -> None:
@@ -282,31 +316,110 @@ class GcpStorage(ClusterCheckpoints, GcpApi):
         return enforced
 
     def _ensure_head_identity(self) -> None:
-        """The head's service account, its project bindings (read Compute; change only
-        this cluster's VMs), and the right to run workers as the workers' account."""
+        """The head's service account; where it replaces lost workers, its rights too:
+        the project's custom role under the cluster's condition, networkUser on the
+        cluster's subnetwork, and the use of the workers' account (module docstring)."""
         email = self.head_account
         self._ensure_account(email, head_account_id_for(self.ctx.cluster),
                              f"spotctl {self.ctx.cluster} head",
                              f"spotctl cluster {self.ctx.cluster}: the head replaces its "
                              "lost workers")  # fmt: skip
+        if not self.ctx.spec.head_rebalances:
+            return  # an account with no role and no scopes: what the firewall picks it by
         member = f"serviceAccount:{email}"
         try:
+            self._ensure_head_role()
             self._edit_policy(f"project {self.project}", self._project_url, member,
                               self.head_bindings())
         except AuthError as e:
             raise AuthError(
-                f"{e} (the head replaces lost nodes itself only where spotctl may set the "
-                "project's IAM policy, resourcemanager.projects.setIamPolicy: grant it, or "
-                "set [rebalance] on_head = false and run `spotctl rebalance` from cron)"
+                f"{e} (the head replaces lost nodes itself only where spotctl may create a "
+                "custom role and set the project's IAM policy, iam.roles.create and "
+                "resourcemanager.projects.setIamPolicy: grant them, or set [rebalance] "
+                "on_head = false and run `spotctl rebalance` from cron)"
             ) from None
+        self._edit_subnet_policy(member, add=True)
         self._edit_policy(f"service account {self.node_account}",
                           f"{self._iam_base}/{self.node_account}", member,
                           [{"role": ACT_AS_ROLE, "members": [member]}])
 
+    @property
+    def _roles_base(self) -> str:
+        return f"{self.endpoint or IAM_URL}/v1/projects/{self.project}/roles"
+
+    def _ensure_head_role(self) -> None:
+        """The project's custom role for heads (IAM roles.create), brought back if it was
+        deleted and set to HEAD_PERMISSIONS if it drifted. `down` leaves it: other
+        clusters' heads may hold it, and a role no binding names grants nothing."""
+        url, want = f"{self._roles_base}/{HEAD_ROLE_ID}", self.head_role_resource()
+        have = self._rest(f"look up custom role {HEAD_ROLE_ID}", "GET", url, missing_ok=True)
+        if have is None:
+            try:
+                self._rest(f"create custom role {HEAD_ROLE_ID}", "POST", self._roles_base,
+                           body={"roleId": HEAD_ROLE_ID, "role": want})
+                return
+            except ProviderError as e:
+                if "409" not in str(e):
+                    raise
+                have = self._rest(f"look up custom role {HEAD_ROLE_ID}", "GET", url) or {}
+        if have.get("deleted"):
+            self._rest(f"undelete custom role {HEAD_ROLE_ID}", "POST", f"{url}:undelete",
+                       body={"etag": have.get("etag", "")})
+        if sorted(have.get("includedPermissions") or []) != want["includedPermissions"]:
+            self._rest(f"update custom role {HEAD_ROLE_ID}", "PATCH", url,
+                       params={"updateMask": "includedPermissions,title,description,stage"},
+                       body=want)
+
+    def _edit_subnet_policy(self, member: str, add: bool) -> None:
+        """`member` holds networkUser on the cluster's subnetwork (add) or nothing there:
+        the subnetwork's own IAM policy (Compute subnetworks.getIamPolicy /
+        setIamPolicy), etag-checked, a concurrent change retried."""
+        from functools import partial
+
+        from google.cloud import compute_v1
+
+        from spotctl.providers.gcp.api import subnetwork_name
+
+        name = subnetwork_name(self.region).rsplit("/", 1)[-1]
+        what = f"the IAM policy of subnetwork {name} in {self.region}"
+        for attempt in range(6):
+            req_get = compute_v1.GetIamPolicySubnetworkRequest(
+                project=self.project, region=self.region, resource=name,
+                options_requested_policy_version=3)
+            pol = self._call(f"read {what}", partial(
+                self.clients.subnetworks.get_iam_policy, request=req_get, retry=None))
+            assert pol is not None
+            kept = []
+            for b in pol.bindings:
+                members = [m for m in b.members if m != member]
+                if members:
+                    kw = {"condition": b.condition} if "condition" in b else {}
+                    kept.append(compute_v1.Binding(role=b.role, members=members, **kw))
+            if not add and len(kept) == len(pol.bindings) and all(
+                    member not in b.members for b in pol.bindings):
+                return
+            if add:
+                kept.append(compute_v1.Binding(role=HEAD_NET_ROLE, members=[member]))
+            new = compute_v1.Policy(bindings=kept, etag=pol.etag, version=3)
+            req = compute_v1.RegionSetPolicyRequest(policy=new)
+            try:
+                self._call(f"set {what}", partial(
+                    self.clients.subnetworks.set_iam_policy, project=self.project,
+                    region=self.region, resource=name,
+                    region_set_policy_request_resource=req, retry=None))  # fmt: skip
+                return
+            except ProviderError as e:
+                retry = "412" in str(e) or "409" in str(e) or (add and "does not exist" in str(e))
+                if not retry or attempt == 5:
+                    raise
+                time.sleep(min(5.0, self.retry.base_s * 2**attempt))
+
     def _delete_head_identity(self) -> list[str]:
-        """The head's project bindings, then its account. Nothing to do (and no project
-        policy read, which an identity without on_head may not do) when the account is
-        not there: its bindings go first, so a down cut short leaves the account."""
+        """The head's bindings (project, subnetwork; the workers' account goes with its
+        own policy), then its account. Nothing to do (and no policy read, which an
+        identity without on_head may not do) when the account is not there, and no
+        binding to remove where the head replaces nothing: its bindings go first, so a
+        down cut short leaves the account."""
         email, leaks = self.head_account, []
         try:
             if self._rest(f"look up service account {email}", "GET",
@@ -314,11 +427,16 @@ class GcpStorage(ClusterCheckpoints, GcpApi):
                 return []
         except ProviderError as e:
             return [f"service account {email}: {e}"]
-        try:
-            self._edit_policy(f"project {self.project}", self._project_url,
-                              f"serviceAccount:{email}", [])
-        except ProviderError as e:
-            leaks.append(f"project IAM bindings of {email}: {e}")
+        member = f"serviceAccount:{email}"
+        if self.ctx.spec.head_rebalances:
+            try:
+                self._edit_policy(f"project {self.project}", self._project_url, member, [])
+            except ProviderError as e:
+                leaks.append(f"project IAM bindings of {email}: {e}")
+            try:
+                self._edit_subnet_policy(member, add=False)
+            except ProviderError as e:
+                leaks.append(f"subnetwork IAM binding of {email}: {e}")
         try:
             self._rest(f"delete service account {email}", "DELETE",
                        f"{self._iam_base}/{email}", missing_ok=True)
@@ -540,13 +658,12 @@ class GcpStorage(ClusterCheckpoints, GcpApi):
 
     def _service_accounts(self, role: str) -> list[Any]:
         """The serviceAccounts of a VM's insert: workers run as the cluster's account
-        (made by prepare_storage, which `launch` runs first); the head as its own where it
-        replaces lost workers, else as none."""
+        (made by prepare_storage, which `launch` runs first); the head as its own."""
         from google.cloud import compute_v1
 
         if role != "worker":
-            # the head runs as its own account where it replaces lost workers
-            if not self.ctx.spec.head_rebalances:
-                return []
-            return [compute_v1.ServiceAccount(email=self.head_account, scopes=[CLOUD_SCOPE])]
+            # the head runs as its own account (the cluster's firewall rules pick it by
+            # that); with no scope where it replaces nothing, so its VM has no API token
+            scopes = [CLOUD_SCOPE] if self.ctx.spec.head_rebalances else []
+            return [compute_v1.ServiceAccount(email=self.head_account, scopes=scopes)]
         return [compute_v1.ServiceAccount(email=self.node_account, scopes=[CLOUD_SCOPE])]
