@@ -1,11 +1,13 @@
 """torchtitan's fault tolerance (``--fault_tolerance.*``) from spotctl's worker environment.
 
-Untested against torchtitan itself: torchtitan 0.3.0 installs and imports beside
-torch 2.13.0 and torchft 0.2.0, but its trainer picks the CUDA device whenever no other
-accelerator is found and its debug configs read tokenizer and data assets that ship only
-in its source tree, so it cannot train on this project's CPU test machines. What is tested
-is the mapping below, and that torchtitan 0.3.0's own config parser accepts the arguments
-(where torchtitan is installed).
+Untested against torchtitan training: torchtitan 0.3.0 (released for torch 2.14.0) installs
+and imports beside torch 2.13.0 and torchft 0.2.0 (with triton on the CPU build), but its
+trainer picks the CUDA device whenever no other accelerator is found (``torch.cuda.
+set_device`` fails on a CPU-only torch; forced onto the CPU, its memory monitor fails
+next), so it cannot train on this project's CPU test machines. What is tested is the
+mapping below, on real workers' environments through a replacement
+(tests/e2e/test_rescale.py), and that torchtitan 0.3.0's own config parser accepts the
+arguments (where torchtitan and triton are installed; CI installs neither).
 
 Under the torchft engine spotctl starts one torchrun per replica group with
 ``TORCHFT_LIGHTHOUSE`` (torchft's Manager reads it itself; torchtitan has no flag for it),
