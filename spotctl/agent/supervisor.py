@@ -230,6 +230,11 @@ class Agent:
         self.group_done: tuple[str, int] | None = None
         # the group generation this node's torchrun failed in, until the head moved it on
         self.group_broken: dict[str, Any] | None = None
+        # torchft, one node per replica: the dense replica index the head gave this node
+        # (SPOTCTL_FT_REPLICA_INDEX, torchtitan's replica id) and the one its running
+        # torchrun was started with (reported, so a restarted head keeps it)
+        self.replica_index: int | None = None
+        self.running_index: int | None = None
         self.head_id: str | None = None
         self._leaver: subprocess.Popen[bytes] | None = None
         self._leaver_lock = threading.Lock()
@@ -543,6 +548,14 @@ class Agent:
                        SPOTCTL_FT_REPLICA_ID=self.group["id"] if self.group else cfg.node_id,
                        SPOTCTL_FT_REPLICA_NODES=str(cfg.replica_nodes),
                        RUST_LOG=env.get("RUST_LOG", "warn"))
+            # the replica's dense index, 0..N-1, the lowest free when it joined (a group of
+            # several nodes: its id's number, g<N>); torchtitan's replica id
+            index = self.group.get("index") if self.group else self.replica_index
+            self.running_index = None if self.group else index
+            if index is not None:
+                env["SPOTCTL_FT_REPLICA_INDEX"] = str(index)
+            else:
+                env.pop("SPOTCTL_FT_REPLICA_INDEX", None)
             env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
         log_path = self.workdir / "torchrun.log"
         out = open(log_path, "ab")
@@ -653,6 +666,8 @@ class Agent:
         }
         if self.error is not None:
             body["error"] = self.error
+        if self.running_index is not None and self.torchrun is not None:
+            body["replica_index"] = self.running_index
         if self.group_port:
             g = self.group
             grp: dict[str, Any] = {"size": self.cfg.replica_nodes, "port": self.group_port}
@@ -878,6 +893,7 @@ class Agent:
         self.group = self.group_broken = None
         self.group_done = None
         self.group_port = 0
+        self.replica_index = self.running_index = None
         self.next_start = 0.0
         self.state = "left" if self.notice is not None else "waiting"
 
@@ -888,6 +904,8 @@ class Agent:
         leave the quorum; the head's drain/release/kill generations are not for it."""
         tr = self.torchrun
         if self.cfg.replica_nodes > 1 and self._group_moved(reply, workers):
+            return
+        if self.cfg.replica_nodes <= 1 and self._index_moved(reply):
             return
         b, now = self.group_broken, (reply or {}).get("group")
         if b is not None and reply is not None and (
@@ -904,6 +922,10 @@ class Agent:
                     self.group = g
                     log.info("replica group %s generation %s: slot %s of %s", g["id"],
                              g["gen"], g["slot"], ", ".join(g["nodes"]))
+                elif reply is not None and "replica_index" in reply:
+                    if reply["replica_index"] is None:
+                        return  # the head gives it once it has settled
+                    self.replica_index = int(reply["replica_index"])
                 self.start_torchrun()
                 self.state = "running"
             return
@@ -918,6 +940,26 @@ class Agent:
             self.state = "left"
             log.info("left the quorum")
             self._heartbeat()
+
+    def _index_moved(self, reply: dict[str, Any] | None) -> bool:
+        """This node's torchrun runs with a replica index the head has given to another
+        node (this one was silent long enough to be counted gone): stopped, to start again
+        with the index the head gives it now. Two live replicas never share an index (a
+        torchft identity and, for torchtitan, a data shard)."""
+        if reply is None or "replica_index" not in reply or self.state != "running" \
+                or self.running_index is None:
+            return False
+        now = reply["replica_index"]
+        if now is None or now == self.running_index:
+            return False
+        log.info("replica index %s is another node's now (this node was counted gone): "
+                 "restarting torchrun with index %s", self.running_index, now)
+        self.stop_torchrun()
+        self.torchrun = None
+        self.replica_index = int(now)
+        self.running_index = None
+        self.state = "waiting"
+        return True
 
     def _group_moved(self, reply: dict[str, Any] | None,
                      workers: list[dict[str, Any]]) -> bool:

@@ -110,6 +110,9 @@ def collect(store: Store, name: str, now: float | None = None,
             "world_size": h.get("world_size"),
             # torchft with nodes_per_replica > 1: the replica group the head placed it in
             "group": h.get("group"),
+            # torchft: its replica's dense index (SPOTCTL_FT_REPLICA_INDEX, torchtitan's
+            # replica id); None on torchrun or before the head gave one
+            "replica_index": h.get("replica_index"),
             # the network the node was launched with (aws: efaN / ena; gcp: gvnic-compact,
             # gvnic, virtio); None where the provider does not say
             "network": n.meta.get("network") or None,

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from spotctl.head.groups import Member, ReplicaGroups
+from spotctl.head.groups import Member, ReplicaGroups, ReplicaIndexes
 
 DEAD_AFTER_S = 4.0  # heartbeats every 0.25 s: 16 missed beats, well past scheduling jitter
 DRAIN_TIMEOUT_S = 20.0  # a drain not complete by then is abandoned (leavers leave anyway)
@@ -163,6 +163,8 @@ class Coordinator:
         self.leave_requested: set[str] = set()  # torchft: nodes told to leave (rebalance)
         # torchft replica groups of several nodes, once a node says its group size
         self.replica_groups: ReplicaGroups | None = None
+        # torchft, one node per replica: each replica's dense index (torchtitan's replica id)
+        self.replica_indexes = ReplicaIndexes()
         # torchft: each worker process's own count of failed (redone) steps, as last
         # reported and as already charged to a journaled regroup, by (node, pid, local rank)
         self._failed_seen: dict[tuple[str, int, int], int] = {}
@@ -231,6 +233,10 @@ class Coordinator:
             elif "id" in grp and self._settling(now):
                 # a head that just (re)started learns the running groups from their nodes
                 self.replica_groups.adopt(nid, grp["id"], grp["gen"], grp["slot"])
+        if body.get("replica_index") is not None and self.engine == "torchft" \
+                and grp is None:
+            # the index its workers run with: kept, unless another node holds it
+            self.replica_indexes.adopt(nid, int(body["replica_index"]))
         self.tick()
         return self._reply(node)
 
@@ -307,6 +313,10 @@ class Coordinator:
         self._liveness(now)
         if self.replica_groups is not None:
             self.replica_groups.update(self._group_members(), self._settling(now))
+        if self.engine == "torchft":
+            self.replica_indexes.update(
+                {nid: m for nid, m in self._group_members().items()
+                 if not self.nodes[nid].group_port}, self._settling(now))
         if self.drain is None:
             self._maybe_start_drain(now)
         if self.drain is not None:
@@ -669,6 +679,10 @@ class Coordinator:
             **({"start_nodes": self.start_nodes} if self.start_nodes and node.go_at else {}),
             "group": None if self.replica_groups is None
             else self.replica_groups.reply(node.node_id, self._group_store),
+            # torchft, one node per replica: its dense replica index (None: not given yet;
+            # its agent starts its workers once it has one)
+            **({"replica_index": self.replica_indexes.of.get(node.node_id)}
+               if self.engine == "torchft" and not node.group_port else {}),
         }
 
     def status(self) -> dict[str, Any]:
@@ -709,11 +723,19 @@ class Coordinator:
                     "net": n.net,
                     # torchft, nodes_per_replica > 1: the replica group it is placed in
                     "group": self._group_name(n.node_id),
+                    # torchft: its replica's dense index, SPOTCTL_FT_REPLICA_INDEX
+                    "replica_index": self._replica_index(n.node_id),
                     "error": n.error,
                 }
                 for n in self.nodes.values()
             },
         }
+
+    def _replica_index(self, nid: str) -> int | None:
+        if self.engine != "torchft":
+            return None
+        at = None if self.replica_groups is None else self.replica_groups.group_of(nid)
+        return int(at[0].gid[1:]) if at is not None else self.replica_indexes.of.get(nid)
 
     def _group_name(self, nid: str) -> str | None:
         at = None if self.replica_groups is None else self.replica_groups.group_of(nid)

@@ -116,7 +116,10 @@ class ReplicaGroups:
         head = g.slots[0]
         first = store_of(head) if g.full() and head is not None else None
         return {"id": g.gid, "gen": g.gen, "slot": slot, "nodes": g.members(),
-                "master": list(first) if first else None}
+                "master": list(first) if first else None,
+                # the group's dense replica index (SPOTCTL_FT_REPLICA_INDEX): its number,
+                # the lowest free when the group was made (see _new)
+                "index": int(g.gid[1:])}
 
     # -- placement
     def _open(self) -> list[Group]:
@@ -149,6 +152,7 @@ class ReplicaGroups:
                 self._place(dst, nid)
 
     def _new(self) -> Group:
+        """A group under the lowest free number (a gone group's is free again)."""
         i = 0
         while f"g{i}" in self.groups:
             i += 1
@@ -163,3 +167,44 @@ class ReplicaGroups:
         g.gen += 1
         self.record("replica-group", group=g.gid, gen=g.gen, nodes=g.members(),
                     full=g.full(), change=why)
+
+
+class ReplicaIndexes:
+    """Dense indexes 0..N-1 for torchft replicas of one node each ([train]
+    nodes_per_replica = 1; groups of several nodes take theirs from their id, `g<N>`, which
+    ReplicaGroups numbers the same way). torchtitan's `--fault_tolerance.replica_id` wants
+    one (it is the replica's torchft identity and picks its data shard), and node ids are
+    not dense once nodes are replaced.
+
+    A replica gets the lowest free index when it first needs one and keeps it while it is
+    alive (a noticed node too, until it has left); once it is gone the index is free again
+    and the next newcomer takes it. Two live replicas never hold one index: a node may
+    claim the index its workers run with (a head that restarted learns them so) only while
+    no other node holds it.
+    """
+
+    def __init__(self) -> None:
+        self.of: dict[str, int] = {}
+
+    def adopt(self, nid: str, index: int) -> None:
+        """`nid` says its workers run with `index`: taken if it holds none and no other
+        node holds that one."""
+        if nid not in self.of and index >= 0 and index not in self.of.values():
+            self.of[nid] = index
+
+    def update(self, members: dict[str, Member], settle: bool) -> None:
+        """Free the indexes of the nodes that are gone; then (unless `settle`: a head that
+        just started, whose nodes have not all reported theirs) give the others the lowest
+        free ones, in the order they registered."""
+        for nid in [n for n in self.of if n not in members or not members[n].alive]:
+            del self.of[nid]
+        if settle:
+            return
+        used = set(self.of.values())
+        for m in sorted(members.values(), key=lambda m: (m.registered_at, m.node_id)):
+            if m.alive and m.node_id not in self.of:
+                i = 0
+                while i in used:
+                    i += 1
+                self.of[m.node_id] = i
+                used.add(i)

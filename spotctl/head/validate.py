@@ -152,7 +152,7 @@ def fields(v: dict[str, Any], allowed: tuple[str, ...], required: tuple[str, ...
 
 
 HEARTBEAT_FIELDS = ("node_id", "agent_state", "addr", "workers", "drain_gen", "notice", "ready",
-                    "net", "group", "error")
+                    "net", "group", "error", "replica_index")
 GROUP_FIELDS = ("size", "port", "id", "gen", "slot", "broken")
 MAX_GROUP_NODES = 64  # [train] nodes_per_replica at most
 MAX_NET_DEVICES = 64  # interfaces, and RDMA devices (a p5 has 32 EFA devices)
@@ -218,6 +218,8 @@ def heartbeat(v: dict[str, Any], max_world: int = MAX_GPUS) -> dict[str, Any]:
         out["net"] = net(v["net"])
     if v.get("group") is not None:
         out["group"] = group(v["group"])
+    if v.get("replica_index") is not None:  # torchft: the index its workers run with
+        out["replica_index"] = _int(v["replica_index"], "replica_index", 0, MAX_GPUS)
     if v.get("error") is not None:  # the last error line of its workers (a crash loop)
         out["error"] = _str(v["error"], "error", MAX_ERROR)
     return out

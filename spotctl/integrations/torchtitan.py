@@ -1,17 +1,21 @@
 """torchtitan's fault tolerance (``--fault_tolerance.*``) from spotctl's worker environment.
 
-Untested against torchtitan itself: torchtitan 0.3.0 installs and imports beside
-torch 2.13.0 and torchft 0.2.0, but its trainer picks the CUDA device whenever no other
-accelerator is found and its debug configs read tokenizer and data assets that ship only
-in its source tree, so it cannot train on this project's CPU test machines. What is tested
-is the mapping below, and that torchtitan 0.3.0's own config parser accepts the arguments
-(where torchtitan is installed).
+Untested against torchtitan training: torchtitan 0.3.0 (released for torch 2.14.0) installs
+and imports beside torch 2.13.0 and torchft 0.2.0 (with triton on the CPU build), but its
+trainer picks the CUDA device whenever no other accelerator is found (``torch.cuda.
+set_device`` fails on a CPU-only torch; forced onto the CPU, its memory monitor fails
+next), so it cannot train on this project's CPU test machines. What is tested is the
+mapping below, on real workers' environments through a replacement
+(tests/e2e/test_rescale.py), and that torchtitan 0.3.0's own config parser accepts the
+arguments (where torchtitan and triton are installed; CI installs neither).
 
 Under the torchft engine spotctl starts one torchrun per replica group with
 ``TORCHFT_LIGHTHOUSE`` (torchft's Manager reads it itself; torchtitan has no flag for it),
-``SPOTCTL_FT_REPLICA_ID`` and ``SPOTCTL_MAX_WORLD`` set. torchtitan wants an integer
-replica id in ``[0, group_size)`` (it also picks the replica's data shard) and
-``group_size``, the most replica groups the job can have::
+``SPOTCTL_FT_REPLICA_INDEX`` (the group's dense index: the head gives each group the
+lowest free one when it joins, and a replacement reuses a gone group's) and
+``SPOTCTL_MAX_WORLD`` set. torchtitan wants an integer replica id in ``[0, group_size)``
+(it also picks the replica's data shard) and ``group_size``, the most replica groups the
+job can have::
 
     torchrun ... -m torchtitan.train --module torchft.llama3 --config ... \\
         $(python -m spotctl.integrations.torchtitan)
@@ -47,9 +51,10 @@ def fault_tolerance_args(env: Mapping[str, str] | None = None) -> list[str]:
     """The ``--fault_tolerance.*`` arguments for this replica group.
 
     ``group_size`` is the cluster's largest world over this group's world (the most
-    groups that can run at once); ``replica_id`` is ``SPOTCTL_FT_REPLICA_INDEX`` when set,
-    else the number at the end of ``SPOTCTL_FT_REPLICA_ID`` (spotctl's group ids are
-    ``g0``, ``g1``, ...) when it is below ``group_size``. Raises AdapterError (one line)
+    groups that can run at once); ``replica_id`` is ``SPOTCTL_FT_REPLICA_INDEX`` (spotctl's
+    agent sets it), else (a head older than the index) the number at the end of
+    ``SPOTCTL_FT_REPLICA_ID`` (``g0``, ``g1``, ...) when it is below ``group_size``.
+    Raises AdapterError (one line)
     for anything else: two groups on one torchtitan replica id would share a torchft
     identity and a data shard.
     """

@@ -155,11 +155,18 @@ def test_notice_join_gcp_kill_cycle_on_torchft(local_cluster):
         assert c.worker_pids(survivors) == before, "a survivor's worker restarted"
         return r
 
+    # each replica's dense index (torchtitan's replica id), as its worker's environment has
+    # it: 0..2, one each
+    index = {n: _replica_index(c, n) for n in ("n1", "n2", "n3")}
+    assert sorted(index.values()) == [0, 1, 2], index
     # 1. AWS-style notice: n1's replica commits the step in flight and leaves the quorum
     hot(lambda: c.cli("preempt", "n1", "--name", "rescft", "--style", "aws"), "notice",
         ["n2", "n3"], (3, 2), leaver="n1")
     # 2. join: `up` adds n4, whose replica heals from a live peer while the others train
     joined = hot(lambda: c.cli("up", "--wait", "120"), "join", ["n2", "n3"], (2, 3))
+    # the replacement runs with n1's index, the lowest free; the survivors keep theirs
+    assert {n: _replica_index(c, n) for n in ("n2", "n3", "n4")} == {
+        "n2": index["n2"], "n3": index["n3"], "n4": index["n1"]}
     # the head cannot time a join on torchft (the replicas regroup before it learns why):
     # the survivors time their own pause, journaled with the rescale or just after it
     from spotctl.control.report import rescale_pauses
@@ -219,6 +226,39 @@ def _started(c, st) -> None:
     keys = {"id", "state", "zone", "instance_type", "gpus", "step", "heartbeat_age_s"}
     assert all(keys <= n.keys() and n["state"] == "running" for n in st["nodes"]), st
     assert len(c.processes()) > 6  # head + 3 x (vm, agent, torchrun, worker)
+
+
+def _replica_index(c, node: str) -> int:
+    """`node`'s replica index as its rank-0 worker's environment has it, checked against
+    the head's status, and the torchtitan flags the adapter makes of that environment.
+    Read from the worker's launcher (spotctl.agent.launch, under torchrun), whose
+    environment the worker takes as its own (a worker forked by the node's zygote shows the
+    zygote's in /proc), or from the worker itself when it was started without one."""
+    from spotctl.integrations.torchtitan import fault_tolerance_args
+
+    def environ(pid: int) -> dict[str, str]:
+        try:
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            return {}
+        return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0")
+                    if "=" in kv)
+
+    status_dir = str(c.cluster_dir / "nodes" / node / "status")
+    worker = environ(c.worker_pids([node])[node])
+    envs = [worker] if "LOCAL_RANK" in worker else [
+        e for e in (environ(int(p.name)) for p in Path("/proc").iterdir() if p.name.isdigit())
+        if e.get("LOCAL_RANK") == "0" and e.get("SPOTCTL_STATUS_DIR") == status_dir
+        and "SPOTCTL_ZYGOTE" in e]
+    assert envs, f"no launcher of {node}'s worker found"
+    got = {e.get("SPOTCTL_FT_REPLICA_INDEX") for e in envs}
+    assert len(got) == 1 and None not in got, (node, got)
+    index = int(got.pop())  # type: ignore[arg-type]
+    assert c.head_status()["nodes"][node]["replica_index"] == index
+    assert fault_tolerance_args(envs[0]) == [
+        "--fault_tolerance.enable", f"--fault_tolerance.replica_id={index}",
+        "--fault_tolerance.group_size=3"]  # the cluster's 3 nodes of 1 rank at most
+    return index
 
 
 def _left_gracefully(c, node: str, pid: int) -> None:

@@ -1,8 +1,10 @@
 """The torchtitan adapter: spotctl's worker environment -> --fault_tolerance.* arguments.
 
 The environment is the one spotctl.agent.supervisor.start_torchrun gives a torchft-engine
-worker (TORCHFT_LIGHTHOUSE, SPOTCTL_FT_REPLICA_ID = the group id g<N>, SPOTCTL_MAX_WORLD)
-plus torchrun's WORLD_SIZE. torchtitan's own parser checks the arguments where
+worker (TORCHFT_LIGHTHOUSE, SPOTCTL_FT_REPLICA_INDEX = the replica's dense index, else a
+head older than it: SPOTCTL_FT_REPLICA_ID = the group id g<N>; SPOTCTL_MAX_WORLD) plus
+torchrun's WORLD_SIZE; tests/e2e/test_rescale.py applies it to real workers' environments
+through a notice and a replacement. torchtitan's own parser checks the arguments where
 torchtitan is installed (the `torchtitan` extra; CI does not install it).
 """
 

@@ -390,7 +390,7 @@ def test_status_whole() -> None:
     workers = a.pop("workers")
     assert a == {"state": "running", "last_heartbeat": 1001.5, "heartbeat_age_s": 0.25,
                  "addr": "", "notice": None, "step": 12, "world_size": 2, "net": None,
-                 "group": None, "error": None}  # fmt: skip
+                 "group": None, "replica_index": None, "error": None}  # fmt: skip
     assert [(x["rank"], x["step"], x["loss"]) for x in workers] == [(0, 12, 0.5)]
     assert (nodes["b"]["step"], nodes["b"]["heartbeat_age_s"]) == (10, 1.75)
     # during a drain, and for a node known only from a notice

@@ -23,6 +23,8 @@ INTERNAL = {"SPOTCTL_NODE_TAG", "SPOTCTL_ZYGOTE", "SPOTCTL_COMPLETE",
             "SPOTCTL_CHECKPOINT_EVERY_S", "SPOTCTL_KEEP_LAST", "SPOTCTL_CHECKPOINT_WRITERS",
             "SPOTCTL_ENGINE", "SPOTCTL_FT_REPLICA_ID", "SPOTCTL_NODE_ID", "SPOTCTL_STATUS_DIR",
             "SPOTCTL_FT_REPLICA_NODES",
+            # a torchft replica's dense index, torchtitan's replica id (docs/integrations.md)
+            "SPOTCTL_FT_REPLICA_INDEX",
             # the notice before a rescale (spotctl.integrations, spotctl.elastic.notice)
             "SPOTCTL_NOTICE_FILE",
             # the agent's contract with its torchrun (tests/unit/test_rdzv_gate.py plays it)
@@ -48,9 +50,7 @@ KNOBS = {"SPOTCTL_FT_JOIN_TIMEOUT_MS", "SPOTCTL_FT_HEARTBEAT_TIMEOUT_MS", "SPOTC
          "SPOTCTL_CRASH_LIMIT", "SPOTCTL_LOGS_RAW",
          # a plain torchrun script's grace between its notice and SIGTERM
          # (docs/guides/torchrun-script.md)
-         "SPOTCTL_NOTICE_GRACE_S",
-         # torchtitan's replica id where the group id gives none (docs/integrations.md)
-         "SPOTCTL_FT_REPLICA_INDEX"}
+         "SPOTCTL_NOTICE_GRACE_S"}
 
 
 

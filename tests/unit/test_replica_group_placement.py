@@ -154,9 +154,9 @@ def test_reply_names_the_store_once_the_group_is_full() -> None:
     rg.adopt("a", "g0", 2, 0)
     stores = {"a": ("10.0.0.1", 20001), "b": ("10.0.0.2", 20002)}
     assert rg.reply("a", stores.get) == {"id": "g0", "gen": 2, "slot": 0, "nodes": ["a"],
-                                         "master": None}  # fmt: skip
+                                         "master": None, "index": 0}  # fmt: skip
     rg.adopt("b", "g0", 2, 1)
     assert rg.reply("b", stores.get) == {"id": "g0", "gen": 2, "slot": 1, "nodes": ["a", "b"],
-                                         "master": ["10.0.0.1", 20001]}  # fmt: skip
+                                         "master": ["10.0.0.1", 20001], "index": 0}  # fmt: skip
     assert rg.reply("zz", stores.get) is None
     assert rg.reply("a", lambda n: None)["master"] is None  # type: ignore[index]
