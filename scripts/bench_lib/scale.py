@@ -1,14 +1,20 @@
 """Scale: the control plane with up to 64 nodes (issue 58).
 
 The real head (`spotctl head`, a child process with its Lighthouse behind the filter, as a
-torchft cluster's head runs) and N simulated nodes in this process. Each node does what a
-node agent and its one replica do on the wire, at their real rates, with no training:
+torchft cluster's head runs) and N simulated nodes. Each node does what a node agent and
+its one replica do on the wire, at their real rates, with no training:
 - its agent heartbeats the head API every 0.25 s with its own node credential (a fresh
   HTTP connection each time, as spotctl.head.client does), reporting one worker in phase
-  `train` whose step advances;
+  `train` whose step advances. The agents run in a process of their own (`AgentsProc`),
+  as they run on other machines: in the process that times the quorums, their 256
+  heartbeats a second at 64 nodes held its interpreter lock and added their own wait to
+  the head's quorum latency (measured at 64 replicas, load 6-9: the bare Lighthouse
+  with the same agents beside its clients, 25.0 / 29.9 ms p50, against 22.2 / 20.5 ms
+  without them);
 - its replica's Manager heartbeats the Lighthouse every 50 ms and asks it for a quorum
   before each step (torchft's LighthouseClient, the Rust client the Managers use), with a
-  50 ms step in between.
+  50 ms step in between; these run in the benchmark's process, for the head and for the
+  bare Lighthouse alike.
 For N = 8, 16, 32, 64 in turn on the same head (nodes added, as a cluster grows):
 - quorum latency: per step, from the moment the last replica asked until the last one had
   its answer (the Lighthouse's own cost, not waiting for stragglers), p50 and p95;
@@ -133,48 +139,129 @@ class HeadProc:
         self.log.close()
 
 
-class Node:
-    """One simulated node: its agent's heartbeats and its replica's quorum loop."""
+class Agent:
+    """One simulated node's agent: heartbeats to the head API (run by AgentsProc's child)."""
 
-    def __init__(self, lighthouse: str, head: HeadProc | None, nid: str, stop: threading.Event):
+    def __init__(self, url: str, secret: str, nid: str, stop: threading.Event):
         from spotctl.head.auth import node_token
         from spotctl.head.client import HeadClient
 
-        self.nid, self.lighthouse, self.stop = nid, lighthouse, stop
-        self.client = None if head is None else HeadClient(
-            head.url, node_token(head.secret, nid), timeout_s=10.0)
-        self.step = 0
+        self.nid, self.stop = nid, stop
+        self.client = HeadClient(url, node_token(secret, nid), timeout_s=10.0)
+        self.started = time.monotonic()
+        self.replicas = 0  # the agents' count, which the quorums reach once grown
         self.notice: dict[str, Any] | None = None
         self.errors = 0
         self.beats = 0  # heartbeats the head answered
-        self.quorums: list[tuple[int, float, float]] = []  # (step, asked, answered)
-        self.replicas = 0
-        loops = (self._manager_beat, self._replica) if head is None else (
-            self._agent, self._manager_beat, self._replica)
-        self.threads = [threading.Thread(target=f, daemon=True, name=f"{nid}-{f.__name__}")
-                        for f in loops]
+        self.thread = threading.Thread(target=self._loop, daemon=True, name=f"{nid}-agent")
+        self.thread.start()
 
-    def start(self) -> None:
-        for t in self.threads:
-            t.start()
-
-    def _agent(self) -> None:
+    def _loop(self) -> None:
         while not self.stop.is_set():
             t0 = time.monotonic()
+            step = int((t0 - self.started) / (STEP_S + 0.01))  # about the replicas' pace
             body = {"node_id": self.nid, "agent_state": "running", "addr": "127.0.0.1",
                     "drain_gen": 0, "notice": self.notice, "ready": True,
                     "workers": [{"rank": 0, "local_rank": 0, "world_size": 1,
-                                 "step": self.step, "phase": "train", "incarnation": self.nid,
+                                 "step": step, "phase": "train", "incarnation": self.nid,
                                  "resume_step": 0, "first_step_at": None, "last_ckpt": 0,
                                  "pid": os.getpid(), "engine": "torchft",
                                  "replicas": self.replicas, "failed_steps": 0}]}
             try:
-                assert self.client is not None
                 self.client.heartbeat(body)
                 self.beats += 1
             except Exception:
                 self.errors += 1
             self.stop.wait(max(0.0, AGENT_TICK_S - (time.monotonic() - t0)))
+
+
+def agents_main() -> None:
+    """AgentsProc's child: reads commands on stdin (`add NID`, `notice NID JSON`, `count`),
+    answers each on stdout."""
+    url, secret = os.environ["BENCH_HEAD_URL"], os.environ["BENCH_HEAD_SECRET"]
+    stop = threading.Event()
+    agents: dict[str, Agent] = {}
+    for line in sys.stdin:
+        cmd, _, rest = line.strip().partition(" ")
+        if cmd == "add":
+            agents[rest] = Agent(url, secret, rest, stop)
+            for a in agents.values():
+                a.replicas = len(agents)
+            print("ok", flush=True)
+        elif cmd == "notice":
+            nid, _, body = rest.partition(" ")
+            a = agents[nid]
+            a.notice = json.loads(body)
+            try:
+                a.client.notice(nid, a.notice)
+                print("ok", flush=True)
+            except Exception as e:
+                print(f"error {e}", flush=True)
+        elif cmd == "count":
+            print(sum(a.beats for a in agents.values()),
+                  sum(a.errors for a in agents.values()), flush=True)
+    stop.set()
+
+
+class AgentsProc:
+    """The simulated agents, in a process of their own (see the module's docstring)."""
+
+    def __init__(self, head: HeadProc):
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+                "from bench_lib.scale import agents_main; agents_main()")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, str(REPO / "scripts")], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, cwd=str(REPO),
+            env=dict(os.environ, BENCH_HEAD_URL=head.url, BENCH_HEAD_SECRET=head.secret))
+
+    def _ask(self, line: str) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline().strip()
+        if not answer or answer.startswith("error"):
+            raise RuntimeError(f"simulated agents: {line.split()[0]}: {answer or 'exited'}")
+        return answer
+
+    def add(self, nid: str) -> None:
+        self._ask(f"add {nid}")
+
+    def notice(self, nid: str, notice: dict[str, Any]) -> None:
+        self._ask(f"notice {nid} {json.dumps(notice)}")
+
+    def count(self) -> tuple[int, int]:
+        beats, errors = self._ask("count").split()
+        return int(beats), int(errors)
+
+    def stop(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+class Node:
+    """One simulated node's replica: its Manager's Lighthouse heartbeats and quorum loop
+    (in this process); its agent, where there is a head, in `agents`."""
+
+    def __init__(self, lighthouse: str, agents: AgentsProc | None, nid: str,
+                 stop: threading.Event):
+        self.nid, self.lighthouse, self.stop = nid, lighthouse, stop
+        self.step = 0
+        self.errors = 0
+        self.quorums: list[tuple[int, float, float]] = []  # (step, asked, answered)
+        self.replicas = 0
+        if agents is not None:
+            agents.add(nid)
+        self.threads = [threading.Thread(target=f, daemon=True, name=f"{nid}-{f.__name__}")
+                        for f in (self._manager_beat, self._replica)]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
 
     def _manager_beat(self) -> None:
         from torchft.coordination import LighthouseClient
@@ -252,10 +339,10 @@ class BareLighthouse:
         self.proc.wait(10)
 
 
-def _grow(nodes: list[Node], size: int, lighthouse: str, head: HeadProc | None,
+def _grow(nodes: list[Node], size: int, lighthouse: str, agents: AgentsProc | None,
           stop: threading.Event) -> None:
     while len(nodes) < size:
-        n = Node(lighthouse, head, f"s{len(nodes):03d}", stop)
+        n = Node(lighthouse, agents, f"s{len(nodes):03d}", stop)
         n.start()
         nodes.append(n)
     deadline = time.monotonic() + 120
@@ -292,12 +379,13 @@ def bench(ctx: Context, sizes: tuple[int, ...] = SIZES, window_s: float = 15.0,
         for t in n.threads:
             t.join(5)
     head = HeadProc(ctx.subdir("scale"))
+    agents = AgentsProc(head)
     stop = threading.Event()
     nodes = []
     try:
         for size in sizes:
             ctx.log(f"scale: the head, {size} nodes")
-            _grow(nodes, size, head.lighthouse, head, stop)
+            _grow(nodes, size, head.lighthouse, agents, stop)
             lat, cpu = _window(nodes, size, head.pid, window_s)
             status_s = []
             for _ in range(20):
@@ -326,16 +414,14 @@ def bench(ctx: Context, sizes: tuple[int, ...] = SIZES, window_s: float = 15.0,
                             "MiB", "resident"))
         # a notice and a replacement at the largest size, timed until the head shows them
         victim = nodes[0]
-        assert victim.client is not None
         t0 = time.monotonic()
-        victim.notice = {"id": "bench-notice", "source": "bench", "kind": "preempt",
-                         "deadline": time.time() + 120, "received_at": time.time()}
-        victim.client.notice(victim.nid, victim.notice)
+        agents.notice(victim.nid, {"id": "bench-notice", "source": "bench", "kind": "preempt",
+                                   "deadline": time.time() + 120, "received_at": time.time()})
         while head.status()["nodes"][victim.nid].get("notice") is None:
             time.sleep(0.01)
         notice_s = time.monotonic() - t0
         t0 = time.monotonic()
-        new = Node(head.lighthouse, head, f"s{len(nodes):03d}", stop)
+        new = Node(head.lighthouse, agents, f"s{len(nodes):03d}", stop)
         new.start()
         nodes.append(new)
         while new.nid not in head.status()["nodes"]:
@@ -349,7 +435,7 @@ def bench(ctx: Context, sizes: tuple[int, ...] = SIZES, window_s: float = 15.0,
         # memory over a longer hold: the slope says whether it is flat
         ctx.log(f"scale: holding {len(nodes)} nodes for {hold_s:.0f} s (memory)")
         samples: list[tuple[float, float]] = []
-        beats0, held0 = sum(n.beats for n in nodes), time.monotonic()
+        beats0, held0 = agents.count()[0], time.monotonic()
         t_end = time.monotonic() + hold_s
         while time.monotonic() < t_end:
             samples.append((time.monotonic(), _rss_mib(head.pid)))
@@ -361,15 +447,16 @@ def bench(ctx: Context, sizes: tuple[int, ...] = SIZES, window_s: float = 15.0,
             mx, my = statistics.fmean(xs), statistics.fmean(ys)
             den = sum((x - mx) ** 2 for x in xs) or 1.0
             slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den * 3600
-        rate = (sum(n.beats for n in nodes) - beats0) / max(1e-9, time.monotonic() - held0)
+        rate = (agents.count()[0] - beats0) / max(1e-9, time.monotonic() - held0)
         rows.append(row("scale", f"head memory growth, {len(nodes)} nodes", [slope], [],
                         "MiB/h", f"least squares over {hold_s:.0f} s ({len(samples)} samples, "
                         f"{samples[0][1]:.0f} -> {samples[-1][1]:.0f} MiB, {rate:.0f} heartbeats/s "
                         f"answered, {len(nodes) / AGENT_TICK_S:.0f}/s due); goal: flat"))
-        errors = sum(n.errors for n in nodes)
+        errors = sum(n.errors for n in nodes) + agents.count()[1]
         rows.append(row("scale", "client calls that failed", [errors], [], "calls",
                         "heartbeats, quorums and notices of every simulated node"))
     finally:
         stop.set()
+        agents.stop()
         head.stop()
     return rows
