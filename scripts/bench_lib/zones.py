@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -218,8 +219,10 @@ def bench(ctx: Context, short: bool = False) -> list[Row]:
             for st in runs:
                 load = os.getloadavg()[0]
                 sub = ctx.subdir(f"zones-{st.key}-{i}")
+                sent = _between_bytes(net, nodes[st.key])
                 res = (_run_diloco(net, nodes[st.key], sub, size, train) if st is dil
                        else _run(net, nodes[st.key], sub, size, spare_port()))
+                res["between_bytes"] = _between_bytes(net, nodes[st.key]) - sent
                 st.loads.append(max(load, os.getloadavg()[0]))
                 st.results.append(res)
                 ctx.log(f"zones {st.key} round {i + 1}: {res['samples_per_s']:.0f} samples/s, "
@@ -270,9 +273,29 @@ def bench(ctx: Context, short: bool = False) -> list[Row]:
         rows.append(row("zones", f"loss after {size.samples} samples, {st.label}",
                         [r["loss"] for r in st.results], [r["loss"] for r in ref.results],
                         "MSE", note))
+        if st.zones != ref.zones[: len(st.zones)]:  # groups in both zones
+            rows.append(row("zones", f"MB sent across zones, {st.label}",
+                            [r["between_bytes"] / 1e6 for r in st.results], [], "MB",
+                            "every group's between-zones link (the kernel's HTB counters), "
+                            f"the head's traffic included; {load(st)}"))
     if missing:
         rows.append(row("zones", f"samples/s, {dil.label}", [], [], "samples/s", missing))
     return rows
+
+
+def _between_bytes(net: ClusterNet, nodes: list[int]) -> int:
+    """Bytes the nodes have sent on their between-zones link so far: the kernel's counter
+    of each node's HTB class 1:20 (ClusterNet.shape: every destination outside its zone,
+    the head's address included)."""
+    total = 0
+    for n in nodes:
+        out = subprocess.run([*net.exec_prefix(n), "tc", "-s", "class", "show", "dev", "eth0"],
+                             capture_output=True, text=True, check=True).stdout
+        m = re.search(r"class htb 1:20 .*?\n\s*Sent (\d+) bytes", out)
+        if m is None:
+            raise RuntimeError(f"zones: no between-zones class on node n{n}: {out[:200]}")
+        total += int(m.group(1))
+    return total
 
 
 def _median(xs: list[float]) -> float:

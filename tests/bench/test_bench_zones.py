@@ -59,3 +59,10 @@ def test_zones_short(tmp_path: Path) -> None:
     # every sync of the run committed, by all 4 groups (the replica's own record)
     assert "syncs 3 committed, 0 failed, groups in its quorums [4]" in dloss.note, dloss.note
     assert rows["step time, DiLoCo across 2 zones (2 x 2 groups)"].spotctl is not None
+    # the syncs crossed the between-zones link, once every 4 steps instead of every step:
+    # the kernel's own byte counters of that link (generous: the head's heartbeats count)
+    mb = {k: rows[f"MB sent across zones, {k}"].spotctl for k in (
+        "DDP across 2 zones (2 x 2 groups)", "DiLoCo across 2 zones (2 x 2 groups)")}
+    ddp_mb, dil_mb = mb.values()
+    assert ddp_mb is not None and dil_mb is not None
+    assert 0.3 < dil_mb.median < 0.75 * ddp_mb.median, (ddp_mb, dil_mb)
