@@ -69,8 +69,8 @@ class Setting:
 # The DiLoCo row's [train] section: what a user of docs/guides/diloco.md would write for a
 # run of 100 steps: H of a few dozen steps (20: five syncs), the DiLoCo paper's outer
 # learning rate, and an outer momentum of 0.5, as the guide advises for a run of a handful
-# of syncs (measured here, 2026-12-07: 0.9 ended at 4x the loss of 0.5; H = 10, or
-# outer_lr 1 without momentum, at about the loss of these)
+# of syncs (measured here, 2026-12-07: 0.9 ended at 4x the loss of 0.5; H = 10, outer_lr
+# 1, or another inner learning rate, each a little or much higher: docs/benchmarks.md)
 DILOCO = {"engine": "torchft", "sync": "diloco", "sync_every": 20, "outer_lr": 0.7,
           "outer_momentum": 0.5}
 DILOCO_SHORT = dict(DILOCO, sync_every=4)  # --short: 12 steps, three syncs
