@@ -20,6 +20,22 @@ import torch.distributed as dist
 from torch import nn
 
 DIM, DATA, HELD_OUT = 32, 8192, 1024
+LR = 3e-3  # AdamW's, per group's batch of ZB_BATCH (train_zones_diloco.py's inner optimizer too)
+
+
+def task() -> tuple[torch.Tensor, torch.Tensor]:
+    """The synthetic regression task: DATA training samples, then HELD_OUT held out."""
+    g = torch.Generator().manual_seed(61)
+    x = torch.randn(DATA + HELD_OUT, DIM, generator=g)
+    w = torch.randn(DIM, 1, generator=g)
+    y = torch.tanh(x @ w) + 0.05 * torch.randn(DATA + HELD_OUT, 1, generator=g)
+    return x, y
+
+
+def make_model(hidden: int) -> nn.Module:
+    torch.manual_seed(0)  # one initial model on every rank (DDP broadcasts rank 0's anyway)
+    return nn.Sequential(nn.Linear(DIM, hidden), nn.Tanh(), nn.Linear(hidden, hidden),
+                         nn.Tanh(), nn.Linear(hidden, 1))
 
 
 def main() -> None:
@@ -31,15 +47,10 @@ def main() -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
         rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    g = torch.Generator().manual_seed(61)
-    x = torch.randn(DATA + HELD_OUT, DIM, generator=g)
-    w = torch.randn(DIM, 1, generator=g)
-    y = torch.tanh(x @ w) + 0.05 * torch.randn(DATA + HELD_OUT, 1, generator=g)
-    torch.manual_seed(0)  # one initial model on every rank (DDP broadcasts rank 0's anyway)
-    model = nn.Sequential(nn.Linear(DIM, hidden), nn.Tanh(), nn.Linear(hidden, hidden),
-                          nn.Tanh(), nn.Linear(hidden, 1))
+    x, y = task()
+    model = make_model(hidden)
     ddp = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
     glob = batch * world
     steps = max(1, samples // glob)
     times = []

@@ -59,6 +59,10 @@ class WorkerReport:
     # reported; the head's validation must pass both fields through)
     replicas: int = 0
     failed_steps: int | None = None
+    # diloco/localsgd: this process's syncs that nobody applied and the local steps they
+    # dropped (each group trains its round again)
+    failed_syncs: int | None = None
+    dropped_steps: int | None = None
     # torchft: the pause of the last regroup this replica went through, timed by itself
     regroup_pause_s: float | None = None
     route: str = ""  # "plain": the script formed its group itself (spotctl.elastic.plain)
@@ -169,6 +173,8 @@ class Coordinator:
         # reported and as already charged to a journaled regroup, by (node, pid, local rank)
         self._failed_seen: dict[tuple[str, int, int], int] = {}
         self._failed_charged: dict[tuple[str, int, int], int] = {}
+        # diloco/localsgd: (node, pid) -> (failed syncs, dropped steps) journaled so far
+        self._syncs_seen: dict[tuple[str, int], tuple[int, int]] = {}
         # torchft: rescales journaled with no pause the head could time (a join, a loss it
         # learnt of late), by incarnation: the first survivor's own measure of its regroup
         # pause (WorkerReport.regroup_pause_s) is journaled as a `pause` event for it
@@ -218,6 +224,8 @@ class Coordinator:
         for w in node.workers:
             if w.failed_steps is not None:
                 self._failed_seen[(nid, w.pid, w.local_rank)] = int(w.failed_steps)
+            if w.failed_syncs and w.local_rank == 0:
+                self._see_failed_syncs(nid, w)
         for w in node.workers:
             self._observe_worker(w, now)
         if body.get("notice") and node.notice is None:
@@ -503,6 +511,20 @@ class Coordinator:
         if d is not None:
             self.record("drain-end", gen=d.gen, why=why)
         self.drain = None
+
+    def _see_failed_syncs(self, nid: str, w: WorkerReport) -> None:
+        """diloco/localsgd: a `sync_failed` event for each new sync a node's group did not
+        apply (its count went up since this process's last report): the local steps it
+        dropped and the step it went back to (the round's start, trained again)."""
+        key = (nid, w.pid)
+        seen, dropped = self._syncs_seen.get(key, (0, 0))
+        n = int(w.failed_syncs or 0)
+        if n <= seen:
+            return
+        self._syncs_seen[key] = (n, int(w.dropped_steps or 0))
+        self.record("sync_failed", node=nid, failed_syncs=n - seen,
+                    dropped_steps=max(0, int(w.dropped_steps or 0) - dropped),
+                    step=w.step, incarnation=w.incarnation)
 
     # -- worker reports and rescale accounting
     def _observe_worker(self, w: WorkerReport, now: float) -> None:

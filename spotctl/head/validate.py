@@ -125,6 +125,11 @@ def worker(v: Any, i: int, max_world: int = MAX_GPUS) -> dict[str, Any]:
         out["regroup_pause_s"] = pause
     if v.get("failed_steps") is not None:
         out["failed_steps"] = _int(v["failed_steps"], f"{w}.failed_steps", 0, MAX_STEP)
+    # diloco/localsgd: syncs nobody applied, and the local steps they dropped (the head
+    # journals each new one as a `sync_failed` event)
+    for k in ("failed_syncs", "dropped_steps"):
+        if v.get(k) is not None:
+            out[k] = _int(v[k], f"{w}.{k}", 0, MAX_STEP)
     st = v.get("startup")
     if st is not None:
         if not isinstance(st, dict) or len(st) > MAX_STARTUP_KEYS:

@@ -397,3 +397,36 @@ def test_torchft_join_pause_is_timed_by_the_survivors():
     ev = [e for e in c.events if e["type"] == "rescale"][-1]
     assert ev["to_world_size"] == 2 and ev["replica_pause_s"] == 0.3
     assert rescale_pauses(c.events)[c.events.index(ev)] == 0.3
+
+
+def test_a_failed_diloco_sync_is_a_head_event_once_per_group_and_sync():
+    """diloco/localsgd: a sync nobody applied (a group gone mid-round) makes every group
+    drop its round's local steps (elastic.ft: failed_syncs, dropped_steps in the worker's
+    report). The head journals each group's new failed sync once, with the steps it
+    dropped and the step it went back to; the same count reported again is no new event.
+    The heartbeat's validation keeps the counts and refuses a bad one in one line."""
+    import pytest
+
+    from spotctl.head import validate
+
+    clk, c = training(["a", "b"], "ft-q1", 8, engine="torchft")
+    body = {"node_id": "a", "agent_state": "running", "workers": [
+        w(0, "ft-q1", 8, ws=2, sync="diloco", failed_syncs=1, dropped_steps=3)]}
+    kept = validate.heartbeat(body)["workers"][0]
+    assert (kept["failed_syncs"], kept["dropped_steps"]) == (1, 3)
+    with pytest.raises(validate.BadInput, match="failed_syncs") as e:
+        validate.heartbeat({**body, "workers": [w(0, "ft-q1", 8, failed_syncs=-1)]})
+    assert "\n" not in str(e.value)
+    clk.t += 1
+    hb(c, "b", workers=[w(1, "ft-q1", 9, ws=2, failed_syncs=0, dropped_steps=0)])
+    assert not [e for e in c.events if e["type"] == "sync_failed"]
+    for _ in range(2):  # reported again: still one event
+        c.heartbeat({**body, "drain_gen": 0, "notice": None})
+        hb(c, "b", workers=[w(1, "ft-q1", 8, ws=2, failed_syncs=1, dropped_steps=3)])
+    evs = [e for e in c.events if e["type"] == "sync_failed"]
+    assert [(e["node"], e["failed_syncs"], e["dropped_steps"], e["step"]) for e in evs] == [
+        ("a", 1, 3, 8), ("b", 1, 3, 8)]
+    # a second failed sync of group a, later: one more event, its own dropped steps
+    hb(c, "a", workers=[w(0, "ft-q1", 12, ws=2, failed_syncs=2, dropped_steps=5)])
+    ev = [e for e in c.events if e["type"] == "sync_failed"][-1]
+    assert (ev["node"], ev["failed_syncs"], ev["dropped_steps"], ev["step"]) == ("a", 1, 2, 12)
