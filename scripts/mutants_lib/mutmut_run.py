@@ -258,6 +258,37 @@ def to_json(results: list[ModuleResult], stamp: Stamp | None = None) -> list[dic
             for r in results]
 
 
+def from_json(docs: list[list[dict[str, Any]]], listed: int, accepted: list[Accepted],
+              ) -> tuple[list[ModuleResult], Stamp]:
+    """The results of several saved runs (`scripts/mutants --mutmut --json`, one module
+    each, say), made at one commit, as one table: the stamp names the first and last
+    run's dates, the commit and the modules. A survivor is marked accepted by today's
+    mutmut.toml (the score does not count it either way). Runs at different commits raise
+    ValueError."""
+    results: list[ModuleResult] = []
+    runs: list[dict[str, Any]] = []
+    for doc in docs:
+        for d in doc:
+            if not isinstance(d, dict) or not isinstance(d.get("run"), dict):
+                raise ValueError("not the JSON of scripts/mutants --mutmut --json")
+            runs.append(d["run"])
+            want = {(a.old, a.new): a.why for a in accepted if a.module == d["module"]}
+            surv = [Survivor(x["name"], x["old"], x["new"], want.get((x["old"], x["new"]), ""))
+                    for x in d["survivors"]]
+            r = ModuleResult(d["module"], dict(d["counts"]), surv, dict(d["untested"]),
+                             float(d["seconds"]), str(d["error"]))
+            results.append(r)
+    commits = sorted({r["commit"] for r in runs})
+    if len(commits) != 1:
+        raise ValueError(f"runs at more than one commit: {', '.join(commits)}")
+    mods = [r.path for r in results]
+    if len(set(mods)) != len(mods):
+        raise ValueError("a module is in more than one run")
+    dates = sorted({r["date"] for r in runs})
+    date = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    return results, Stamp(date, commits[0], tuple(mods), listed)
+
+
 def failing(results: list[ModuleResult]) -> bool:
     return any(r.error or any(not s.accepted for s in r.survivors) for r in results)
 

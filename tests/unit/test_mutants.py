@@ -229,3 +229,24 @@ def test_the_planted_bugs_of_issue_63_are_listed() -> None:
             "private-stop-signals-stranger", "parts-in-flight-off-by-one",
             "parts-in-flight-uncapped", "share-splits-list-tensors", "share-balanced-by-count",
             "pause-ttl-uncapped", "step-bounds-written-in-place"} <= ids
+
+
+def test_saved_runs_make_one_table_only_at_one_commit() -> None:
+    """`scripts/mutants --mutmut --from-json`: per-module runs saved with --json are one
+    table under one stamp (first and last date, the commit, the modules), survivors marked
+    accepted by today's mutmut.toml; runs at two commits are refused."""
+    a = mm.ModuleResult("a.py", counts={"total": 4, "killed": 3, "survived": 1},
+                        survivors=[mm.Survivor("a.x_f__mutmut_1", "x = 1", "x = 2")])
+    b = mm.ModuleResult("b.py", counts={"total": 2, "killed": 2})
+    ja = mm.to_json([a], mm.Stamp("2026-12-07 15:20 UTC", "abc123def456", ("a.py",), 20))
+    jb = mm.to_json([b], mm.Stamp("2026-12-07 16:01 UTC", "abc123def456", ("b.py",), 20))
+    acc = [mm.Accepted("a.py", "x = 1", "x = 2", "never read")]
+    results, stamp = mm.from_json([ja, jb], 20, acc)
+    assert stamp.line() == ("mutmut run 2026-12-07 15:20 UTC to 2026-12-07 16:01 UTC at commit "
+                            "abc123def456; scope: 2 of the 20 listed modules: a.py, b.py")
+    assert [r.path for r in results] == ["a.py", "b.py"]
+    assert results[0].survivors[0].accepted == "never read" and not mm.failing(results)
+    assert mm.markdown(results, stamp).splitlines()[-1] == "| all | 6 | 5 | 1 (1) | 0 | 83 % |"
+    other = mm.to_json([b], mm.Stamp("2026-12-07 16:01 UTC", "0123456789ab", ("b.py",), 20))
+    with pytest.raises(ValueError, match="more than one commit"):
+        mm.from_json([ja, other], 20, acc)
