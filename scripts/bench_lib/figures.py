@@ -687,7 +687,14 @@ def t_head_attacks(r: Results) -> str:
 
 # which tests check each table besides the generator's own (docs = results file)
 SLOW_CHECKS = {
-    "recovery-ft": "`tests/elastic/test_ft_quorum.py` (slow): notice pause < 1 s, kill and join < 2 s",
+    "recovery-ft": "`tests/elastic/test_ft_quorum.py` (slow): notice pause < 1 s, kill < 2 s, join "
+    "< 2 x its figure (x the run's notice pause over its figure, when slower); "
+    "`tests/bench/test_bench_smoke.py` (slow): notice pause over bare torchft's < 2 x the "
+    "figures' ratio",
+    "recovery-torchrun": "`tests/bench/test_bench_smoke.py` (slow): notice over hard kill < 2 x "
+    "the figures' ratio, 0 steps lost at a notice",
+    "overhead": "`tests/bench/test_readme_rerun.py` (slow): each engine's step time over plain "
+    "DDP's < 2 x the figures' ratio",
     "head-attacks": "`tests/security/test_head_attacks.py` (slow): the same attacks; `status` and "
     "heartbeats served, nothing held after a header flood",
     "goodput": "`tests/unit/test_docs_figures.py` reruns the simulator (the 16-node trace: "
