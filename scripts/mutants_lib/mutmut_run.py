@@ -301,8 +301,11 @@ def from_json(docs: list[list[dict[str, Any]]], listed: int, accepted: list[Acce
             r.commit = ""
         commit = commits[0]
     else:
-        commit = ", ".join(f"{c} ({sum(r.commit == c for r in results)} modules)"
-                           for c in commits)
+        def n(c: str) -> str:
+            k = sum(r.commit == c for r in results)
+            return f"{k} module{'' if k == 1 else 's'}"
+
+        commit = ", ".join(f"{c} ({n(c)})" for c in commits)
     dates = sorted({r["date"] for r in runs})
     date = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
     return results, Stamp(date, commit, tuple(mods), listed)

@@ -255,7 +255,7 @@ def test_saved_runs_make_one_table_under_one_stamp() -> None:
     # runs at two commits: the stamp names both, each row its own
     other = mm.to_json([b], mm.Stamp("2026-12-07 16:01 UTC", "0123456789ab", ("b.py",), 20))
     results, stamp = mm.from_json([ja, other], 20, acc)
-    assert " at commits abc123def456 (1 modules), 0123456789ab (1 modules); " in stamp.line()
+    assert " at commits abc123def456 (1 module), 0123456789ab (1 module); " in stamp.line()
     assert mm.markdown(results, stamp).splitlines()[-2].startswith("| `b.py` (0123456) | 2 |")
     with pytest.raises(ValueError, match="more than one run"):
         mm.from_json([ja, ja], 20, acc)
