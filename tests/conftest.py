@@ -281,10 +281,25 @@ def documented_median(metric_prefix: str) -> float:
     """The median of the docs' figure (docs/figures/bench-results.json, the table in
     docs/benchmarks.md) whose metric starts with `metric_prefix`: slow tests bound what
     they measure by a multiple of it, so the bound moves with the figure it guards."""
+    return float(documented_row(metric_prefix)["spotctl"]["median"])
+
+
+def documented_row(metric_prefix: str) -> dict[str, Any]:
+    """The docs' row (docs/figures/bench-results.json) whose metric starts with
+    `metric_prefix`: its `spotctl` and `baseline` figures come from the same run."""
     rows = json.loads((REPO / "docs" / "figures" / "bench-results.json").read_text())["rows"]
     found = [r for r in rows if r["metric"].startswith(metric_prefix)]
     assert len(found) == 1, f"{len(found)} documented figures named {metric_prefix!r}"
-    return float(found[0]["spotctl"]["median"])
+    return dict(found[0])
+
+
+def documented_ratio(metric_prefix: str) -> float:
+    """spotctl's median over its baseline's in the docs' row named by `metric_prefix`, both
+    from one run: a slow test bounds the same ratio, measured side by side in one run, so
+    the machine's load cancels out of the bound."""
+    row = documented_row(metric_prefix)
+    assert "baseline_run" not in row, f"{metric_prefix!r}: its baseline is from another run"
+    return float(row["spotctl"]["median"]) / float(row["baseline"]["median"])
 
 
 def wait_until(

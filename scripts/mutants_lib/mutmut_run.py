@@ -32,6 +32,10 @@ RUN_TIMEOUT_S = 3600.0
 class Module:
     path: str  # relative to the repository root
     tests: tuple[str, ...]
+    # tests (node ids, or their prefixes) left out: those that fork or spawn processes
+    # importing the module, which mutmut's in-process run cannot follow (its stats run
+    # fails on them)
+    exclude: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class ModuleResult:
     untested: dict[str, int] = field(default_factory=dict)  # function -> mutants no test ran
     seconds: float = 0.0
     error: str = ""
+    commit: str = ""  # set where a table joins runs made at more than one commit
 
     @property
     def score(self) -> float | None:
@@ -74,15 +79,19 @@ def load(path: Path = MUTMUT_TOML) -> tuple[list[Module], list[Accepted]]:
     mods: list[Module] = []
     for i, raw in enumerate(data.get("module", [])):
         where = f"{path.name}: module {raw.get('path', i)!r}"
-        if set(raw) - {"path", "tests"}:
-            raise ValueError(f"{where}: unknown field(s) {sorted(set(raw) - {'path', 'tests'})}")
+        if set(raw) - {"path", "tests", "exclude"}:
+            raise ValueError(f"{where}: unknown field(s) "
+                             f"{sorted(set(raw) - {'path', 'tests', 'exclude'})}")
         if not isinstance(raw.get("path"), str) or not raw["path"].endswith(".py"):
             raise ValueError(f"{where}: path must name a .py file")
         tests = raw.get("tests")
         if not isinstance(tests, list) or not tests or not all(
                 isinstance(t, str) and t for t in tests):
             raise ValueError(f"{where}: tests must be a non-empty list")
-        mods.append(Module(raw["path"], tuple(tests)))
+        exclude = raw.get("exclude", [])
+        if not isinstance(exclude, list) or not all(isinstance(t, str) and t for t in exclude):
+            raise ValueError(f"{where}: exclude must be a list of test ids")
+        mods.append(Module(raw["path"], tuple(tests), tuple(exclude)))
     if len({m.path for m in mods}) != len(mods):
         raise ValueError(f"{path.name}: a module is listed twice")
     acc: list[Accepted] = []
@@ -100,11 +109,14 @@ def load(path: Path = MUTMUT_TOML) -> tuple[list[Module], list[Accepted]]:
 
 def _config(m: Module, package: str) -> str:
     tests = ", ".join(json.dumps(t) for t in m.tests)
+    args = ["-p", "no:cacheprovider", "-q", "-m", "not slow"]
+    for t in m.exclude:
+        args += ["--deselect", t]
     return ("\n[tool.mutmut]\n"
             f"source_paths = [{json.dumps(package)}]\n"
             f"only_mutate = [{json.dumps(m.path)}]\n"
             f"pytest_add_cli_args_test_selection = [{tests}]\n"
-            'pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "-m", "not slow"]\n')
+            f"pytest_add_cli_args = [{', '.join(json.dumps(a) for a in args)}]\n")
 
 
 def changed_line(diff: str) -> tuple[str, str]:
@@ -194,7 +206,8 @@ class Stamp:
         scope = ("all " + str(self.listed) + " listed modules" if len(self.modules) == self.listed
                  else f"{len(self.modules)} of the {self.listed} listed modules: "
                  + ", ".join(self.modules))
-        return f"mutmut run {self.date} at commit {self.commit}; scope: {scope}"
+        at = "commits" if "," in self.commit else "commit"
+        return f"mutmut run {self.date} at {at} {self.commit}; scope: {scope}"
 
 
 def table(results: list[ModuleResult], stamp: Stamp | None = None) -> str:
@@ -237,7 +250,8 @@ def markdown(results: list[ModuleResult], stamp: Stamp | None = None) -> str:
         c = r.counts
         acc = sum(1 for s in r.survivors if s.accepted)
         score = "-" if r.score is None else f"{100 * r.score:.0f} %"
-        rows.append(f"| `{r.path}` | {c.get('total', 0)} | {c.get('killed', 0) + c.get('timeout', 0)} "
+        name = f"`{r.path}` ({r.commit[:7]})" if r.commit else f"`{r.path}`"
+        rows.append(f"| {name} | {c.get('total', 0)} | {c.get('killed', 0) + c.get('timeout', 0)} "
                     f"| {c.get('survived', 0)} ({acc}) | {c.get('no_tests', 0)} | {score} |")
         tot.update({k: v for k, v in c.items() if k in ("total", "killed", "timeout",
                                                          "survived", "no_tests")})
@@ -256,6 +270,45 @@ def to_json(results: list[ModuleResult], stamp: Stamp | None = None) -> list[dic
              "seconds": r.seconds, "untested": r.untested,
              "survivors": [s.__dict__ for s in r.survivors], **({"run": run} if run else {})}
             for r in results]
+
+
+def from_json(docs: list[list[dict[str, Any]]], listed: int, accepted: list[Accepted],
+              ) -> tuple[list[ModuleResult], Stamp]:
+    """The results of several saved runs (`scripts/mutants --mutmut --json`, one module
+    each, say) as one table: the stamp names the first and last run's dates, the commit(s)
+    and the modules; where the runs were made at more than one commit, each row names its
+    own. A survivor is marked accepted by today's mutmut.toml (the score does not count it
+    either way). A module in two runs raises ValueError."""
+    results: list[ModuleResult] = []
+    runs: list[dict[str, Any]] = []
+    for doc in docs:
+        for d in doc:
+            if not isinstance(d, dict) or not isinstance(d.get("run"), dict):
+                raise ValueError("not the JSON of scripts/mutants --mutmut --json")
+            runs.append(d["run"])
+            want = {(a.old, a.new): a.why for a in accepted if a.module == d["module"]}
+            surv = [Survivor(x["name"], x["old"], x["new"], want.get((x["old"], x["new"]), ""))
+                    for x in d["survivors"]]
+            results.append(ModuleResult(d["module"], dict(d["counts"]), surv,
+                                        dict(d["untested"]), float(d["seconds"]),
+                                        str(d["error"]), str(d["run"]["commit"])))
+    mods = [r.path for r in results]
+    if len(set(mods)) != len(mods):
+        raise ValueError("a module is in more than one run")
+    commits = list(dict.fromkeys(r.commit for r in results))
+    if len(commits) == 1:
+        for r in results:
+            r.commit = ""
+        commit = commits[0]
+    else:
+        def n(c: str) -> str:
+            k = sum(r.commit == c for r in results)
+            return f"{k} module{'' if k == 1 else 's'}"
+
+        commit = ", ".join(f"{c} ({n(c)})" for c in commits)
+    dates = sorted({r["date"] for r in runs})
+    date = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    return results, Stamp(date, commit, tuple(mods), listed)
 
 
 def failing(results: list[ModuleResult]) -> bool:

@@ -19,7 +19,7 @@ from bench_lib import NAMES, get, steplog  # noqa: E402
 from bench_lib.core import Context, Row, Stat, fmt_stat, table  # noqa: E402
 
 from spotctl.errors import SpecError  # noqa: E402
-from tests.conftest import documented_median  # noqa: E402
+from tests.conftest import documented_median, documented_ratio  # noqa: E402
 
 
 def _ctx(tmp_path: Path) -> Context:
@@ -208,8 +208,10 @@ def test_cluster_benchmarks_smoke(cluster_ctx: Context, name: str, count: int) -
         assert keys <= set(sim.get(engine, {})), (engine, sim)
     assert "hard_recovery_s" not in sim.get("torchft", {}), sim
     # generous bounds on the figures the docs show (docs/figures/bench-results.json): they
-    # catch a regression to torch's default timeouts or to a lost step, not noise; the
-    # torchft join's is 10 x its documented figure (0.05 s: 0.5 s)
+    # catch a regression to torch's default timeouts or to a lost step, not noise
+    # (the torchft join's is 10 x its documented figure: its 1 -> 2 join here took 0.10-0.18 s
+    # at load 16 on 2026-12-07, against 0.05 s documented for 3 -> 4; test_ft_quorum.py bounds
+    # it at twice its figure, calibrated by the notice pause of the same run)
     join_most = 10 * documented_median("torchft: training pause at a join")
     bound = {"torchft: pause at a notice": 1.0, "torchft: training pause at a join": join_most,
              "notice -> first step at new size": 20.0, "training pause (": 20.0,
@@ -218,6 +220,26 @@ def test_cluster_benchmarks_smoke(cluster_ctx: Context, name: str, count: int) -
         for prefix, most in bound.items():
             if r.metric.startswith(prefix):
                 assert r.spotctl is not None and r.spotctl.max <= most, r
+    # and bounds a doubling of a README figure fails (issue 63), each a ratio of two figures
+    # measured side by side in this run, so the machine's load cancels out: at most twice
+    # the ratio of the docs' run (2 nodes here, 4 there)
+    by = {r.metric.split(" (")[0]: r for r in rows}
+    if name == "recovery":
+        # spotctl's notice pause over bare torchft's pause at the same leave (a kill)
+        ft = by["torchft: pause at a notice"]
+        assert ft.spotctl and ft.baseline, ft
+        most = 2 * documented_ratio("torchft: pause at a notice")
+        print(f"torchft notice pause over bare torchft's: "
+              f"{ft.spotctl.median / ft.baseline.median:.2f} (at most {most:.2f})")
+        assert ft.spotctl.median / ft.baseline.median < most, (ft, most)
+        # the torchrun engine: the notice's pause over a hard kill's (same engine, same run)
+        tn, tk = by["notice -> first step at new size"], by["hard kill -> first step at new size"]
+        assert tn.spotctl and tk.spotctl, (tn, tk)
+        most = 2 * (documented_median("notice -> first step at new size")
+                    / documented_median("hard kill -> first step at new size"))
+        print(f"torchrun notice over hard kill: {tn.spotctl.median / tk.spotctl.median:.2f} "
+              f"(at most {most:.2f})")
+        assert tn.spotctl.median / tk.spotctl.median < most, (tn, tk, most)
     from spotctl.agent import proctree
 
     assert proctree.tagged_prefix(str(cluster_ctx.work) + "/") == []

@@ -89,6 +89,8 @@ def test_straggler_is_waited_for_and_notice_kill_join_pause_briefly(
     pj = pause_at(logs["r0"], t_join, 2)
     print(f"late quorums {len(late)}; pauses (s): notice {pn:.3f} kill {pk:.3f} join {pj:.3f}")
     # generous bounds on a loaded 2-core machine (goals 0.3 / 1 / 0.2 s); the join's is
-    # 10 x the join pause docs/benchmarks.md shows (0.05 s: 0.5 s), not 40 x (2 s)
-    join_most = 10 * documented_median("torchft: training pause at a join")
+    # twice the docs' join pause (a doubling fails), scaled by how much slower than the
+    # docs' notice pause this run's was: the load calibrates it, a slower join alone fails
+    slow = max(1.0, pn / documented_median("torchft: pause at a notice"))
+    join_most = 2 * documented_median("torchft: training pause at a join") * slow
     assert pn < 1.0 and pk < 2.0 and pj < join_most, (pn, pk, pj, join_most)

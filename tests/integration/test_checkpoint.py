@@ -302,12 +302,14 @@ def test_s3_checkpoint_files_upload_their_parts_at_once(monkeypatch, fail):
     monkeypatch.setenv("SPOTCTL_CHECKPOINT_PART_MB", "5")
     monkeypatch.setenv("SPOTCTL_CHECKPOINT_WRITERS", "1")
     big = torch.arange(6 << 20, dtype=torch.float32)  # 24 MiB: 5 parts of 5 MiB
+    prefix = f"parts-{fail}-{os.urandom(4).hex()}"
     with moto_s3("ckpts"):
         s3fs.S3FileSystem.clear_instance_cache()  # one made for an earlier test's server
         slow = _SlowParts(monkeypatch, fail_part=3 if fail else 0)
         with single_rank_group() as pg:
-            # (moto's state outlives its server in this process: a prefix per case)
-            ck = Checkpointer(f"s3://ckpts/parts-{fail}", keep_last=2, rank=0, pg=pg,
+            # (moto's state outlives its server in this process: a prefix per run, so the
+            # test runs twice in one process, as mutmut runs it)
+            ck = Checkpointer(f"s3://ckpts/{prefix}", keep_last=2, rank=0, pg=pg,
                               mode="thread")
             ok = ck.save_sync(7, {"model": {"w": big}}, {"epoch": 0, "offset": 0})
             back = {"model": {"w": torch.zeros_like(big)}}
@@ -319,7 +321,7 @@ def test_s3_checkpoint_files_upload_their_parts_at_once(monkeypatch, fail):
         # the s3fs instance cached here is bound to this server: none for a later test
         s3fs.S3FileSystem.clear_instance_cache()
     assert pending == [], pending
-    keys = [k for k in keys if k.startswith(f"parts-{fail}/")]
+    keys = [k for k in keys if k.startswith(f"{prefix}/")]
     # several at once, never past the cap (the exact cap: tests/elastic/test_parts_in_flight.py)
     assert 2 <= slow.most <= PARTS_IN_FLIGHT, (slow.most, slow.calls, ok, keys)
     if fail:
@@ -327,7 +329,7 @@ def test_s3_checkpoint_files_upload_their_parts_at_once(monkeypatch, fail):
     else:
         assert ok and meta is not None and meta["step"] == 7
         assert torch.equal(back["model"]["w"], big)
-        assert slow.calls == 5 and "parts-False/step-00000007/__0_0.distcp" in keys, (
+        assert slow.calls == 5 and f"{prefix}/step-00000007/__0_0.distcp" in keys, (
             slow.calls, keys)
 
 

@@ -209,3 +209,32 @@ def test_a_refusal_at_the_very_end_of_a_cool_down_still_halves_its_cap() -> None
     assert zone_cooldowns([first, at_end], 900, NOW).caps == {"r1-a": 2}
     after = {**at_end, "ts": NOW + 1}
     assert zone_cooldowns([first, after], 900, NOW + 1).caps == {"r1-a": 4}
+
+
+def test_a_placement_group_backs_off_and_is_capped_alone() -> None:
+    """kills: cooldown.py `if ev.get("placement")` / `zone = f"{zone}/{ev['placement']}"`
+    mutated (the event kept under the zone) and `self.caps.get(o.slot,
+    self.caps.get(o.zone))` with either key or the zone fallback dropped (mutmut
+    2026-12-07: 10 survivors; only tests/aws/test_placement_fallback.py, 40 s on moto,
+    reached them)."""
+    from dataclasses import replace
+
+    def pev(t: float, typ: str, placement: str, count: int = 1) -> dict[str, object]:
+        return {**ev(t, typ), "placement": placement, "count": count}
+
+    cd = zone_cooldowns([pev(NOW - 10, "capacity-error", "group-1"),
+                         pev(NOW - 5, "capacity-error", "group-2", count=6)], 900, NOW)
+    # the refused single instance backs off group-1 alone; the refused 6 cap group-2 at 3
+    assert cd.blocked == {"r1-a/group-1": NOW - 10 + 60}
+    assert cd.caps == {"r1-a/group-2": 3}
+    assert set(cd.cooling) == {"r1-a/group-1", "r1-a/group-2"}
+    both = replace(offer("r1-a", available=10), placements=("group-1", "group-2"))
+    got = {o.placement: o.available for o in cd.offers([both])}
+    assert got == {"group-1": 10, "group-2": 3}
+    # a cap on the zone itself (a launch without a placement) holds for every placement
+    # that has none of its own
+    cd = zone_cooldowns([ev(NOW - 5, "capacity-error") | {"count": 4},
+                         pev(NOW - 4, "capacity-error", "group-2", count=6)], 900, NOW)
+    assert cd.caps == {"r1-a": 2, "r1-a/group-2": 3}
+    got = {o.placement: o.available for o in cd.offers([both])}
+    assert got == {"group-1": 2, "group-2": 3}

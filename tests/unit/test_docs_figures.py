@@ -40,18 +40,18 @@ def test_a_number_edited_by_hand_is_caught(tmp_path: Path) -> None:
     t = _tree(tmp_path)
     readme = t / "README.md"
     text = readme.read_text()
-    assert "| pause at a join, torchft engine | 0.05 s |" in text
-    readme.write_text(text.replace("| pause at a join, torchft engine | 0.05 s |",
-                                   "| pause at a join, torchft engine | 0.04 s |"))  # fmt: skip
-    assert "0.04 s" in figures.diff(t)
+    cell = "| torchrun engine 0.54 s, torchft engine 0.626 s |"
+    assert cell in text
+    readme.write_text(text.replace(cell, cell.replace("0.54 s", "0.53 s")))
+    assert "0.53 s" in figures.diff(t)
     # and a changed result without regenerating the docs
     shutil.copy(REPO / "README.md", readme)
     res = json.loads((t / "docs/figures/bench-results.json").read_text())
     for r in res["rows"]:
-        if r["metric"] == "torchft: training pause at a join (3->4)":
-            r["spotctl"]["median"] = 0.07
+        if r["metric"] == "torchrun: step time vs plain DDP":
+            r["spotctl"]["median"] = 0.57
     (t / "docs/figures/bench-results.json").write_text(json.dumps(res))
-    assert "0.07 s" in figures.diff(t)
+    assert "torchrun engine 0.57 s" in figures.diff(t)
 
 
 def test_a_table_without_its_markers_is_refused(tmp_path: Path) -> None:
@@ -90,7 +90,7 @@ def test_saved_rows_replace_their_metric_and_record_the_run(tmp_path: Path) -> N
     # the rest is kept; the docs now differ in exactly the new figures
     assert len(data["rows"]) == len(figures.read_results()["rows"])
     d = figures.diff(t)
-    assert "0.31 s (0.2..0.4, 3 notices)" in d and "bare torchft: 0.22 s (a kill)" in d
+    assert "0.31 s (0.2..0.4, 3 notices)" in d and "0.22 s (0.2..0.25) (a kill)" in d
     assert "scripts/bench recovery --save" in d and "1970-01-01" in d
     # a run at another size is kept but shown nowhere: scripts/docs-figures says so
     other = dict(row, metric="torchft: pause at a notice (3->2)")
@@ -212,34 +212,88 @@ def test_head_attacks_save_records_the_run_and_keeps_the_before_figures(tmp_path
     )
 
 
-def test_each_readme_figure_names_its_recorded_runs() -> None:
-    """Issue 63: every README figure row names the run(s) its cells come from, and each
-    run named is listed under the table with its command, date, commit, torch version and
-    machine load (or says which of those its record lacks); a row drawing on more than
-    one run says so."""
+def _readme_block(text: str) -> tuple[list[list[str]], dict[str, str], str]:
+    """The README figures table's rows (cells), its numbered run records, and the block."""
     import re
 
-    text = (REPO / "README.md").read_text()
     block = text.split("<!-- figures:readme -->\n", 1)[1].split("<!-- /figures -->", 1)[0]
-    rows = [ln for ln in block.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
-    records = dict(re.findall(r"^(\d+)\. (.+)$", block, re.M))
-    assert len(rows) == 6 and records, block
-    for row in rows:
-        cells = [c.strip() for c in row.strip("|").split("|")]
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in block.splitlines()
+            if ln.startswith("| ") and "---" not in ln][1:]
+    return rows, dict(re.findall(r"^(\d+)\. (.+)$", block, re.M)), block
+
+
+def test_each_readme_figure_is_from_one_full_run_record() -> None:
+    """Issue 63: every README figure row comes from ONE recorded run, listed under the table
+    with its command, date, commit, torch version and machine load, and names each cell's
+    sample count; nothing in the block is 'not recorded' or combined from several runs."""
+    import re
+
+    rows, records, block = _readme_block((REPO / "README.md").read_text())
+    assert rows and records, block
+    assert "not recorded" not in block and "combine" not in block, block
+    for cells in rows:
         runs = cells[3]
         if "(simulated)" in cells[0]:
-            assert "deterministic" in runs and "scripts/sim-goodput" in runs, row
+            assert "deterministic" in runs and "scripts/sim-goodput" in runs, cells
             continue
-        named = re.findall(r"(\d+) \(", runs)
-        assert named and all(n in records for n in named), (row, records)
-        assert all(re.search(r"n=\d+|n not recorded", part) for part in runs.split(";")), row
-        if len(set(named)) > 1:
-            assert cells[0] in block.split("combine figures from separate runs", 1)[1], row
+        m = re.fullmatch(r"(\d+) \((n=\d+)((, baseline n=\d+)?)\)", runs)
+        assert m and m.group(1) in records, (cells, records)
     for rec in records.values():
-        assert rec.startswith("`scripts/") and re.search(r", 20\d\d-\d\d-\d\d, ", rec), rec
-        assert re.search(r"torch \S+|torch version not recorded", rec), rec
-        assert re.search(r"cores, load ", rec), rec
-        assert re.search(r", [0-9a-f]{7,}, |commit not recorded", rec), rec
+        assert re.fullmatch(r"`scripts/bench [^`]+`, 20\d\d-\d\d-\d\d, [0-9a-f]{7,}, "
+                            r"torch \S+, \d+ cores, load [0-9-]+", rec), rec
+
+
+def test_a_readme_row_is_shown_only_from_one_full_run(tmp_path: Path) -> None:
+    """A row whose cells come from a run without a commit, or from two runs, is left out
+    and named under the table; one `scripts/bench ... --save` run of its benchmarks brings
+    it back, citing that run alone."""
+    t = _tree(tmp_path)
+    path = t / "docs/figures/bench-results.json"
+
+    def stat(x: float, n: int = 2) -> dict[str, float]:
+        return {"median": x, "min": x, "max": x, "n": n}
+
+    def r(bench: str, metric: str, ours: float, base: float | None) -> dict[str, object]:
+        return {"benchmark": bench, "metric": metric, "spotctl": stat(ours),
+                "baseline": stat(base) if base is not None else None, "unit": "s", "note": ""}
+
+    rows = [r("recovery", "torchft: pause at a notice (4->3)", 0.3, 0.25),
+            r("lost", "torchft: steps lost per notice", 0, 0),
+            r("join", "torchft: training pause at a join (3->4)", 0.06, 0.01),
+            r("recovery", "notice -> first step at new size (4->3 nodes)", 2.5, 48.0),
+            r("lost", "steps lost per notice, checkpoint every 10", 0, 9)]
+    started = {"load_average": [0.4, 0.5, 0.6]}
+    figures.save(rows, "scripts/bench recovery lost join --repeat 2 --save", started=started,
+                 elapsed_s=300, path=path, now=86400)  # fmt: skip
+    readme = figures.rendered(t)["README.md"][1]
+    got, records, block = _readme_block(readme)
+    by = {c[0]: c for c in got}
+    assert by["pause at a notice, torchft engine"][1:] == [
+        "0.3 s, 0 steps lost", "bare torchft: 0.25 s (a kill)", "1 (n=2, baseline n=2)"]
+    assert by["pause at a join, torchft engine"][1] == "0.06 s"
+    assert by["notice -> survivors' first step, torchrun engine, 4 -> 3 nodes"][1:3] == [
+        "2.5 s, 0 steps lost", "plain torchrun: 48 s, 9 steps lost (checkpoint every 10)"]
+    assert records["1"].startswith("`scripts/bench recovery lost join --repeat 2 --save`, "
+                                   "1970-01-02, ")
+    assert "Not shown" not in block
+    # the same rows from a run whose record lacks its commit: left out, named below
+    data = json.loads(path.read_text())
+    (rid,) = {x["run"] for x in data["rows"] if x["metric"] == rows[2]["metric"]}
+    data["runs"][rid]["commit"] = None
+    path.write_text(json.dumps(data))
+    got, _, block = _readme_block(figures.rendered(t)["README.md"][1])
+    assert "pause at a join, torchft engine" not in {c[0] for c in got}
+    assert "Not shown until" in block and "pause at a join, torchft engine" in block
+    # and a row whose cells come from two runs (the notice pause re-measured alone)
+    data["runs"][rid]["commit"] = "abc1234"
+    path.write_text(json.dumps(data))
+    figures.save([rows[0]], "scripts/bench recovery --save", started=started, elapsed_s=9,
+                 path=path, now=2 * 86400)  # fmt: skip
+    got, _, block = _readme_block(figures.rendered(t)["README.md"][1])
+    names = {c[0] for c in got}
+    assert "pause at a notice, torchft engine" not in names  # its steps lost: the other run
+    assert "pause at a join, torchft engine" in names
+    assert "pause at a notice, torchft engine" in block.split("Not shown", 1)[1]
 
 
 def test_a_saved_run_records_its_commit(tmp_path: Path) -> None:

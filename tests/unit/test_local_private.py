@@ -127,3 +127,73 @@ def test_stop_signals_the_holder_and_never_a_pid_that_no_longer_is_it(tmp_path: 
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_start_time_is_read_past_a_name_with_parentheses(tmp_path: Path) -> None:
+    """kills: private.py `stat.rsplit(")", 1)[1].split()[19]` made `.split(")", 1)`,
+    `rsplit(")")`, `rsplit(")", 2)` or `[20]` (mutmut 2026-12-07): a process's name (its
+    executable's, here a link named `p) 1 2 (3`) may hold ")" and spaces, and the field
+    read is the start time (clock ticks since boot), not the next one (the memory size)."""
+    import subprocess
+    import sys
+    import time
+
+    link = tmp_path / "p) 1 2 (3"
+    link.symlink_to(sys.executable)
+    t0 = time.time()
+    p = subprocess.Popen([str(link), "-c", "import time; time.sleep(60)"])
+    try:
+        assert ") 1 2 (3)" in Path(f"/proc/{p.pid}/stat").read_text()  # the name as read
+        boot = next(float(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines()
+                    if ln.startswith("btime "))
+        ticks = os.sysconf("SC_CLK_TCK")
+        started = boot + int(private._start_time(p.pid)) / ticks
+        assert t0 - 2 <= started <= time.time() + 2, (started, t0)
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_dead_holder_is_stood_in_for_by_a_cluster_process_in_its_namespaces(
+        tmp_path: Path) -> None:
+    """kills: private.py holder()'s stand-in (mutmut 2026-12-07: 25 survivors): a cluster
+    process (tagged under the cluster's directory) in the dead holder's network AND user
+    namespaces stands in for it, under its own pid; one in another network namespace (a
+    real holder's, started first) does not. And `_recorded` says a holder whose pid is gone
+    is not alive (`return h, False` made True)."""
+    import subprocess
+    import sys
+    import time
+
+    from spotctl.agent.proctree import TAG_VAR
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    me = {"net": os.readlink("/proc/self/ns/net"), "user": os.readlink("/proc/self/ns/user")}
+    h = {"pid": gone.pid, **me, "started": "1"}
+    (tmp_path / private.HOLDER_FILE).write_text(json.dumps(h))
+    procs = []
+    try:
+        other = tmp_path / "other.json"  # a holder of a network of its own, tagged here too
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "spotctl.providers.local.private", "hold", str(other)],
+            env={**os.environ, TAG_VAR: f"{tmp_path}/n0"}, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL))
+        deadline = time.monotonic() + 20
+        while not other.exists() and procs[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not other.exists():
+            pytest.skip("no network namespace for an ordinary process here")
+        assert json.loads(other.read_text())["net"] != me["net"]
+        assert private.holder(tmp_path) is None  # none stands in yet: n0 is in another net
+        procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                      env={**os.environ, TAG_VAR: f"{tmp_path}/n1"}))
+        assert private._recorded(tmp_path) == (h, False)
+        deadline = time.monotonic() + 20
+        while (got := private.holder(tmp_path)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the child's environment is readable
+        assert got == {**h, "pid": procs[1].pid}
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -125,8 +125,11 @@ MODULES, ACCEPTED = mm.load()
 @pytest.mark.parametrize("m", MODULES, ids=[m.path for m in MODULES])
 def test_each_mutmut_module_and_its_tests_exist(m: mm.Module) -> None:
     assert (REPO / m.path).is_file(), m.path
-    for t in m.tests:
+    for t in (*m.tests, *m.exclude):
         assert (REPO / t.partition("::")[0]).exists(), f"{m.path}: no {t}"
+    for t in m.exclude:  # an excluded test is still there, under that name
+        path, _, name = t.partition("::")
+        assert name and f"def {name}(" in (REPO / path).read_text(), f"{m.path}: no {t}"
 
 
 def test_each_accepted_survivor_names_a_line_that_is_still_there() -> None:
@@ -218,8 +221,10 @@ def test_the_readme_quotes_a_score_only_with_its_date_and_scope() -> None:
     assert sentences, para
     for s in sentences:
         assert re.search(r"20\d\d-\d\d-\d\d", s) and re.search(r"\d+ (listed )?modules?", s), s
-    assert f"1 of {len(MODULES)} listed modules" in " ".join(para.split()), para
-    assert re.search(r"at commit [0-9a-f]{7,}", para), para
+    flat = " ".join(para.split())
+    assert re.search(rf"(\d+ of the|all) {len(MODULES)} listed modules", flat), para
+    assert re.search(r"at commits? [0-9a-f]{7,}", flat), para
+    assert "2026-12-04" not in flat and "86 %" not in flat, para  # the stale run is gone
 
 
 def test_the_planted_bugs_of_issue_63_are_listed() -> None:
@@ -229,3 +234,28 @@ def test_the_planted_bugs_of_issue_63_are_listed() -> None:
             "private-stop-signals-stranger", "parts-in-flight-off-by-one",
             "parts-in-flight-uncapped", "share-splits-list-tensors", "share-balanced-by-count",
             "pause-ttl-uncapped", "step-bounds-written-in-place"} <= ids
+
+
+def test_saved_runs_make_one_table_under_one_stamp() -> None:
+    """`scripts/mutants --mutmut --from-json`: per-module runs saved with --json are one
+    table under one stamp (first and last date, the commit, the modules), survivors marked
+    accepted by today's mutmut.toml; runs at two commits name each row's."""
+    a = mm.ModuleResult("a.py", counts={"total": 4, "killed": 3, "survived": 1},
+                        survivors=[mm.Survivor("a.x_f__mutmut_1", "x = 1", "x = 2")])
+    b = mm.ModuleResult("b.py", counts={"total": 2, "killed": 2})
+    ja = mm.to_json([a], mm.Stamp("2026-12-07 15:20 UTC", "abc123def456", ("a.py",), 20))
+    jb = mm.to_json([b], mm.Stamp("2026-12-07 16:01 UTC", "abc123def456", ("b.py",), 20))
+    acc = [mm.Accepted("a.py", "x = 1", "x = 2", "never read")]
+    results, stamp = mm.from_json([ja, jb], 20, acc)
+    assert stamp.line() == ("mutmut run 2026-12-07 15:20 UTC to 2026-12-07 16:01 UTC at commit "
+                            "abc123def456; scope: 2 of the 20 listed modules: a.py, b.py")
+    assert [r.path for r in results] == ["a.py", "b.py"]
+    assert results[0].survivors[0].accepted == "never read" and not mm.failing(results)
+    assert mm.markdown(results, stamp).splitlines()[-1] == "| all | 6 | 5 | 1 (1) | 0 | 83 % |"
+    # runs at two commits: the stamp names both, each row its own
+    other = mm.to_json([b], mm.Stamp("2026-12-07 16:01 UTC", "0123456789ab", ("b.py",), 20))
+    results, stamp = mm.from_json([ja, other], 20, acc)
+    assert " at commits abc123def456 (1 module), 0123456789ab (1 module); " in stamp.line()
+    assert mm.markdown(results, stamp).splitlines()[-2].startswith("| `b.py` (0123456) | 2 |")
+    with pytest.raises(ValueError, match="more than one run"):
+        mm.from_json([ja, ja], 20, acc)
