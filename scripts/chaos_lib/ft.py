@@ -55,7 +55,7 @@ SCRIPT = Path(__file__).resolve().parent / "ft_train.py"
 KEYS = ("11", "15", "16", "18", "19", "1", "7", "2", "8", "3", "4", "5", "6", "12", "17")
 
 
-def make_cluster(root: Path) -> Cluster:
+def make_cluster(root: Path, step_sleep_s: float = 0.05) -> Cluster:
     steps = root / "chaos-ft" / "steps"
     steps.mkdir(parents=True, exist_ok=True)
     return Cluster(
@@ -64,7 +64,8 @@ def make_cluster(root: Path) -> Cluster:
         f"2..{WORLD}",
         EVERY,
         train_env={"TRAIN_DATASET_SIZE": "4096", "TRAIN_GLOBAL_BATCH": "24",
-                   "CHAOS_STEP_LOG": f"{steps}/{{node}}.jsonl"},
+                   "CHAOS_STEP_LOG": f"{steps}/{{node}}.jsonl",
+                   "TRAIN_STEP_SLEEP_S": str(step_sleep_s)},
         extra_toml="\n[rebalance]\ncooldown_s = 0\n",
         engine="torchft",
         script=SCRIPT,
@@ -514,10 +515,11 @@ def _restore(c: Cluster) -> None:
 
 def run_ft_cluster_scenarios(
     root: Path, only: set[str] | None = None, log: Callable[[str], None] = print,
-    garbage_s: float = 30.0,
+    garbage_s: float = 30.0, step_sleep_s: float = 0.05,
 ) -> list[Result]:
-    """The torchft sequence on one 3-node cluster; one Result per scenario run."""
-    c = make_cluster(root)
+    """The torchft sequence on one 3-node cluster; one Result per scenario run.
+    step_sleep_s: the training step's stand-in for GPU work (local.run_cluster_scenarios)."""
+    c = make_cluster(root, step_sleep_s)
     # (key, scenario, needs 3 replicas back after it): a join (`up`) is the recovery from
     # the loss before it where it can be; a restore runs only if a scenario follows
     plan: list[tuple[str, Callable[[], Result], bool]] = [

@@ -435,17 +435,20 @@ def corrupt_newest(c: Cluster) -> Result:
 
 def run_cluster_scenarios(
     root: Path, only: set[str] | None = None, log: Callable[[str], None] = print,
-    garbage_s: float = 30.0,
+    garbage_s: float = 30.0, step_sleep_s: float = 0.05,
 ) -> list[Result]:
     """The whole sequence on one 3-node cluster. Returns one Result per scenario.
     garbage_s: how long scenario 16 feeds the head garbage (the tests use less: a few
-    4 s liveness windows are what it must outlast)."""
+    4 s liveness windows are what it must outlast). step_sleep_s: the training step's
+    stand-in for GPU work; the workers' steps are most of such a cluster's CPU, and most
+    scenarios wait out fixed times (hard stops, liveness windows), not step counts."""
     c = Cluster(
         root / "chaos",
         "chaos",
         f"2..{WORLD}",
         EVERY,
-        train_env={"TRAIN_DATASET_SIZE": "4096", "TRAIN_GLOBAL_BATCH": "24"},
+        train_env={"TRAIN_DATASET_SIZE": "4096", "TRAIN_GLOBAL_BATCH": "24",
+                   "TRAIN_STEP_SLEEP_S": str(step_sleep_s)},
         # a preemption blocks its zone for cooldown_s (default 15 min): replacements must be
         # launchable at once here
         extra_toml="\n[rebalance]\ncooldown_s = 0\n",

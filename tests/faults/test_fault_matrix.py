@@ -26,11 +26,19 @@ HARD = {"3", "4", "5", "6"}  # no notice for (all of) the loss: replay bounded b
 CALM = {"7", "8", "11"}  # joins drain, flaky metadata disturbs nothing: no step replayed
 
 
+# Steps of 0.15 s of stand-in GPU work, not scripts/chaos' 0.05 s: the workers' steps are
+# most of a cluster's CPU (a steady 3-node torchrun cluster: 222 steps and 11.3 CPU-s in
+# 20 s at 0.05, 106 steps and 6.4 CPU-s at 0.15), while most scenarios wait out fixed
+# times (hard stops, liveness windows, the garbage storm); the checks count steps, not
+# seconds, so they hold the same
+STEP_SLEEP_S = 0.15
+
+
 @pytest.fixture(scope="module")
 def cluster_rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
     # 16's garbage storm for 12 s, not scripts/chaos' 30 s: three 4 s liveness windows
     rows = local.run_cluster_scenarios(tmp_path_factory.mktemp("chaos"), log=lambda m: None,
-                                       garbage_s=12.0)
+                                       garbage_s=12.0, step_sleep_s=STEP_SLEEP_S)
     return {r.scenario.split()[0]: r for r in rows}
 
 
@@ -92,7 +100,7 @@ def ft_rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
         pytest.skip("torchft is not installed (the 'ft' extra)")
     rows = ft.run_ft_cluster_scenarios(tmp_path_factory.mktemp("chaos-ft"),
                                        only=set(FT_CLUSTER), log=lambda m: None,
-                                       garbage_s=12.0)
+                                       garbage_s=12.0, step_sleep_s=STEP_SLEEP_S)
     return {r.scenario.split()[0]: r for r in rows}
 
 
