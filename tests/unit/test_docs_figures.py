@@ -236,7 +236,8 @@ def test_each_readme_figure_is_from_one_full_run_record() -> None:
         if "(simulated)" in cells[0]:
             assert "deterministic" in runs and "scripts/sim-goodput" in runs, cells
             continue
-        m = re.fullmatch(r"(\d+) \((n=\d+)((, baseline n=\d+)?)\)", runs)
+        # one n per figure of the cell (a row may carry two: a pause and its lost steps)
+        m = re.fullmatch(r"(\d+) \(n=\d+(, n=\d+)*(, baseline n=\d+)*\)", runs)
         assert m and m.group(1) in records, (cells, records)
     for rec in records.values():
         assert re.fullmatch(r"`scripts/bench [^`]+`, 20\d\d-\d\d-\d\d, [0-9a-f]{7,}, "
