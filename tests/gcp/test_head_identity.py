@@ -204,3 +204,43 @@ def test_an_identity_that_may_not_set_the_projects_policy_is_told_what_to_do(
     assert "\n" not in str(e.value)
     assert ctl.cleanup() == []
     assert gcp_leftovers(fake) == GCP_NOTHING
+
+
+def test_a_policy_changed_by_someone_else_meanwhile_is_read_again(
+        fake: Any, spotctl_home: Path) -> None:
+    """IAM's read-modify-write: a setIamPolicy whose etag another writer has made stale is
+    refused (the project's 409 ABORTED, the subnetwork's 412); spotctl reads the policy
+    again and puts its binding in beside the other writer's, which stays."""
+    ctl = get_provider("gcp", make_ctx(fake, spotctl_home))
+    ctl.prepare()
+    other = "user:someone@example.com"
+    raced: list[str] = []
+    real_proj, real_subnet = fake.storage._projects_setIamPolicy, fake._subnetworks_setIamPolicy
+
+    def projects_set(project: str, body: Any, **kw: Any) -> Any:
+        if "project" not in raced:  # another writer gets in between the read and the write
+            raced.append("project")
+            pol = fake.storage._policy_of(f"projects/{project}")
+            real_proj(project, {"policy": dict(pol, bindings=[
+                *pol.get("bindings", []), {"role": "roles/viewer", "members": [other]}])})
+        return real_proj(project, body, **kw)
+
+    def subnet_set(project: str, region: str, name: str, body: Any, **kw: Any) -> Any:
+        if "subnet" not in raced:
+            raced.append("subnet")
+            pol = fake.subnet_iam.get((region, name)) or {"etag": "BwX0"}
+            real_subnet(project, region, name, {"policy": dict(pol, bindings=[
+                *pol.get("bindings", []), {"role": "roles/compute.networkViewer",
+                                           "members": [other]}])})
+        return real_subnet(project, region, name, body, **kw)
+
+    fake.storage._projects_setIamPolicy = projects_set
+    fake._subnetworks_setIamPolicy = subnet_set
+    ctl.ensure_head()
+    assert sorted(raced) == ["project", "subnet"], raced
+    member = f"serviceAccount:{ctl.head_account}"
+    assert [b["role"] for b in _bindings(fake, f"projects/{PROJECT}", member)] == [ctl.head_role]
+    assert _bindings(fake, f"projects/{PROJECT}", other)  # the other writer's, kept
+    sub = fake.subnet_iam[("us-central1", "default")]["bindings"]
+    assert [b["role"] for b in sub if member in b["members"]] == [HEAD_NET_ROLE]
+    assert [b["role"] for b in sub if other in b["members"]] == ["roles/compute.networkViewer"]

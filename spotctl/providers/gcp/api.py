@@ -200,6 +200,8 @@ def classify(exc: Exception, what: str) -> ProviderError:
         return TransientError(f"gcp: {what}: server error {code}: {msg}")
     if name in ("DeadlineExceeded", "ServiceUnavailable", "RetryError"):
         return TransientError(f"gcp: {what}: {msg}")
+    if code == 412:  # a stale etag: the caller may read again and retry (IAM policies)
+        return ProviderError(f"gcp: {what}: precondition failed (412): {msg}")
     return ProviderError(f"gcp: {what}: {msg}")
 
 

@@ -259,6 +259,14 @@ class GcpStorage(ClusterCheckpoints, GcpApi):
                                "(bound per cluster under a condition on their names)",
                 "includedPermissions": sorted(HEAD_PERMISSIONS), "stage": "GA"}  # fmt: skip
 
+    def _after_policy_conflict(self, e: ProviderError, attempt: int, add: bool) -> None:
+        """A setIamPolicy failed: raise `e` unless another read-modify-write may pass (a
+        concurrent change, 409/412, or a member IAM does not know yet), else wait first."""
+        retry = "409" in str(e) or "412" in str(e) or (add and "does not exist" in str(e))
+        if not retry or attempt == 5:
+            raise e
+        time.sleep(min(5.0, self.retry.base_s * 2**attempt))
+
     def _edit_policy(self, what: str, url: str, member: str,
                      add: list[dict[str, Any]]) -> None:
         """Read-modify-write an IAM policy (projects / service accounts: POST
@@ -282,10 +290,7 @@ class GcpStorage(ClusterCheckpoints, GcpApi):
                            body={"policy": new})
                 return
             except ProviderError as e:
-                retry = "409" in str(e) or "412" in str(e) or (add and "does not exist" in str(e))
-                if not retry or attempt == 5:
-                    raise
-                time.sleep(min(5.0, self.retry.base_s * 2**attempt))
+                self._after_policy_conflict(e, attempt, bool(add))
 
     @property
     def _project_url(self) -> str:
@@ -409,10 +414,7 @@ class GcpStorage(ClusterCheckpoints, GcpApi):
                     region_set_policy_request_resource=req, retry=None))  # fmt: skip
                 return
             except ProviderError as e:
-                retry = "412" in str(e) or "409" in str(e) or (add and "does not exist" in str(e))
-                if not retry or attempt == 5:
-                    raise
-                time.sleep(min(5.0, self.retry.base_s * 2**attempt))
+                self._after_policy_conflict(e, attempt, bool(add))
 
     def _delete_head_identity(self) -> list[str]:
         """The head's bindings (project, subnetwork; the workers' account goes with its
