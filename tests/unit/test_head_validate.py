@@ -350,3 +350,41 @@ def test_events() -> None:
         "node must be a node id ([A-Za-z0-9._-], at most 128)"
     )
     assert v.NODE_EVENTS == ("rebalance-recommendation", "gpu-gate-failed")
+
+
+def test_worker_and_heartbeat_fields_added_since_the_last_triage() -> None:
+    """The route, regroup pause, failed syncs, dropped steps and the replica index, each at
+    its edges and one past (kills the 72 mutmut survivors of validate.py at 461ae6c, all
+    in these fields: their bounds, their messages, their keys)."""
+    top = 1 << 53
+    for route in ("plain", "elastic"):
+        assert v.worker(W(route=route), 0)["route"] == route
+    assert "route" not in v.worker(W(route=None), 0)
+    for x in ("ddp", "", 1):
+        assert bad(v.worker, W(route=x), 2) == "workers[2].route must be plain or elastic"
+    for pause in (0, 0.25, 1e6):
+        got = v.worker(W(regroup_pause_s=pause), 0)["regroup_pause_s"]
+        assert got == pause and isinstance(got, float)
+    assert "regroup_pause_s" not in v.worker(W(regroup_pause_s=None), 0)
+    for pause in (-1e-9, 1e6 + 1):
+        assert bad(v.worker, W(regroup_pause_s=pause), 1) == (
+            "workers[1].regroup_pause_s must be seconds in [0, 1e6]")
+    assert bad(v.worker, W(regroup_pause_s="1"), 1) == (
+        "workers[1].regroup_pause_s must be a finite number")
+    for k in ("failed_syncs", "dropped_steps"):
+        assert v.worker(W(**{k: 0}), 0)[k] == 0
+        assert v.worker(W(**{k: top}), 0)[k] == top
+        assert k not in v.worker(W(**{k: None}), 0)
+        assert bad(v.worker, W(**{k: top + 1}), 3) == (
+            f"workers[3].{k} must be an integer in [0, {top}]")
+        assert bad(v.worker, W(**{k: -1}), 3) == f"workers[3].{k} must be an integer in [0, {top}]"
+    both = v.worker(W(failed_syncs=2, dropped_steps=7), 0)
+    assert (both["failed_syncs"], both["dropped_steps"]) == (2, 7)
+    hb = {"node_id": "n1"}
+    assert "replica_index" not in v.heartbeat(hb)
+    assert "replica_index" not in v.heartbeat({**hb, "replica_index": None})
+    assert v.heartbeat({**hb, "replica_index": 0})["replica_index"] == 0
+    assert v.heartbeat({**hb, "replica_index": MAX_GPUS})["replica_index"] == MAX_GPUS
+    for x in (-1, MAX_GPUS + 1, "0", 1.0, True):
+        assert bad(v.heartbeat, {**hb, "replica_index": x}) == (
+            f"replica_index must be an integer in [0, {MAX_GPUS}]")
