@@ -319,12 +319,14 @@ class Coordinator:
     def tick(self) -> None:
         now = self.clock()
         self._liveness(now)
-        if self.replica_groups is not None:
-            self.replica_groups.update(self._group_members(), self._settling(now))
-        if self.engine == "torchft":
-            self.replica_indexes.update(
-                {nid: m for nid, m in self._group_members().items()
-                 if not self.nodes[nid].group_port}, self._settling(now))
+        if self.replica_groups is not None or self.engine == "torchft":
+            members, settling = self._group_members(), self._settling(now)
+            if self.replica_groups is not None:
+                self.replica_groups.update(members, settling)
+            if self.engine == "torchft":
+                self.replica_indexes.update(
+                    {nid: m for nid, m in members.items() if not self.nodes[nid].group_port},
+                    settling)
         if self.drain is None:
             self._maybe_start_drain(now)
         if self.drain is not None:
@@ -757,7 +759,7 @@ class Coordinator:
         if self.engine != "torchft":
             return None
         at = None if self.replica_groups is None else self.replica_groups.group_of(nid)
-        return int(at[0].gid[1:]) if at is not None else self.replica_indexes.of.get(nid)
+        return at[0].index if at is not None else self.replica_indexes.of.get(nid)
 
     def _group_name(self, nid: str) -> str | None:
         at = None if self.replica_groups is None else self.replica_groups.group_of(nid)

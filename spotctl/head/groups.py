@@ -43,6 +43,12 @@ class Group:
     def full(self) -> bool:
         return None not in self.slots
 
+    @property
+    def index(self) -> int:
+        """The group's dense replica index (SPOTCTL_FT_REPLICA_INDEX): its number, the
+        lowest free when it was made (ReplicaGroups._new)."""
+        return int(self.gid[1:])
+
 
 class ReplicaGroups:
     def __init__(self, size: int, record: Callable[..., Any]):
@@ -116,10 +122,7 @@ class ReplicaGroups:
         head = g.slots[0]
         first = store_of(head) if g.full() and head is not None else None
         return {"id": g.gid, "gen": g.gen, "slot": slot, "nodes": g.members(),
-                "master": list(first) if first else None,
-                # the group's dense replica index (SPOTCTL_FT_REPLICA_INDEX): its number,
-                # the lowest free when the group was made (see _new)
-                "index": int(g.gid[1:])}
+                "master": list(first) if first else None, "index": g.index}
 
     # -- placement
     def _open(self) -> list[Group]:
@@ -200,11 +203,13 @@ class ReplicaIndexes:
             del self.of[nid]
         if settle:
             return
+        new = [m for m in members.values() if m.alive and m.node_id not in self.of]
+        if not new:  # every heartbeat ticks: nothing to sort once all hold one
+            return
         used = set(self.of.values())
-        for m in sorted(members.values(), key=lambda m: (m.registered_at, m.node_id)):
-            if m.alive and m.node_id not in self.of:
-                i = 0
-                while i in used:
-                    i += 1
-                self.of[m.node_id] = i
-                used.add(i)
+        for m in sorted(new, key=lambda m: (m.registered_at, m.node_id)):
+            i = 0
+            while i in used:
+                i += 1
+            self.of[m.node_id] = i
+            used.add(i)
