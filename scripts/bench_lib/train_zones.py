@@ -76,11 +76,15 @@ def main() -> None:
                "params": sum(p.numel() for p in model.parameters()),
                "step_s": step, "samples_per_s": glob / step, "wall_s": wall,
                "loss": held}
-        out = os.environ["ZB_OUT"]
-        with open(out + ".tmp", "w") as f:
-            json.dump(res, f)
-        os.replace(out + ".tmp", out)
+        write_result(os.environ["ZB_OUT"], res)
     dist.destroy_process_group()
+
+
+def write_result(out: str, res: dict) -> None:
+    """The run's result as JSON at `out`, whole or not at all (the bench reads it)."""
+    with open(out + ".tmp", "w") as f:
+        json.dump(res, f)
+    os.replace(out + ".tmp", out)
 
 
 if __name__ == "__main__":

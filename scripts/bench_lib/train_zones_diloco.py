@@ -14,13 +14,12 @@ Environment: ZB_HIDDEN, ZB_BATCH, ZB_GROUPS (replica groups), ZB_SAMPLES, ZB_OUT
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 import torch
 from torch import nn
-from train_zones import DATA, LR, make_model, task
+from train_zones import DATA, LR, make_model, task, write_result
 
 from spotctl import elastic
 
@@ -66,9 +65,7 @@ def main() -> None:
                "syncs": run.outer_step, "failed_syncs": run.failed_syncs,
                "sync_s": sorted(sync_s)[len(sync_s) // 2] if sync_s else None,
                "replicas": sorted(replicas)}
-        with open(out + ".tmp", "w") as f:
-            json.dump(res, f)
-        os.replace(out + ".tmp", out)
+        write_result(out, res)
     run.finish()
 
 
