@@ -115,6 +115,9 @@ def _config(m: Module, package: str) -> str:
     return ("\n[tool.mutmut]\n"
             f"source_paths = [{json.dumps(package)}]\n"
             f"only_mutate = [{json.dumps(m.path)}]\n"
+            # mutmut copies the package's files but not a directory reached through a
+            # symlink (spotctl/templates -> ../templates): `spotctl init` needs it
+            f"also_copy = [{json.dumps(package + '/templates')}]\n"
             f"pytest_add_cli_args_test_selection = [{tests}]\n"
             f"pytest_add_cli_args = [{', '.join(json.dumps(a) for a in args)}]\n")
 
