@@ -640,6 +640,8 @@ def _keys_at(loc: tuple[Any, ...]) -> list[str]:
     """The keys the spec allows in the table at `loc` (the unknown key's parent)."""
     model: Any = ClusterSpec
     for part in loc[:-1]:
+        if isinstance(part, int):  # an index into a list: its items' model is the table
+            continue
         f = getattr(model, "model_fields", {}).get(part)
         if f is None:
             return []

@@ -193,3 +193,22 @@ def test_sync_keys() -> None:
     # all set)
     assert load_spec(None, {"train.sync": "localsgd", "train.outer_lr": 0.5}).train.worker_env() \
         == {"SPOTCTL_SYNC": "localsgd", "SPOTCTL_SYNC_EVERY": "100"}
+
+
+def test_an_unknown_key_is_answered_with_the_nearest_key_of_its_own_table(
+        tmp_path: Path) -> None:
+    """The suggestion comes from the table the key is in: the top level, a table, a table
+    in a list (ssh.hosts.N); none when nothing is near. Kills (mutmut at 068cb0a,
+    spotctl/spec.py _keys_at): the walk started at None, cut at loc[:+1] or loc[:-2], the
+    field looked up as None, in None's fields or under another attribute's name."""
+    cases = {
+        'gpu = "2"\n': "gpu: unknown key (did you mean 'gpus'?)",
+        '[train]\nscrpt = "t.py"\n': "train.scrpt: unknown key (did you mean 'script'?)",
+        '[[ssh.hosts]]\naddress = "h1"\nprot = 22\n':
+            "ssh.hosts.0.prot: unknown key (did you mean 'port'?)",
+        '[train]\nzzzzzz = 1\n': "train.zzzzzz: unknown key",
+    }
+    for i, (text, want) in enumerate(cases.items()):
+        p = tmp_path / f"s{i}.toml"
+        p.write_text('name = "c"\n' + text)
+        assert _refused({}, p) == f"s{i}.toml: {want}"
