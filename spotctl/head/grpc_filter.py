@@ -10,7 +10,9 @@ this filter, which passes:
 
 - HTTP/2 with prior knowledge (what torchft's Managers speak): every frame is parsed, every
   header block decoded with an HPACK decoder kept in step with the Lighthouse's (the filter
-  forwards the same bytes, in order). A request (a header block opening a stream) passes
+  forwards the same bytes, in order; a block that comes again on a connection whose
+  dynamic table has not changed since it was decoded is checked from what it decoded
+  to, H2RequestFilter._decode). A request (a header block opening a stream) passes
   only as `POST` to one of `allowed` (the LighthouseService methods the Managers call);
   a header block on an opened stream (trailers) carries no pseudo-header. Anything else,
   a frame that breaks the framing, an undecodable block, a PUSH_PROMISE, closes the
@@ -69,6 +71,7 @@ MAX_CONNS = 4096  # the most, whatever the descriptor limit
 PENDING_PER_ADDR = 16
 FDS_PER_CONN = 3
 LOG_WINDOW_S, LOG_PER_WINDOW = 10.0, 20
+SEEN_BLOCKS, SEEN_BLOCK_MAX = 16, 1024  # header blocks kept per connection, bytes each
 
 _DATA, _HEADERS, _PUSH_PROMISE, _CONTINUATION = 0x0, 0x1, 0x5, 0x9
 _END_HEADERS, _PADDED, _PRIORITY = 0x4, 0x8, 0x20
@@ -111,6 +114,8 @@ class H2RequestFilter:
         self._held: list[bytes] = []  # its frames, sent on once the block passes
         self._block_sid = 0
         self._max_sid = 0  # the highest stream the client opened
+        # header blocks seen whose decoding changed nothing, and their pseudo-headers
+        self._seen: dict[bytes, tuple[tuple[bytes, bytes], ...]] = {}
         self.requests = 0
 
     def feed(self, data: bytes) -> bytes:
@@ -172,15 +177,36 @@ class H2RequestFilter:
         if not flags & _END_HEADERS:
             return b""
         block, self._block = bytes(self._block), None
-        try:
-            headers = [(bytes(k), bytes(v)) for k, v in self._decoder.decode(block, raw=True)]
-        except Exception as e:  # noqa: BLE001 - any decoding failure refuses
-            raise Refused(f"an undecodable header block ({type(e).__name__})") from None
-        self._check(sid, headers)
+        pseudo = self._seen.get(block)
+        if pseudo is None:
+            pseudo = self._decode(block)
+        self._check(sid, pseudo)
         return b"".join(self._held)
 
-    def _check(self, sid: int, headers: list[tuple[bytes, bytes]]) -> None:
-        pseudo = [(k, v) for k, v in headers if k.startswith(b":")]
+    def _decode(self, block: bytes) -> tuple[tuple[bytes, bytes], ...]:
+        """The pseudo-headers of `block`, decoded in full. Kept for the next time the same
+        bytes come while decoding them changed nothing of the decoder's state (its dynamic
+        table's size and entries): decoding them again would give the same list and change
+        nothing. A block that changes the state forgets every block kept (they may refer to
+        entries that moved). gRPC clients send the same block for each call of a method once
+        its headers are in the table (torchft's: a heartbeat's 35 bytes, its path a literal
+        not indexed), and a decode in Python is most of the filter's work per request."""
+        table = self._decoder.header_table
+        before = (table.maxsize, tuple(table.dynamic_entries))
+        try:
+            headers = self._decoder.decode(block, raw=True)
+        except Exception as e:  # noqa: BLE001 - any decoding failure refuses
+            raise Refused(f"an undecodable header block ({type(e).__name__})") from None
+        pseudo = tuple((bytes(k), bytes(v)) for k, v in headers if k.startswith(b":"))
+        if (table.maxsize, tuple(table.dynamic_entries)) != before:
+            self._seen.clear()
+        elif len(block) <= SEEN_BLOCK_MAX:
+            if len(self._seen) >= SEEN_BLOCKS:
+                self._seen.clear()
+            self._seen[block] = pseudo
+        return pseudo
+
+    def _check(self, sid: int, pseudo: tuple[tuple[bytes, bytes], ...]) -> None:
         if sid == 0:
             raise Refused("a header block on stream 0")
         if sid <= self._max_sid:  # trailers of an opened stream
