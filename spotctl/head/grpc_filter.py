@@ -71,6 +71,7 @@ MAX_CONNS = 4096  # the most, whatever the descriptor limit
 PENDING_PER_ADDR = 16
 FDS_PER_CONN = 3
 LOG_WINDOW_S, LOG_PER_WINDOW = 10.0, 20
+BACK_HIGH = 64 * 1024  # the client's send buffer over which the server is not read
 SEEN_BLOCKS, SEEN_BLOCK_MAX = 16, 1024  # header blocks kept per connection, bytes each
 
 _DATA, _HEADERS, _PUSH_PROMISE, _CONTINUATION = 0x0, 0x1, 0x5, 0x9
@@ -263,6 +264,57 @@ class _Conn:
         self.last = time.monotonic()  # bytes either way
 
 
+class _Back(asyncio.Protocol):
+    """The server's side of a passed HTTP/2 connection: what the server sends is written
+    to the client from the event loop's read callback, as it arrives (no task, no stream
+    buffer in between: at a quorum the Lighthouse answers every replica at once, and each
+    answer's way through the filter adds to the last one's wait). Reading from the server
+    pauses while the client's send buffer is over BACK_HIGH (the client does not read);
+    `full` is a future while the server's send buffer is full (the client's bytes wait)."""
+
+    def __init__(self, client: asyncio.StreamWriter, conn: _Conn):
+        self.client, self.conn = client, conn
+        self.server: asyncio.Transport | None = None
+        self.full: asyncio.Future[None] | None = None
+        self._resuming: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.server = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.conn.last = time.monotonic()
+        out = self.client.transport
+        if out.is_closing():
+            return  # the client's connection is going: this one goes with it (_handle)
+        out.write(data)
+        if out.get_write_buffer_size() > BACK_HIGH and self.server is not None:
+            self.server.pause_reading()
+            self._resuming = asyncio.ensure_future(self._resume())
+
+    async def _resume(self) -> None:
+        try:
+            await self.client.drain()
+        except (ConnectionError, OSError):
+            return
+        if self.server is not None and not self.server.is_closing():
+            self.server.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.client.close()
+        self.resume_writing()
+
+    def pause_writing(self) -> None:
+        if self.full is None:
+            self.full = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self.full is not None:
+            if not self.full.done():
+                self.full.set_result(None)
+            self.full = None
+
+
 class GrpcFilter:
     """Serves host:port (port 0 = any free one) and forwards what passes to `upstream`
     (which may be changed while serving: new connections go to the new one). Runs its own
@@ -282,7 +334,8 @@ class GrpcFilter:
         self.port = int(self._sock.getsockname()[1])
         self.refused = 0  # connections closed for what they sent (tests read it)
         self.dropped = 0  # connections closed for a cap or a timeout
-        self._open: set[asyncio.StreamWriter] = set()  # both sides of every connection
+        # both sides of every connection
+        self._open: set[asyncio.StreamWriter | asyncio.BaseTransport] = set()
         self._conns: dict[asyncio.StreamWriter, _Conn] = {}  # in accept order
         self._log_window = (0.0, 0, 0)  # start, lines logged, lines left out
         self._loop = asyncio.new_event_loop()
@@ -379,7 +432,7 @@ class GrpcFilter:
             return
         self._conns[writer] = conn
         self._open.add(writer)
-        up_w: asyncio.StreamWriter | None = None
+        up_w: asyncio.StreamWriter | asyncio.BaseTransport | None = None
         try:
             first = await asyncio.wait_for(self._hello(reader), HELLO_S)
             if first.startswith(PREFACE):
@@ -394,20 +447,19 @@ class GrpcFilter:
                         raise Refused("more than 128 KiB before a request")
                 conn.pending = False
                 conn.last = time.monotonic()
-                up_r, up_w = await asyncio.open_connection(*self.upstream)
-                self._open.add(up_w)
-                up_w.write(bytes(send))
-                back = asyncio.ensure_future(self._copy(up_r, writer, conn))
-                try:
-                    while True:
-                        data = await reader.read(65536)
-                        if not data:
-                            break
-                        conn.last = time.monotonic()
-                        up_w.write(flt.feed(data))
-                        await up_w.drain()
-                finally:
-                    back.cancel()
+                up, back = await self._loop.create_connection(
+                    lambda: _Back(writer, conn), *self.upstream)
+                self._open.add(up)
+                up_w = up
+                up.write(bytes(send))
+                while True:
+                    data = await reader.read(65536)
+                    if not data:
+                        break
+                    conn.last = time.monotonic()
+                    up.write(flt.feed(data))
+                    if back.full is not None:
+                        await back.full
             else:
                 end = first.find(b"\r\n\r\n")
                 try:

@@ -466,3 +466,61 @@ def test_header_blocks_kept_per_connection_are_bounded() -> None:
         + value
     f.feed(_frame(0x1, 0x5, 1, long))
     assert len(long) > SEEN_BLOCK_MAX and long not in f._seen
+
+
+def test_the_servers_bytes_wait_while_the_client_reads_none() -> None:
+    """The server's side of a passed connection (grpc_filter._Back) writes what the server
+    sends straight to the client; while the client reads nothing the filter stops reading
+    the server once the client's send buffer is over BACK_HIGH (a member that never reads
+    its answers holds no more of the filter's memory), and reads it again, every byte in
+    order, when the client reads. The other way, the client's bytes wait (`full`) while
+    the server reads none."""
+    import asyncio
+
+    from spotctl.head.grpc_filter import BACK_HIGH, _Back, _Conn
+
+    sent = bytes(range(256)) * (4 * 4096)  # 4 MiB
+
+    async def until(cond: object) -> None:
+        for _ in range(3000):  # a deadline for the condition (30 s), not a timing check
+            if cond():  # type: ignore[operator]
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("condition not reached in 30 s")
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = \
+            loop.create_future()
+        server = await asyncio.start_server(lambda r, w: accepted.set_result((r, w)),
+                                            "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        mine, theirs = socket.socketpair()  # the filter's end and the client's
+        theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        theirs.setblocking(False)
+        _, client = await asyncio.open_connection(sock=mine)
+        up, back = await loop.create_connection(lambda: _Back(client, _Conn("c", client)),
+                                                "127.0.0.1", port)
+        srv_r, srv_w = await accepted
+        srv_w.write(sent)
+        await until(lambda: not up.is_reading())
+        assert client.transport.get_write_buffer_size() <= BACK_HIGH + 256 * 1024
+        got = bytearray()
+        while len(got) < len(sent):
+            got += await loop.sock_recv(theirs, 65536)
+        assert bytes(got) == sent and up.is_reading()
+        # the client's way: the server reads nothing, the filter's writes to it wait
+        while back.full is None:
+            up.write(b"\0" * 65536)
+            await asyncio.sleep(0)
+        waiting = back.full
+        assert not waiting.done()
+        await srv_r.readexactly(1 << 20)
+        await until(waiting.done)
+        assert back.full is None
+        srv_w.close()  # the server goes: the client's connection goes with it
+        await until(lambda: client.transport.is_closing())
+        theirs.close()
+        server.close()
+
+    asyncio.run(main())
