@@ -19,7 +19,9 @@ For N = 8, 16, 32, 64 in turn on the same head (nodes added, as a cluster grows)
 - quorum latency: per step, from the moment the last replica asked until the last one had
   its answer (the Lighthouse's own cost, not waiting for stragglers), p50 and p95;
 - `status`: the controller's GET /api/status (what `spotctl status` renders), 20 calls;
-- the head's CPU (user+system seconds per second, from /proc) and resident memory.
+- the head's CPU (user+system seconds per second, from /proc) and resident memory, and the
+  CPU of the process that runs the Lighthouse (the head's child; the bare one's own) per
+  Lighthouse request answered (less moved by other work on the machine than latency).
 At 64: a notice on one node and a replacement node registering, each timed until the
 head's status shows it; then the head's memory sampled for `hold_s` seconds of heartbeats
 (its slope in MiB per hour says whether it is flat).
@@ -123,6 +125,16 @@ class HeadProc:
         d = json.loads(info.read_text())
         self.url, self.lighthouse = d["url"], d["lighthouse"]
         self.pid = self.proc.pid
+
+    def lighthouse_pid(self) -> int:
+        """The head's child that runs the Lighthouse and its filter (the head's pid if none)."""
+        for p in _tree(self.pid):
+            try:
+                if b"spotctl.head.lighthouse" in Path(f"/proc/{p}/cmdline").read_bytes():
+                    return p
+            except OSError:
+                pass
+        return self.pid
 
     def status(self) -> dict[str, Any]:
         req = urllib.request.Request(self.url + "/api/status",
@@ -253,6 +265,7 @@ class Node:
         self.step = 0
         self.errors = 0
         self.quorums: list[tuple[int, float, float]] = []  # (step, asked, answered)
+        self.beats = 0  # Lighthouse heartbeats answered
         self.replicas = 0
         if agents is not None:
             agents.add(nid)
@@ -270,6 +283,7 @@ class Node:
         while not self.stop.is_set():
             try:
                 c.heartbeat(self.nid)
+                self.beats += 1
             except Exception:
                 self.errors += 1
             self.stop.wait(MANAGER_BEAT_S)
@@ -352,18 +366,28 @@ def _grow(nodes: list[Node], size: int, lighthouse: str, agents: AgentsProc | No
         time.sleep(0.2)
 
 
-def _window(nodes: list[Node], size: int, pid: int, window_s: float) -> tuple[list[float], float]:
-    """Quorum latencies over `window_s` at `size` replicas, and the CPU (cores) `pid` used."""
-    t0, c0 = time.monotonic(), _cpu_s(pid)
+def _answered(nodes: list[Node]) -> int:
+    return sum(n.beats + len(n.quorums) for n in nodes)
+
+
+def _window(nodes: list[Node], size: int, pid: int, window_s: float,
+            lighthouse_pid: int | None = None) -> tuple[list[float], float, float]:
+    """Quorum latencies over `window_s` at `size` replicas, the CPU (cores) `pid` used, and
+    the CPU seconds of `lighthouse_pid` (`pid` when None) per Lighthouse request answered
+    (heartbeats and quorums): what the filter costs a request, whatever the load lets
+    through in the window."""
+    lh = lighthouse_pid or pid
+    t0, c0, l0, r0 = time.monotonic(), _cpu_s(pid), _cpu_s(lh), _answered(nodes)
     time.sleep(window_s)
     cpu = (_cpu_s(pid) - c0) / (time.monotonic() - t0)
-    return quorum_latencies(nodes, size, t0), cpu
+    per_request = (_cpu_s(lh) - l0) / max(1, _answered(nodes) - r0)
+    return quorum_latencies(nodes, size, t0), cpu, per_request
 
 
 def bench(ctx: Context, sizes: tuple[int, ...] = SIZES, window_s: float = 15.0,
           hold_s: float = 60.0) -> list[Row]:
     rows: list[Row] = []
-    base: dict[int, tuple[list[float], float]] = {}
+    base: dict[int, tuple[list[float], float, float]] = {}
     bare = BareLighthouse(ctx.subdir("scale-bare"))
     stop = threading.Event()
     nodes: list[Node] = []
@@ -386,18 +410,19 @@ def bench(ctx: Context, sizes: tuple[int, ...] = SIZES, window_s: float = 15.0,
         for size in sizes:
             ctx.log(f"scale: the head, {size} nodes")
             _grow(nodes, size, head.lighthouse, agents, stop)
-            lat, cpu = _window(nodes, size, head.pid, window_s)
+            lat, cpu, per_req = _window(nodes, size, head.pid, window_s, head.lighthouse_pid())
             status_s = []
             for _ in range(20):
                 s0 = time.monotonic()
                 st = head.status()
                 status_s.append(time.monotonic() - s0)
             listed = sum(1 for v in st["nodes"].values() if v["state"] == "running")
-            blat, bcpu = base[size]
+            blat, bcpu, bper_req = base[size]
             ctx.log(f"scale: {size} nodes: quorum p50 {1000 * statistics.median(lat):.1f} ms "
                     f"(bare {1000 * statistics.median(blat):.1f} ms), status "
                     f"{1000 * statistics.median(status_s):.1f} ms, head cpu {cpu:.2f} "
-                    f"(bare Lighthouse {bcpu:.2f}), rss {_rss_mib(head.pid):.0f} MiB")
+                    f"(bare Lighthouse {bcpu:.2f}), Lighthouse process {1e6 * per_req:.0f} us CPU "
+                    f"per request (bare {1e6 * bper_req:.0f} us), rss {_rss_mib(head.pid):.0f} MiB")
             note = (f"{len(lat)} and {len(blat)} steps; p95 {1000 * _pct(lat, 0.95):.1f} vs "
                     f"{1000 * _pct(blat, 0.95):.1f} ms; load {os.getloadavg()[0]:.1f}")
             rows.append(row("scale", f"quorum latency, {size} replicas",
@@ -409,7 +434,9 @@ def bench(ctx: Context, sizes: tuple[int, ...] = SIZES, window_s: float = 15.0,
                             + ("; goal <= 1000 ms" if size == 64 else "")))
             rows.append(row("scale", f"head CPU, {size} nodes", [cpu], [bcpu], "cores",
                             f"over {window_s:.0f} s: the head (API, filter, Lighthouse) vs the "
-                            "bare Lighthouse's process"))
+                            "bare Lighthouse's process; per Lighthouse request answered, the "
+                            f"head's Lighthouse process {1e6 * per_req:.0f} us CPU vs bare "
+                            f"{1e6 * bper_req:.0f} us"))
             rows.append(row("scale", f"head memory, {size} nodes", [_rss_mib(head.pid)], [],
                             "MiB", "resident"))
         # a notice and a replacement at the largest size, timed until the head shows them

@@ -10,7 +10,9 @@ this filter, which passes:
 
 - HTTP/2 with prior knowledge (what torchft's Managers speak): every frame is parsed, every
   header block decoded with an HPACK decoder kept in step with the Lighthouse's (the filter
-  forwards the same bytes, in order). A request (a header block opening a stream) passes
+  forwards the same bytes, in order; a block that comes again on a connection whose
+  dynamic table has not changed since it was decoded is checked from what it decoded
+  to, H2RequestFilter._decode). A request (a header block opening a stream) passes
   only as `POST` to one of `allowed` (the LighthouseService methods the Managers call);
   a header block on an opened stream (trailers) carries no pseudo-header. Anything else,
   a frame that breaks the framing, an undecodable block, a PUSH_PROMISE, closes the
@@ -69,6 +71,8 @@ MAX_CONNS = 4096  # the most, whatever the descriptor limit
 PENDING_PER_ADDR = 16
 FDS_PER_CONN = 3
 LOG_WINDOW_S, LOG_PER_WINDOW = 10.0, 20
+BACK_HIGH = 64 * 1024  # the client's send buffer over which the server is not read
+SEEN_BLOCKS, SEEN_BLOCK_MAX = 16, 1024  # header blocks kept per connection, bytes each
 
 _DATA, _HEADERS, _PUSH_PROMISE, _CONTINUATION = 0x0, 0x1, 0x5, 0x9
 _END_HEADERS, _PADDED, _PRIORITY = 0x4, 0x8, 0x20
@@ -111,6 +115,8 @@ class H2RequestFilter:
         self._held: list[bytes] = []  # its frames, sent on once the block passes
         self._block_sid = 0
         self._max_sid = 0  # the highest stream the client opened
+        # header blocks seen whose decoding changed nothing, and their pseudo-headers
+        self._seen: dict[bytes, tuple[tuple[bytes, bytes], ...]] = {}
         self.requests = 0
 
     def feed(self, data: bytes) -> bytes:
@@ -172,15 +178,36 @@ class H2RequestFilter:
         if not flags & _END_HEADERS:
             return b""
         block, self._block = bytes(self._block), None
-        try:
-            headers = [(bytes(k), bytes(v)) for k, v in self._decoder.decode(block, raw=True)]
-        except Exception as e:  # noqa: BLE001 - any decoding failure refuses
-            raise Refused(f"an undecodable header block ({type(e).__name__})") from None
-        self._check(sid, headers)
+        pseudo = self._seen.get(block)
+        if pseudo is None:
+            pseudo = self._decode(block)
+        self._check(sid, pseudo)
         return b"".join(self._held)
 
-    def _check(self, sid: int, headers: list[tuple[bytes, bytes]]) -> None:
-        pseudo = [(k, v) for k, v in headers if k.startswith(b":")]
+    def _decode(self, block: bytes) -> tuple[tuple[bytes, bytes], ...]:
+        """The pseudo-headers of `block`, decoded in full. Kept for the next time the same
+        bytes come while decoding them changed nothing of the decoder's state (its dynamic
+        table's size and entries): decoding them again would give the same list and change
+        nothing. A block that changes the state forgets every block kept (they may refer to
+        entries that moved). gRPC clients send the same block for each call of a method once
+        its headers are in the table (torchft's: a heartbeat's 35 bytes, its path a literal
+        not indexed), and a decode in Python is most of the filter's work per request."""
+        table = self._decoder.header_table
+        before = (table.maxsize, tuple(table.dynamic_entries))
+        try:
+            headers = self._decoder.decode(block, raw=True)
+        except Exception as e:  # noqa: BLE001 - any decoding failure refuses
+            raise Refused(f"an undecodable header block ({type(e).__name__})") from None
+        pseudo = tuple((bytes(k), bytes(v)) for k, v in headers if k.startswith(b":"))
+        if (table.maxsize, tuple(table.dynamic_entries)) != before:
+            self._seen.clear()
+        elif len(block) <= SEEN_BLOCK_MAX:
+            if len(self._seen) >= SEEN_BLOCKS:
+                self._seen.clear()
+            self._seen[block] = pseudo
+        return pseudo
+
+    def _check(self, sid: int, pseudo: tuple[tuple[bytes, bytes], ...]) -> None:
         if sid == 0:
             raise Refused("a header block on stream 0")
         if sid <= self._max_sid:  # trailers of an opened stream
@@ -237,6 +264,57 @@ class _Conn:
         self.last = time.monotonic()  # bytes either way
 
 
+class _Back(asyncio.Protocol):
+    """The server's side of a passed HTTP/2 connection: what the server sends is written
+    to the client from the event loop's read callback, as it arrives (no task, no stream
+    buffer in between: at a quorum the Lighthouse answers every replica at once, and each
+    answer's way through the filter adds to the last one's wait). Reading from the server
+    pauses while the client's send buffer is over BACK_HIGH (the client does not read);
+    `full` is a future while the server's send buffer is full (the client's bytes wait)."""
+
+    def __init__(self, client: asyncio.StreamWriter, conn: _Conn):
+        self.client, self.conn = client, conn
+        self.server: asyncio.Transport | None = None
+        self.full: asyncio.Future[None] | None = None
+        self._resuming: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.server = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.conn.last = time.monotonic()
+        out = self.client.transport
+        if out.is_closing():
+            return  # the client's connection is going: this one goes with it (_handle)
+        out.write(data)
+        if out.get_write_buffer_size() > BACK_HIGH and self.server is not None:
+            self.server.pause_reading()
+            self._resuming = asyncio.ensure_future(self._resume())
+
+    async def _resume(self) -> None:
+        try:
+            await self.client.drain()
+        except (ConnectionError, OSError):
+            return
+        if self.server is not None and not self.server.is_closing():
+            self.server.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.client.close()
+        self.resume_writing()
+
+    def pause_writing(self) -> None:
+        if self.full is None:
+            self.full = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self.full is not None:
+            if not self.full.done():
+                self.full.set_result(None)
+            self.full = None
+
+
 class GrpcFilter:
     """Serves host:port (port 0 = any free one) and forwards what passes to `upstream`
     (which may be changed while serving: new connections go to the new one). Runs its own
@@ -256,7 +334,8 @@ class GrpcFilter:
         self.port = int(self._sock.getsockname()[1])
         self.refused = 0  # connections closed for what they sent (tests read it)
         self.dropped = 0  # connections closed for a cap or a timeout
-        self._open: set[asyncio.StreamWriter] = set()  # both sides of every connection
+        # both sides of every connection
+        self._open: set[asyncio.StreamWriter | asyncio.BaseTransport] = set()
         self._conns: dict[asyncio.StreamWriter, _Conn] = {}  # in accept order
         self._log_window = (0.0, 0, 0)  # start, lines logged, lines left out
         self._loop = asyncio.new_event_loop()
@@ -353,7 +432,7 @@ class GrpcFilter:
             return
         self._conns[writer] = conn
         self._open.add(writer)
-        up_w: asyncio.StreamWriter | None = None
+        up_w: asyncio.StreamWriter | asyncio.BaseTransport | None = None
         try:
             first = await asyncio.wait_for(self._hello(reader), HELLO_S)
             if first.startswith(PREFACE):
@@ -368,20 +447,19 @@ class GrpcFilter:
                         raise Refused("more than 128 KiB before a request")
                 conn.pending = False
                 conn.last = time.monotonic()
-                up_r, up_w = await asyncio.open_connection(*self.upstream)
-                self._open.add(up_w)
-                up_w.write(bytes(send))
-                back = asyncio.ensure_future(self._copy(up_r, writer, conn))
-                try:
-                    while True:
-                        data = await reader.read(65536)
-                        if not data:
-                            break
-                        conn.last = time.monotonic()
-                        up_w.write(flt.feed(data))
-                        await up_w.drain()
-                finally:
-                    back.cancel()
+                up, back = await self._loop.create_connection(
+                    lambda: _Back(writer, conn), *self.upstream)
+                self._open.add(up)
+                up_w = up
+                up.write(bytes(send))
+                while True:
+                    data = await reader.read(65536)
+                    if not data:
+                        break
+                    conn.last = time.monotonic()
+                    up.write(flt.feed(data))
+                    if back.full is not None:
+                        await back.full
             else:
                 end = first.find(b"\r\n\r\n")
                 try:

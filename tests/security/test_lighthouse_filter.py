@@ -399,3 +399,128 @@ def test_header_blocks_are_read_to_the_byte_and_each_refusal_says_why() -> None:
     assert _why([_frame(0x1, 0x4, 1, big + b"\x00")]) == "a header block over 64 KiB"
     assert _why([_frame(0x1, 0, 1, big[:40_000]),
                  _frame(0x9, 0x4, 1, big[40_000:] + b"\x00")]) == "a header block over 64 KiB"
+
+
+def test_a_header_block_seen_before_is_decoded_again_once_the_table_changed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The filter keeps the pseudo-headers of a header block whose decoding changed no HPACK
+    state and uses them when the same bytes come again (gRPC clients resend one block per
+    call): here the same 3 bytes name the Quorum path through dynamic entry 62. After a
+    block that changes the dynamic table (trailers that put another entry at 62, or a table
+    size update that empties it) the same bytes mean other headers, and the filter decodes
+    them again: refused as the Lighthouse's decoder would read them (a kept block that
+    outlived the table would pass them as Quorum)."""
+    path = QUORUM.encode()
+    indexing = b"\x83\x86\x44" + bytes([len(path)]) + path  # POST, http, :path into entry 62
+    again = b"\x83\x86\xbe"  # POST, http, entry 62
+    opened = [_frame(0x1, 0x4, 1, indexing), _frame(0x1, 0x4, 3, again), _data(3),
+              _frame(0x1, 0x4, 5, again), _frame(0x1, 0x4, 7, again)]
+
+    def fed() -> tuple[H2RequestFilter, list[bytes]]:
+        f = H2RequestFilter(LIGHTHOUSE_METHODS)
+        decoded: list[bytes] = []
+        decode = f._decoder.decode
+
+        def counted(block: bytes, raw: bool = False) -> object:
+            decoded.append(bytes(block))
+            return decode(block, raw=raw)
+
+        monkeypatch.setattr(f._decoder, "decode", counted)
+        for fr in opened:
+            assert f.feed(fr) == fr
+        return f, decoded
+
+    f, decoded = fed()
+    assert f.requests == 4 and decoded == [indexing, again]  # the last two: the kept block
+    # trailers of stream 7 that put x-a: b at entry 62 (the path moves to 63)
+    shift = _frame(0x1, 0x5, 7, b"\x40\x03x-a\x01b")
+    assert f.feed(shift) == shift
+    with pytest.raises(Refused, match=re.escape("path b'' is not a method this filter passes")):
+        f.feed(_frame(0x1, 0x4, 9, again))
+    f, decoded = fed()
+    f.feed(shift)
+    moved = _frame(0x1, 0x4, 9, b"\x83\x86\xbf")  # entry 63: the path
+    assert f.feed(moved) == moved and f.requests == 5
+    # a request whose block sets the table's size to 0 and back to 4,096 (emptied, same size)
+    f, decoded = fed()
+    emptied = _frame(0x1, 0x4, 9, b"\x20\x3f\xe1\x1f\x83\x86\x04" + bytes([len(path)]) + path)
+    assert f.feed(emptied) == emptied
+    with pytest.raises(Refused, match=re.escape("an undecodable header block (InvalidTableIndex)")):
+        f.feed(_frame(0x1, 0x4, 11, again))
+
+
+def test_header_blocks_kept_per_connection_are_bounded() -> None:
+    """At most SEEN_BLOCKS blocks of at most SEEN_BLOCK_MAX bytes each are kept per connection
+    (a member sending ever-new trailers holds no more)."""
+    from spotctl.head.grpc_filter import SEEN_BLOCK_MAX, SEEN_BLOCKS
+
+    f = H2RequestFilter(LIGHTHOUSE_METHODS)
+    f.feed(_frame(0x1, 0x4, 1, Encoder().encode(_req(QUORUM))))
+    sizes = []
+    for i in range(3 * SEEN_BLOCKS):
+        f.feed(_frame(0x1, 0x5, 1, b"\x00\x03x-n" + bytes([len(str(i))]) + str(i).encode()))
+        sizes.append(len(f._seen))
+    assert max(sizes) == SEEN_BLOCKS and sizes[:SEEN_BLOCKS] == list(range(1, SEEN_BLOCKS + 1))
+    value = b"v" * SEEN_BLOCK_MAX
+    long = b"\x00\x03x-n\x7f" + bytes([(len(value) - 127) & 0x7F | 0x80, (len(value) - 127) >> 7]) \
+        + value
+    f.feed(_frame(0x1, 0x5, 1, long))
+    assert len(long) > SEEN_BLOCK_MAX and long not in f._seen
+
+
+def test_the_servers_bytes_wait_while_the_client_reads_none() -> None:
+    """The server's side of a passed connection (grpc_filter._Back) writes what the server
+    sends straight to the client; while the client reads nothing the filter stops reading
+    the server once the client's send buffer is over BACK_HIGH (a member that never reads
+    its answers holds no more of the filter's memory), and reads it again, every byte in
+    order, when the client reads. The other way, the client's bytes wait (`full`) while
+    the server reads none."""
+    import asyncio
+
+    from spotctl.head.grpc_filter import BACK_HIGH, _Back, _Conn
+
+    sent = bytes(range(256)) * (4 * 4096)  # 4 MiB
+
+    async def until(cond: object) -> None:
+        for _ in range(3000):  # a deadline for the condition (30 s), not a timing check
+            if cond():  # type: ignore[operator]
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("condition not reached in 30 s")
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = \
+            loop.create_future()
+        server = await asyncio.start_server(lambda r, w: accepted.set_result((r, w)),
+                                            "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        mine, theirs = socket.socketpair()  # the filter's end and the client's
+        theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        theirs.setblocking(False)
+        _, client = await asyncio.open_connection(sock=mine)
+        up, back = await loop.create_connection(lambda: _Back(client, _Conn("c", client)),
+                                                "127.0.0.1", port)
+        srv_r, srv_w = await accepted
+        srv_w.write(sent)
+        await until(lambda: not up.is_reading())
+        assert client.transport.get_write_buffer_size() <= BACK_HIGH + 256 * 1024
+        got = bytearray()
+        while len(got) < len(sent):
+            got += await loop.sock_recv(theirs, 65536)
+        assert bytes(got) == sent and up.is_reading()
+        # the client's way: the server reads nothing, the filter's writes to it wait
+        while back.full is None:
+            up.write(b"\0" * 65536)
+            await asyncio.sleep(0)
+        waiting = back.full
+        assert not waiting.done()
+        await srv_r.readexactly(1 << 20)
+        await until(waiting.done)
+        assert back.full is None
+        srv_w.close()  # the server goes: the client's connection goes with it
+        await until(lambda: client.transport.is_closing())
+        theirs.close()
+        server.close()
+
+    asyncio.run(main())
