@@ -47,6 +47,9 @@ class Row:
     baseline: Stat | None
     unit: str
     note: str = ""
+    # figures a docs table reads beside the two sides (e.g. the quorum stability row's
+    # heals and heartbeat ages): saved with the row under these keys
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -54,6 +57,7 @@ class Row:
             "metric": self.metric,
             "spotctl": self.spotctl.to_json() if self.spotctl else None,
             "baseline": self.baseline.to_json() if self.baseline else None,
+            **self.extra,
             "unit": self.unit,
             "note": self.note,
         }
@@ -66,8 +70,9 @@ def row(
     base: Sequence[float],
     unit: str,
     note: str = "",
+    extra: dict[str, Any] | None = None,
 ) -> Row:
-    return Row(benchmark, metric, Stat.of(ours), Stat.of(base), unit, note)
+    return Row(benchmark, metric, Stat.of(ours), Stat.of(base), unit, note, dict(extra or {}))
 
 
 def _num(x: float) -> str:

@@ -474,8 +474,9 @@ def full_record(run: dict[str, Any]) -> bool:
                 and isinstance(m.get("load_average"), dict))
 
 
-# the command that measures each README row's cells in one recorded run
+# the commands that measure the README rows' cells, each row's in one recorded run
 README_RERUN = "scripts/bench recovery lost join --repeat 2 --save"
+QUORUM_RERUN = "scripts/bench quorum --save"
 
 
 def t_readme(r: Results, g: dict[str, Any]) -> str:
@@ -489,15 +490,17 @@ def t_readme(r: Results, g: dict[str, Any]) -> str:
     tn = f"notice -> first step at new size {TR_DOWN}"
     ln = "steps lost per notice, checkpoint every 10"
     jn = f"torchft: training pause at a join {FT_UP}"
+    qn = "torchft: next_step() waiting for its quorum"
     ot, of = "torchrun: step time vs plain DDP", "torchft: step time vs plain DDP"
     runs: list[str] = []  # run ids, numbered in the order the rows name them
     lines: list[list[str]] = []
-    missing: list[str] = []
+    missing: dict[str, list[str]] = {}  # the command that measures them -> rows not shown
 
     def add(label: str, keys: Sequence[tuple[str, str, str]],
-            cells: Callable[[], tuple[str, str]]) -> None:
+            cells: Callable[[], tuple[str, str]], rerun: str = README_RERUN) -> None:
         """The row `label` from the (benchmark, metric, side) cells `keys`, when they all
-        come from one run with a full record and each names its sample count."""
+        come from one run with a full record and each names its sample count; else named
+        below the table with `rerun`, the command that measures them in one run."""
         ids, counts = [], []
         for bench, metric, side in keys:
             row = r.row(bench, metric, side)
@@ -505,7 +508,7 @@ def t_readme(r: Results, g: dict[str, Any]) -> str:
             n = (row["spotctl"] if side == "run" else row["baseline"] or {}).get("n")
             counts.append(f"{'' if side == 'run' else 'baseline '}n={n}" if n else "")
         if len(set(ids)) != 1 or not full_record(r.runs[ids[0]]) or not all(counts):
-            missing.append(label)
+            missing.setdefault(rerun, []).append(label)
             return
         if ids[0] not in runs:
             runs.append(ids[0])
@@ -528,6 +531,8 @@ def t_readme(r: Results, g: dict[str, Any]) -> str:
                  f"{num(r.ours('lost', ln).median)} steps lost",
                  f"plain torchrun: {num(r.base('recovery', tn).median)} s, "
                  f"{num(r.base('lost', ln).median)} steps lost (checkpoint every 10)"))
+    add("quorum wait per step, torchft engine, 3 replica groups", [("quorum", qn, "run")],
+        lambda: (f"{num(r.ours('quorum', qn).median)} ms", ""), rerun=QUORUM_RERUN)
     add("step time with nothing failing, 2 ranks, MLP 6x2048",
         [("overhead", ot, "run"), ("overhead", of, "run"), ("overhead", ot, "baseline_run")],
         lambda: (f"torchrun engine {num(r.ours('overhead', ot).median)} s, "
@@ -541,8 +546,9 @@ def t_readme(r: Results, g: dict[str, Any]) -> str:
          f"(deterministic; rerun by {TEST})"])  # fmt: skip
     notes = [f"{i}. {run_record(r.runs[rid])}" for i, rid in enumerate(runs, 1)]
     if missing:
-        notes += ["", "Not shown until measured again in one recorded run ("
-                  f"`{README_RERUN}` on a quiet machine): " + "; ".join(missing) + "."]
+        notes += ["", "Not shown until measured again in one recorded run, on a quiet machine: "
+                  + "; ".join(f"{'; '.join(labels)} (`{cmd}`)" for cmd, labels in missing.items())
+                  + "."]
     return _table(["", "spotctl", "baseline", "runs (samples)"], lines) + "\n" + "\n".join(
         notes) + "\n"
 
@@ -592,13 +598,23 @@ def t_quorum_stability(r: Results) -> str:
          "spotctl's defaults (heartbeat timeout 250 ms)", "join timeout 100 ms (the baseline)"],
         [
             ["spurious regroupings per 1,000 steps", _cell(ours, ""), _cell(base, "")],
-            ["heals of the late replica", num(row["heals"]["spotctl"]),
-             num(row["heals"]["baseline"]) + " per run"],
+            ["heals of the late replica", _heals(row, "spotctl"),
+             _heals(row, "baseline", " per run")],
             ["oldest heartbeat of a live replica at the Lighthouse",
              ", ".join(f"{num(v)} ms (load {k})" for k, v in hb.items()), ""],
             ["load average", r.load("quorum", m), ""],
         ],
     )  # fmt: skip
+
+
+def _heals(row: dict[str, Any], side: str, unit: str = "") -> str:
+    """The late replica's heals per run on one side ('-' when no session of that side
+    finished); a row saved without them is refused in one line."""
+    if not isinstance(row.get("heals"), dict):
+        raise FiguresError(f"results file: quorum / {row['metric']} has no 'heals' "
+                           f"(scripts/bench quorum --save records them)")
+    x = row["heals"].get(side)
+    return "-" if x is None else num(x) + unit
 
 
 def t_head_restart(r: Results) -> str:

@@ -104,10 +104,18 @@ def _watch_heartbeats(address: str, stop: threading.Event, ages: list[float]) ->
         ages.extend(float(a) for a in re.findall(r"seen ([0-9.]+)s ago", page))
 
 
-def _straggler_session(ctx: Context, steps: int,
-                       env: dict[str, str]) -> tuple[float, int, str, float]:
-    """(spurious regroupings per 1,000 steps, times the straggler healed, error, the
-    oldest heartbeat of a replica the Lighthouse saw while all trained, in s)."""
+@dataclass
+class StragglerRun:
+    """One straggler session, from the steady replica's and the late one's quorum logs."""
+
+    regroupings_per_1000: float  # NaN when the session failed
+    heals: int  # times the late replica healed back in (its quorum log)
+    error: str
+    oldest_heartbeat_s: float  # the oldest heartbeat of a live replica the Lighthouse saw
+    load: float  # the machine's one-minute load average when the session ended
+
+
+def _straggler_session(ctx: Context, steps: int, env: dict[str, str]) -> StragglerRun:
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     import json
@@ -152,11 +160,12 @@ def _straggler_session(ctx: Context, steps: int,
         heals = sum(1 for x in log("late") if x["step"] > x["step_before"] > 0)
         ctx.log(f"straggler ({tag}): {changes} regroupings in {len(q)} steps, {heals} heals, "
                 f"oldest heartbeat {max(ages) * 1000:.0f} ms")
-        return 1000 * changes / max(1, len(q)), heals, "", max(ages)
+        return StragglerRun(1000 * changes / max(1, len(q)), heals, "", max(ages),
+                            os.getloadavg()[0])
     except (AssertionError, StopIteration, OSError) as e:
         err = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         ctx.log(f"straggler session ({tag}) failed: {err}")
-        return float("nan"), 0, err, max(ages)
+        return StragglerRun(float("nan"), 0, err, max(ages), os.getloadavg()[0])
     finally:
         stop.set()
         c.stop()
@@ -167,13 +176,17 @@ def _straggler_session(ctx: Context, steps: int,
                 os.environ[k] = v
 
 
-def bench(ctx: Context, nodes: int = 3, steps: int | None = None) -> list[Row]:
+def bench(ctx: Context, nodes: int = 3, steps: int | None = None,
+          short: bool = False) -> list[Row]:
+    """The quorum's price and, on a full run (`steps` None), its stability with a
+    straggler. `short` (scripts/bench quorum --short): the same rows from a few dozen
+    steps a session, a check of the plumbing, not figures for the docs."""
     os.environ.setdefault("RUST_LOG", "warn")  # torchft logs every quorum at info
     try:
         import torchft  # noqa: F401
     except ImportError:
         return [Row("quorum", "(skipped)", None, None, "", "torchft not installed (the 'ft' extra)")]
-    n = steps if steps is not None else ctx.reps(1) * 200
+    n = steps if steps is not None else 30 if short else ctx.reps(1) * 200
     f, b = _session(ctx, nodes, n, bare=False), _session(ctx, nodes, n, bare=True)
     note = (f"{nodes} replica groups, tiny MLP, no sleep: the step is mostly overhead "
             f"(the worst case for the quorum's share)")
@@ -188,7 +201,7 @@ def bench(ctx: Context, nodes: int = 3, steps: int | None = None) -> list[Row]:
             [x * 1000 for x in f.quorum_s], [], "ms",
             "the per-step Lighthouse round trip and the wait for the slowest replica"),
         # (the full benchmark only: a smoke run's step count is too short for stragglers)
-        *(straggler(ctx) if steps is None else []),
+        *(straggler(ctx, 60 if short else None) if steps is None else []),
     ]
 
 
@@ -196,12 +209,33 @@ def straggler(ctx: Context, steps: int | None = None) -> list[Row]:
     n = steps if steps is not None else ctx.reps(1) * 300
     ours = [_straggler_session(ctx, n, {}) for _ in range(ctx.reps(1))]
     before = [_straggler_session(ctx, n, BEFORE) for _ in range(ctx.reps(1))]
-    errors = "; ".join(e for _, _, e, _ in ours + before if e)
-    note = (f"3 replicas, one late to 8 % of its quorums by 0.5-1.5 s, {n} steps; goal 0; "
-            f"heals of the late replica: {sum(h for _, h, _, _ in ours)} (before: "
-            f"{sum(h for _, h, _, _ in before)}); oldest heartbeat the Lighthouse saw of a "
-            f"live replica: {max(a for *_, a in ours) * 1000:.0f} ms (timeout 250 ms); "
-            f"baseline: join timeout 100 ms" + (f"; error: {errors}" if errors else ""))
-    return [row("quorum", "torchft: spurious regroupings per 1,000 steps, jittery replica",
-                [x for x, _, e, _ in ours if not e], [x for x, _, e, _ in before if not e], "",
-                note)]
+    return [straggler_row(n, ours, before)]
+
+
+def straggler_row(steps: int, ours: list[StragglerRun], before: list[StragglerRun]) -> Row:
+    """The stability row of docs/benchmarks.md from the sessions of one run: the
+    regroupings of each side, and beside them (the `quorum-stability` table reads them)
+    the late replica's heals per run (the median over the side's sessions that finished)
+    and the oldest heartbeat the Lighthouse saw of a live replica under spotctl's timing,
+    in ms by the load it was seen at."""
+    ok_ours, ok_before = [x for x in ours if not x.error], [x for x in before if not x.error]
+    errors = "; ".join(x.error for x in ours + before if x.error)
+
+    def heals(runs: list[StragglerRun]) -> float | None:
+        return statistics.median(x.heals for x in runs) if runs else None
+
+    oldest: dict[str, float] = {}
+    for x in ok_ours:
+        k = f"{x.load:.0f}"
+        oldest[k] = max(oldest.get(k, 0.0), round(x.oldest_heartbeat_s * 1000))
+    note = (f"3 replicas, one late to 8 % of its quorums by 0.5-1.5 s, {steps} steps; goal 0; "
+            f"heals of the late replica per run: {heals(ok_ours)} (before: {heals(ok_before)}); "
+            f"oldest heartbeat the Lighthouse saw of a live replica: "
+            f"{max((x.oldest_heartbeat_s for x in ok_ours), default=0) * 1000:.0f} ms "
+            f"(timeout 250 ms); baseline: join timeout 100 ms"
+            + (f"; error: {errors}" if errors else ""))
+    return row("quorum", "torchft: spurious regroupings per 1,000 steps, jittery replica",
+               [x.regroupings_per_1000 for x in ok_ours],
+               [x.regroupings_per_1000 for x in ok_before], "", note,
+               extra={"heals": {"spotctl": heals(ok_ours), "baseline": heals(ok_before)},
+                      "oldest_heartbeat_ms": oldest})

@@ -206,6 +206,7 @@ def sigkill(c: Cluster) -> Result:
     node = _victim(c)
     _cycle(c, res, lambda: c.cli("kill", node, "--name", c.name), WORLD - 1)
     _gone(c, [node], res)
+    res.detail["killed"] = node
     res.notes = f"{node} killed; replay <= {EVERY} (interval)"
     return res
 
@@ -433,22 +434,32 @@ def corrupt_newest(c: Cluster) -> Result:
     return res
 
 
+Probe = Callable[[str, Cluster, Result | None], None]
+
+
 def run_cluster_scenarios(
     root: Path, only: set[str] | None = None, log: Callable[[str], None] = print,
     garbage_s: float = 30.0, step_sleep_s: float = 0.05,
+    train_env: dict[str, str] | None = None, probe: Probe | None = None,
 ) -> list[Result]:
     """The whole sequence on one 3-node cluster. Returns one Result per scenario.
     garbage_s: how long scenario 16 feeds the head garbage (the tests use less: a few
     4 s liveness windows are what it must outlast). step_sleep_s: the training step's
     stand-in for GPU work; the workers' steps are most of such a cluster's CPU, and most
-    scenarios wait out fixed times (hard stops, liveness windows), not step counts."""
+    scenarios wait out fixed times (hard stops, liveness windows), not step counts.
+    train_env: added to the training script's environment (the tests: sizes and an
+    optimizer whose result an uninterrupted run can match). probe(when, cluster, result):
+    called with "up" once the cluster trains, then "before KEY" and "after KEY" around
+    each scenario (result: the scenario's), to read the cluster's own records at those
+    moments (tests/faults/test_fault_matrix.py checks the rescale cycle with them); it
+    must not raise."""
     c = Cluster(
         root / "chaos",
         "chaos",
         f"2..{WORLD}",
         EVERY,
         train_env={"TRAIN_DATASET_SIZE": "4096", "TRAIN_GLOBAL_BATCH": "24",
-                   "TRAIN_STEP_SLEEP_S": str(step_sleep_s)},
+                   "TRAIN_STEP_SLEEP_S": str(step_sleep_s), **(train_env or {})},
         # a preemption blocks its zone for cooldown_s (default 15 min): replacements must be
         # launchable at once here
         extra_toml="\n[rebalance]\ncooldown_s = 0\n",
@@ -474,15 +485,19 @@ def run_cluster_scenarios(
         c.up()
         c.training(WORLD, past=EVERY + 5, timeout=240)
         log(f"cluster up and training at world {WORLD} in {time.time() - t:.0f}s")
+        look = probe or (lambda when, c, r: None)
+        look("up", c, None)
         for key, run, restore in plan:
             if only and key not in only:
                 continue
             t = time.time()
+            look(f"before {key}", c, None)
             try:
                 r = run()
             except Exception as e:  # one broken scenario must not hide the others
                 r = Result(f"{key} (failed)", notes=f"{type(e).__name__}: {str(e)[:300]}")
                 r.detail["error"] = str(e)[-4000:]
+            look(f"after {key}", c, r)
             out.append(r)
             victims += [v for v in (r.detail.get("victim"),) if v]
             log(
@@ -510,6 +525,7 @@ def run_cluster_scenarios(
             if v and c.node_pids(v):
                 r.leaks.append(f"{v}: alive after its hard stop")
         if not only or "17" in only:  # last: it takes the cluster down
+            look("before 17", c, None)
             try:
                 r = trust.rebalance_racing_down(c)
             except Exception as e:

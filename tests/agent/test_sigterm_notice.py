@@ -4,7 +4,8 @@ the notice comes, 30 s before the VM goes. The agent must not throw the graceful
 away then: with a notice it goes on until its node has left (or shortly before the
 notice's deadline); without one it stops, as it always did. The whole path, on a local
 cluster whose emulated GCP preemption sends that SIGTERM, is
-tests/e2e/test_rescale.py::test_notice_join_gcp_kill_cycle (both engines)."""
+tests/e2e/test_rescale.py::test_notice_join_gcp_kill_cycle_on_torchft (torchft) and
+tests/faults/test_fault_matrix.py::test_rescale_cycle_on_the_cluster (torchrun)."""
 
 from __future__ import annotations
 

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
+import re
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,12 +38,81 @@ CALM = {"7", "8", "11"}  # joins drain, flaky metadata disturbs nothing: no step
 STEP_SLEEP_S = 0.15
 
 
+class CycleRecords:
+    """The probe of the torchrun sequence (local.run_cluster_scenarios): the cluster's own
+    records read at the moments the rescale cycle's checks need them (issue 3's cycle,
+    tests/e2e/test_rescale.py's before it ran here: the AWS notice is scenario 1, the join
+    7, the GCP notice 2, the hard kill 3). Records only: test_rescale_cycle_on_the_cluster
+    asserts on them."""
+
+    def __init__(self) -> None:
+        self.at: dict[str, Any] = {}
+        self.errors: list[str] = []
+        self.cluster: Any = None
+
+    def __call__(self, when: str, c: Any, r: Result | None) -> None:
+        try:
+            self._read(when, c, r)
+        except Exception as e:  # noqa: BLE001 - named by the test, never hides a scenario
+            self.errors.append(f"{when}: {type(e).__name__}: {e}")
+
+    def _read(self, when: str, c: Any, r: Result | None) -> None:
+        from tests.e2e.test_rescale import _rendezvous_pids
+
+        self.cluster = c
+        if when == "up":
+            self.at["up"] = {"status": c.status(), "processes": len(c.processes())}
+        elif when.startswith("before "):
+            running = [n["id"] for n in c.status()["nodes"] if n["state"] == "running"]
+            self.at[when] = {"rescales": len(c.events("rescale")), "running": running,
+                             "t": time.time()}
+            if when == "before 1":  # the torchrun agents the store lists before the notice
+                self.at[when]["listed"] = _rendezvous_pids(c)
+            if when == "before 17":  # the last status before the cluster goes down, and
+                # each node's processes then
+                from spotctl.agent import proctree
+
+                self.at[when]["status"] = c.status()
+                self.at[when]["processes"] = {
+                    d.name: proctree.tagged(c.tag(d.name))
+                    for d in (c.cluster_dir / "nodes").iterdir()}
+        elif when.startswith("after ") and r is not None:
+            key = when.split()[1]
+            n0 = self.at[f"before {key}"]["rescales"]
+            rec: dict[str, Any] = {"rescales": c.events("rescale")[n0:], "events": c.events(),
+                                   "victim": r.detail.get("victim"), "detail": r.detail}
+            if key == "1":
+                v = r.detail["victim"]
+                nodes = c.cluster_dir / "nodes"
+                rec["report"] = json.loads((nodes / v / "status" / "worker-0.json").read_text())
+                rec["agent_log"] = (nodes / v / "agent.log").read_text()
+                rec["leave_log"] = (nodes / v / "leave.log").read_text()
+                rec["torchrun_logs"] = {
+                    n: (nodes / n / "torchrun.log").read_text()
+                    for n in self.at["before 1"]["running"] if n != v}
+            self.at[when] = rec
+
+
 @pytest.fixture(scope="module")
-def cluster_rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Result]:
-    # 16's garbage storm for 12 s, not scripts/chaos' 30 s: three 4 s liveness windows
-    rows = local.run_cluster_scenarios(tmp_path_factory.mktemp("chaos"), log=lambda m: None,
-                                       garbage_s=12.0, step_sleep_s=STEP_SLEEP_S)
-    return {r.scenario.split()[0]: r for r in rows}
+def cluster_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Result],
+                                                                     CycleRecords]:
+    # 16's garbage storm for 12 s, not scripts/chaos' 30 s: three 4 s liveness windows.
+    # The rescale cycle's sizes and optimizer (tests/e2e/test_rescale.py): the newest
+    # checkpoint must equal plain training of as many steps
+    from tests.e2e.test_rescale import CLIP, LR, OPTIM, G, N
+
+    probe = CycleRecords()
+    rows = local.run_cluster_scenarios(
+        tmp_path_factory.mktemp("chaos"), log=lambda m: None, garbage_s=12.0,
+        step_sleep_s=STEP_SLEEP_S, probe=probe,
+        train_env={"TRAIN_DATASET_SIZE": str(N), "TRAIN_GLOBAL_BATCH": str(G),
+                   "TRAIN_OPTIM": OPTIM, "TRAIN_LR": LR, "TRAIN_CLIP": CLIP})
+    return {r.scenario.split()[0]: r for r in rows}, probe
+
+
+@pytest.fixture(scope="module")
+def cluster_rows(cluster_run: tuple[dict[str, Result], CycleRecords]) -> dict[str, Result]:
+    return cluster_run[0]
 
 
 def _replays_from_workers(r: Result) -> None:
@@ -81,6 +154,127 @@ def test_cluster_scenario(cluster_rows: dict[str, Result], key: str) -> None:
         # the workers had trained up to the corrupted step and trained the steps since the
         # previous checkpoint again: the count sees each of them
         assert r.steps_replayed >= r.detail["corrupted"] - r.detail["previous"], r.detail
+
+
+def test_rescale_cycle_on_the_cluster(cluster_run: tuple[dict[str, Result], CycleRecords]) -> None:
+    """Issue 3's checkpoint-then-rescale cycle on the torchrun sequence's cluster (it ran on
+    a cluster of its own in tests/e2e/test_rescale.py): an AWS notice (scenario 1), the
+    join back (7), a GCP notice (2) and a hard kill (3), judged by the workers' own
+    records (their reports, the leaver's agent and leave logs, the survivors' torchrun
+    logs, the sample trace) beside the head's events; then every sample of an epoch once
+    and the newest checkpoint equal to plain training. The replay counts of each scenario
+    are test_cluster_scenario's."""
+    from tests.e2e.test_rescale import (
+        _check_exactly_once,
+        _check_matches_uninterrupted,
+    )
+
+    rows, probe = cluster_run
+    assert not probe.errors, probe.errors
+    at, c = probe.at, probe.cluster
+    # three nodes in one worker group, and what `status --json` says of each
+    st = at["up"]["status"]
+    running = [n for n in st["nodes"] if n["state"] == "running"]
+    assert {tuple(n["incarnations"]) for n in running} == {tuple(running[0]["incarnations"])}
+    assert len(running[0]["incarnations"]) == 1, st
+    assert st["world_size"] == sum(n["gpus"] for n in running) == 3, st
+    assert {n["id"] for n in st["nodes"]} == {"n1", "n2", "n3"}
+    assert st["provider"] == "local" and st["cost_per_hour"] == 0.0
+    keys = {"id", "state", "zone", "instance_type", "gpus", "step", "heartbeat_age_s"}
+    assert all(keys <= n.keys() and n["state"] == "running" for n in st["nodes"]), st
+    assert at["up"]["processes"] > 6  # head + 3 x (vm, agent, torchrun, worker)
+
+    # 1. AWS-style notice: the victim leaves, the survivors go on at 2 with no lost step
+    one = at["after 1"]
+    r = next(e for e in one["rescales"] if e["reason"] == "notice")
+    assert (r["from_world_size"], r["to_world_size"]) == (3, 2) and r["lost_steps"] == 0, r
+    v = one["victim"]
+    # the checkpoint the survivors resumed from is the step the leaver's own worker
+    # drained at (its report), not only what the head wrote into the event
+    rep = one["report"]
+    assert rep["phase"] == "drained" and rep["drain_step"] == r["resume_step"], (rep, r)
+    assert r["notice_to_resume_s"] > 0
+    # docs/operating.md: each rescale event carries the new workers' start-up and when
+    # they were forked
+    ws = r["worker_start"]
+    assert {"imports", "process_group", "restore", "first_step", "started_at"} <= set(ws), r
+    assert 0 < r["worker_spawned_after_s"] < r["notice_to_resume_s"], r
+    assert all(ws[k] >= 0 for k in ("imports", "process_group", "restore", "first_step")), r
+    # docs/concepts.md: the leaving node is out of the rendezvous (or silent for 4 s:
+    # counted out) before the survivors are released
+    evs = one["events"]
+    notice = next(e for e in evs if e["type"] == "notice" and e["node"] == v
+                  and e["ts"] >= at["before 1"]["t"])
+    out = min(e["ts"] for e in evs if e.get("node") == v and e["ts"] >= notice["ts"]
+              and e["type"] in ("leave", "node-unresponsive"))
+    release = next(e for e in evs if e["type"] == "drain-release" and e["ts"] >= notice["ts"])
+    assert out <= release["ts"] and release["why"] == "leavers gone", (out, release, evs[-20:])
+    # its agent took its torchrun out of the rendezvous under the pid it is listed with
+    # (forked by the zygote, torchrun is not the process the agent started), checked
+    # against the rendezvous as the store held it before the notice (under load the
+    # survivors may have counted the silent node out before its agent's leave ran, so
+    # "listed before" can be False then)
+    started = re.findall(r"torchrun started \(pid (\d+)\)", one["agent_log"])
+    left = re.findall(r"rendezvous leave of \S+ pid (\d+): listed before (\w+), gone after "
+                      r"(\w+)", one["leave_log"])
+    assert started and left and "left the rendezvous (ok)" in one["agent_log"], (
+        one["agent_log"][-3000:], one["leave_log"][-2000:])
+    pid, _, gone = left[-1]
+    listed = at["before 1"]["listed"]
+    assert int(pid) in listed and pid != started[-1] and gone == "True", (listed, left)
+    # each survivor's torchrun restarted its workers: because they exited non-zero, or
+    # (the first survivor back in the rendezvous makes the other's torchrun see a new
+    # round) because of that membership change; no worker ever exited 0 (done)
+    exits: list[int] = []
+    for n, log in one["torchrun_logs"].items():
+        codes = [int(x) for x in re.findall(r"failed \(exitcode: (-?\d+)\)", log)]
+        exits += codes
+        assert 0 not in codes and (codes or "new nodes from group_rank" in log), (n, codes)
+    assert exits, "no survivor's workers exited non-zero"
+
+    # 7. the join: `up` (killed mid-launch, then again) reconciles back to 3 through a drain
+    joins = [e for e in at["after 7"]["rescales"] if e["reason"] == "join"]
+    assert joins and (joins[-1]["from_world_size"], joins[-1]["to_world_size"]) == (2, 3), joins
+    assert all(e["lost_steps"] == 0 for e in joins), joins
+
+    # 2. GCP-style notice (30 s to hard stop): committed well inside the window
+    two = at["after 2"]
+    r = next(e for e in two["rescales"] if e["reason"] == "notice")
+    assert (r["from_world_size"], r["to_world_size"]) == (3, 2) and r["lost_steps"] == 0, r
+    notice = [e for e in two["events"] if e["type"] == "notice" and e["node"] == two["victim"]
+              and e["ts"] >= at["before 2"]["t"]][-1]
+    committed = [e for e in two["events"]
+                 if e["type"] == "drain-committed" and e["ts"] >= notice["ts"]][0]
+    assert committed["ts"] - notice["ts"] < 15.0
+    assert notice["deadline"] - notice["ts"] <= 31.0  # what the agent counts (GCP: 30)
+
+    # 3. hard failure, no notice: the head's loss bounded by the checkpoint interval too
+    r = next(e for e in at["after 3"]["rescales"] if e["reason"] == "failure")
+    assert (r["from_world_size"], r["to_world_size"]) == (3, 2) and r["engine"] == "torchrun", r
+    assert 0 <= r["lost_steps"] <= local.EVERY + 1, r
+
+    # the ends: the GCP notice's node was reclaimed at its hard stop with all its
+    # processes (no agent, torchrun, zygote or worker of it left), the killed node is
+    # lost (no notice came for it)
+    last = at["before 17"]["status"]
+    state = {n["id"]: n["state"] for n in last["nodes"]}
+    assert state[two["victim"]] in ("preempted", "lost"), state
+    assert at["before 17"]["processes"][two["victim"]] == [], at["before 17"]["processes"]
+    assert state[rows["3"].detail["killed"]] == "lost", state
+    # 17 took the cluster down (its leaks: none): the journal has it, and `down` of an
+    # unknown cluster says so in one line and fails with "not found" (3)
+    assert any(e["type"] == "down" for e in c.events())
+    p = c.cli("down", "--name", "nosuch", "--yes", check=False)
+    assert p.returncode == 3, (p.returncode, p.stderr)
+    assert p.stderr.strip().splitlines() == [
+        "error: no cluster named 'nosuch' (see `spotctl list`)"]
+    # every sample of an epoch once, and the newest checkpoint equals plain training
+    from spotctl.elastic.checkpoint import committed_steps
+
+    _check_exactly_once(c.trace_dir)
+    newest = committed_steps(c.ckpt_dir)[0]
+    assert newest >= last["last_checkpoint_step"]
+    _check_matches_uninterrupted(c, newest)
 
 
 # The torchft engine (scripts/chaos --engine torchft): one more 3-node cluster, the

@@ -27,12 +27,20 @@ import importlib.util
 import json
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import last_step, node_steps, send_and_read, up_ft_train, wait_until
+from tests.conftest import (
+    LocalCluster,
+    last_step,
+    node_steps,
+    send_and_read,
+    up_ft_train,
+    wait_until,
+)
 from tests.security.torchft_attacks import (
     grpc_call,
     http1,
@@ -48,9 +56,46 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 NODES = ("n1", "n2")
 
 
-def test_torchft_kill_routes(local_cluster: Any) -> None:
-    c = local_cluster("ftk")
-    logs = up_ft_train(c, 2)
+@pytest.fixture(scope="module")
+def ft_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Path]]:
+    """One 2-node torchft cluster for both tests, in this order: the fake replica's (its
+    check: every step once from step 1 by the workers started with the cluster), then the
+    kill routes' (the Kill RPC of its part (b) ends one replica's worker). `down` at the
+    end, as each test did; a cluster of its own each cost one more start."""
+    c = LocalCluster(tmp_path_factory.mktemp("ft") / "ftk", "ftk")
+    try:
+        logs = up_ft_train(c, 2)
+        yield c, logs
+        c.cli("down", "--name", "ftk", "--yes")
+    finally:
+        c.teardown()
+
+
+def test_a_fake_replica_runs_no_code_in_the_replicas_it_heals(
+        ft_cluster: tuple[Any, Path]) -> None:
+    c, logs = ft_cluster
+    lighthouse = json.loads((c.cluster_dir / "head" / "head.json").read_text())["lighthouse"]
+    marker = c.tmp / "payload-ran"
+    out = c.tmp / "fake.log"
+    # the real replicas are told to heal from it, and refuse what it sends
+    refused = run_fake_replica(lighthouse, marker, c.cluster_dir, 2, out, c.env)
+    assert refused >= 2 or marker.exists(), out.read_text(errors="replace")[-3000:] + c.debug()
+    assert not marker.exists(), "the fake replica's payload ran in a replica"
+    pids = {n: node_steps(logs, n)[0]["pid"] for n in NODES}
+    marks = {n: last_step(logs, n) for n in NODES}
+    wait_until(lambda: all(last_step(logs, n) >= marks[n] + 10 for n in NODES), 180,
+               "both replicas 10 steps past the fake's exit", 0.5, c.debug)
+    for n in NODES:  # every step once, in order, by the worker started with the cluster
+        rows = node_steps(logs, n)
+        steps = [s["step"] for s in rows]
+        assert steps == list(range(1, len(steps) + 1)), (n, steps)  # never the fake's step
+        assert {s["pid"] for s in rows} == {pids[n]}, f"{n}'s worker was restarted"
+    assert not marker.exists()
+
+
+def test_torchft_kill_routes(ft_cluster: tuple[Any, Path]) -> None:
+    """(after the fake replica's test, on the same cluster: its part (b) ends a worker)"""
+    c, logs = ft_cluster
     lighthouse = json.loads((c.cluster_dir / "head" / "head.json").read_text())["lighthouse"]
     assert lighthouse
 
@@ -101,30 +146,6 @@ def test_torchft_kill_routes(local_cluster: Any) -> None:
                0.5, c.debug)
     assert {s["pid"] for s in node_steps(logs, other)} == {pids[other]}, \
         f"{other}'s worker was restarted by another replica's kill"
-    c.cli("down", "--name", "ftk", "--yes")
-
-
-def test_a_fake_replica_runs_no_code_in_the_replicas_it_heals(local_cluster: Any) -> None:
-    c = local_cluster("ftf")
-    logs = up_ft_train(c, 2)
-    lighthouse = json.loads((c.cluster_dir / "head" / "head.json").read_text())["lighthouse"]
-    marker = c.tmp / "payload-ran"
-    out = c.tmp / "fake.log"
-    # the real replicas are told to heal from it, and refuse what it sends
-    refused = run_fake_replica(lighthouse, marker, c.cluster_dir, 2, out, c.env)
-    assert refused >= 2 or marker.exists(), out.read_text(errors="replace")[-3000:] + c.debug()
-    assert not marker.exists(), "the fake replica's payload ran in a replica"
-    pids = {n: node_steps(logs, n)[0]["pid"] for n in NODES}
-    marks = {n: last_step(logs, n) for n in NODES}
-    wait_until(lambda: all(last_step(logs, n) >= marks[n] + 10 for n in NODES), 180,
-               "both replicas 10 steps past the fake's exit", 0.5, c.debug)
-    for n in NODES:  # every step once, in order, by the worker started with the cluster
-        rows = node_steps(logs, n)
-        steps = [s["step"] for s in rows]
-        assert steps == list(range(1, len(steps) + 1)), (n, steps)  # never the fake's step
-        assert {s["pid"] for s in rows} == {pids[n]}, f"{n}'s worker was restarted"
-    assert not marker.exists()
-    c.cli("down", "--name", "ftf", "--yes")
 
 
 def _proc_gone(pid: int) -> bool:

@@ -276,7 +276,8 @@ def test_a_readme_row_is_shown_only_from_one_full_run(tmp_path: Path) -> None:
         "2.5 s, 0 steps lost", "plain torchrun: 48 s, 9 steps lost (checkpoint every 10)"]
     assert records["1"].startswith("`scripts/bench recovery lost join --repeat 2 --save`, "
                                    "1970-01-02, ")
-    assert "Not shown" not in block
+    # (the quorum wait, from a transcribed run, is still named below the table)
+    assert not [c[0] for c in got if c[0] in block.split("Not shown", 1)[-1]]
     # the same rows from a run whose record lacks its commit: left out, named below
     data = json.loads(path.read_text())
     (rid,) = {x["run"] for x in data["rows"] if x["metric"] == rows[2]["metric"]}
@@ -309,3 +310,45 @@ def test_a_saved_run_records_its_commit(tmp_path: Path) -> None:
     assert rec["commit"] and len(rec["commit"]) >= 7
     assert figures.run_record(rec).startswith(
         f"`scripts/bench quorum --save`, 1970-01-01, {rec['commit']}, torch ")
+
+
+def test_a_saved_quorum_run_renders_its_tables_and_readme_row(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`scripts/bench quorum --save` (issue 63): the rows of one full quorum run, as the
+    benchmark builds them (its sessions replaced by fixed figures), saved and rendered.
+    The stability table reads the late replica's heals and the oldest heartbeat from the
+    saved row, and the README's quorum-wait row is shown, citing that one run."""
+    from bench_lib import quorum
+    from bench_lib.core import Context, rows_json
+
+    monkeypatch.setitem(sys.modules, "torchft", sys.modules.get("torchft") or object())
+    monkeypatch.setattr(quorum, "_session", lambda ctx, nodes, steps, bare: quorum.QuorumFigures(
+        step_s=[0.012 if bare else 0.007] * steps,
+        quorum_s=[] if bare else [0.0025] * steps))
+    runs = iter([quorum.StragglerRun(0.0, 1, "", 0.061, 2.4),  # spotctl's timing
+                 quorum.StragglerRun(52.0, 7, "", 0.9, 2.6)])  # the baseline's
+    monkeypatch.setattr(quorum, "_straggler_session", lambda ctx, steps, env: next(runs))
+    rows = quorum.bench(Context(work=tmp_path / "work", out=tmp_path / "out", quiet=True))
+    assert [r.metric for r in rows] == [
+        "torchft: step time, sync quorum vs bare torchft's async",
+        "torchft: next_step() waiting for its quorum",
+        "torchft: spurious regroupings per 1,000 steps, jittery replica"]
+    t = _tree(tmp_path)
+    path = t / "docs/figures/bench-results.json"
+    run = figures.save(json.loads(rows_json(rows)), "scripts/bench quorum --save",
+                       started={"load_average": [2.0, 2.0, 2.0]}, elapsed_s=600, path=path,
+                       now=86400)  # fmt: skip
+    saved = {r["metric"]: r for r in figures.read_results(path)["rows"]}
+    stab = saved["torchft: spurious regroupings per 1,000 steps, jittery replica"]
+    assert stab["run"] == run and stab["heals"] == {"spotctl": 1, "baseline": 7}
+    assert stab["oldest_heartbeat_ms"] == {"2": 61}
+    tables = figures.render_tables(figures.read_results(path),
+                                   figures.read_goodput(t / "docs/figures/goodput.json"))
+    assert "| heals of the late replica | 1 | 7 per run |" in tables["quorum-stability"]
+    assert "| 61 ms (load 2) |" in tables["quorum-stability"]
+    assert "| `next_step()` wait for the quorum | 2.5 ms |" in tables["quorum"]
+    got, records, block = _readme_block(figures.rendered(t)["README.md"][1])
+    (wait,) = [c for c in got if c[0].startswith("quorum wait per step")]
+    assert wait[1:3] == ["2.5 ms", ""], wait
+    assert records[wait[3].split()[0]].startswith("`scripts/bench quorum --save`, 1970-01-02, ")
+    assert wait[3].endswith("(n=200)") and "quorum wait" not in block.split("\n\n", 1)[1]
