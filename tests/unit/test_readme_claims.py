@@ -50,7 +50,9 @@ KNOBS = {"SPOTCTL_FT_JOIN_TIMEOUT_MS", "SPOTCTL_FT_HEARTBEAT_TIMEOUT_MS", "SPOTC
          "SPOTCTL_CRASH_LIMIT", "SPOTCTL_LOGS_RAW",
          # a plain torchrun script's grace between its notice and SIGTERM
          # (docs/guides/torchrun-script.md)
-         "SPOTCTL_NOTICE_GRACE_S"}
+         "SPOTCTL_NOTICE_GRACE_S",
+         # a worker's C heap left as glibc sets it (issue 58: docs/reference/spec.md)
+         "SPOTCTL_MALLOC_KEEP"}
 
 
 
