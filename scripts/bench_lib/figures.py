@@ -290,19 +290,25 @@ def t_quorum(r: Results) -> str:
 
 def t_overhead(r: Results) -> str:
     cpu = "worker CPU per step vs plain DDP"
+    same = ", same malloc settings"
     lines = [["plain DDP under torchrun", r.base("overhead", "torchrun: step time vs plain DDP")
-              .text("s"), "", r.base("overhead", f"torchrun: {cpu}").text("s")]]  # fmt: skip
+              .text("s"), "", "", r.base("overhead", f"torchrun: {cpu}").text("s")],
+             ["plain DDP under torchrun, spotctl's malloc settings",
+              r.base("overhead", f"torchrun: step time vs plain DDP{same}").text("s"), "", "",
+              r.base("overhead", f"torchrun: {cpu}{same}").text("s")]]  # fmt: skip
     for e in ("torchrun", "torchft"):
         lines.append(
             [
                 f"{e} engine",
                 r.ours("overhead", f"{e}: step time vs plain DDP").text("s"),
                 r.ours("overhead", f"{e}: speed as a fraction of plain DDP's").text(),
+                r.ours("overhead", f"{e}: speed as a fraction of plain DDP's{same}").text(),
                 r.ours("overhead", f"{e}: {cpu}").text("s"),
             ]
         )
     return _table(["", "step time", "plain DDP's step time / this one",
-                   "worker CPU per step"], lines)
+                   "the same, plain with spotctl's malloc settings", "worker CPU per step"],
+                  lines)
 
 
 CKPT_LOOP = (("132 MB", "process"), ("132 MB", "thread"), ("36 MB", "process"), ("36 MB", "thread"))

@@ -6,10 +6,13 @@ per step, the loss passed to end_step), on the same number of ranks, three ways:
 - plain: plain DDP as `torchrun --standalone --nproc-per-node=N train.py` runs it, in the
   environment this command was started with (torchrun's own OMP_NUM_THREADS=1 for N > 1,
   no pinning, the script's own data);
+- plain-keep: the same plain DDP with glibc's malloc set as spotctl.elastic.init() sets
+  it in its workers (keep_freed_memory: MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_
+  at the same values), so that an engine's cost is read apart from that setting;
 - torchft / torchrun: the same loop through spotctl.elastic.Run on a local cluster of one
   node per rank (`spotctl up`, `[train] engine = ...`).
-A round runs the three in turn (plain, torchft, torchrun); rounds repeat, so a slow spell
-of a shared machine falls on all three. Per run, from the first rank's own step log after
+A round runs the four in turn (plain, plain-keep, torchft, torchrun); rounds repeat, so a
+slow spell of a shared machine falls on all four. Per run, from the first rank's own step log after
 the warm-up: the median step gap (wall) and the median CPU time of that worker per step
 (every thread of the process; less moved by other load than the wall time), with the
 machine's load average and CPU busy share (/proc/stat) over the same seconds. Per round,
@@ -38,6 +41,8 @@ from .spotctl_session import NO_HEAD_LOOP, Cluster
 WARMUP = 10
 SCRIPT = LIB / "train_steady.py"
 ENGINES = ("torchft", "torchrun")
+# glibc's environment settings for what spotctl.elastic.keep_freed_memory() sets by mallopt
+KEEP = "plain-keep"
 GOAL = 0.98  # issue 58: each engine at least this fraction of plain DDP's speed
 
 
@@ -248,11 +253,20 @@ def _torchrun() -> str:
     return str(exe) if exe.exists() else shutil.which("torchrun") or "torchrun"
 
 
-def plain(work: Path, ranks: int, steps: int, width: int) -> RunResult:
-    """`torchrun --standalone --nproc-per-node=RANKS train.py`, as a user types it."""
+def keep_env() -> dict[str, str]:
+    """glibc's malloc, by environment, as spotctl's workers set it by mallopt."""
+    from spotctl.elastic import MALLOC_MMAP_BYTES, MALLOC_TRIM_BYTES
+
+    return {"MALLOC_MMAP_THRESHOLD_": str(MALLOC_MMAP_BYTES),
+            "MALLOC_TRIM_THRESHOLD_": str(MALLOC_TRIM_BYTES)}
+
+
+def plain(work: Path, ranks: int, steps: int, width: int, keep: bool = False) -> RunResult:
+    """`torchrun --standalone --nproc-per-node=RANKS train.py`, as a user types it (`keep`:
+    with spotctl's malloc settings, keep_env())."""
     log = work / "steps.log"
     shutil.copy(SCRIPT, work / "train.py")
-    env = dict(os.environ, **_env(log, steps, width, "plain"))
+    env = dict(os.environ, **_env(log, steps, width, "plain"), **(keep_env() if keep else {}))
     out = open(work / "torchrun.log", "w")
     p = subprocess.Popen([_torchrun(), "--standalone", f"--nproc-per-node={ranks}",
                           "train.py"], env=env, cwd=work, stdout=out, stderr=subprocess.STDOUT,
@@ -267,7 +281,7 @@ def plain(work: Path, ranks: int, steps: int, width: int) -> RunResult:
     if rc != 0:
         tail = (work / "torchrun.log").read_text()[-800:]
         raise RuntimeError(f"plain DDP exited {rc}: {tail}")
-    return _result("plain", log, probe)
+    return _result(KEEP if keep else "plain", log, probe)
 
 
 def ctx_log(msg: str) -> None:
@@ -320,18 +334,22 @@ def summary(rounds: list[dict[str, RunResult]]) -> list[str]:
     """The lines printed after the runs: each round, then each engine over the rounds."""
     out = []
     for i, r in enumerate(rounds, 1):
-        p = r["plain"]
         for name, res in r.items():
-            extra = "" if name == "plain" else (
-                f"; plain/{name} wall {p.step_s / res.step_s:.3f}, "
-                f"CPU {p.cpu_s / res.cpu_s:.3f}")
+            extra = "".join(
+                f"; {b}/{name} wall {r[b].step_s / res.step_s:.3f}, "
+                f"CPU {r[b].cpu_s / res.cpu_s:.3f}"
+                for b in ("plain", KEEP) if b in r and name not in ("plain", b))
             out.append(f"round {i}  {res.describe()}{extra}")
     out += profile(rounds)
     for e in ENGINES:
-        wall = [r["plain"].step_s / r[e].step_s for r in rounds]
-        cpu = [r["plain"].cpu_s / r[e].cpu_s for r in rounds]
-        out.append(f"{e}: speed as a fraction of plain DDP's, wall {_spread(wall)}; "
-                   f"worker CPU {_spread(cpu)}; goal >= {GOAL} with the spread within 2 %")
+        for b, what in (("plain", "plain DDP's"),
+                        (KEEP, "plain DDP's with spotctl's malloc settings")):
+            if b not in rounds[0]:
+                continue
+            wall = [r[b].step_s / r[e].step_s for r in rounds]
+            cpu = [r[b].cpu_s / r[e].cpu_s for r in rounds]
+            out.append(f"{e}: speed as a fraction of {what}, wall {_spread(wall)}; "
+                       f"worker CPU {_spread(cpu)}; goal >= {GOAL} with the spread within 2 %")
     return out
 
 
@@ -368,11 +386,11 @@ def bench(ctx: Context, ranks: int = 2, steps: int | None = None,
     rounds: list[dict[str, RunResult]] = []
     for i in range(reps):
         rnd: dict[str, RunResult] = {}
-        for name in ("plain", *ENGINES):
+        for name in ("plain", KEEP, *ENGINES):
             d = ctx.subdir(f"overhead-{name}-{i}")
             t0 = time.monotonic()
-            rnd[name] = (plain(d, ranks, n, width) if name == "plain"
-                         else on_spotctl(d, ranks, n, width, name))
+            rnd[name] = (plain(d, ranks, n, width, keep=name == KEEP)
+                         if name in ("plain", KEEP) else on_spotctl(d, ranks, n, width, name))
             ctx.log(f"overhead round {i + 1}: {rnd[name].describe()} "
                     f"({time.monotonic() - t0:.0f} s in all)")
         rounds.append(rnd)
@@ -384,8 +402,8 @@ def bench(ctx: Context, ranks: int = 2, steps: int | None = None,
     loads = [r[k].load for r in rounds for k in r]
     busy = [r[k].busy for r in rounds for k in r]
     note = (f"{ranks} ranks, MLP 6x{width} GELU, cross-entropy, AdamW, global batch 256, "
-            f"batches made per step; median step of each of {reps} rounds (plain, torchft, "
-            f"torchrun in turn; {n - WARMUP - 1} steps after {WARMUP} warm-up); load "
+            f"batches made per step; median step of each of {reps} rounds (plain, plain "
+            f"with spotctl's malloc settings, torchft, torchrun in turn; {n - WARMUP - 1} steps after {WARMUP} warm-up); load "
             f"{min(loads):.1f}-{max(loads):.1f}, CPU busy {min(busy):.0%}-{max(busy):.0%}")
     rows = []
     for e in ENGINES:
@@ -402,4 +420,17 @@ def bench(ctx: Context, ranks: int = 2, steps: int | None = None,
                         "CPU seconds of the first rank's worker process per step (all its "
                         "threads); plain / engine per round: "
                         + ", ".join(f"{x:.3f}" for x in cpu)))
+        same = [r[KEEP].step_s / r[e].step_s for r in rounds]
+        rows.append(row("overhead", f"{e}: step time vs plain DDP, same malloc settings",
+                        [r[e].step_s for r in rounds], [r[KEEP].step_s for r in rounds], "s",
+                        "the baseline: plain DDP with MALLOC_MMAP_THRESHOLD_ and "
+                        "MALLOC_TRIM_THRESHOLD_ as spotctl's workers set them"))
+        rows.append(row("overhead", f"{e}: speed as a fraction of plain DDP's, same malloc "
+                        "settings", same, [], "", "plain-keep step time / engine step time, "
+                        f"per round; goal >= {GOAL}, spread within 2 %"))
+        rows.append(row("overhead", f"{e}: worker CPU per step vs plain DDP, same malloc "
+                        "settings", [r[e].cpu_s for r in rounds],
+                        [r[KEEP].cpu_s for r in rounds], "s",
+                        "plain-keep / engine per round: " + ", ".join(
+                            f"{r[KEEP].cpu_s / r[e].cpu_s:.3f}" for r in rounds)))
     return rows

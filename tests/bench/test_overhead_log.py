@@ -74,6 +74,27 @@ def test_summary_prints_each_round_and_the_spread_of_ratios() -> None:
     assert "cores: worker" in text and "forward" in text
 
 
+def test_summary_reads_each_engine_against_plain_with_the_same_malloc_settings() -> None:
+    """spotctl's workers keep freed memory (elastic.keep_freed_memory); plain DDP does not,
+    so each engine is also read against plain DDP with the same setting (issue 58)."""
+    rounds = [{"plain": _res("plain", 0.60, 0.55), "plain-keep": _res("plain-keep", 0.50, 0.48),
+               "torchft": _res("torchft", 0.52, 0.50), "torchrun": _res("torchrun", 0.50, 0.48)}]
+    text = "\n".join(summary(rounds))
+    assert "plain/plain-keep wall 1.200" in text
+    assert "plain-keep/torchft wall 0.962, CPU 0.960" in text
+    assert "torchft: speed as a fraction of plain DDP's with spotctl's malloc settings, " \
+           "wall 0.962" in text
+    assert "torchft: speed as a fraction of plain DDP's, wall 1.154" in text
+    assert "plain-keep/plain" not in text and "plain-keep/plain-keep" not in text
+
+
+def test_plain_keep_sets_what_the_workers_set() -> None:
+    from spotctl.elastic import MALLOC_MMAP_BYTES, MALLOC_TRIM_BYTES
+
+    assert overhead.keep_env() == {"MALLOC_MMAP_THRESHOLD_": str(MALLOC_MMAP_BYTES),
+                                   "MALLOC_TRIM_THRESHOLD_": str(MALLOC_TRIM_BYTES)}
+
+
 def test_roles_and_cores_of_a_run() -> None:
     assert role("python -m spotctl.head.lighthouse 127.0.0.1 0") == "lighthouse"
     assert role("python -m spotctl.cli.app head --dir x --supervise") == "head"
