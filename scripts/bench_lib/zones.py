@@ -53,9 +53,9 @@ class Size:
     rounds: int  # default repeats
 
 
-# 400 steps: DiLoCo's groups drift apart between syncs; after 100 steps (5 syncs) its loss
-# was 90 % above DDP's (2026-12-07, load 8: 0.0268 vs 0.0141), after 400 (20 syncs) 8 %
-# (0.00596 vs 0.00552, load 3-9). The speed rows come from the same runs.
+# 400 steps: DiLoCo's loss after 100 steps (5 syncs) was 90 % above DDP's (2026-12-07,
+# outer 0.7/0.5); after 400 (20 syncs) with the sweep's outer 0.5/0.7 it was below it
+# (docs/benchmarks.md "Across zones"). The speed rows come from the same runs.
 FULL = Size(hidden=1024, batch=32, samples=4 * 32 * 400, rounds=2)
 SHORT = Size(hidden=256, batch=32, samples=4 * 32 * 12, rounds=1)  # what the slow test runs
 
