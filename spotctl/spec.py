@@ -33,6 +33,7 @@ PROVIDERS = ("local", "aws", "gcp", "ssh")
 Engine = Literal["torchrun", "torchft"]  # [train] engine
 ENGINES: tuple[str, ...] = get_args(Engine)
 Sync = Literal["ddp", "diloco", "localsgd"]  # [train] sync
+OnNotice = Literal["auto", "next_sync", "drop"]  # [train] on_notice
 DEFAULT_ENGINE: Engine = "torchft"  # the spec's, `spotctl init`'s and `scripts/chaos`'s
 SPEC_FILE = "spotctl.toml"
 _NAME_RE = re.compile(r"[a-z][a-z0-9-]{0,38}[a-z0-9]|[a-z]")  # fullmatch: no trailing \n
@@ -210,6 +211,12 @@ class TrainSpec(_Strict):
     outer_lr: float = Field(default=0.7, gt=0, le=100, allow_inf_nan=False)
     # diloco: the outer optimizer's Nesterov momentum (0 = none).
     outer_momentum: float = Field(default=0.9, ge=0, lt=1, allow_inf_nan=False)
+    # diloco/localsgd: what a group with a notice does in the middle of a round.
+    # "next_sync": trains to the round's end, syncs, then leaves (nothing lost, if the
+    # notice's lead covers it); "drop": leaves now, its local steps since the last sync
+    # dropped (the others' sync of that round fails and they train it again without it);
+    # "auto": next_sync when the lead covers twice the time to the sync plus 5 s, else drop.
+    on_notice: OnNotice = "auto"
     # On cloud nodes, where the bootstrap has root, training workers run as this
     # unprivileged user (created if missing) and cannot read the node's credential;
     # "" = they run as the agent's user. Local nodes always run as you.
@@ -249,6 +256,8 @@ class TrainSpec(_Strict):
             if self.sync == "diloco":
                 out.update(SPOTCTL_OUTER_LR=repr(self.outer_lr),
                            SPOTCTL_OUTER_MOMENTUM=repr(self.outer_momentum))
+            if self.on_notice != "auto":
+                out.update(SPOTCTL_ON_NOTICE=self.on_notice)
         return out
 
     @field_validator("run_as")

@@ -53,9 +53,9 @@ class Size:
     rounds: int  # default repeats
 
 
-# 400 steps: DiLoCo's groups drift apart between syncs; after 100 steps (5 syncs) its loss
-# was 90 % above DDP's (2026-12-07, load 8: 0.0268 vs 0.0141), after 400 (20 syncs) 8 %
-# (0.00596 vs 0.00552, load 3-9). The speed rows come from the same runs.
+# 400 steps: DiLoCo's loss after 100 steps (5 syncs) was 90 % above DDP's (2026-12-07,
+# outer 0.7/0.5); after 400 (20 syncs) with the sweep's outer 0.5/0.7 it was below it
+# (docs/benchmarks.md "Across zones"). The speed rows come from the same runs.
 FULL = Size(hidden=1024, batch=32, samples=4 * 32 * 400, rounds=2)
 SHORT = Size(hidden=256, batch=32, samples=4 * 32 * 12, rounds=1)  # what the slow test runs
 
@@ -69,13 +69,13 @@ class Setting:
     loads: list[float] = field(default_factory=list)
 
 
-# The DiLoCo row's [train] section: what a user of docs/guides/diloco.md would write for a
-# short run: H of a few dozen steps (20: 20 syncs in 400 steps), the DiLoCo paper's outer
-# learning rate, and an outer momentum of 0.5, as the guide advises for a run of a handful
-# of syncs (measured here, 2026-12-07: 0.9 ended at 4x the loss of 0.5; H = 10, outer_lr
-# 1, or another inner learning rate, each a little or much higher: docs/benchmarks.md)
-DILOCO = {"engine": "torchft", "sync": "diloco", "sync_every": 20, "outer_lr": 0.7,
-          "outer_momentum": 0.5}
+# The DiLoCo row's [train] section: H = 20 (20 syncs in 400 steps) and the outer settings
+# the sweep chose (scripts/bench_lib/zones_sweep.py, 2026-12-07, docs/benchmarks.md "Across
+# zones"): outer_lr 0.5 with outer_momentum 0.5 ended 1.5 % below DDP's loss; the DiLoCo
+# paper's 0.7/0.9 and the earlier 0.7/0.5 8 % above, localsgd 57 %, H = 5, 10 or 40 worse
+# still (and H = 5 or 10 too slow here: each sync takes ~0.5 s on the 100 Mbit/s link)
+DILOCO = {"engine": "torchft", "sync": "diloco", "sync_every": 20, "outer_lr": 0.5,
+          "outer_momentum": 0.7}
 DILOCO_SHORT = dict(DILOCO, sync_every=4)  # --short: 12 steps, three syncs
 
 

@@ -852,6 +852,14 @@ class Agent:
         end = max(end, now)
         body = {"reason": "notice" if self.notice is not None else "rescale",
                 "deadline": round(end, 3), "id": f"{self.cfg.node_id}-{self.head_id}-{drain['gen']}"}
+        self._write_notice_file(body)  # (if it fails, the grace still ends, with SIGTERM)
+        self.plain_grace_end = end
+        self.plain_noticed = {int(w.get("pid") or 0) for w in plain}
+        log.info("notice to a plain script's workers (%s): SIGTERM in %.1fs at the latest",
+                 body["reason"], end - now)
+
+    def _write_notice_file(self, body: dict[str, Any]) -> None:
+        """The notice file (SPOTCTL_NOTICE_FILE), whole or not at all."""
         tmp = self.notice_path.with_name(f".notice-{os.getpid()}.tmp")
         try:
             tmp.unlink(missing_ok=True)
@@ -859,12 +867,8 @@ class Agent:
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(body))
             os.replace(tmp, self.notice_path)
-        except OSError as e:  # the grace still ends, with SIGTERM
+        except OSError as e:
             log.warning("notice file %s: %s", self.notice_path, e)
-        self.plain_grace_end = end
-        self.plain_noticed = {int(w.get("pid") or 0) for w in plain}
-        log.info("notice to a plain script's workers (%s): SIGTERM in %.1fs at the latest",
-                 body["reason"], end - now)
 
     def _present(self, workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """A plain script's noticed workers count as drained once their grace is over (the
@@ -932,6 +936,13 @@ class Agent:
         if self.state == "running" and (self.notice is not None or (reply or {}).get("leave")):
             # a notice, or the head asks (rebalance): the same graceful leave
             self.state = "leaving"
+            dl = (self.notice or {}).get("deadline")
+            if isinstance(dl, (int, float)) and math.isfinite(dl):
+                # its lead, for diloco/localsgd's on_notice = "auto" (spotctl.elastic.ft:
+                # train to the round's sync, or leave now and drop the round's local steps)
+                self._write_notice_file({"reason": "notice",
+                                         "deadline": round(dl - 2 * TERM_DEADLINE_MARGIN_S, 3),
+                                         "id": f"{self.cfg.node_id}-{self.head_id}-leave"})
             self.signal_workers(signal.SIGUSR1, workers)
             self._heartbeat()
             return

@@ -65,7 +65,7 @@ from spotctl.elastic import (
     write_status,
 )
 from spotctl.elastic.ftwatch import Watch, status_page
-from spotctl.elastic.outer import OuterSync, SyncConfig
+from spotctl.elastic.outer import OuterSync, SyncConfig, notice_action, notice_lead
 
 log = logging.getLogger("spotctl.elastic.ft")
 # cross-replica collectives and heals: a live replica held up (a first torch.compile step,
@@ -551,6 +551,8 @@ class FtRun(Run):
         self._outer_in_ckpt = True  # (False while restoring a checkpoint written on ddp)
         self.failed_syncs = 0
         self.dropped_steps = 0
+        self._drop_agreed = False  # a notice in a round: leave now, its local steps dropped
+        self.notice_dropped: int | None = None  # ... how many (reported: a notice_drop event)
         self.sync_s = 0.0  # seconds the last sync took (its averaging and vote)
         t_restore = time.time()
         self.resume_step = self._restore()  # the last committed checkpoint, if any
@@ -904,7 +906,8 @@ class FtRun(Run):
     def next_step(self) -> bool:
         # diloco/localsgd: a notice is taken at a round's start (the sync before it
         # committed, or failed and was rewound): the group leaves with nothing unsynced
-        if self._leave_agreed() and self._round is None:
+        # unless it drops them ([train] on_notice: spotctl.elastic.outer.notice_action)
+        if self._leave_agreed() and (self._round is None or self._drop_agreed):
             self._leave()
         if self.max_steps and self.step >= self.max_steps:
             return False
@@ -1090,10 +1093,27 @@ class FtRun(Run):
         return torch.full(value.shape, float("nan"), dtype=dtype, device=value.device)
 
     def _leave_agreed(self) -> bool:
-        flag = self._control_flags()
+        """The control flags agreed over the group's ranks (a notice came...), and on
+        diloco/localsgd whether a rank's notice drops the round (_drop_agreed)."""
+        flag = torch.cat([self._control_flags(),
+                          torch.tensor([1 if self._notice_drop_vote() else 0],
+                                       dtype=torch.int32)])
         if self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctl_pg)
-        return self._take_flags(flag)
+        self._drop_agreed = bool(flag[-1].item())
+        return self._take_flags(flag[:-1])
+
+    def _notice_drop_vote(self) -> bool:
+        """diloco/localsgd, a notice in the middle of a round: whether this rank would leave
+        now, dropping the round's local steps, rather than at the round's sync."""
+        if not self.drain_requested or self._outer is None or self._round is None:
+            return False
+        left = self._round["pos"][0] + self.sync.every - self.step
+        if self.max_steps:
+            left = min(left, self.max_steps - self.step)
+        step_s = statistics.median(self._gaps) if self._gaps else 0.0
+        return notice_action(self.sync.on_notice, notice_lead(), left, step_s,
+                             self.sync_s) == "drop"
 
     def _gated(self, step_fn: Any) -> Any:
         def step(*a: Any, **kw: Any) -> Any:
@@ -1220,6 +1240,16 @@ class FtRun(Run):
         form their next quorum without this replica and go on from memory."""
         self._save_due_checkpoint(self.step)  # a due checkpoint is written before leaving
         self.drain_step = self.step
+        if self._round is not None:
+            # diloco/localsgd, on_notice dropped the round: the group's state is the last
+            # synced one; the others' sync of this round fails, they train it again
+            start = self._round["pos"][0]
+            self.notice_dropped = self.step - start
+            self.drain_step = start
+            if self.rank == 0:
+                log.warning("notice at step %d, in a round: leaving now, the %d local steps "
+                            "since the sync at step %d dropped", self.step,
+                            self.notice_dropped, start)
         self.phase = "drained"  # the head knows this phase: stopped after a commit
         self._report(force=True)
         if self.rank == 0:
@@ -1262,6 +1292,7 @@ class FtRun(Run):
             "manager": getattr(self, "manager_address", ""),
             "sync": self.sync.mode, "outer_step": self.outer_step,
             "failed_syncs": self.failed_syncs, "dropped_steps": self.dropped_steps,
+            "notice_dropped": self.notice_dropped,
             "sync_s": round(self.sync_s, 4),
         }
         write_status(self.status_dir, self.local_rank, rep)

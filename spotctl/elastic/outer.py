@@ -17,13 +17,20 @@ synced parameters back (the caller rewinds the rest of the round).
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 SYNCS = ("ddp", "diloco", "localsgd")
+ON_NOTICE = ("auto", "next_sync", "drop")  # [train] on_notice
+# on_notice = "auto": the lead a notice must leave beyond twice the time to the round's
+# sync for the group to train to it (the leave itself: the report, the shutdown)
+LEAVE_MARGIN_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,7 @@ class SyncConfig:
     every: int = 1
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    on_notice: str = "auto"
 
     @property
     def local(self) -> bool:
@@ -46,10 +54,14 @@ class SyncConfig:
         if mode not in SYNCS:
             raise SystemExit(f"spotctl.elastic: SPOTCTL_SYNC must be one of {', '.join(SYNCS)}, "
                              f"not {mode[:40]!r}")
+        on_notice = env.get("SPOTCTL_ON_NOTICE") or "auto"
+        if on_notice not in ON_NOTICE:
+            raise SystemExit(f"spotctl.elastic: SPOTCTL_ON_NOTICE must be one of "
+                             f"{', '.join(ON_NOTICE)}, not {on_notice[:40]!r}")
         try:
             cfg = cls(mode, int(env.get("SPOTCTL_SYNC_EVERY") or 1),
                       float(env.get("SPOTCTL_OUTER_LR") or 0.7),
-                      float(env.get("SPOTCTL_OUTER_MOMENTUM") or 0.9))
+                      float(env.get("SPOTCTL_OUTER_MOMENTUM") or 0.9), on_notice)
         except ValueError as e:
             raise SystemExit(f"spotctl.elastic: SPOTCTL_SYNC_EVERY / SPOTCTL_OUTER_LR / "
                              f"SPOTCTL_OUTER_MOMENTUM: {e}") from None
@@ -57,6 +69,40 @@ class SyncConfig:
             raise SystemExit("spotctl.elastic: SPOTCTL_SYNC_EVERY must be >= 1, SPOTCTL_OUTER_LR "
                              "> 0 and SPOTCTL_OUTER_MOMENTUM within [0, 1)")
         return cfg
+
+
+def notice_action(on_notice: str, lead_s: float | None, steps_left: int, step_s: float,
+                  sync_s: float) -> str:
+    """What a group with a notice does in the middle of a round ([train] on_notice):
+    "next_sync" (train the `steps_left` local steps to the round's sync, then leave) or
+    "drop" (leave now; the local steps since the last sync are dropped). "auto": next_sync
+    when the notice's lead (seconds to its deadline; None: none given, e.g. the head's
+    rebalance) covers twice the estimated time to the sync (`step_s` per local step, then
+    `sync_s`) plus LEAVE_MARGIN_S, else drop."""
+    if on_notice != "auto":
+        return on_notice
+    if lead_s is None or steps_left <= 0:
+        return "next_sync"
+    need = 2 * (steps_left * max(0.0, step_s) + max(0.0, sync_s)) + LEAVE_MARGIN_S
+    return "next_sync" if lead_s >= need else "drop"
+
+
+def notice_lead(env: os._Environ[str] | dict[str, str] = os.environ) -> float | None:
+    """Seconds to the notice's deadline, from the notice file the agent writes beside
+    SIGUSR1 when the notice has one (SPOTCTL_NOTICE_FILE: JSON {"deadline": unix seconds,
+    ...}, read as data); None: no file, or none readable."""
+    path = env.get("SPOTCTL_NOTICE_FILE")
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.loads(f.read(65536))
+    except (OSError, ValueError):
+        return None
+    dl = d.get("deadline") if isinstance(d, dict) else None
+    if isinstance(dl, bool) or not isinstance(dl, (int, float)) or not math.isfinite(dl):
+        return None
+    return float(dl) - time.time()
 
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:

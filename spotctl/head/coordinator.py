@@ -63,6 +63,9 @@ class WorkerReport:
     # dropped (each group trains its round again)
     failed_syncs: int | None = None
     dropped_steps: int | None = None
+    # diloco/localsgd: a group that left on a notice in the middle of a round ([train]
+    # on_notice): the local steps it dropped (0: it left at a sync)
+    notice_dropped: int | None = None
     # torchft: the pause of the last regroup this replica went through, timed by itself
     regroup_pause_s: float | None = None
     route: str = ""  # "plain": the script formed its group itself (spotctl.elastic.plain)
@@ -175,6 +178,8 @@ class Coordinator:
         self._failed_charged: dict[tuple[str, int, int], int] = {}
         # diloco/localsgd: (node, pid) -> (failed syncs, dropped steps) journaled so far
         self._syncs_seen: dict[tuple[str, int], tuple[int, int]] = {}
+        # diloco/localsgd: (node, pid) of leaves on a notice journaled (notice_drop)
+        self._notice_drops_seen: set[tuple[str, int]] = set()
         # torchft: rescales journaled with no pause the head could time (a join, a loss it
         # learnt of late), by incarnation: the first survivor's own measure of its regroup
         # pause (WorkerReport.regroup_pause_s) is journaled as a `pause` event for it
@@ -226,6 +231,8 @@ class Coordinator:
                 self._failed_seen[(nid, w.pid, w.local_rank)] = int(w.failed_steps)
             if w.failed_syncs and w.local_rank == 0:
                 self._see_failed_syncs(nid, w)
+            if w.notice_dropped and w.local_rank == 0:
+                self._see_notice_drop(nid, w)
         for w in node.workers:
             self._observe_worker(w, now)
         if body.get("notice") and node.notice is None:
@@ -527,6 +534,18 @@ class Coordinator:
         self.record("sync_failed", node=nid, failed_syncs=n - seen,
                     dropped_steps=max(0, int(w.dropped_steps or 0) - dropped),
                     step=w.step, incarnation=w.incarnation)
+
+    def _see_notice_drop(self, nid: str, w: WorkerReport) -> None:
+        """diloco/localsgd: a `notice_drop` event, once per process, for a group that left
+        on a notice in the middle of a round ([train] on_notice): the local steps it
+        dropped and the synced step it left at (the other groups' sync of that round
+        fails: their own `sync_failed` events follow)."""
+        key = (nid, w.pid)
+        if key in self._notice_drops_seen:
+            return
+        self._notice_drops_seen.add(key)
+        self.record("notice_drop", node=nid, dropped_steps=int(w.notice_dropped or 0),
+                    step=w.drain_step, incarnation=w.incarnation)
 
     # -- worker reports and rescale accounting
     def _observe_worker(self, w: WorkerReport, now: float) -> None:

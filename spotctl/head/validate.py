@@ -126,8 +126,9 @@ def worker(v: Any, i: int, max_world: int = MAX_GPUS) -> dict[str, Any]:
     if v.get("failed_steps") is not None:
         out["failed_steps"] = _int(v["failed_steps"], f"{w}.failed_steps", 0, MAX_STEP)
     # diloco/localsgd: syncs nobody applied, and the local steps they dropped (the head
-    # journals each new one as a `sync_failed` event)
-    for k in ("failed_syncs", "dropped_steps"):
+    # journals each new one as a `sync_failed` event), and the local steps a group dropped
+    # when it left on a notice mid-round (a `notice_drop` event)
+    for k in ("failed_syncs", "dropped_steps", "notice_dropped"):
         if v.get(k) is not None:
             out[k] = _int(v[k], f"{w}.{k}", 0, MAX_STEP)
     st = v.get("startup")

@@ -16,6 +16,8 @@ the file exists, the worker's next step dies right after its commit vote (FT_USE
 its metric all_reduce: SIGKILL of its torchrun agent and of itself, as a VM that vanishes
 there. Every record has the model's parameters' digest and the outer step (diloco/localsgd:
 SPOTCTL_SYNC); a sync nobody applied is a record {"rewound": k, "step": the round's start}.
+FT_NOTICE_GATE=<file> (diloco/localsgd): once the file exists, the worker gives itself the
+agent's notice (SIGUSR1) at the start of the next step that is its round's second.
 After finish(), <log>.finish records how long it took and the threads still
 running."""
 
@@ -75,8 +77,13 @@ def main() -> None:
     out = open(log, "a", buffering=1)
     node, _, at = os.environ.get("FT_FREEZE", "").partition(":")
     freeze_at = int(at) if node and node == os.environ.get("SPOTCTL_NODE_ID") else 0
+    notice_gate = os.environ.get("FT_NOTICE_GATE")
+    every = int(os.environ.get("SPOTCTL_SYNC_EVERY") or 1)
     while run.next_step():
         before = run.step
+        if notice_gate and run.step % every == 1 and os.path.exists(notice_gate):
+            os.kill(os.getpid(), signal.SIGUSR1)  # mid-round: the step ends, then the notice
+            notice_gate = None
         if freeze_at and run.step + 1 == freeze_at:
             # inside this step's quorum, before its collectives: as a VM that vanishes
             # mid-step (no socket closed, no heartbeat sent), until a SIGCONT or SIGKILL

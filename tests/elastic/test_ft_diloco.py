@@ -1,9 +1,12 @@
 """[train] sync = "diloco" on the torchft engine, with real torchrun replica groups on
 CPU/gloo and the head's Lighthouse: groups train on their own and sync every H steps
-through torchft's Manager. Through a notice (the group leaves at the next sync), a kill
-mid-round (the round's sync fails for everyone; every group rewinds to the round's start
-and trains it again without the dead one) and a join (heals from a live group at the
-next sync), judged by each worker's own step records (tests/elastic/ft_train.py): no
+through torchft's Manager. Through a notice with a long lead (on_notice = "auto": the
+group leaves at the next sync), a kill mid-round (the round's sync fails for everyone;
+every group rewinds to the round's start and trains it again without the dead one), a
+join (heals from a live group at the next sync) and a notice with a short lead mid-round
+(on_notice = "auto": the group leaves now, its round's local steps dropped, said in its
+report; the survivor's sync of that round fails and it trains the round again), judged
+by each worker's own step records (tests/elastic/ft_train.py) and report: no
 sync lost, every group's outer step equal at each sync, the parameters identical across
 groups after each sync (each worker's own digest of its parameters), every step's samples
 the global batch exactly once, and no quorum inside a round."""
@@ -11,8 +14,10 @@ the global batch exactly once, and no quorum inside a round."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +52,22 @@ def test_diloco_through_a_notice_a_kill_and_a_join(tmp_path: Path,
         # g1 stops itself at the start of step FREEZE, in the middle of a round
         for n in ("g0", "g1", "g2"):
             c.start(n, extra_env={"SPOTCTL_FT_START_REPLICAS": "3", "SPOTCTL_NODE_ID": n,
-                                  "FT_FREEZE": f"g1:{FREEZE}"})
-        c.start("g3", gated=True)  # pre-started joiner: imports done, waits at the gate
+                                  "FT_FREEZE": f"g1:{FREEZE}",
+                                  "SPOTCTL_NOTICE_FILE": str(tmp_path / f"{n}.notice.json")})
+        # the notice files: each group's own, as the agent writes it beside SIGUSR1
+        notices = {n: tmp_path / f"{n}.notice.json" for n in ("g0", "g3")}
+        c.start("g3", gated=True, extra_env={  # pre-started joiner: waits at the gate
+            "SPOTCTL_NOTICE_FILE": str(notices["g3"]),
+            "SPOTCTL_STATUS_DIR": str(tmp_path / "g3-status"),
+            "FT_NOTICE_GATE": str(tmp_path / "g3.notice-go")})
+        (tmp_path / "g3-status").mkdir()
         c.wait("three groups synced together",
                lambda: all(any(s["replicas"] == 3 and s["step"] % H == 0 for s in c.steps(n))
                            for n in ("g0", "g1", "g2")))
-        c.notice("g0")  # leaves at the next sync, with nothing unsynced
+        # g0: a notice whose lead (10 min) covers the round: it leaves at the next sync,
+        # with nothing unsynced (g0 was started without a notice file: set it now)
+        notices["g0"].write_text(json.dumps({"deadline": time.time() + 600}))
+        c.notice("g0")
         # then g1 is killed in the middle of a round of g1 and g2
         c.wait("g1 in its last round", lambda: c.last_step("g1") >= FREEZE - 1)
         c.kill("g1")
@@ -60,11 +75,16 @@ def test_diloco_through_a_notice_a_kill_and_a_join(tmp_path: Path,
         c.wait("the failed sync rewound", lambda: any("rewound" in s for s in c.steps("g2")))
         c.wait("the joiner synced", lambda: any(s["step"] % H == 0 for s in c.steps("g3")),
                timeout=180)
+        # g3: a notice whose lead (1 s) is short of twice the time to its round's sync plus
+        # 5 s, given at its round's second step (FT_NOTICE_GATE): it leaves after that step
+        notices["g3"].write_text(json.dumps({"deadline": time.time() + 1}))
+        (tmp_path / "g3.notice-go").touch()
         codes = c.finish(["g0", "g2", "g3"])
         assert codes == {"g0": 0, "g2": 0, "g3": 0}, (
             c.output("g0") + c.output("g2") + c.output("g3"))
         logs = {n: c.steps(n) for n in ("g0", "g1", "g2", "g3")}
         left_at = logs["g0"][-1]["step"]
+        g3_report = json.loads((tmp_path / "g3-status" / "worker-0.json").read_text())
     finally:
         c.stop()
 
@@ -85,8 +105,17 @@ def test_diloco_through_a_notice_a_kill_and_a_join(tmp_path: Path,
     rewinds = [s for s in logs["g2"] if "rewound" in s]
     killed_in = logs["g1"][-1]["step"] + 1
     assert left_at < killed_in - H, (left_at, killed_in)  # (a round of two groups)
-    assert len(rewinds) == 1 and rewinds[0]["step"] < killed_in <= rewinds[0]["rewound"], (
+    assert len(rewinds) == 2 and rewinds[0]["step"] < killed_in <= rewinds[0]["rewound"], (
         killed_in, rewinds)
+    # the short notice: g3 left two steps into a round, those two local steps dropped (its
+    # own records and its report say so); g2's sync of that round failed and it trained
+    # the round again alone
+    g3_left = logs["g3"][-1]["step"]
+    assert g3_left % H == 2, g3_left
+    assert (g3_report["phase"], g3_report["notice_dropped"], g3_report["drain_step"]) == (
+        "drained", 2, g3_left - 2), g3_report
+    assert g3_report["outer_step"] == (g3_left - 2) // H, g3_report
+    assert rewinds[1]["step"] == g3_left - 2 < g3_left < rewinds[1]["rewound"], rewinds
     assert 0 < rewinds[0]["dropped"] <= H
     redo = [s for s in logs["g2"] if "rewound" not in s and s["t"] > rewinds[0]["t"]]
     assert redo[0]["step"] == rewinds[0]["step"] + 1  # the round again, without g1

@@ -430,3 +430,25 @@ def test_a_failed_diloco_sync_is_a_head_event_once_per_group_and_sync():
     hb(c, "a", workers=[w(0, "ft-q1", 12, ws=2, failed_syncs=2, dropped_steps=5)])
     ev = [e for e in c.events if e["type"] == "sync_failed"][-1]
     assert (ev["node"], ev["failed_syncs"], ev["dropped_steps"], ev["step"]) == ("a", 1, 2, 12)
+
+
+def test_a_notice_that_drops_a_diloco_round_is_a_head_event_once():
+    """diloco/localsgd, [train] on_notice: a group that left on a notice mid-round reports
+    the local steps it dropped (elastic.ft: notice_dropped, drain_step = the synced step it
+    left at); the head journals it once as a `notice_drop` event, however often the last
+    report comes; a leave at a sync (0 dropped) is no such event."""
+    from spotctl.head import validate
+
+    clk, c = training(["a", "b"], "ft-q1", 8, engine="torchft")
+    left = w(0, "ft-q1", 10, ws=2, sync="diloco", phase="drained", drain_step=8,
+             notice_dropped=2)
+    body = {"node_id": "a", "agent_state": "leaving", "workers": [left]}
+    assert validate.heartbeat(body)["workers"][0]["notice_dropped"] == 2
+    clk.t += 1
+    hb(c, "b", workers=[w(1, "ft-q1", 9, ws=2, phase="drained", drain_step=8,
+                          notice_dropped=0)])
+    assert not [e for e in c.events if e["type"] == "notice_drop"]
+    for _ in range(2):
+        c.heartbeat({**body, "drain_gen": 0, "notice": None})
+    evs = [e for e in c.events if e["type"] == "notice_drop"]
+    assert [(e["node"], e["dropped_steps"], e["step"]) for e in evs] == [("a", 2, 8)]

@@ -371,7 +371,7 @@ def test_worker_and_heartbeat_fields_added_since_the_last_triage() -> None:
             "workers[1].regroup_pause_s must be seconds in [0, 1e6]")
     assert bad(v.worker, W(regroup_pause_s="1"), 1) == (
         "workers[1].regroup_pause_s must be a finite number")
-    for k in ("failed_syncs", "dropped_steps"):
+    for k in ("failed_syncs", "dropped_steps", "notice_dropped"):
         assert v.worker(W(**{k: 0}), 0)[k] == 0
         assert v.worker(W(**{k: top}), 0)[k] == top
         assert k not in v.worker(W(**{k: None}), 0)

@@ -14,12 +14,15 @@ replica groups are model copies, the cross-group average is a mean over them.
 from __future__ import annotations
 
 import copy
+import json
+import time
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from spotctl.elastic.outer import OuterSync, SyncConfig
+from spotctl.elastic.outer import LEAVE_MARGIN_S, OuterSync, SyncConfig, notice_action, notice_lead
 
 GROUPS, BATCH, DIM = 2, 16, 5
 
@@ -157,8 +160,50 @@ def test_state_round_trip_carries_the_outer_optimizer() -> None:
     ({"SPOTCTL_SYNC": "diloco", "SPOTCTL_SYNC_EVERY": "0"}, "SPOTCTL_SYNC_EVERY must be >= 1"),
     ({"SPOTCTL_SYNC": "diloco", "SPOTCTL_OUTER_MOMENTUM": "1"}, "within [0, 1)"),
     ({"SPOTCTL_SYNC": "diloco", "SPOTCTL_OUTER_LR": "x"}, "SPOTCTL_OUTER_LR"),
+    ({"SPOTCTL_SYNC": "diloco", "SPOTCTL_ON_NOTICE": "later"},
+     "SPOTCTL_ON_NOTICE must be one of auto, next_sync, drop, not 'later'"),
 ])
 def test_bad_sync_environment_is_one_line(env: dict[str, str], why: str) -> None:
     with pytest.raises(SystemExit) as e:
         SyncConfig.from_env(env)
     assert why in str(e.value) and "\n" not in str(e.value)
+
+
+def test_on_notice_comes_from_the_environment() -> None:
+    assert SyncConfig.from_env({"SPOTCTL_SYNC": "diloco"}).on_notice == "auto"
+    for mode in ("next_sync", "drop", "auto"):
+        got = SyncConfig.from_env({"SPOTCTL_SYNC": "localsgd", "SPOTCTL_ON_NOTICE": mode})
+        assert got.on_notice == mode
+
+
+def test_a_notice_mid_round_leaves_at_the_sync_when_its_lead_covers_it() -> None:
+    """[train] on_notice: next_sync and drop whatever the lead; auto: next_sync when the
+    lead is at least twice the time to the round's sync (steps left x step time, then
+    the sync) plus LEAVE_MARGIN_S, else drop; no lead known (the head's rebalance, no
+    notice file): next_sync; no step left: next_sync (the group is at the sync)."""
+    for lead in (None, 0.0, 1e6):
+        assert notice_action("next_sync", lead, 5, 1.0, 1.0) == "next_sync"
+        assert notice_action("drop", lead, 5, 1.0, 1.0) == "drop"
+    need = 2 * (5 * 1.0 + 2.0) + LEAVE_MARGIN_S  # 19 s
+    assert notice_action("auto", need, 5, 1.0, 2.0) == "next_sync"
+    assert notice_action("auto", need - 0.01, 5, 1.0, 2.0) == "drop"
+    assert notice_action("auto", -3.0, 5, 1.0, 2.0) == "drop"  # past its deadline
+    assert notice_action("auto", None, 5, 1.0, 2.0) == "next_sync"
+    assert notice_action("auto", 0.5, 0, 1.0, 2.0) == "next_sync"
+    # nothing measured yet (the first round): only the margin counts
+    assert notice_action("auto", LEAVE_MARGIN_S, 3, 0.0, 0.0) == "next_sync"
+    assert notice_action("auto", LEAVE_MARGIN_S - 0.01, 3, 0.0, 0.0) == "drop"
+
+
+def test_the_notice_lead_is_read_from_the_notice_file_as_data(tmp_path: Path) -> None:
+    f = tmp_path / "notice.json"
+    env = {"SPOTCTL_NOTICE_FILE": str(f)}
+    assert notice_lead({}) is None
+    assert notice_lead(env) is None  # no file yet
+    f.write_text(json.dumps({"reason": "notice", "deadline": time.time() + 30, "id": "x"}))
+    lead = notice_lead(env)
+    assert lead is not None and 25 < lead <= 30
+    for bad in ("{", "[1]", '{"deadline": "30"}', '{"deadline": true}', '{"deadline": NaN}',
+                '{"deadline": Infinity}', '{"reason": "notice"}'):
+        f.write_text(bad)
+        assert notice_lead(env) is None, bad

@@ -31,8 +31,10 @@ INTERNAL = {"SPOTCTL_NODE_TAG", "SPOTCTL_ZYGOTE", "SPOTCTL_COMPLETE",
             "SPOTCTL_RDZV_GATE",
             # the cluster's largest size, for micro_batch "auto" (spotctl.elastic)
             "SPOTCTL_MAX_WORLD",
-            # [train] sync, sync_every, outer_lr, outer_momentum (TrainSpec.worker_env)
-            "SPOTCTL_SYNC", "SPOTCTL_SYNC_EVERY", "SPOTCTL_OUTER_LR", "SPOTCTL_OUTER_MOMENTUM"}
+            # [train] sync, sync_every, outer_lr, outer_momentum, on_notice
+            # (TrainSpec.worker_env)
+            "SPOTCTL_SYNC", "SPOTCTL_SYNC_EVERY", "SPOTCTL_OUTER_LR", "SPOTCTL_OUTER_MOMENTUM",
+            "SPOTCTL_ON_NOTICE"}
 # Tuning knobs a test sets, documented with the concepts they tune rather than as seams.
 KNOBS = {"SPOTCTL_FT_JOIN_TIMEOUT_MS", "SPOTCTL_FT_HEARTBEAT_TIMEOUT_MS", "SPOTCTL_FT_START_REPLICAS",
          "SPOTCTL_CHECKPOINT_STORAGE_OPTIONS", "SPOTCTL_CHECKPOINT_PART_MB",

@@ -186,6 +186,11 @@ def test_sync_keys() -> None:
         "flags: train.outer_lr: Input should be greater than 0")
     assert _refused({"train.sync": "diloco", "train.outer_momentum": 1.0}).startswith(
         "flags: train.outer_momentum: Input should be less than 1")
+    assert _refused({"train.sync": "diloco", "train.on_notice": "later"}) == (
+        "flags: train.on_notice: Input should be 'auto', 'next_sync' or 'drop'")
+    tr = load_spec(None, {"train.sync": "diloco", "train.on_notice": "drop"}).train
+    assert tr.worker_env()["SPOTCTL_ON_NOTICE"] == "drop"
+    assert "SPOTCTL_ON_NOTICE" not in load_spec(None, {"train.sync": "diloco"}).train.worker_env()
     assert _refused({"train.sync": "diloco", "train.engine": "torchrun"}) == (
         "flags: spec: [train] sync = 'diloco' runs on engine \"torchft\" only (replica groups "
         "synced through its Manager); this spec has engine = 'torchrun'")
