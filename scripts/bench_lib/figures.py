@@ -294,8 +294,10 @@ def t_overhead(r: Results) -> str:
     lines = [["plain DDP under torchrun", r.base("overhead", "torchrun: step time vs plain DDP")
               .text("s"), "", "", r.base("overhead", f"torchrun: {cpu}").text("s")],
              ["plain DDP under torchrun, spotctl's malloc settings",
-              r.base("overhead", f"torchrun: step time vs plain DDP{same}").text("s"), "", "",
-              r.base("overhead", f"torchrun: {cpu}{same}").text("s")]]  # fmt: skip
+              r.ours("overhead", "plain DDP with spotctl's malloc settings: step time")
+              .text("s"), "", "",
+              r.ours("overhead", "plain DDP with spotctl's malloc settings: worker CPU per "
+                     "step").text("s")]]  # fmt: skip
     for e in ("torchrun", "torchft"):
         lines.append(
             [
