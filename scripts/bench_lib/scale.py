@@ -53,6 +53,18 @@ MANAGER_BEAT_S = 0.05
 STEP_S = 0.05
 
 
+
+_said = [0]
+
+
+def call_failed(what: str, e: Exception) -> None:
+    """A simulated node's call that failed, on stderr (the first 20 of a run): the row
+    counts them, this says which and why."""
+    _said[0] += 1
+    if _said[0] <= 20:
+        print(f"[scale] {what} failed at {time.time():.3f}: {type(e).__name__}: "
+              f"{str(e)[:200]}", file=sys.stderr, flush=True)
+
 def _tree(pid: int) -> list[int]:
     """`pid` and its descendants (the head's Lighthouse runs in a child of its own)."""
     out, todo = [], [pid]
@@ -182,8 +194,9 @@ class Agent:
             try:
                 self.client.heartbeat(body)
                 self.beats += 1
-            except Exception:
+            except Exception as e:  # noqa: BLE001 - counted, and said
                 self.errors += 1
+                call_failed(f"{self.nid} heartbeat to the head", e)
             self.stop.wait(max(0.0, AGENT_TICK_S - (time.monotonic() - t0)))
 
 
@@ -284,8 +297,9 @@ class Node:
             try:
                 c.heartbeat(self.nid)
                 self.beats += 1
-            except Exception:
+            except Exception as e:  # noqa: BLE001 - counted, and said
                 self.errors += 1
+                call_failed(f"{self.nid} Manager heartbeat", e)
             self.stop.wait(MANAGER_BEAT_S)
 
     def _replica(self) -> None:
@@ -299,8 +313,9 @@ class Node:
                 q = c.quorum(replica_id=self.nid, timeout=timedelta(seconds=60),
                              address=f"tcp://127.0.0.1/{self.nid}", store_address="127.0.0.1:1",
                              step=self.step, world_size=1)
-            except Exception:
+            except Exception as e:  # noqa: BLE001 - counted, and said
                 self.errors += 1
+                call_failed(f"{self.nid} quorum", e)
                 self.stop.wait(0.2)
                 continue
             answered = time.monotonic()
