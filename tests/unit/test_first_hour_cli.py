@@ -245,3 +245,47 @@ def test_preempt_on_a_finished_job_says_so(home: Path, monkeypatch: pytest.Monke
     assert res.exit_code != 0 and str(res.exception) == (
         "the job on n1 already finished (step 3000): nothing to preempt")
     assert "notice sent" not in res.output
+
+
+def test_a_ctrl_c_python_swallowed_is_raised_at_ups_next_look() -> None:
+    """A SIGINT whose KeyboardInterrupt lands in a finalizer is reported by Python as
+    ignored and lost; `up` remembers it and raises it at its next look (after reconcile,
+    each round of the watch), so Ctrl-C while it launches always says what it leaves
+    (tests/e2e/test_first_hour.py once saw `up` go on to the crash loop, exit 1, after one)."""
+    import gc
+    import os
+    import signal
+
+    from spotctl.cli.cmd_up import _CtrlC
+
+    class Finalized:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), signal.SIGINT)  # the handler runs in here: swallowed
+
+    with _CtrlC() as c:
+        x = Finalized()
+        del x
+        gc.collect()
+        assert c.seen
+        with pytest.raises(KeyboardInterrupt):
+            c.check()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_watch_raises_a_remembered_ctrl_c_at_its_next_round() -> None:
+    from spotctl.cli.up_progress import watch
+
+    rounds = []
+
+    def status() -> dict:
+        rounds.append(1)
+        return {"nodes": {}}
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt  # a Ctrl-C remembered before this round
+
+    store = type("S", (), {"nodes": lambda self, name, include_ended=False: []})()
+    with pytest.raises(KeyboardInterrupt):
+        watch(store, "c", 60.0, lambda _p: None, status=status, interrupted=interrupted,
+              clock=iter(range(0, 10_000)).__next__)
+    assert rounds == []  # raised before the round asked the head
