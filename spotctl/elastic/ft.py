@@ -1095,13 +1095,14 @@ class FtRun(Run):
     def _leave_agreed(self) -> bool:
         """The control flags agreed over the group's ranks (a notice came...), and on
         diloco/localsgd whether a rank's notice drops the round (_drop_agreed)."""
-        flag = torch.cat([self._control_flags(),
-                          torch.tensor([1 if self._notice_drop_vote() else 0],
-                                       dtype=torch.int32)])
+        flag = self._control_flags()
+        if self._outer is not None:  # (ddp's steps have no round to drop: no 4th flag)
+            flag = torch.cat([flag, torch.tensor([1 if self._notice_drop_vote() else 0],
+                                                 dtype=torch.int32)])
         if self.world > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctl_pg)
-        self._drop_agreed = bool(flag[-1].item())
-        return self._take_flags(flag[:-1])
+        self._drop_agreed = self._outer is not None and bool(flag[3].item())
+        return self._take_flags(flag)
 
     def _notice_drop_vote(self) -> bool:
         """diloco/localsgd, a notice in the middle of a round: whether this rank would leave
