@@ -97,9 +97,8 @@ def register(app: typer.Typer) -> None:
             was_up = store.get_cluster(spec.name).state != "down"
         except NotFoundError:
             was_up = False
-        ctrl_c = _CtrlC()
         try:
-            with ctrl_c, Progress(SpinnerColumn(), TextColumn("{task.description}"),
+            with Progress(SpinnerColumn(), TextColumn("{task.description}"),
                           TimeElapsedColumn(), console=con, transient=True,
                           disable=not live) as prog:
                 task = prog.add_task("reconciling", total=None)
@@ -109,10 +108,8 @@ def register(app: typer.Typer) -> None:
                 # the SSH rule follows this machine's ssh_cidr (aws; gcp reconciles its rules)
                 res = reconcile.reconcile(store, spec, progress=phases.reconcile,
                                           options={"follow_ssh_cidr": True})
-                ctrl_c.check()
                 jobmark.mark(spec, store.cluster_dir(spec.name))
-                seen, want, training = watch(store, spec.name, wait, phases, spec.gpus.min,
-                                             interrupted=ctrl_c.check)
+                seen, want, training = watch(store, spec.name, wait, phases, spec.gpus.min)
         except KeyboardInterrupt:
             interrupted(store, spec.name, was_up)
         out = res.to_json()
@@ -159,41 +156,6 @@ def register(app: typer.Typer) -> None:
             # bill), and nothing reports
             first = next(e for e in res.errors if e.startswith(res.bootstrap_failed[0]))
             raise SpotctlError(f"no node came up: {first}")
-
-
-class _CtrlC:
-    """Ctrl-C while `up` runs raises KeyboardInterrupt where the main thread is, as
-    Python's own handler does, and is remembered: one that lands while a finalizer runs
-    (Python then reports it as ignored and goes on) is raised again at `up`'s next look
-    (check(): after reconcile, at each round of the watch). Outside the main thread, or
-    where SIGINT is not Python's default handler, nothing is changed."""
-
-    def __init__(self) -> None:
-        self.seen = False
-        self._old: Any = None
-
-    def _on(self, signum: int, frame: Any) -> None:
-        self.seen = True
-        raise KeyboardInterrupt
-
-    def check(self) -> None:
-        if self.seen:
-            raise KeyboardInterrupt
-
-    def __enter__(self) -> _CtrlC:
-        import signal
-        import threading
-
-        if (threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
-            self._old = signal.signal(signal.SIGINT, self._on)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        import signal
-
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
 
 
 SECOND_CTRL_C_S = 3.0  # after a Ctrl-C in `up`: a second one within this stops the cluster

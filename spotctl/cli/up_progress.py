@@ -141,13 +141,11 @@ def first_step_wait_s(env: Any = None) -> float:
 
 def watch(store: Store, name: str, timeout_s: float, emit: Emit, min_gpus: int = 0,
           status: Callable[[], dict[str, Any]] | None = None,
-          clock: Callable[[], float] = time.monotonic,
-          interrupted: Callable[[], None] = lambda: None) -> tuple[int, int, bool]:
+          clock: Callable[[], float] = time.monotonic) -> tuple[int, int, bool]:
     """Follow every live node through booting -> joining -> training until all report and
     the job takes a step, or `timeout_s`. Emits a "nodes" phase on each change and one
     "first-step". Once every node reports, it waits for a step only when their GPUs reach
-    `min_gpus`, and at most first_step_wait_s(). Returns (reporting, expected, training).
-    `interrupted` is called each round (up's Ctrl-C check: it raises)."""
+    `min_gpus`, and at most first_step_wait_s(). Returns (reporting, expected, training)."""
     from spotctl.control.reconcile import head_client
     from spotctl.head.client import HeadUnavailable
 
@@ -163,7 +161,6 @@ def watch(store: Store, name: str, timeout_s: float, emit: Emit, min_gpus: int =
     seen = want = 0
     reported_at: float | None = None
     while True:
-        interrupted()  # raises KeyboardInterrupt after a Ctrl-C that was not raised yet
         try:
             st = status()
         except HeadUnavailable:
